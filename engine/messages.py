@@ -1,0 +1,74 @@
+"""Every message that crosses a process boundary inside an engine server.
+
+The HTTP/tokenizer process sends requests to a scheduler process (one per DP
+rank) and receives token outputs back, over ZMQ, encoded with msgspec.
+Nothing crosses as an untyped dict. ``tests/engine/test_messages.py`` round-trips
+each struct.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class BootstrapInfo(msgspec.Struct, frozen=True):
+    """Where a disaggregated request's KV comes from (decode) or goes to (prefill)."""
+
+    host: str
+    port: int
+    room: int
+    prefill_dp_rank: int | None = None
+
+
+class TokenizedGenerateReq(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # -1: no prompt logprobs
+    bootstrap: BootstrapInfo | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rid: str
+    reason: str = "aborted"
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    pass
+
+
+class TokenOutput(msgspec.Struct, tag=True):
+    """Incremental output of one request: the tokens produced since the last one."""
+
+    rid: str
+    new_token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    # per new token, when return_logprob: its logprob, and the top-k (token id, logprob) pairs
+    new_logprobs: list[float] = []
+    new_top_logprobs: list[list[tuple[int, float]]] = []
+    # prompt logprobs, sent once with the first output when asked
+    input_logprobs: list[float | None] = []
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    matched_stop: int | str | None = None
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, tag=True):
+    dp_rank: int
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    page_size: int
+
+
+SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq
+SchedulerOutput = TokenOutput | SchedulerStats
