@@ -1,0 +1,7 @@
+"""``python -m pdserve.engine`` is ``pdserve serve``."""
+
+import sys
+
+from pdserve.engine.cli import serve_main
+
+sys.exit(serve_main(sys.argv[1:]))

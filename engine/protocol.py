@@ -1,0 +1,699 @@
+"""HTTP request bodies of the engine server, and their conversion to sequences.
+
+Three endpoints share one path: the body is decoded into a msgspec Struct
+(``GenerateRequest``, ``CompletionRequest``, ``ChatCompletionRequest``) that
+forbids unknown fields, so a typo such as ``max_token`` is a 400 naming it,
+while every field of OpenAI's or SGLang's request schema is accepted (and
+ignored where pdserve has no such feature, see DESIGN.md "SGLang wire
+compatibility"). ``to_sequences`` then validates the values and expands the
+body into ``SequenceSpec``s: one per prompt and choice, each becoming one
+``TokenizedGenerateReq`` once the tokenizer manager has tokenized it.
+
+Every failure is a ``RequestError`` carrying the HTTP status and the OpenAI
+error object's fields.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from pdserve.engine.messages import BootstrapInfo
+from pdserve.engine.sampling_params import SamplingParams
+
+MAX_TOP_LOGPROBS = 20
+
+
+class RequestError(Exception):
+    """A bad request, answered with OpenAI's error object."""
+
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.type = type
+        self.code = code
+
+    def to_dict(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------
+# request bodies
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # SGLang/vLLM extra
+
+
+class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
+    """``sampling_params`` of ``/generate``, with every name SGLang accepts."""
+
+    max_new_tokens: int | None = None
+    min_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    sampling_seed: int | None = None
+    # constrained decoding and plug-ins: pdserve has none; a non-null value is rejected
+    json_schema: Any = None
+    regex: Any = None
+    ebnf: Any = None
+    structural_tag: Any = None
+    # accepted and ignored
+    custom_params: Any = None
+    stream_interval: Any = None
+    logit_bias: Any = None
+
+
+class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """Body of SGLang's ``POST /generate``."""
+
+    text: str | list[str] | None = None
+    input_ids: Any = None  # list[int] | list[list[int]]
+    sampling_params: GenerateSamplingParams | list[GenerateSamplingParams] | None = None
+    rid: str | list[str] | None = None
+    stream: bool = False
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: Any = None
+    return_text_in_logprobs: bool = False
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None  # SGLang's older name of routed_dp_rank
+    disagg_prefill_dp_rank: int | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+    bootstrap_pair_key: Any = None
+    # SGLang extras: accepted, ignored
+    model: str | None = None
+    log_metrics: bool | None = None
+    return_hidden_states: Any = None
+    background: bool | None = None
+    no_logs: bool | None = None
+    return_bytes: bool | None = None
+    return_entropy: bool | None = None
+    modalities: Any = None
+    session_params: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    priority: int | None = None
+    extra_key: Any = None
+    custom_labels: Any = None
+    conversation_id: Any = None
+    # multimodal inputs: unsupported, rejected when non-null
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+
+
+class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's, then SGLang's)."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    max_tokens: int | None = None
+    n: int | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    # SGLang extras
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    no_stop_trim: bool | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    rid: str | list[str] | None = None
+    routed_dp_rank: int | None = None
+    data_parallel_rank: int | None = None
+    disagg_prefill_dp_rank: int | None = None
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: int | list[int] | None = None
+    bootstrap_room: int | list[int] | None = None
+    bootstrap_pair_key: Any = None
+    return_hidden_states: Any = None
+    lora_path: Any = None
+    session_params: Any = None
+    priority: int | None = None
+    custom_logit_processor: Any = None
+    custom_params: Any = None
+    extra_key: Any = None
+    # constrained decoding: unsupported, rejected when non-null
+    regex: Any = None
+    ebnf: Any = None
+    json_schema: Any = None
+
+
+class CompletionRequest(_OpenAICommon, forbid_unknown_fields=True):
+    prompt: Any = None  # str | list[str] | list[int] | list[list[int]]
+    best_of: int | None = None
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    reasoning_content: Any = None
+
+
+class ChatCompletionRequest(_OpenAICommon, forbid_unknown_fields=True):
+    messages: list[ChatMessage] = []
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    function_call: Any = None
+    functions: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    # SGLang extras
+    continue_final_message: bool | None = False
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+_PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
+_UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?")
+
+
+def decode_body(body: bytes, type_: type[msgspec.Struct]) -> msgspec.Struct:
+    """Decode a JSON body, turning msgspec's errors into RequestErrors naming the field."""
+    try:
+        return msgspec.json.decode(body, type=type_)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        m = _UNKNOWN_RE.match(msg)
+        if m:
+            name = m.group(1) if not m.group(2) else f"{m.group(2)}.{m.group(1)}"
+            raise RequestError(f"Unknown field `{name}` in the request body", param=name, code="unknown_field") from None
+        m = _PATH_RE.search(msg)
+        param = m.group(1) if m else None
+        raise RequestError(f"Invalid request body: {msg}", param=param, code="invalid_type") from None
+    except msgspec.DecodeError as e:
+        raise RequestError(f"Invalid JSON body: {e}", code="invalid_json") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# sequences
+
+
+@dataclass
+class ChatPrompt:
+    """Messages to render with the model's chat template."""
+
+    messages: list[dict[str, Any]]
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SequenceSpec:
+    """One sequence to generate: one prompt and one choice of a request."""
+
+    index: int  # position of this output in the response (prompt i, choice j -> i * n + j)
+    prompt_index: int
+    prompt: str | list[int] | ChatPrompt
+    sampling_params: SamplingParams
+    rid: str
+    max_tokens_given: bool  # False: clamp max_new_tokens to the room the context leaves
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    routed_dp_rank: int | None = None
+    bootstrap: BootstrapInfo | None = None
+    no_stop_trim: bool = False
+    # names of the body's fields, for errors found after tokenization
+    prompt_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What validation needs to know about the server and the model."""
+
+    model_names: frozenset[str]
+    max_n: int
+    dp_size: int
+    vocab_size: int
+    disaggregation_mode: str = "null"
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def _is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise RequestError(f"{param} has token id {t}, outside the vocabulary [0, {vocab_size})", param=param)
+
+
+def _check_model(model: str | None, limits: RequestLimits) -> None:
+    if model is not None and model not in limits.model_names:
+        raise RequestError(
+            f"The model `{model}` does not exist; this server serves {sorted(limits.model_names)[0]!r}",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _check_dp_rank(req, limits: RequestLimits) -> int | None:
+    for name in ("routed_dp_rank", "data_parallel_rank", "disagg_prefill_dp_rank"):
+        rank = getattr(req, name)
+        if rank is None:
+            continue
+        if not 0 <= rank < limits.dp_size:
+            raise RequestError(f"{name} must be in [0, {limits.dp_size}), got {rank}", param=name)
+    if req.routed_dp_rank is not None:
+        return req.routed_dp_rank
+    if req.data_parallel_rank is not None:
+        return req.data_parallel_rank
+    # a prefill server serves a room on the prefill rank the router picked
+    if limits.disaggregation_mode == "prefill":
+        return req.disagg_prefill_dp_rank
+    return None
+
+
+def _unsupported(req, names: tuple[str, ...]) -> None:
+    for name in names:
+        if getattr(req, name, None) not in (None, [], {}):
+            raise RequestError(f"`{name}` is not supported by pdserve", param=name, code="unsupported")
+
+
+def _pick(x, i: int):
+    return x[i] if isinstance(x, list) else x
+
+
+def _bootstraps(req, num_prompts: int, limits: RequestLimits, prefill_rank: int | None) -> list[BootstrapInfo | None]:
+    fields_ = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+    if all(f is None for f in fields_):
+        if limits.disaggregation_mode != "null":
+            raise RequestError(
+                f"a {limits.disaggregation_mode} server needs bootstrap_host, bootstrap_port and bootstrap_room",
+                param="bootstrap_room",
+            )
+        return [None] * num_prompts
+    for name, f in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), fields_):
+        if f is None:
+            raise RequestError(f"{name} is missing while other bootstrap fields are given", param=name)
+        if isinstance(f, list) and len(f) != num_prompts:
+            raise RequestError(f"{name} has {len(f)} entries for {num_prompts} prompts", param=name)
+    out = []
+    for i in range(num_prompts):
+        room = _pick(req.bootstrap_room, i)
+        if not 0 <= room < 2**63:
+            raise RequestError(f"bootstrap_room must be in [0, 2^63), got {room}", param="bootstrap_room")
+        out.append(
+            BootstrapInfo(
+                host=_pick(req.bootstrap_host, i),
+                port=_pick(req.bootstrap_port, i),
+                room=room,
+                prefill_dp_rank=prefill_rank,
+            )
+        )
+    return out
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(s == "" for s in stops):
+        raise RequestError("stop strings must not be empty", param="stop")
+    return stops
+
+
+def _build_sampling(param_prefix: str, renames: dict[str, str], **kw) -> SamplingParams:
+    """SamplingParams from the non-None values, validated; errors name the body's field."""
+    values = {k: v for k, v in kw.items() if v is not None}
+    sp = SamplingParams(**values)
+    try:
+        sp.validate()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        body_name = renames.get(name, name)
+        message = str(e).replace(name, body_name, 1)
+        raise RequestError(message, param=f"{param_prefix}{body_name}") from None
+    return sp
+
+
+def _rids(rid: str | list[str] | None, count: int, n: int) -> list[str]:
+    """One rid per sequence: the client's (suffixed per choice when n > 1), else fresh."""
+    if rid is None:
+        base = [new_rid() for _ in range(count)]
+    elif isinstance(rid, str):
+        if count != 1:
+            raise RequestError("rid must be a list with one entry per prompt for a batch", param="rid")
+        base = [rid]
+    else:
+        if len(rid) != count:
+            raise RequestError(f"rid has {len(rid)} entries for {count} prompts", param="rid")
+        base = list(rid)
+    if len(set(base)) != len(base):
+        raise RequestError("rid entries must be distinct", param="rid")
+    if n == 1:
+        return base
+    return [f"{b}-{j}" for b in base for j in range(n)]
+
+
+def _check_n(n: int | None, limits: RequestLimits, param: str = "n") -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= limits.max_n:
+        raise RequestError(f"{param} must be in [1, {limits.max_n}], got {n}", param=param)
+    return n
+
+
+def _check_max_tokens(value: int | None, param: str, minimum: int) -> None:
+    if value is not None and value < minimum:
+        raise RequestError(f"{param} must be >= {minimum}, got {value}", param=param)
+
+
+# --- /generate -------------------------------------------------------------------------------
+
+
+def generate_sequences(req: GenerateRequest, limits: RequestLimits) -> tuple[list[SequenceSpec], bool]:
+    """Expand a /generate body; returns the sequences and whether the body was a batch."""
+    _unsupported(req, ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob"))
+    _check_model(req.model, limits)
+    if (req.text is None) == (req.input_ids is None):
+        raise RequestError("exactly one of `text` and `input_ids` must be given", param="text")
+    prompts: list[str | list[int]]
+    if req.text is not None:
+        is_batch = isinstance(req.text, list)
+        prompts = list(req.text) if is_batch else [req.text]
+        prompt_param = "text"
+    else:
+        ids = req.input_ids
+        if _is_int_list(ids):
+            is_batch, prompts = False, [ids]
+        elif isinstance(ids, list) and ids and all(_is_int_list(x) for x in ids):
+            is_batch, prompts = True, list(ids)
+        else:
+            raise RequestError("input_ids must be a list of token ids or a list of such lists", param="input_ids")
+        for p in prompts:
+            _check_ids(p, limits.vocab_size, "input_ids")
+        prompt_param = "input_ids"
+    if is_batch and not prompts:
+        raise RequestError(f"{prompt_param} must not be an empty batch", param=prompt_param)
+    for p in prompts:
+        if len(p) == 0:
+            raise RequestError(f"{prompt_param} must not be empty", param=prompt_param)
+    num = len(prompts)
+
+    sps = req.sampling_params
+    if isinstance(sps, list):
+        if len(sps) != num:
+            raise RequestError(f"sampling_params has {len(sps)} entries for {num} prompts", param="sampling_params")
+    gsps = [(_pick(sps, i) or GenerateSamplingParams()) for i in range(num)]
+    ns = set()
+    per_prompt: list[tuple[SamplingParams, bool, bool]] = []
+    for g in gsps:
+        _unsupported(g, ("json_schema", "regex", "ebnf", "structural_tag"))
+        n = _check_n(g.n, limits, "sampling_params.n")
+        ns.add(n)
+        _check_max_tokens(g.max_new_tokens, "sampling_params.max_new_tokens", 0)
+        sp = _build_sampling(
+            "sampling_params.",
+            {},
+            max_new_tokens=g.max_new_tokens,
+            min_new_tokens=g.min_new_tokens,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            top_k=g.top_k,
+            min_p=g.min_p,
+            stop=_stop_list(g.stop),
+            stop_token_ids=g.stop_token_ids,
+            ignore_eos=g.ignore_eos,
+            skip_special_tokens=g.skip_special_tokens,
+            repetition_penalty=g.repetition_penalty,
+            frequency_penalty=g.frequency_penalty,
+            presence_penalty=g.presence_penalty,
+            seed=g.sampling_seed if g.sampling_seed is not None else g.seed,
+            n=1,
+        )
+        if sp.stop_token_ids:
+            _check_ids(sp.stop_token_ids, limits.vocab_size, "sampling_params.stop_token_ids")
+        per_prompt.append((sp, g.max_new_tokens is not None, bool(g.no_stop_trim)))
+    if len(ns) > 1:
+        raise RequestError("sampling_params.n must be the same for every prompt", param="sampling_params.n")
+    n = ns.pop()
+    is_batch = is_batch or n > 1
+
+    for name in ("return_logprob", "logprob_start_len", "top_logprobs_num"):
+        v = getattr(req, name)
+        if isinstance(v, list) and len(v) != num:
+            raise RequestError(f"{name} has {len(v)} entries for {num} prompts", param=name)
+    routed = _check_dp_rank(req, limits)
+    boots = _bootstraps(req, num, limits, req.disagg_prefill_dp_rank)
+    rids = _rids(req.rid, num, n)
+    seqs = []
+    for i in range(num):
+        sp, given, no_trim = per_prompt[i]
+        top_n = _pick(req.top_logprobs_num, i) or 0
+        if not 0 <= top_n <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs_num")
+        start = _pick(req.logprob_start_len, i)
+        for j in range(n):
+            seqs.append(
+                SequenceSpec(
+                    index=i * n + j,
+                    prompt_index=i,
+                    prompt=prompts[i],
+                    sampling_params=_with_choice_seed(sp, j),
+                    rid=rids[i * n + j],
+                    max_tokens_given=True,  # /generate's default is SGLang's 128, not "up to the context"
+                    return_logprob=bool(_pick(req.return_logprob, i)),
+                    top_logprobs_num=top_n,
+                    logprob_start_len=-1 if start is None else start,
+                    routed_dp_rank=routed,
+                    bootstrap=boots[i],
+                    no_stop_trim=no_trim,
+                    prompt_param=prompt_param,
+                    max_tokens_param="sampling_params.max_new_tokens",
+                )
+            )
+    return seqs, is_batch
+
+
+def _with_choice_seed(sp: SamplingParams, j: int) -> SamplingParams:
+    """Choice j of n gets seed + j so that seeded choices differ from each other."""
+    if j == 0 or sp.seed is None:
+        return sp
+    return msgspec.structs.replace(sp, seed=sp.seed + j)
+
+
+# --- OpenAI ----------------------------------------------------------------------------------
+
+
+def _openai_sampling(
+    req: _OpenAICommon, max_tokens: int | None, max_tokens_param: str, limits: RequestLimits
+) -> SamplingParams:
+    _unsupported(req, ("regex", "ebnf", "json_schema"))
+    _check_max_tokens(req.min_tokens, "min_tokens", 0)
+    sp = _build_sampling(
+        "",
+        {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens"},
+        max_new_tokens=max_tokens,
+        min_new_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        stop=_stop_list(req.stop),
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+        repetition_penalty=req.repetition_penalty,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        seed=req.seed,
+        n=1,
+    )
+    if sp.stop_token_ids:
+        _check_ids(sp.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    return sp
+
+
+def _openai_sequences(
+    req: _OpenAICommon,
+    prompts: list,
+    sp: SamplingParams,
+    max_tokens_given: bool,
+    max_tokens_param: str,
+    prompt_param: str,
+    limits: RequestLimits,
+    return_logprob: bool,
+    top_logprobs: int,
+) -> list[SequenceSpec]:
+    n = _check_n(req.n, limits)
+    routed = _check_dp_rank(req, limits)
+    boots = _bootstraps(req, len(prompts), limits, req.disagg_prefill_dp_rank)
+    rids = _rids(req.rid, len(prompts), n)
+    seqs = []
+    for i, p in enumerate(prompts):
+        for j in range(n):
+            seqs.append(
+                SequenceSpec(
+                    index=i * n + j,
+                    prompt_index=i,
+                    prompt=p,
+                    sampling_params=_with_choice_seed(sp, j),
+                    rid=rids[i * n + j],
+                    max_tokens_given=max_tokens_given,
+                    return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs,
+                    routed_dp_rank=routed,
+                    bootstrap=boots[i],
+                    no_stop_trim=bool(req.no_stop_trim),
+                    prompt_param=prompt_param,
+                    max_tokens_param=max_tokens_param,
+                )
+            )
+    return seqs
+
+
+def completion_sequences(req: CompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
+    _check_model(req.model, limits)
+    _unsupported(req, ("suffix",))
+    if req.echo:
+        raise RequestError("`echo` is not supported by pdserve", param="echo", code="unsupported")
+    p = req.prompt
+    if p is None:
+        raise RequestError("`prompt` is required", param="prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif _is_int_list(p) and p:
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(_is_int_list(x) for x in p):
+        prompts = list(p)
+    elif p == []:
+        raise RequestError("prompt must not be empty", param="prompt")
+    else:
+        raise RequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
+    for x in prompts:
+        if len(x) == 0:
+            raise RequestError("prompt must not be empty", param="prompt")
+        if isinstance(x, list):
+            _check_ids(x, limits.vocab_size, "prompt")
+    n = req.n if req.n is not None else 1
+    if req.best_of is not None and req.best_of != n:
+        raise RequestError("best_of other than n is not supported by pdserve", param="best_of", code="unsupported")
+    _check_max_tokens(req.max_tokens, "max_tokens", 1)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+    sp = _openai_sampling(req, max_tokens, "max_tokens", limits)
+    return _openai_sequences(
+        req, prompts, sp, True, "max_tokens", "prompt", limits, req.logprobs is not None, req.logprobs or 0
+    )
+
+
+def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
+    if m.role not in ("system", "user", "assistant", "tool", "developer"):
+        raise RequestError(f"messages[{i}].role must be system, user, assistant, tool or developer", param=f"messages[{i}].role")
+    content = m.content
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(
+                    "only text content parts are supported by pdserve", param=f"messages[{i}].content[{k}]", code="unsupported"
+                )
+            texts.append(part["text"])
+        content = "".join(texts)
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+    if m.name is not None:
+        d["name"] = m.name
+    return d
+
+
+def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
+    _check_model(req.model, limits)
+    _unsupported(req, ("tools", "functions", "audio", "prediction"))
+    if req.response_format not in (None, {"type": "text"}):
+        raise RequestError("`response_format` other than text is not supported by pdserve", param="response_format", code="unsupported")
+    if not req.messages:
+        raise RequestError("messages must not be empty", param="messages")
+    messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
+    if all(not m["content"] for m in messages):
+        raise RequestError("messages must not all be empty", param="messages")
+    _check_max_tokens(req.max_tokens, "max_tokens", 1)
+    _check_max_tokens(req.max_completion_tokens, "max_completion_tokens", 1)
+    if req.max_completion_tokens is not None:
+        max_tokens, param = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = req.max_tokens, "max_tokens"
+    top = req.top_logprobs
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+        if not req.logprobs:
+            raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    sp = _openai_sampling(req, max_tokens, param, limits)
+    prompt = ChatPrompt(messages, bool(req.continue_final_message), dict(req.chat_template_kwargs or {}))
+    return _openai_sequences(
+        req, [prompt], sp, max_tokens is not None, param, "messages", limits, bool(req.logprobs), top or 0
+    )
+
+
+def include_usage(req: _OpenAICommon) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)

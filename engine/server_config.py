@@ -1,0 +1,82 @@
+"""One frozen config for the engine-server process kind (``pdserve serve``).
+
+It composes the ``EngineConfig`` (model, KV cache, scheduling: what each DP
+rank needs) with what only the server needs (HTTP, DP ranks, auth, limits,
+disaggregation). The CLI builds its flags and defaults from the fields of both
+dataclasses, so no default is written twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+
+TRANSFER_BACKENDS = ("mooncake", "nixl")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+# Modes this build can serve; prefill/decode arrive with the disaggregated loops.
+SERVED_DISAGGREGATION_MODES = ("null",)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 30000
+    dp_size: int = 1
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None  # None: the model path's name (or the default model's)
+    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
+    max_n: int = 8  # most choices per OpenAI request
+    # disaggregation (issue 6); only "null" is served by this build
+    disaggregation_mode: str = "null"
+    disaggregation_bootstrap_port: int = 8998
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_ib_device: str | None = None
+    # seconds the launcher waits for every rank to load its model
+    startup_timeout: float = 600.0
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(
+                f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
+
+    def check_servable(self) -> None:
+        """Raise NotImplementedError for a mode this build cannot serve yet."""
+        if self.disaggregation_mode not in SERVED_DISAGGREGATION_MODES:
+            raise NotImplementedError(
+                f"--disaggregation-mode {self.disaggregation_mode} is not served by this build yet "
+                f"(served: {', '.join(SERVED_DISAGGREGATION_MODES)})"
+            )
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine.model_path:
+            return self.engine.model_path.rstrip("/").split("/")[-1]
+        return "SmolLM2-135M-Instruct"
+
+    @classmethod
+    def server_field_names(cls) -> list[str]:
+        """The server's own fields (everything but the composed ``engine``)."""
+        return [f.name for f in fields(cls) if f.name != "engine"]
