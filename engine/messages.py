@@ -70,5 +70,24 @@ class SchedulerStats(msgspec.Struct, tag=True):
     page_size: int
 
 
+class SchedulerReady(msgspec.Struct, tag=True):
+    """Sent once by a scheduler rank after its model and page pool are built."""
+
+    dp_rank: int
+    vocab_size: int
+    max_context_len: int
+    eos_token_ids: list[int]
+    page_size: int
+    max_total_num_tokens: int
+    num_threads: int = 0
+
+
+class SchedulerError(msgspec.Struct, tag=True):
+    """Sent by a scheduler rank that failed (at start or in its loop) before it exits."""
+
+    dp_rank: int
+    message: str
+
+
 SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq
-SchedulerOutput = TokenOutput | SchedulerStats
+SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError
