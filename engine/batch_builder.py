@@ -1,0 +1,46 @@
+"""Turn a ScheduledBatch (requests and lengths) into the model's ForwardBatch (tensors)."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.scheduler import ScheduledBatch
+
+
+def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    out_loc: list[int] = []
+    logits_indices: list[int] = []
+    seq_lens: list[int] = []
+    num_pages = []
+    offset = 0
+    for req, start, n, sample in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+        end = start + n
+        fill = req.fill_ids
+        input_ids.extend(fill[start:end])
+        pos = range(start, end)
+        positions.extend(pos)
+        pages = req.pages
+        out_loc.extend(pages[p // page_size] * page_size + p % page_size for p in pos)
+        offset += n
+        if sample:
+            logits_indices.append(offset - 1)
+        seq_lens.append(end)
+        num_pages.append(-(-end // page_size))
+    bs = len(batch.reqs)
+    # pad with page 0, the scratch page
+    page_table = torch.zeros(bs, max(num_pages, default=0), dtype=torch.int32)
+    for i, (req, n) in enumerate(zip(batch.reqs, num_pages)):
+        page_table[i, :n] = torch.tensor(req.pages[:n], dtype=torch.int32)
+    i64 = dict(dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, **i64).to(device),
+        positions=torch.tensor(positions, **i64).to(device),
+        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
+        page_table=page_table.to(device),
+        logits_indices=torch.tensor(logits_indices, **i64).to(device),
+        extend_lens=list(batch.extend_lens),
+        seq_lens=seq_lens,
+    )

@@ -1,0 +1,267 @@
+"""Prefix cache over page-aligned token blocks.
+
+A finished (or retracted) request hands its full pages of KV to the cache; a
+later request whose prompt starts with the same tokens reuses those pages
+instead of recomputing them. The tree is a trie whose edges are whole pages
+(``page_size`` tokens): matching and inserting never split a page, because a
+page can only be shared when every token in it agrees.
+
+Pages held by the cache are "used" in the PagePool. A node is *locked* while a
+running request reads its page (``lock_ref`` counts the requests whose path
+goes through it); only unlocked leaves are evicted, least recently used first.
+
+``NoPrefixCache`` has the same interface and caches nothing; it is what
+``disable_radix_cache`` selects.
+"""
+
+from __future__ import annotations
+
+import heapq
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+from pdserve.engine.page_pool import PagePool
+
+
+class PrefixCache(ABC):
+    """What the scheduler needs from a prefix cache."""
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+        self.page_size = pool.page_size
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], object]:
+        """Longest cached page-aligned prefix of ``token_ids``: its pages and the last node.
+
+        The node is passed to ``lock``/``unlock``; the pages stay valid only while it is locked.
+        """
+
+    @abstractmethod
+    def lock(self, node: object) -> None:
+        """Protect the path from the root to ``node`` from eviction (one per request)."""
+
+    @abstractmethod
+    def unlock(self, node: object) -> None:
+        """Undo one ``lock``."""
+
+    @abstractmethod
+    def insert(self, token_ids: Sequence[int], pages: list[int], num_cache_pages: int) -> object:
+        """Take a request's KV: ``token_ids`` are the tokens whose KV is in ``pages``.
+
+        ``pages[:num_cache_pages]`` came from ``match_prefix`` (already the cache's). Full
+        pages not yet cached are adopted; duplicates and the partial last page are freed.
+        Returns the node of the longest inserted prefix (unlocked).
+        """
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` unlocked pages, least recently used first; return how many."""
+
+    @property
+    @abstractmethod
+    def evictable_pages(self) -> int:
+        """Pages held by the cache and not locked: they can be freed on demand."""
+
+    @abstractmethod
+    def held_pages(self) -> set[int]:
+        """Every page the cache owns (locked or not)."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the cache's own bookkeeping is inconsistent."""
+
+    def flush(self) -> int:
+        """Drop every unlocked page; return how many pages were freed."""
+        return self.evict(self.evictable_pages)
+
+
+class NoPrefixCache(PrefixCache):
+    def match_prefix(self, token_ids):
+        return [], None
+
+    def lock(self, node):
+        pass
+
+    def unlock(self, node):
+        pass
+
+    def insert(self, token_ids, pages, num_cache_pages):
+        assert num_cache_pages == 0
+        self.pool.free(pages)
+        return None
+
+    def evict(self, num_pages):
+        return 0
+
+    @property
+    def evictable_pages(self):
+        return 0
+
+    def held_pages(self):
+        return set()
+
+    def check_integrity(self):
+        pass
+
+
+class _Node:
+    __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access")
+
+    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None"):
+        self.key = key
+        self.page = page
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.lock_ref = 0
+        self.last_access = 0
+
+    def __lt__(self, other: "_Node") -> bool:  # heap order for LRU eviction
+        return self.last_access < other.last_access
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, pool: PagePool):
+        super().__init__(pool)
+        self.root = _Node((), 0, None)
+        self.root.lock_ref = 1  # the root holds no page and is never evicted
+        self._clock = 0
+        self._num_nodes = 0  # nodes holding a page (all but the root)
+        self._evictable = 0
+
+    # ----------------------------------------------------------------- lookup
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _keys(self, token_ids: Sequence[int], num_pages: int):
+        ps = self.page_size
+        for i in range(num_pages):
+            yield tuple(token_ids[i * ps : (i + 1) * ps])
+
+    def match_prefix(self, token_ids):
+        now = self._tick()
+        node = self.root
+        pages: list[int] = []
+        for key in self._keys(token_ids, len(token_ids) // self.page_size):
+            child = node.children.get(key)
+            if child is None:
+                break
+            child.last_access = now
+            pages.append(child.page)
+            node = child
+        return pages, node
+
+    # ---------------------------------------------------------------- locking
+    def lock(self, node):
+        while node is not None:
+            if node.lock_ref == 0:
+                self._evictable -= 1
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node):
+        while node is not None:
+            if node.lock_ref <= 0:
+                raise AssertionError("unlock of an unlocked radix node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._evictable += 1
+            node = node.parent
+
+    # -------------------------------------------------------------- insertion
+    def insert(self, token_ids, pages, num_cache_pages):
+        now = self._tick()
+        num_full = min(len(token_ids) // self.page_size, len(pages))
+        node = self.root
+        to_free: list[int] = []
+        for i, key in enumerate(self._keys(token_ids, num_full)):
+            child = node.children.get(key)
+            if child is None:
+                if i < num_cache_pages:
+                    raise AssertionError("a locked cache page vanished from the tree")
+                child = _Node(key, pages[i], node)
+                node.children[key] = child
+                self._num_nodes += 1
+                self._evictable += 1
+            elif i >= num_cache_pages:
+                # computed again by this request while the cache already had it
+                if child.page != pages[i]:
+                    to_free.append(pages[i])
+            elif child.page != pages[i]:
+                raise AssertionError("request's cached page differs from the tree's")
+            child.last_access = now
+            node = child
+        to_free.extend(pages[max(num_full, num_cache_pages) :])
+        self.pool.free(to_free)
+        return node
+
+    # --------------------------------------------------------------- eviction
+    def _leaves(self) -> list[_Node]:
+        out, stack = [], [self.root]
+        while stack:
+            n = stack.pop()
+            if n.children:
+                stack.extend(n.children.values())
+            elif n is not self.root:
+                out.append(n)
+        return out
+
+    def evict(self, num_pages):
+        heap = [n for n in self._leaves() if n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            n = heapq.heappop(heap)
+            parent = n.parent
+            del parent.children[n.key]
+            freed.append(n.page)
+            self._num_nodes -= 1
+            self._evictable -= 1
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        self.pool.free(freed)
+        return len(freed)
+
+    @property
+    def evictable_pages(self):
+        return self._evictable
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_nodes
+
+    def held_pages(self):
+        out, stack = set(), list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            out.add(n.page)
+            stack.extend(n.children.values())
+        return out
+
+    def check_integrity(self):
+        count = evictable = 0
+        seen: set[int] = set()
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            count += 1
+            if n.page in seen or n.page == 0:
+                raise AssertionError(f"radix page {n.page} held twice or is the scratch page")
+            seen.add(n.page)
+            if len(n.key) != self.page_size:
+                raise AssertionError("radix edge is not one page")
+            if n.lock_ref < 0 or any(c.lock_ref > n.lock_ref for c in n.children.values()):
+                raise AssertionError("child locked more than its parent")
+            evictable += n.lock_ref == 0
+            stack.extend(n.children.values())
+        if count != self._num_nodes or evictable != self._evictable:
+            raise AssertionError(
+                f"radix counters: nodes {self._num_nodes} vs {count}, evictable {self._evictable} vs {evictable}"
+            )
+        if not seen <= self.pool._used:
+            raise AssertionError("radix holds pages the pool thinks are free")
+
+
+def make_prefix_cache(pool: PagePool, disable: bool) -> PrefixCache:
+    return NoPrefixCache(pool) if disable else RadixCache(pool)

@@ -1,0 +1,105 @@
+"""One request inside a scheduler rank, with an explicit status.
+
+The statuses include the disaggregated (PD) states so that the prefill and
+decode modes reuse this type instead of wrapping it:
+
+    null mode:     WAITING -> RUNNING -> FINISHED   (RUNNING -> WAITING on retract)
+    prefill mode:  WAITING_FOR_BOOTSTRAP -> WAITING -> RUNNING (prefill) -> SENDING_KV -> FINISHED
+    decode mode:   WAITING_FOR_KV -> RUNNING (decode) -> FINISHED
+
+KV bookkeeping: the KV of token ``t`` of ``fill_ids`` lives in slot
+``pages[t // page_size] * page_size + t % page_size``. ``kv_len`` tokens have
+their KV computed. The first ``num_cache_pages`` pages belong to the prefix
+cache (locked through ``cache_node`` while the request runs); the rest are
+owned by the request and freed or handed to the cache when it ends.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.messages import BootstrapInfo
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill, holds no pages
+    RUNNING = "running"  # admitted: prefilling (maybe in chunks) or decoding, holds pages
+    FINISHED = "finished"
+    WAITING_FOR_BOOTSTRAP = "waiting_for_bootstrap"  # prefill side: waiting for the decode peer
+    SENDING_KV = "sending_kv"  # prefill side: prefill done, KV pages being written to the peer
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: pages preallocated, KV arriving
+
+
+@dataclass
+class FinishReason:
+    type: str  # "stop" | "length" | "abort" | "error"
+    matched: int | str | None = None  # stop token id or stop string that ended it
+    message: str | None = None  # for "abort" / "error"
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.matched is not None:
+            d["matched"] = self.matched
+        if self.message is not None:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    bootstrap: BootstrapInfo | None = None
+
+    status: ReqStatus = ReqStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # KV state (see module docstring)
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    num_cache_pages: int = 0
+    cache_node: Any = None
+    # tokens of the prompt served from the prefix cache at first admission (reported)
+    cached_tokens: int = 0
+    admitted_once: bool = False
+    # output bookkeeping
+    finish_reason: FinishReason | None = None
+    num_sent: int = 0  # output tokens already reported in a TokenOutput
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # text decoded so far, kept only when stop strings must be matched
+    text_state: Any = None
+    num_retractions: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """All tokens whose KV the sequence needs: prompt then outputs."""
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)
+
+    def __repr__(self) -> str:
+        return (
+            f"Req({self.rid!r}, {self.status.name}, prompt={self.prompt_len}, "
+            f"out={len(self.output_ids)}, kv={self.kv_len}, pages={len(self.pages)})"
+        )

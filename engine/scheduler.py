@@ -1,0 +1,350 @@
+"""Continuous-batching scheduler: pure bookkeeping, no sockets, threads or device calls.
+
+``schedule()`` picks the next step's work and returns a ``ScheduledBatch``;
+the caller runs the model on it and hands the sampled tokens to
+``postprocess()``. Rules (SGLang's, simplified):
+
+- Prefill first: if waiting work fits, the step is a prefill batch; otherwise
+  the running requests decode one token each.
+- Admission is FIFO (no overtaking, so nothing starves) and needs free pages
+  (free + evictable cache pages) for the whole prompt plus a reserve of
+  ``num_reserved_decode_tokens`` per running request for its coming decodes;
+  at most ``max_running_requests`` are admitted.
+- A prompt longer than the step budget (``min(chunked_prefill_size,
+  max_prefill_tokens)``) is prefilled in chunks, one chunked request at a
+  time. Its pages are allocated for the whole prompt on admission, so a
+  chunk never waits for memory.
+- When a decode step lacks pages, the newest running request is retracted: its
+  KV goes to the prefix cache (or is freed) and it rejoins the front of the
+  queue keeping its output tokens, to be recomputed later. A request that
+  cannot grow even alone in the pool finishes with ``length``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.page_pool import PagePool
+from pdserve.engine.radix_cache import PrefixCache
+from pdserve.engine.request import FinishReason, Req, ReqStatus
+
+StopCheck = Callable[[Req], "FinishReason | None"]
+
+
+def length_only_stop(req: Req) -> FinishReason | None:
+    """Default stop rule: only ``max_new_tokens`` (the loop passes a full StopChecker)."""
+    if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+        return FinishReason("length")
+    return None
+
+
+class ForwardMode(enum.Enum):
+    PREFILL = "prefill"  # some sequences add several tokens (may include chunks)
+    DECODE = "decode"  # every sequence adds one token
+
+
+@dataclass
+class ScheduledBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    prefix_lens: list[int]  # KV tokens already in the cache per request
+    extend_lens: list[int]  # new tokens this step per request
+    sample: list[bool]  # whether the request samples a token after this step
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def sampled_reqs(self) -> list[Req]:
+        return [r for r, s in zip(self.reqs, self.sample) if s]
+
+
+@dataclass
+class SampleOutput:
+    """What the model step produced for the sampled requests, in batch order."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class StepEvents:
+    """What ``postprocess`` changed, for the loop to report."""
+
+    updated: list[Req] = field(default_factory=list)  # got at least one new token
+    finished: list[Req] = field(default_factory=list)
+    prefilled: list[Req] = field(default_factory=list)  # finished their prefill this step
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: PagePool,
+        cache: PrefixCache,
+        stop_check: StopCheck = length_only_stop,
+    ):
+        self.config = config
+        self.pool = pool
+        self.cache = cache
+        self.stop_check = stop_check
+        self.page_size = pool.page_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # decoding, oldest admitted first
+        self.chunked: Req | None = None  # admitted, prefill not complete
+        self.reqs: dict[str, Req] = {}  # every live request by rid
+        self.num_retractions = 0
+        # finished inside schedule() (no room ever) or by abort: the loop drains and reports them
+        self.newly_finished: list[Req] = []
+
+    # ------------------------------------------------------------- requests
+    def add(self, req: Req) -> FinishReason | None:
+        """Queue a request; returns a finish reason if it can never run."""
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate rid {req.rid!r}")
+        if self.pool.pages_for(req.seq_len) > self.pool.capacity:
+            req.finish_reason = FinishReason(
+                "error", message=f"prompt of {req.seq_len} tokens exceeds the KV pool"
+            )
+            req.status = ReqStatus.FINISHED
+            return req.finish_reason
+        req.status = ReqStatus.WAITING
+        self.reqs[req.rid] = req
+        self.waiting.append(req)
+        return None
+
+    def abort(self, rid: str, reason: str = "aborted") -> Req | None:
+        """End a live request now and free its pages; None if unknown or already done."""
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        self.finish(req, FinishReason("abort", message=reason))
+        return req
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """Mark ``req`` finished and release everything it holds."""
+        req.finish_reason = reason
+        if req.status == ReqStatus.WAITING:
+            self.waiting.remove(req)
+        elif req in self.running:
+            self.running.remove(req)
+        if self.chunked is req:
+            self.chunked = None
+        self.release(req)
+        req.status = ReqStatus.FINISHED
+        self.reqs.pop(req.rid, None)
+        self.newly_finished.append(req)
+
+    def drain_finished(self) -> list[Req]:
+        """Requests finished since the last call (by any path)."""
+        out, self.newly_finished = self.newly_finished, []
+        return out
+
+    def release(self, req: Req) -> None:
+        """Give the request's KV to the prefix cache (or free it) and drop its lock."""
+        if req.pages:
+            self.cache.insert(req.fill_ids[: req.kv_len], req.pages, req.num_cache_pages)
+        if req.cache_node is not None:
+            self.cache.unlock(req.cache_node)
+        req.pages = []
+        req.kv_len = 0
+        req.num_cache_pages = 0
+        req.cache_node = None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked)
+
+    # --------------------------------------------------------------- memory
+    def _available_pages(self) -> int:
+        return self.pool.num_free + self.cache.evictable_pages
+
+    def _alloc(self, n: int) -> list[int]:
+        short = n - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        return self.pool.alloc(n)
+
+    def _reserve_pages(self, req: Req, after_len: int) -> int:
+        """Pages ``req`` will still need beyond ``after_len`` tokens for its coming decodes."""
+        extra = min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens)
+        return max(self.pool.pages_for(after_len + extra) - len(req.pages), 0)
+
+    def try_alloc(self, n: int) -> list[int] | None:
+        """Pages for a request arriving with its KV (decode mode), or None if short."""
+        if n > self._available_pages():
+            return None
+        return self._alloc(n)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            return batch
+        return self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        if not self.waiting and self.chunked is None:
+            return None
+        budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
+        batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [], [])
+
+        def add_to_batch(req: Req) -> None:
+            nonlocal budget
+            extend = min(req.seq_len - req.kv_len, budget)
+            budget -= extend
+            done = req.kv_len + extend == req.seq_len
+            batch.reqs.append(req)
+            batch.prefix_lens.append(req.kv_len)
+            batch.extend_lens.append(extend)
+            batch.sample.append(done)
+            self.chunked = None if done else req
+
+        if self.chunked is not None:
+            add_to_batch(self.chunked)
+
+        reserved = sum(self._reserve_pages(r, r.seq_len) for r in self.running)
+        while self.waiting and budget > 0 and self.chunked is None:
+            if len(self.running) + len(batch.reqs) >= self.config.max_running_requests:
+                break
+            req = self.waiting[0]
+            # leave at least one token to compute: its logits give the next token
+            cached_pages, node = self.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+            self.cache.lock(node)
+            need = self.pool.pages_for(req.seq_len) - len(cached_pages)
+            reserve = max(
+                self.pool.pages_for(req.seq_len + min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens))
+                - self.pool.pages_for(req.seq_len),
+                0,
+            )
+            available = self._available_pages()
+            alone = not self.running and not batch.reqs
+            if need + reserve + reserved > available and not (alone and need <= available):
+                self.cache.unlock(node)
+                if alone and self.pool.pages_for(req.seq_len) > self.pool.capacity:
+                    # a retracted request that outgrew the whole pool can never run again
+                    self.finish(req, FinishReason("length", message="KV pool too small for this sequence"))
+                    continue
+                break
+            self.waiting.popleft()
+            req.pages = cached_pages + self._alloc(need)
+            req.num_cache_pages = len(cached_pages)
+            req.cache_node = node
+            req.kv_len = len(cached_pages) * self.page_size
+            if not req.admitted_once:
+                req.cached_tokens = req.kv_len
+                req.admitted_once = True
+            req.status = ReqStatus.RUNNING
+            reserved += reserve
+            add_to_batch(req)
+        return batch if batch.reqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        while self.running:
+            need = sum(1 for r in self.running if self.pool.pages_for(r.kv_len + 1) > len(r.pages))
+            if need <= self._available_pages():
+                break
+            if len(self.running) == 1:
+                self.finish(self.running[0], FinishReason("length", message="KV pool too small for this sequence"))
+                break
+            self.retract(self.running[-1])
+        if not self.running:
+            return None
+        for r in self.running:
+            if self.pool.pages_for(r.kv_len + 1) > len(r.pages):
+                r.pages.extend(self._alloc(1))
+        n = len(self.running)
+        return ScheduledBatch(
+            ForwardMode.DECODE, list(self.running), [r.kv_len for r in self.running], [1] * n, [True] * n
+        )
+
+    def retract(self, req: Req) -> None:
+        """Preempt a running request: free its KV (into the cache) and queue it first for recompute."""
+        self.running.remove(req)
+        self.release(req)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # ---------------------------------------------------------- postprocess
+    def postprocess(self, batch: ScheduledBatch, out: SampleOutput) -> StepEvents:
+        """Advance KV lengths, append sampled tokens, finish requests that stop."""
+        events = StepEvents()
+        k = 0
+        for req, extend, sample in zip(batch.reqs, batch.extend_lens, batch.sample):
+            if not sample:
+                req.kv_len += extend
+                continue
+            i = k
+            k += 1
+            if req.finished:  # aborted while its step ran
+                continue
+            req.kv_len += extend
+            was_prefill = batch.mode == ForwardMode.PREFILL
+            if req.sampling_params.max_new_tokens == 0:
+                self.finish(req, FinishReason("length"))
+                events.finished.append(req)
+                continue
+            req.output_ids.append(out.token_ids[i])
+            if req.return_logprob and out.logprobs is not None:
+                req.output_logprobs.append(out.logprobs[i])
+                if out.top_logprobs is not None:
+                    req.output_top_logprobs.append(out.top_logprobs[i])
+            events.updated.append(req)
+            reason = self.stop_check(req)
+            if reason is not None:
+                self.finish(req, reason)
+                events.finished.append(req)
+            elif was_prefill and req not in self.running:
+                events.prefilled.append(req)
+                self.on_prefill_done(req)
+        if k != len(out.token_ids):
+            raise ValueError(f"got {len(out.token_ids)} sampled tokens for {k} sampling requests")
+        return events
+
+    def on_prefill_done(self, req: Req) -> None:
+        """Where a request goes after its prefill: here, the decode batch.
+
+        The prefill mode overrides this to hand the request to a KV sender instead.
+        """
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+
+    def add_prefilled(self, req: Req) -> None:
+        """Decode mode: a request whose prompt KV is already in ``req.pages`` joins the decode batch."""
+        self.reqs[req.rid] = req
+        self.on_prefill_done(req)
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> None:
+        """Prove that every used page is owned exactly once: by a live request or the cache."""
+        self.pool.check_integrity()
+        self.cache.check_integrity()
+        cache_pages = self.cache.held_pages()
+        owned: list[int] = []
+        for req in self.reqs.values():
+            if req.status == ReqStatus.WAITING and req.pages:
+                raise AssertionError(f"waiting {req} holds pages")
+            cached = req.pages[: req.num_cache_pages]
+            if not set(cached) <= cache_pages:
+                raise AssertionError(f"{req} reads cache pages the cache no longer holds")
+            owned.extend(req.pages[req.num_cache_pages :])
+            if req.kv_len > len(req.pages) * self.page_size:
+                raise AssertionError(f"{req} has KV beyond its pages")
+        if len(set(owned)) != len(owned) or set(owned) & cache_pages:
+            raise AssertionError("a page is owned twice")
+        if set(owned) | cache_pages != self.pool._used:
+            leaked = self.pool._used - set(owned) - cache_pages
+            raise AssertionError(f"pages leaked (used but unowned): {sorted(leaked)[:8]}")
+        if len(self.running) + (self.chunked is not None) > self.config.max_running_requests:
+            raise AssertionError("more running requests than max_running_requests")

@@ -1,0 +1,294 @@
+"""The pure scheduler with a real (tiny) PagePool and a token-echo model.
+
+The stand-in model writes each input token id into its KV slot, then reads the
+whole sequence back through the page table and derives the next token from
+it. So a page handed out twice, a wrong radix hit or a lost prefix changes the
+output, and every scenario is checked against a plain reference.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.batch_builder import build_forward_batch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.page_pool import PagePool
+from pdserve.engine.radix_cache import make_prefix_cache
+from pdserve.engine.request import Req, ReqStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ForwardMode, SampleOutput, Scheduler
+
+VOCAB = 1000
+PS = 4
+
+
+def next_token(seq: list[int]) -> int:
+    h = 7
+    for t in seq:
+        h = (h * 31 + t) % 1_000_003
+    return h % VOCAB
+
+
+def reference(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt) :]
+
+
+class EchoModel:
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+
+    def __call__(self, batch) -> SampleOutput:
+        fb = build_forward_batch(batch, self.pool.page_size)
+        assert fb.num_tokens == batch.num_tokens
+        k = self.pool.k_slots(0)  # [slots, 1, 1]
+        k[fb.out_cache_loc, 0, 0] = fb.input_ids.float()
+        toks = []
+        for i, req in enumerate(batch.reqs):
+            n = fb.seq_lens[i]
+            t = torch.arange(n)
+            slots = fb.page_table[i].long()[t // PS] * PS + t % PS
+            seq = [int(x) for x in k[slots, 0, 0].tolist()]
+            assert seq == req.fill_ids[:n], f"KV of {req.rid} is not its tokens"
+            if batch.sample[i]:
+                toks.append(next_token(seq))
+        assert len(toks) == len(fb.logits_indices)
+        return SampleOutput(toks)
+
+
+def make(num_pages=64, disable_cache=False, **cfg):
+    pool = PagePool(num_pages, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    config = EngineConfig(page_size=PS, **cfg)
+    sched = Scheduler(config, pool, make_prefix_cache(pool, disable_cache))
+    return sched, EchoModel(pool)
+
+
+def req(rid, prompt, n=8) -> Req:
+    return Req(rid, list(prompt), SamplingParams(max_new_tokens=n, temperature=0.0))
+
+
+def run(sched, model, max_steps=10_000, on_step=None):
+    batches = []
+    steps = 0
+    while sched.has_work():
+        batch = sched.schedule()
+        if batch is None:
+            assert not sched.has_work(), "scheduler has work but scheduled nothing (deadlock)"
+            break
+        batches.append(batch)
+        sched.postprocess(batch, model(batch))
+        sched.check_integrity()
+        if on_step:
+            on_step(steps)
+        steps += 1
+        assert steps < max_steps, "no progress"
+    sched.check_integrity()
+    return batches
+
+
+def prompts(n, lo=3, hi=30, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_continuous_batching_outputs_and_decode_batches():
+    sched, model = make()
+    reqs = [req(f"r{i}", p, n=6) for i, p in enumerate(prompts(5))]
+    for r in reqs:
+        assert sched.add(r) is None
+    batches = run(sched, model)
+    for r, p in zip(reqs, prompts(5)):
+        assert r.status == ReqStatus.FINISHED and r.finish_reason.type == "length"
+        assert r.output_ids == reference(p, 6)
+    assert batches[0].mode == ForwardMode.PREFILL and batches[0].batch_size == 5
+    assert max(b.batch_size for b in batches if b.mode == ForwardMode.DECODE) == 5
+    assert sched.pool.num_used == sched.cache.evictable_pages  # only the cache holds pages
+
+
+def test_late_arrival_joins_running_batch():
+    sched, model = make()
+    a, b = req("a", range(1, 9), n=10), req("b", range(20, 25), n=3)
+    sched.add(a)
+    sched.postprocess(batch := sched.schedule(), model(batch))
+    sched.postprocess(batch := sched.schedule(), model(batch))
+    assert batch.mode == ForwardMode.DECODE
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.mode == ForwardMode.PREFILL and batch.reqs == [b]  # prefill preferred
+    sched.postprocess(batch, model(batch))
+    batch = sched.schedule()
+    assert batch.mode == ForwardMode.DECODE and batch.reqs == [a, b]
+    sched.postprocess(batch, model(batch))
+    run(sched, model)
+    assert a.output_ids == reference(list(range(1, 9)), 10)
+    assert b.output_ids == reference(list(range(20, 25)), 3)
+
+
+def test_chunked_prefill_splits_long_prompt():
+    sched, model = make(chunked_prefill_size=8)
+    long = req("long", range(100, 130), n=4)  # 30 tokens -> chunks of 8
+    short = req("short", range(5, 8), n=4)
+    sched.add(long)
+    sched.add(short)
+    batches = run(sched, model)
+    prefills = [b for b in batches if b.mode == ForwardMode.PREFILL]
+    assert all(b.num_tokens <= 8 for b in prefills)
+    assert [b.extend_lens[0] for b in prefills[:4]] == [8, 8, 8, 6]
+    assert [b.sample[0] for b in prefills[:4]] == [False, False, False, True]
+    # the short one rides along in the leftover budget of the last chunk
+    assert prefills[3].reqs == [long, short]
+    assert long.output_ids == reference(list(range(100, 130)), 4)
+    assert short.output_ids == reference(list(range(5, 8)), 4)
+
+
+def test_running_cap():
+    sched, model = make(max_running_requests=3)
+    reqs = [req(f"r{i}", p, n=5) for i, p in enumerate(prompts(7, seed=1))]
+    for r in reqs:
+        sched.add(r)
+    seen_max = 0
+
+    def watch(_):
+        nonlocal seen_max
+        seen_max = max(seen_max, len(sched.running) + (sched.chunked is not None))
+
+    run(sched, model, on_step=watch)
+    assert seen_max == 3
+    for r, p in zip(reqs, prompts(7, seed=1)):
+        assert r.output_ids == reference(p, 5)
+
+
+def test_admission_keeps_decode_reserve():
+    # 20 usable pages; each request: 8-token prompt (2 pages) + reserve of 8 tokens (2 pages)
+    sched, model = make(num_pages=21, num_reserved_decode_tokens=8, disable_cache=True)
+    reqs = [req(f"r{i}", [i + 1] * 8, n=8) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    first = sched.schedule()
+    assert first.batch_size == 5  # 5 * (2 + 2) = 20 pages
+    assert sched.pool.num_free == 10  # the reserve stays free
+    sched.postprocess(first, model(first))
+    run(sched, model)
+    assert sched.num_retractions == 0  # the reserve was enough: no preemption
+    for i, r in enumerate(reqs):
+        assert r.output_ids == reference([i + 1] * 8, 8)
+
+
+@pytest.mark.parametrize("disable_cache", [False, True])
+def test_preemption_tiny_pool_all_finish(disable_cache):
+    # 12 usable pages = 48 tokens for 10 requests that each need up to 10 pages
+    sched, model = make(num_pages=13, num_reserved_decode_tokens=0, disable_cache=disable_cache)
+    ps = prompts(10, lo=4, hi=16, seed=3)
+    reqs = [req(f"r{i}", p, n=20) for i, p in enumerate(ps)]
+    for r in reqs:
+        sched.add(r)
+    run(sched, model)
+    assert sched.num_retractions > 0
+    for r, p in zip(reqs, ps):
+        assert r.finish_reason.type == "length"
+        assert r.output_ids == reference(p, 20), r
+
+
+def test_request_outgrowing_the_whole_pool_finishes():
+    sched, model = make(num_pages=4, num_reserved_decode_tokens=0)  # 3 pages = 12 tokens
+    r = req("big", range(1, 9), n=50)
+    sched.add(r)
+    run(sched, model)
+    assert r.finish_reason.type == "length" and 1 <= len(r.output_ids) < 50
+    assert r.output_ids == reference(list(range(1, 9)), len(r.output_ids))
+    too_long = req("huge", range(1, 40))
+    assert sched.add(too_long).type == "error"
+
+
+def test_radix_hit_reports_cached_tokens_and_same_output():
+    sched, model = make()
+    prompt = list(range(50, 73))  # 23 tokens: 5 full pages
+    a = req("a", prompt, n=5)
+    sched.add(a)
+    run(sched, model)
+    assert a.cached_tokens == 0
+    b = req("b", prompt, n=5)
+    c = req("c", prompt[:10] + [999] * 5, n=5)
+    sched.add(b)
+    sched.add(c)
+    run(sched, model)
+    assert b.cached_tokens == 20  # 5 full pages; the last token is always recomputed
+    assert c.cached_tokens == 8  # 2 full pages shared
+    assert b.output_ids == a.output_ids == reference(prompt, 5)
+    assert c.output_ids == reference(prompt[:10] + [999] * 5, 5)
+
+
+def test_radix_disabled_caches_nothing():
+    sched, model = make(disable_cache=True)
+    prompt = list(range(50, 73))
+    for rid in ("a", "b"):
+        r = req(rid, prompt, n=3)
+        sched.add(r)
+        run(sched, model)
+        assert r.cached_tokens == 0
+    assert sched.pool.num_used == 0
+
+
+def test_abort_everywhere_frees_pages():
+    sched, model = make(chunked_prefill_size=8)
+    running, chunked, waiting = req("run", range(1, 6), n=50), req("chunk", range(1, 40), n=5), req("wait", [3] * 5)
+    sched.add(running)
+    sched.postprocess(b := sched.schedule(), model(b))
+    sched.add(chunked)
+    sched.add(waiting)
+    sched.postprocess(b := sched.schedule(), model(b))
+    assert sched.chunked is chunked and running in sched.running
+    for r in (waiting, chunked, running):
+        assert sched.abort(r.rid) is r
+        assert r.finish_reason.type == "abort" and r.status == ReqStatus.FINISHED
+        sched.check_integrity()
+    assert not sched.has_work() and sched.abort("run") is None
+    assert sched.pool.num_used == sched.cache.evictable_pages
+    sched.cache.flush()
+    assert sched.pool.num_used == 0
+
+
+def test_abort_while_step_in_flight():
+    sched, model = make()
+    a, b = req("a", [1, 2, 3], n=5), req("b", [4, 5, 6], n=5)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    out = model(batch)
+    sched.abort("a")
+    ev = sched.postprocess(batch, out)
+    assert ev.updated == [b] and a.output_ids == []
+    run(sched, model)
+    assert b.output_ids == reference([4, 5, 6], 5)
+
+
+def test_random_workload_never_deadlocks():
+    rng = random.Random(7)
+    sched, model = make(num_pages=20, chunked_prefill_size=16, max_running_requests=6, num_reserved_decode_tokens=4)
+    expected = {}
+    step = 0
+    pending = [(rng.randint(0, 60), p, rng.randint(1, 12)) for p in prompts(25, lo=1, hi=40, seed=11)]
+    pending.sort(key=lambda x: x[0])
+    reqs = {}
+    while pending or sched.has_work():
+        while pending and pending[0][0] <= step:
+            _, p, n = pending.pop(0)
+            r = req(f"r{len(reqs)}", p, n=n)
+            reqs[r.rid] = r
+            expected[r.rid] = reference(p, n)
+            assert sched.add(r) is None
+        batch = sched.schedule()
+        if batch is not None:
+            sched.postprocess(batch, model(batch))
+            sched.check_integrity()
+        elif not pending:
+            pytest.fail("deadlock")
+        step += 1
+        assert step < 5000
+    for rid, r in reqs.items():
+        assert r.output_ids == expected[rid]
