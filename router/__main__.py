@@ -1,0 +1,3 @@
+from pdserve.router.cli import main
+
+main()

@@ -1,0 +1,89 @@
+"""``pdserve router`` / ``python -m pdserve.router``: flags named as sglang-router names them,
+every default taken from ``RouterConfig``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import fields
+
+from pdserve.router.config import LOG_LEVELS, POLICY_NAMES, RouterConfig, WorkerSpec
+
+_D = {f.name: f.default for f in fields(RouterConfig)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve router",
+                                description="PD router: pairs each request with a prefill and a "
+                                            "decode worker (SGLang PD protocol).")
+    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT]",
+                   help="prefill server URL and optional bootstrap port (a number or 'none'); repeatable")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="decode server URL; repeatable")
+    p.add_argument("--pd-disaggregation", action="store_true",
+                   help="accepted for sglang-router compatibility (this router is always PD)")
+    p.add_argument("--host", default=_D["host"])
+    p.add_argument("--port", type=int, default=_D["port"])
+    p.add_argument("--policy", choices=POLICY_NAMES, default=_D["policy"])
+    p.add_argument("--prefill-policy", choices=POLICY_NAMES, default=_D["prefill_policy"])
+    p.add_argument("--decode-policy", choices=POLICY_NAMES, default=_D["decode_policy"])
+    p.add_argument("--cache-threshold", type=float, default=_D["cache_threshold"])
+    p.add_argument("--balance-abs-threshold", type=int, default=_D["balance_abs_threshold"])
+    p.add_argument("--balance-rel-threshold", type=float, default=_D["balance_rel_threshold"])
+    p.add_argument("--max-tree-size", type=int, default=_D["max_tree_size"])
+    p.add_argument("--dp-aware", action="store_true", default=_D["dp_aware"])
+    p.add_argument("--api-key", default=_D["api_key"])
+    p.add_argument("--max-concurrent-requests", type=int, default=_D["max_concurrent_requests"])
+    p.add_argument("--queue-size", type=int, default=_D["queue_size"])
+    p.add_argument("--queue-timeout-secs", type=float, default=_D["queue_timeout_secs"])
+    p.add_argument("--request-timeout-secs", type=float, default=_D["request_timeout_secs"])
+    p.add_argument("--max-payload-size", type=int, default=_D["max_payload_size"])
+    p.add_argument("--retry-max-retries", type=int, default=_D["retry_max_retries"],
+                   help="attempts in total, as in sglang-router (1: no retry)")
+    p.add_argument("--retry-initial-backoff-ms", type=float, default=_D["retry_initial_backoff_ms"])
+    p.add_argument("--retry-max-backoff-ms", type=float, default=_D["retry_max_backoff_ms"])
+    p.add_argument("--retry-backoff-multiplier", type=float, default=_D["retry_backoff_multiplier"])
+    p.add_argument("--retry-jitter-factor", type=float, default=_D["retry_jitter_factor"])
+    p.add_argument("--disable-retries", action="store_true", help="same as --retry-max-retries 1")
+    p.add_argument("--health-check-interval-secs", type=float, default=_D["health_check_interval_secs"])
+    p.add_argument("--health-check-timeout-secs", type=float, default=_D["health_check_timeout_secs"])
+    p.add_argument("--health-failure-threshold", type=int, default=_D["health_failure_threshold"])
+    p.add_argument("--health-success-threshold", type=int, default=_D["health_success_threshold"])
+    p.add_argument("--log-level", choices=LOG_LEVELS, default=_D["log_level"])
+    return p
+
+
+def parse_prefill(values: list[str]) -> WorkerSpec:
+    if len(values) > 2:
+        raise ValueError(f"--prefill takes URL [BOOTSTRAP_PORT], got {values}")
+    port = None
+    if len(values) == 2 and values[1].lower() != "none":
+        port = int(values[1])
+    return WorkerSpec(values[0], "prefill", port)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    names = RouterConfig.field_names() - {"prefill", "decode"}
+    kwargs = {name: getattr(args, name) for name in names}
+    if args.disable_retries:
+        kwargs["retry_max_retries"] = 1
+    return RouterConfig(prefill=tuple(parse_prefill(v) for v in args.prefill),
+                        decode=tuple(WorkerSpec(u, "decode") for u in args.decode), **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    level = "warning" if config.log_level == "warn" else config.log_level
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pdserve.router.server import serve
+
+    serve(config)
+
+
+if __name__ == "__main__":
+    main()

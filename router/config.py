@@ -1,0 +1,124 @@
+"""One frozen config for the router process.
+
+The CLI (``pdserve router`` / ``python -m pdserve.router``) takes every default
+from these fields, and the field names follow sglang-router's flags
+(``--retry-max-retries`` -> ``retry_max_retries``), so an operator can move a
+command line between the two. ``__post_init__`` validates, so a bad value
+fails at start with a message naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+POLICY_NAMES = ("random", "round_robin", "power_of_two", "cache_aware")
+LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A worker as given on the command line or to ``POST /workers``."""
+
+    url: str
+    role: str  # "prefill" | "decode"
+    bootstrap_port: int | None = None  # prefill only; None: the server has no bootstrap port
+
+    def __post_init__(self):
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"worker url must start with http:// or https://, got {self.url!r}")
+        if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
+            raise ValueError(f"bootstrap_port must be in 1..65535, got {self.bootstrap_port}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    host: str = "0.0.0.0"
+    port: int = 30000
+    # policies; prefill_policy/decode_policy None: use `policy`
+    policy: str = "cache_aware"
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 2**26  # characters per worker in the approximate prefix tree
+    dp_aware: bool = False
+    # security and limits
+    api_key: str | None = None
+    max_concurrent_requests: int = -1  # -1: unlimited
+    queue_size: int = 100  # 0: no queue, answer 429 at once
+    queue_timeout_secs: float = 60.0
+    request_timeout_secs: float = 1800.0
+    max_payload_size: int = 512 * 1024 * 1024
+    # retries: retry_max_retries counts attempts in total, as sglang-router does (1 = no retry)
+    retry_max_retries: int = 5
+    retry_initial_backoff_ms: float = 50.0
+    retry_max_backoff_ms: float = 30000.0
+    retry_backoff_multiplier: float = 1.5
+    retry_jitter_factor: float = 0.2
+    # health
+    health_check_interval_secs: float = 60.0
+    health_check_timeout_secs: float = 5.0
+    health_failure_threshold: int = 3
+    health_success_threshold: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self):
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICY_NAMES:
+                raise ValueError(f"{name} must be one of {POLICY_NAMES}, got {value!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
+            raise ValueError("max_concurrent_requests must be -1 (unlimited) or >= 1")
+        for name in ("queue_size", "balance_abs_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("retry_max_retries", "health_failure_threshold", "health_success_threshold",
+                     "max_tree_size", "max_payload_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",
+                     "health_check_timeout_secs"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}")
+        if not 0.0 <= self.retry_jitter_factor <= 1.0:
+            raise ValueError(f"retry_jitter_factor must be in [0, 1], got {self.retry_jitter_factor}")
+        if self.retry_backoff_multiplier < 1.0:
+            raise ValueError("retry_backoff_multiplier must be >= 1")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for spec in self.prefill:
+            if spec.role != "prefill":
+                raise ValueError(f"{spec.url} given as prefill has role {spec.role!r}")
+        for spec in self.decode:
+            if spec.role != "decode":
+                raise ValueError(f"{spec.url} given as decode has role {spec.role!r}")
+
+    @property
+    def effective_prefill_policy(self) -> str:
+        return self.prefill_policy or self.policy
+
+    @property
+    def effective_decode_policy(self) -> str:
+        return self.decode_policy or self.policy
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+
+def backoff_ms(config: RouterConfig, attempt: int, rand: float) -> float:
+    """Delay before retry number ``attempt`` (1 = first retry); ``rand`` in [0, 1) gives the jitter."""
+    base = min(config.retry_initial_backoff_ms * config.retry_backoff_multiplier ** (attempt - 1),
+               config.retry_max_backoff_ms)
+    return base * (1.0 + config.retry_jitter_factor * (2.0 * rand - 1.0))

@@ -1,0 +1,126 @@
+"""Pairing: one prefill endpoint and one decode endpoint per request, a room, and the two bodies.
+
+Pure logic. The bodies follow SGLang's PD protocol: the client's JSON with
+``bootstrap_host`` (host part of the prefill URL), ``bootstrap_port`` (the
+prefill's bootstrap port, or null), ``bootstrap_room`` (random, below 2^63)
+added, and, for DP ranks, ``disagg_prefill_dp_rank`` (which prefill rank holds
+the KV; both legs need it) plus ``routed_dp_rank`` (the rank of that leg's own
+server). A client's own values of these fields are replaced.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve.router.errors import no_workers
+from pdserve.router.policy import Policy
+from pdserve.router.worker_registry import Endpoint, WorkerRegistry
+
+ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
+                 "disagg_prefill_dp_rank")
+_encode = msgspec.json.encode
+
+
+@dataclass(slots=True)
+class Pair:
+    prefill: Endpoint
+    decode: Endpoint
+    room: int | list[int]
+
+
+def new_room(rng: random.Random) -> int:
+    return rng.getrandbits(63)
+
+
+def batch_size(body: dict) -> int | None:
+    """Number of prompts of a batched ``/generate`` body, None when it is a single request."""
+    text = body.get("text")
+    if isinstance(text, list):
+        return len(text)
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+def prompt_text(body: dict) -> str:
+    """The prompt as text, for cache-aware routing (approximate: chat messages are joined)."""
+    for name in ("text", "prompt"):
+        value = body.get(name)
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            return value[0] if isinstance(value[0], str) else str(value[0])
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+        return "\n".join(parts)
+    ids = body.get("input_ids")
+    if isinstance(ids, list):
+        return " ".join(map(str, ids[:4096]))
+    return ""
+
+
+class Pairing:
+    def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
+                 rng: random.Random | None = None):
+        self.registry = registry
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.needs_text = prefill_policy.needs_text or decode_policy.needs_text
+        self._rng = rng or random.Random()
+
+    def choose(self, body: dict, exclude: frozenset[str] | set[str] = frozenset()) -> Pair:
+        """Choose a pair for ``body``; endpoints in ``exclude`` (failed earlier in this request)
+        are avoided while others remain. Raises a 503 RouterError naming the missing role."""
+        prefills = self._candidates("prefill", exclude)
+        decodes = self._candidates("decode", exclude)
+        text = prompt_text(body) if self.needs_text else None
+        p = self.prefill_policy.select(prefills, text)
+        d = self.decode_policy.select(decodes, text)
+        n = batch_size(body)
+        room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
+        return Pair(p, d, room)
+
+    def _candidates(self, role: str, exclude) -> list[Endpoint]:
+        endpoints = self.registry.healthy_endpoints(role)
+        if not endpoints:
+            raise no_workers(role)
+        if exclude:
+            kept = [e for e in endpoints if e.key not in exclude]
+            if kept:
+                return kept
+        return endpoints
+
+    @staticmethod
+    def leg_bodies(body: dict, pair: Pair) -> tuple[bytes, bytes]:
+        """The JSON bodies for the prefill and the decode leg (the same bytes when no DP ranks)."""
+        p, d = pair.prefill, pair.decode
+        out = {k: v for k, v in body.items() if k not in ROUTER_FIELDS}
+        host, port = p.worker.bootstrap_host, p.worker.bootstrap_port
+        if isinstance(pair.room, list):
+            n = len(pair.room)
+            out["bootstrap_host"], out["bootstrap_port"] = [host] * n, [port] * n
+        else:
+            out["bootstrap_host"], out["bootstrap_port"] = host, port
+        out["bootstrap_room"] = pair.room
+        if p.dp_rank is None and d.dp_rank is None:
+            data = _encode(out)
+            return data, data
+        if p.dp_rank is not None:
+            out["disagg_prefill_dp_rank"] = p.dp_rank
+        prefill_body = dict(out)
+        if p.dp_rank is not None:
+            prefill_body["routed_dp_rank"] = p.dp_rank
+        if d.dp_rank is not None:
+            out["routed_dp_rank"] = d.dp_rank
+        return _encode(prefill_body), _encode(out)

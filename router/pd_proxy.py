@@ -1,0 +1,255 @@
+"""The request path: send one client request to a prefill and a decode leg at the same time.
+
+For each attempt a new pair and a new room are chosen. Before the first byte
+has gone to the client, a failed leg cancels the other and the request is
+retried on a new pair (bounded attempts, exponential backoff with jitter); the
+last failure becomes a 502 JSON error. After streaming has begun, a failed
+decode stream ends with an SSE error event. A client that goes away cancels
+both legs (closing their connections, which is what servers watch for to
+abort the room).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from pdserve.router.config import RouterConfig, backoff_ms
+from pdserve.router.errors import RouterError, upstream_failed
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pairing import Pair, Pairing
+from pdserve.router.worker_registry import Endpoint
+
+log = logging.getLogger("pdserve.router")
+
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_DONE = b"data: [DONE]\n\n"
+
+
+class LegFailure(Exception):
+    """One leg of one attempt failed: a typed value the retry loop decides on."""
+
+    def __init__(self, leg: str, endpoint: Endpoint, message: str, status: int | None = None,
+                 body: bytes | None = None, content_type: str | None = None):
+        super().__init__(message)
+        self.leg, self.endpoint, self.message = leg, endpoint, message
+        self.status, self.body, self.content_type = status, body, content_type
+
+    @property
+    def retryable(self) -> bool:
+        # a client error (bad request) would fail on any pair; pass it through instead
+        return self.status is None or self.status >= 500 or self.status in (408, 429)
+
+    def describe(self) -> str:
+        return f"{self.leg} worker {self.endpoint.key}: {self.message}"
+
+
+def _consume(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()  # mark retrieved: the failure was handled through another path
+
+
+class PDProxy:
+    def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
+                 session: aiohttp.ClientSession, headers: dict[str, str]):
+        self.config = config
+        self.pairing = pairing
+        self.metrics = metrics
+        self.session = session
+        self.headers = headers  # to workers: content type and, with --api-key, the bearer token
+        self._rng = random.Random()
+
+    async def handle(self, request: web.Request, path: str, body: dict) -> web.StreamResponse:
+        """Serve one client request; raises RouterError for errors before the first byte."""
+        stream = bool(body.get("stream"))
+        attempts = self.config.retry_max_retries
+        exclude: set[str] = set()
+        last: LegFailure | None = None
+        for attempt in range(attempts):
+            if attempt:
+                self.metrics.retries += 1
+                self.metrics.leg_retries[(last.endpoint.worker.url, last.leg)] += 1
+                await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
+            pair = self.pairing.choose(body, exclude)
+            try:
+                if stream:
+                    return await self._attempt_stream(request, path, body, pair)
+                return await self._attempt_json(path, body, pair)
+            except LegFailure as failure:
+                self.metrics.leg_errors[(failure.endpoint.worker.url, failure.leg)] += 1
+                log.info("attempt %d/%d failed: %s", attempt + 1, attempts, failure.describe())
+                if not failure.retryable:
+                    return _passthrough_error(failure)
+                exclude.add(failure.endpoint.key)
+                last = failure
+        raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
+
+    # one attempt, JSON answer ---------------------------------------------
+    async def _attempt_json(self, path: str, body: dict, pair: Pair) -> web.Response:
+        p_body, d_body = Pairing.leg_bodies(body, pair)
+        p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
+        d_task = asyncio.ensure_future(self._leg("decode", pair.decode, path, d_body))
+        try:
+            pending = {p_task, d_task}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if t.exception() is not None:
+                        raise t.exception()
+        finally:
+            for t in (p_task, d_task):
+                if not t.done():
+                    t.cancel()
+                t.add_done_callback(_consume)
+        _, _, p_data = p_task.result()
+        status, ctype, d_data = d_task.result()
+        if body.get("return_logprob") and path == "/generate":
+            d_data = merge_input_logprobs(p_data, d_data)
+        return web.Response(body=d_data, status=status, content_type=ctype or "application/json")
+
+    async def _leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
+        """POST one leg and read its whole answer; raises LegFailure."""
+        url = ep.worker.url
+        self.metrics.leg_requests[(url, leg)] += 1
+        ep.load += 1
+        try:
+            async with self.session.post(url + path, data=data, headers=self.headers) as resp:
+                payload = await resp.read()
+                if resp.status >= 400:
+                    raise LegFailure(leg, ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
+                                     payload, resp.content_type)
+                if leg == "prefill" and _has_error(payload):
+                    raise LegFailure(leg, ep, f"error in answer: {_short(payload)}", 500)
+                return resp.status, resp.content_type, payload
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise LegFailure(leg, ep, f"{type(e).__name__}: {e}") from None
+        finally:
+            ep.load -= 1
+
+    # one attempt, streamed answer -------------------------------------------
+    async def _attempt_stream(self, request: web.Request, path: str, body: dict,
+                              pair: Pair) -> web.StreamResponse:
+        p_body, d_body = Pairing.leg_bodies(body, pair)
+        d_ep = pair.decode
+        p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
+        d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
+        d_ep.load += 1
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            # wait for the decode leg's first bytes, unless the prefill leg fails first
+            pending = {p_task, d_task}
+            while d_task in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if p_task in done and p_task.exception() is not None:
+                    raise p_task.exception()
+            resp, first = d_task.result()
+            out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
+            await out.prepare(request)
+            await out.write(first)
+            self.metrics.ttft.observe(time.perf_counter() - request["t0"])
+            try:
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.metrics.leg_errors[(d_ep.worker.url, "decode")] += 1
+                msg = f"decode worker {d_ep.key} failed mid-stream: {type(e).__name__}: {e}"
+                log.warning(msg)
+                await out.write(b"data: " + _encode({"error": {
+                    "message": msg, "type": "upstream_error", "param": None, "code": 502}}) + b"\n\n")
+                await out.write(_DONE)
+            await out.write_eof()
+            return out
+        finally:
+            d_ep.load -= 1
+            if resp is None and d_task.done() and not d_task.cancelled() and d_task.exception() is None:
+                resp = d_task.result()[0]
+            if resp is not None:
+                resp.close()  # no-op when fully read; otherwise drops the connection (cancels)
+            for t in (p_task, d_task):
+                if not t.done():
+                    t.cancel()
+                t.add_done_callback(_consume)
+
+    async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
+        """POST the decode leg and wait for its first bytes: (response, first chunk)."""
+        url = ep.worker.url
+        self.metrics.leg_requests[(url, "decode")] += 1
+        resp = None
+        try:
+            resp = await self.session.post(url + path, data=data, headers=self.headers)
+            if resp.status >= 400:
+                payload = await resp.read()
+                raise LegFailure("decode", ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
+                                 payload, resp.content_type)
+            first = await resp.content.readany()
+            if not first:
+                raise LegFailure("decode", ep, "closed the stream before sending anything")
+            return resp, first
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            if resp is not None:
+                resp.close()
+            raise LegFailure("decode", ep, f"{type(e).__name__}: {e}") from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
+
+
+def merge_input_logprobs(prefill: bytes, decode: bytes) -> bytes:
+    """Put the prefill leg's prompt logprobs in front of the decode leg's (as sglang-router does):
+    only the prefill server ran the prompt."""
+    try:
+        p, d = _decode(prefill), _decode(decode)
+    except msgspec.DecodeError:
+        return decode
+    pairs = zip(p, d) if isinstance(p, list) and isinstance(d, list) else [(p, d)]
+    for pi, di in pairs:
+        pm, dm = pi.get("meta_info") if isinstance(pi, dict) else None, \
+            di.get("meta_info") if isinstance(di, dict) else None
+        if isinstance(pm, dict) and isinstance(dm, dict) and "input_token_logprobs" in pm:
+            dm["input_token_logprobs"] = list(pm["input_token_logprobs"] or []) + \
+                list(dm.get("input_token_logprobs") or [])
+    return _encode(d)
+
+
+def _has_error(payload: bytes) -> bool:
+    """A 200 answer that carries an error (SGLang's servers put one in a JSON body or an SSE event)."""
+    if b'"error"' not in payload:
+        return False
+    for part in payload.split(b"data: ") if payload.startswith(b"data: ") else [payload]:
+        part = part.strip()
+        if not part or part == b"[DONE]":
+            continue
+        try:
+            obj = _decode(part)
+        except msgspec.DecodeError:
+            continue
+        if isinstance(obj, dict) and obj.get("error"):
+            return True
+    return False
+
+
+def _short(payload: bytes, n: int = 300) -> str:
+    return payload[:n].decode("utf-8", "replace").strip()
+
+
+def _passthrough_error(failure: LegFailure) -> web.Response:
+    """A worker's client error (4xx), given to the client as the worker said it."""
+    body = failure.body or b""
+    try:
+        obj = _decode(body)
+        ok = isinstance(obj, dict) and isinstance(obj.get("error"), dict)
+    except msgspec.DecodeError:
+        ok = False
+    if not ok:
+        body = RouterError(failure.status, f"{failure.leg} worker: {_short(body)}",
+                           "invalid_request_error").body()
+    return web.Response(body=body, status=failure.status, content_type="application/json")

@@ -1,0 +1,261 @@
+"""The router's HTTP server: endpoints, admission (auth, payload size, concurrency) and lifecycle.
+
+``Router(config)`` owns the worker registry, the policies, the health checker
+and one pooled aiohttp client session; ``await router.start()`` probes the
+configured workers once and starts the health loop; ``router.make_app()`` is
+the aiohttp application. ``serve(config)`` runs it all on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from urllib.parse import unquote
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from pdserve.router.admission import Admission
+from pdserve.router.config import RouterConfig, WorkerSpec
+from pdserve.router.errors import RouterError, bad_request, payload_too_large, unauthorized
+from pdserve.router.health import HealthChecker
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.pairing import Pairing
+from pdserve.router.pd_proxy import PDProxy
+from pdserve.router.policy import make_policy
+from pdserve.router.worker_registry import WorkerRegistry
+
+log = logging.getLogger("pdserve.router")
+_decode = msgspec.json.decode
+_encode = msgspec.json.encode
+INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+
+
+def error_response(err: RouterError) -> web.Response:
+    return web.Response(body=err.body(), status=err.status, content_type="application/json")
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=_encode(obj), status=status, content_type="application/json")
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        self.registry = WorkerRegistry(config.dp_aware)
+        self.prefill_policy = make_policy(config.effective_prefill_policy, config)
+        self.decode_policy = make_policy(config.effective_decode_policy, config)
+        self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy)
+        self.metrics = RouterMetrics()
+        self.admission = Admission(config.max_concurrent_requests, config.queue_size,
+                                   config.queue_timeout_secs)
+        self.worker_headers = {"Content-Type": "application/json"}
+        if config.api_key:
+            self.worker_headers["Authorization"] = f"Bearer {config.api_key}"
+        self._auth = f"Bearer {config.api_key}" if config.api_key else None
+        self.session: aiohttp.ClientSession | None = None
+        self.proxy: PDProxy | None = None
+        self.health: HealthChecker | None = None
+        self._health_task: asyncio.Task | None = None
+
+    # lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60,
+                                         enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_secs, sock_connect=10)
+        self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
+                                             auto_decompress=False, skip_auto_headers=("User-Agent",))
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.session,
+                             self.worker_headers)
+        self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)
+        for spec in self.config.prefill + self.config.decode:
+            self.registry.add(spec)
+        workers = self.registry.workers()
+        if workers:
+            await asyncio.gather(*(self.health.check(w, first=True) for w in workers))
+        for w in workers:
+            if not w.healthy:
+                log.warning("%s worker %s does not answer /health yet", w.role, w.url)
+        self._health_task = asyncio.ensure_future(self.health.run())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            try:
+                await self._health_task
+            except asyncio.CancelledError:
+                pass
+        if self.session is not None:
+            await self.session.close()
+
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_payload_size)
+        r = app.router
+        for path in INFERENCE_ROUTES:
+            r.add_post(path, self._inference)
+        r.add_get("/v1/models", self._forward_get)
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
+            r.add_get(path, self._forward_get)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/workers", self._list_workers)
+        r.add_post("/workers", self._add_worker)
+        r.add_delete("/workers/{url:.+}", self._remove_worker)
+        app.on_cleanup.append(lambda _app: self.close())
+        return app
+
+    # request path ------------------------------------------------------------
+    async def _inference(self, request: web.Request) -> web.StreamResponse:
+        request["t0"] = t0 = time.perf_counter()
+        route = request.path
+        admitted = False
+        status = 500
+        try:
+            self._check_auth(request)
+            raw = await self._read_body(request)
+            try:
+                body = _decode(raw)
+            except msgspec.DecodeError as e:
+                raise bad_request(f"invalid JSON body: {e}") from None
+            if not isinstance(body, dict):
+                raise bad_request("the JSON body must be an object")
+            await self.admission.acquire()
+            admitted = True
+            resp = await self.proxy.handle(request, route, body)
+            status = resp.status
+            return resp
+        except RouterError as err:
+            status = err.status
+            return error_response(err)
+        except (ConnectionResetError, asyncio.CancelledError):
+            status = 499  # the client went away; the legs are already cancelled
+            raise
+        finally:
+            if admitted:
+                self.admission.release()
+            self.metrics.requests[(route, status)] += 1
+            self.metrics.e2e.observe(time.perf_counter() - t0)
+
+    def _check_auth(self, request: web.Request) -> None:
+        if self._auth is not None and request.headers.get("Authorization") != self._auth:
+            raise unauthorized()
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_payload_size
+        if request.content_length is not None and request.content_length > limit:
+            raise payload_too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise payload_too_large(limit) from None
+
+    # other endpoints --------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        counts = {role: len(self.registry.healthy_endpoints(role)) for role in ("prefill", "decode")}
+        return json_response({"status": "ok", "healthy_endpoints": counts})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.registry),
+                            content_type="text/plain", charset="utf-8")
+
+    async def _forward_get(self, request: web.Request) -> web.Response:
+        """Model and server info come from a healthy worker (decode first: it serves the answers)."""
+        try:
+            self._check_auth(request)
+        except RouterError as err:
+            return error_response(err)
+        endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")
+        if not endpoints:
+            return error_response(RouterError(503, "no healthy worker available", "service_unavailable"))
+        url = endpoints[0].worker.url + request.path
+        try:
+            async with self.session.get(url, headers=self.worker_headers) as resp:
+                data = await resp.read()
+                return web.Response(body=data, status=resp.status,
+                                    content_type=resp.content_type or "application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return error_response(RouterError(502, f"{url}: {type(e).__name__}: {e}", "upstream_error"))
+
+    async def _list_workers(self, request: web.Request) -> web.Response:
+        try:
+            self._check_auth(request)
+        except RouterError as err:
+            return error_response(err)
+        return json_response({role: [w.to_json() for w in self.registry.workers(role)]
+                              for role in ("prefill", "decode")})
+
+    async def _add_worker(self, request: web.Request) -> web.Response:
+        """Body: {"url", "role" (or SGLang's "worker_type"): "prefill"|"decode", "bootstrap_port"}."""
+        try:
+            self._check_auth(request)
+            try:
+                body = _decode(await self._read_body(request))
+            except msgspec.DecodeError as e:
+                raise bad_request(f"invalid JSON body: {e}") from None
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise bad_request("expected a JSON object with 'url' and 'role'", "url")
+            try:
+                spec = WorkerSpec(body["url"], body.get("role") or body.get("worker_type") or "",
+                                  body.get("bootstrap_port"))
+            except (ValueError, TypeError) as e:
+                raise bad_request(str(e)) from None
+            try:
+                worker = self.registry.add(spec)
+            except ValueError as e:
+                raise RouterError(409, str(e), "conflict", "url") from None
+        except RouterError as err:
+            return error_response(err)
+        await self.health.check(worker, first=True)
+        log.info("added %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
+        return json_response(worker.to_json())
+
+    async def _remove_worker(self, request: web.Request) -> web.Response:
+        try:
+            self._check_auth(request)
+        except RouterError as err:
+            return error_response(err)
+        url = unquote(request.match_info["url"])
+        worker = self.registry.remove(url)
+        if worker is None:
+            return error_response(RouterError(404, f"no worker {url}", "not_found", "url"))
+        policy = self.prefill_policy if worker.role == "prefill" else self.decode_policy
+        for ep in worker.endpoints:
+            policy.forget(ep.key)
+        log.info("removed %s worker %s (%d requests in flight finish there)", worker.role,
+                 worker.url, worker.load)
+        return json_response(worker.to_json())
+
+
+async def start_router(config: RouterConfig, host: str | None = None,
+                       port: int | None = None) -> tuple[Router, web.AppRunner, int]:
+    """Start a router in the running loop (tests, embedding); returns (router, runner, port)."""
+    router = Router(config)
+    await router.start()
+    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host or config.host, config.port if port is None else port,
+                       backlog=2048)
+    await site.start()
+    return router, runner, site._server.sockets[0].getsockname()[1]
+
+
+def serve(config: RouterConfig) -> None:
+    """Run the router until interrupted (the CLI's entry)."""
+    import uvloop
+
+    async def run():
+        router, runner, port = await start_router(config)
+        log.info("router listening on %s:%d; prefill %s; decode %s", config.host, port,
+                 [w.url for w in router.registry.workers("prefill")],
+                 [w.url for w in router.registry.workers("decode")])
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        uvloop.run(run())
+    except KeyboardInterrupt:
+        pass

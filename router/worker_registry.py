@@ -1,0 +1,137 @@
+"""The prefill and decode workers the router knows, their health and their load.
+
+Pure bookkeeping: no sockets. The health checker and the ``/workers`` API call
+into it; the request path reads ``healthy_endpoints(role)``, a list rebuilt only
+when membership, health or DP size change, so choosing a worker is cheap.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from pdserve.router.config import WorkerSpec
+
+ROLES = ("prefill", "decode")
+
+
+class Endpoint:
+    """One schedulable target: a worker, or one DP rank of a DP-aware worker.
+
+    Policies choose among endpoints; ``load`` is the number of requests in
+    flight on it, counted by the router.
+    """
+
+    __slots__ = ("worker", "dp_rank", "key", "load")
+
+    def __init__(self, worker: "Worker", dp_rank: int | None):
+        self.worker = worker
+        self.dp_rank = dp_rank
+        self.key = worker.url if dp_rank is None else f"{worker.url}@{dp_rank}"
+        self.load = 0
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.key}, load={self.load})"
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec):
+        self.url = spec.url.rstrip("/")
+        self.role = spec.role
+        self.bootstrap_port = spec.bootstrap_port
+        # SGLang's router sends the host part of the prefill URL (no brackets for IPv6)
+        self.bootstrap_host = urlsplit(self.url).hostname or ""
+        self.dp_size = 1
+        self.model_id: str | None = None
+        self.healthy = False
+        self.info_known = False  # /get_server_info answered at least once
+        self.consecutive_failures = 0
+        self.consecutive_successes = 0
+        self.endpoints: list[Endpoint] = [Endpoint(self, None)]
+
+    @property
+    def load(self) -> int:
+        return sum(e.load for e in self.endpoints)
+
+    def to_json(self) -> dict:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "bootstrap_port": self.bootstrap_port,
+            "healthy": self.healthy,
+            "dp_size": self.dp_size,
+            "model_id": self.model_id,
+            "in_flight": self.load,
+            "endpoints": {e.key: e.load for e in self.endpoints},
+        }
+
+
+class WorkerRegistry:
+    def __init__(self, dp_aware: bool = False):
+        self.dp_aware = dp_aware
+        self._workers: dict[str, Worker] = {}
+        self._healthy: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+
+    # membership --------------------------------------------------------
+    def add(self, spec: WorkerSpec, healthy: bool = False) -> Worker:
+        url = spec.url.rstrip("/")
+        if url in self._workers:
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(spec)
+        worker.healthy = healthy
+        self._workers[url] = worker
+        self._rebuild()
+        return worker
+
+    def remove(self, url: str) -> Worker | None:
+        """Take a worker out; requests already on it finish, new ones go elsewhere."""
+        worker = self._workers.pop(url.rstrip("/"), None)
+        if worker is not None:
+            self._rebuild()
+        return worker
+
+    def get(self, url: str) -> Worker | None:
+        return self._workers.get(url.rstrip("/"))
+
+    def workers(self, role: str | None = None) -> list[Worker]:
+        return [w for w in self._workers.values() if role is None or w.role == role]
+
+    def healthy_endpoints(self, role: str) -> list[Endpoint]:
+        return self._healthy[role]
+
+    # state changes -----------------------------------------------------
+    def set_server_info(self, worker: Worker, dp_size: int, model_id: str | None = None) -> None:
+        worker.info_known = True
+        if model_id:
+            worker.model_id = model_id
+        dp_size = max(1, int(dp_size))
+        ranks = dp_size if (self.dp_aware or dp_size > 1) else 0
+        if worker.dp_size != dp_size or len(worker.endpoints) != max(ranks, 1):
+            worker.dp_size = dp_size
+            old = {e.dp_rank: e for e in worker.endpoints}
+            worker.endpoints = ([old.get(r) or Endpoint(worker, r) for r in range(ranks)] if ranks
+                                else [old.get(None) or Endpoint(worker, None)])
+            self._rebuild()
+
+    def record_health(self, worker: Worker, ok: bool, failure_threshold: int,
+                      success_threshold: int) -> bool:
+        """Count one health probe; returns True when the worker's healthy flag changed."""
+        if ok:
+            worker.consecutive_failures = 0
+            worker.consecutive_successes += 1
+            flip = not worker.healthy and worker.consecutive_successes >= success_threshold
+        else:
+            worker.consecutive_successes = 0
+            worker.consecutive_failures += 1
+            flip = worker.healthy and worker.consecutive_failures >= failure_threshold
+        if flip:
+            worker.healthy = not worker.healthy
+            if worker.url in self._workers:
+                self._rebuild()
+        return flip
+
+    def _rebuild(self) -> None:
+        healthy: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        for w in self._workers.values():
+            if w.healthy:
+                healthy[w.role].extend(w.endpoints)
+        self._healthy = healthy
