@@ -1,0 +1,331 @@
+"""Decode side: finds prefill ranks through their bootstrap servers, registers this
+rank's pool with each once, sends per-room destinations, heartbeats every known
+prefill rank and turns prefill's status (and engine notifications) into receiver states."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgspec
+
+from pdserve.engine.page_pool import PagePool
+from pdserve.kvtransfer import messages as m
+from pdserve.kvtransfer.aux_pool import AuxPool
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
+from pdserve.kvtransfer.kv_manager import KVManager, parse_room_notification
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.kv_receiver import KVReceiver
+from pdserve.kvtransfer.transfer_engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+_LOOKUP_RETRY_S = 0.2
+
+PeerKey = tuple[str, int, int]  # (bootstrap_host, bootstrap_port, prefill dp rank)
+
+
+@dataclass
+class PrefillPeer:
+    key: PeerKey
+    state: str = "resolving"  # resolving -> registering -> ready | failed
+    reason: str | None = None
+    route: m.RankRegistration | None = None
+    receivers: set[int] = field(default_factory=set)
+    next_lookup: float = 0.0
+    lookup_inflight: bool = False
+    last_ack: float = 0.0
+    last_beat: float = 0.0
+    seq: int = 0
+
+    @property
+    def endpoint(self) -> str | None:
+        return None if self.route is None else self.route.endpoint
+
+    def describe(self) -> str:
+        host, port, dp = self.key
+        return f"prefill dp {dp} (bootstrap {host}:{port}{', ' + self.endpoint if self.endpoint else ''})"
+
+
+class DecodeKVManager(KVManager):
+    role = "decode"
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: PagePool,
+        *,
+        aux_pool: AuxPool | None = None,
+        engine: TransferEngine | None = None,
+    ):
+        super().__init__(config, pool, engine)
+        self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs)
+        self._register(self.aux_pool.base_addr, self.aux_pool.nbytes)
+        self.receivers: dict[int, KVReceiver] = {}
+        self.peers: dict[PeerKey, PrefillPeer] = {}
+        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap-lookup")
+        self._awaiting_notify: set[int] = set()
+
+    # ---------------------------------------------------------- scheduler API
+    def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:
+        """A receiver for ``room``; WaitingForInput once the prefill rank accepted this pool."""
+        receiver = KVReceiver(self, room, (bootstrap_host, int(bootstrap_port), int(prefill_dp_rank)))
+        with self.lock:
+            if room in self.receivers and not self.receivers[room].state.done:
+                raise KVTransferError(f"room {room} already has an open receiver")
+            self.receivers[room] = receiver
+        self.call_soon(lambda: self._attach(receiver))
+        return receiver
+
+    def _init(self, receiver: KVReceiver, dst_pages: list[int], aux_slot: int) -> None:
+        bad = [p for p in dst_pages if not 0 < p < self.pool.num_pages]
+        if bad:
+            raise KVTransferError(f"room {receiver.room}: pages {bad[:4]} outside [1, {self.pool.num_pages})")
+        if not 0 <= aux_slot < self.aux_pool.num_slots:
+            raise KVTransferError(f"room {receiver.room}: aux slot {aux_slot} outside [0, {self.aux_pool.num_slots})")
+        with self.lock:
+            if receiver.dst_pages is not None:
+                raise KVTransferError(f"room {receiver.room}: init() called twice")
+            receiver.dst_pages = dst_pages
+            receiver.aux_slot = aux_slot
+        self.call_soon(lambda: self._maybe_request(receiver))
+
+    def abort(self, room: int, reason: str = "aborted by decode") -> None:
+        with self.lock:
+            receiver = self.receivers.get(room)
+            if receiver is None:
+                return
+            self._fail_receiver(receiver, reason)
+
+    # ------------------------------------------------------------ room state
+    def _fail_receiver(self, receiver: KVReceiver, reason: str, tell_peer: bool = True) -> None:
+        """Call with ``lock`` held (any thread)."""
+        if not self._finish(receiver, KVPoll.Failed, reason):
+            return
+        self._awaiting_notify.discard(receiver.room)
+        peer = receiver.peer
+        if tell_peer and peer is not None and peer.endpoint is not None:
+            endpoint, msg = peer.endpoint, m.AbortRoom(receiver.room, reason)
+            self.call_soon(lambda: self.send_msg(endpoint, msg))
+
+    def _attach(self, receiver: KVReceiver) -> None:
+        """Control thread: bind the receiver to its peer, starting the lookup if new."""
+        if receiver.state.done:
+            return
+        peer = self.peers.get(receiver.peer_key)
+        if peer is None:
+            peer = self.peers[receiver.peer_key] = PrefillPeer(receiver.peer_key)
+        with self.lock:
+            receiver.peer = peer
+            peer.receivers.add(receiver.room)
+            if peer.state == "failed":
+                self._fail_receiver(receiver, peer.reason)
+            elif peer.state == "ready" and receiver.state is KVPoll.Bootstrapping:
+                receiver.state = KVPoll.WaitingForInput
+        self._maybe_request(receiver)
+        self._maybe_lookup(peer, time.monotonic())
+
+    def _maybe_request(self, receiver: KVReceiver) -> None:
+        """Control thread: send the room's destination once both it and the peer are ready."""
+        peer = receiver.peer
+        with self.lock:
+            if (
+                peer is None
+                or peer.state != "ready"
+                or receiver.dst_pages is None
+                or receiver.requested_at is not None
+                or receiver.state.done
+            ):
+                return
+            receiver.state = KVPoll.Transferring
+            receiver.requested_at = time.monotonic()
+        self.send_msg(peer.endpoint, m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot))
+
+    # ------------------------------------------------------- bootstrap lookup
+    def _maybe_lookup(self, peer: PrefillPeer, now: float) -> None:
+        if peer.state != "resolving" or peer.lookup_inflight or now < peer.next_lookup or not peer.receivers:
+            return
+        peer.lookup_inflight = True
+        fut = self._lookups.submit(self._fetch_route, peer.key)
+        fut.add_done_callback(lambda f: self.call_soon(lambda: self._on_route(peer, f)))
+
+    @staticmethod
+    def _fetch_route(key: PeerKey) -> m.RankRegistration:
+        host, port, dp = key
+        url = f"http://{host}:{port}/route?dp_rank={dp}&tp_rank=0"
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return msgspec.json.decode(resp.read(), type=m.RankRegistration)
+
+    def _on_route(self, peer: PrefillPeer, fut) -> None:
+        peer.lookup_inflight = False
+        if self.peers.get(peer.key) is not peer:
+            return
+        try:
+            route = fut.result()
+        except urllib.error.HTTPError as e:
+            # 503: not every prefill rank registered yet; retry until the receivers time out
+            detail = e.read().decode(errors="replace")
+            logger.info("kv decode: lookup %s: HTTP %d %s", peer.describe(), e.code, detail)
+            if e.code not in (503, 404):
+                self._fail_peer(peer, f"bootstrap lookup of {peer.describe()} failed: HTTP {e.code} {detail}")
+                return
+            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S
+            return
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError) as e:
+            logger.info("kv decode: lookup %s: %s", peer.describe(), e)
+            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S
+            return
+        peer.route = route
+        diff = route.layout().mismatch(self.layout)
+        if diff:
+            self._fail_peer(peer, f"KV layout mismatch (prefill vs decode): {diff}")
+            return
+        if route.backend != self.config.backend:
+            self._fail_peer(peer, f"transfer backend mismatch: prefill {route.backend} vs decode {self.config.backend}")
+            return
+        peer.state = "registering"
+        peer.last_ack = time.monotonic()  # the heartbeat window starts now
+        self.send_msg(
+            route.endpoint,
+            m.RegisterPool(
+                decode_id=self.id,
+                endpoint=self.endpoint,
+                backend=self.config.backend,
+                peer_info=self.engine.peer_info(),
+                layout=self.layout,
+                num_pages=self.pool.num_pages,
+                page_bytes=self.page_bytes,
+                k_addrs=self.k_addrs,
+                v_addrs=self.v_addrs,
+                aux_addr=self.aux_pool.base_addr,
+                aux_slot_bytes=self.aux_pool.slot_bytes,
+                aux_num_slots=self.aux_pool.num_slots,
+            ),
+        )
+
+    def _fail_peer(self, peer: PrefillPeer, reason: str, drop: bool = False) -> None:
+        """Control thread: fail every open room of ``peer``; ``drop`` forgets it (so it is looked up anew)."""
+        logger.warning("kv decode: %s", reason)
+        peer.state, peer.reason = "failed", reason
+        with self.lock:
+            for room in peer.receivers:
+                receiver = self.receivers.get(room)
+                if receiver is not None:
+                    self._fail_receiver(receiver, reason, tell_peer=not drop)
+            peer.receivers.clear()
+        if drop:
+            self.peers.pop(peer.key, None)
+            if peer.endpoint:
+                self.call_soon(lambda: self.drop_endpoint(peer.endpoint))
+
+    # ---------------------------------------------------------- control thread
+    def _on_message(self, msg: m.ControlMessage) -> None:
+        if isinstance(msg, m.RoomStatus):
+            with self.lock:
+                receiver = self.receivers.get(msg.room)
+                if receiver is None or receiver.state.done:
+                    return
+                if not msg.success:
+                    self._fail_receiver(receiver, f"prefill failed: {msg.reason}", tell_peer=False)
+                elif msg.notified and not receiver.notified:
+                    receiver.status_ok = True
+                    self._awaiting_notify.add(receiver.room)
+                    self._fast_poll = True
+                else:
+                    self._finish(receiver, KVPoll.Success)
+        elif isinstance(msg, m.AbortRoom):
+            with self.lock:
+                receiver = self.receivers.get(msg.room)
+                if receiver is not None:
+                    self._fail_receiver(receiver, f"aborted by prefill: {msg.reason}", tell_peer=False)
+        elif isinstance(msg, m.RegisterAck):
+            self._on_register_ack(msg)
+        elif isinstance(msg, m.HeartbeatAck):
+            for peer in self.peers.values():
+                if peer.state in ("registering", "ready") and peer.endpoint == msg.endpoint:
+                    peer.last_ack = time.monotonic()
+        else:
+            logger.warning("kv decode: unexpected %s", type(msg).__name__)
+
+    def _on_register_ack(self, ack: m.RegisterAck) -> None:
+        for peer in [p for p in self.peers.values() if p.state == "registering"]:
+            if ack.endpoint != peer.endpoint:
+                continue
+            if not ack.ok:
+                self._fail_peer(peer, f"{peer.describe()} rejected this decode pool: {ack.reason}")
+                continue
+            if self.engine.supports_notifications and ack.peer_info:
+                try:
+                    self.engine.connect(ack.peer_info)
+                except TransferEngineError as e:
+                    logger.warning("kv decode: connect back to %s: %s", peer.describe(), e)
+            peer.state = "ready"
+            peer.last_ack = time.monotonic()
+            with self.lock:
+                ready = [self.receivers[r] for r in peer.receivers if r in self.receivers]
+                for receiver in ready:
+                    if receiver.state is KVPoll.Bootstrapping:
+                        receiver.state = KVPoll.WaitingForInput
+            for receiver in ready:
+                self._maybe_request(receiver)
+
+    def _on_tick(self) -> None:
+        if not self._awaiting_notify and not self.engine.supports_notifications:
+            return
+        notes = self.engine.get_notifications()
+        if not notes and not self._awaiting_notify:
+            return
+        with self.lock:
+            for note in notes:
+                room = parse_room_notification(note)
+                receiver = self.receivers.get(room) if room is not None else None
+                if receiver is None or receiver.state.done:
+                    continue
+                receiver.notified = True
+                if receiver.status_ok:
+                    self._finish(receiver, KVPoll.Success)
+                    self._awaiting_notify.discard(room)
+            self._fast_poll = bool(self._awaiting_notify)
+
+    def _on_timer(self, now: float) -> None:
+        cfg = self.config
+        with self.lock:
+            for receiver in self.receivers.values():
+                if receiver.state is KVPoll.Bootstrapping and now - receiver.created > cfg.bootstrap_timeout:
+                    self._fail_receiver(receiver, f"prefill not reachable within bootstrap_timeout {cfg.bootstrap_timeout}s")
+                elif (
+                    receiver.state is KVPoll.Transferring
+                    and receiver.requested_at is not None
+                    and now - receiver.requested_at > cfg.waiting_timeout
+                ):
+                    self._fail_receiver(receiver, f"no KV from prefill within waiting_timeout {cfg.waiting_timeout}s")
+            self._purge(self.receivers, now)
+            for peer in self.peers.values():
+                peer.receivers = {r for r in peer.receivers if r in self.receivers and not self.receivers[r].state.done}
+        for peer in list(self.peers.values()):
+            self._maybe_lookup(peer, now)
+            if peer.state not in ("registering", "ready"):
+                continue
+            if now - peer.last_ack > cfg.heartbeat_window:
+                self._fail_peer(
+                    peer,
+                    f"{peer.describe()} unreachable: no heartbeat reply for {now - peer.last_ack:.1f}s "
+                    f"({cfg.heartbeat_max_failures} x {cfg.heartbeat_interval}s)",
+                    drop=True,
+                )
+            elif now - peer.last_beat >= cfg.heartbeat_interval:
+                peer.last_beat = now
+                peer.seq += 1
+                self.send_msg(peer.endpoint, m.Heartbeat(self.id, self.endpoint, peer.seq))
+        # a failed peer (layout mismatch, rejected pool) is retried for new rooms later
+        for key in [k for k, p in self.peers.items() if p.state == "failed" and not p.receivers]:
+            del self.peers[key]
+
+    def _close_extra(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,232 @@
+"""What prefill and decode KV managers share: the transfer engine, the ZMQ control
+channel and the one control thread that owns every socket.
+
+The scheduler thread never touches a socket: it calls ``create_sender`` /
+``create_receiver`` / ``send`` / ``init`` / ``abort`` (which only update state
+under ``lock`` and queue work) and ``poll()`` (an attribute read). The control
+thread runs queued calls, reads incoming frames and fires timers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from pdserve.engine.page_pool import PagePool
+from pdserve.kvtransfer import messages as m
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
+
+logger = logging.getLogger(__name__)
+
+# terminal rooms are forgotten this long after they ended (late messages for them are ignored)
+_ROOM_RETENTION_S = 60.0
+_TIMER_PERIOD_S = 0.05
+
+
+def room_notification(room: int) -> bytes:
+    return b"pdserve-room:%d" % room
+
+
+def parse_room_notification(msg: bytes) -> int | None:
+    prefix, _, room = msg.partition(b":")
+    return int(room) if prefix == b"pdserve-room" and room.isdigit() else None
+
+
+class KVManager(ABC):
+    role: str = ""
+
+    def __init__(self, config: KVTransferConfig, pool: PagePool, engine: TransferEngine | None = None):
+        self.config = config
+        self.pool = pool
+        self.layout = m.LayoutInfo.from_layout(pool.layout())
+        infos = pool.buffer_infos()
+        self.page_bytes = infos[0].page_bytes
+        self.k_addrs = [b.base_addr for b in infos[: pool.num_layers]]
+        self.v_addrs = [b.base_addr for b in infos[pool.num_layers :]]
+        self.engine = engine or create_transfer_engine(config.backend, config.host, config.ib_device)
+        self._registered: list[int] = []
+        for b in infos:
+            self._register(b.base_addr, b.nbytes)
+        self.lock = threading.Lock()  # guards room state transitions and room tables
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._ctx = zmq.Context()
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        if config.control_port:
+            self._pull.bind(f"tcp://{config.host}:{config.control_port}")
+            port = config.control_port
+        else:
+            port = self._pull.bind_to_random_port(f"tcp://{config.host}")
+        self.endpoint = f"{config.host}:{port}"
+        self.id = f"{self.role}-{self.endpoint}-{uuid.uuid4().hex[:8]}"
+        self._push: dict[str, zmq.Socket] = {}
+        self._stop = threading.Event()
+        self._fast_poll = False  # set by subclasses while waiting for engine notifications
+        self._thread = threading.Thread(target=self._control_loop, name=f"kv-{self.role}-control", daemon=True)
+
+    def _register(self, addr: int, nbytes: int) -> None:
+        self.engine.register(addr, nbytes)
+        self._registered.append(addr)
+
+    def start(self) -> "KVManager":
+        self._thread.start()
+        return self
+
+    # -------------------------------------------------------------- control thread
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the control thread (from any thread)."""
+        self._calls.put(fn)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the control thread is already due to wake
+
+    def send_msg(self, endpoint: str, msg: m.ControlMessage) -> None:
+        """Control thread only: send ``msg`` to a peer's control endpoint, never blocking."""
+        sock = self._push.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 10000)
+            sock.connect(f"tcp://{endpoint}")
+            self._push[endpoint] = sock
+        try:
+            sock.send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("kv %s: control queue to %s full, dropped %s", self.role, endpoint, type(msg).__name__)
+
+    def drop_endpoint(self, endpoint: str) -> None:
+        sock = self._push.pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+
+    def _control_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        self._on_start()
+        next_timer = 0.0
+        while not self._stop.is_set():
+            timeout_ms = 1 if self._fast_poll else int(_TIMER_PERIOD_S * 1000)
+            try:
+                events = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError:
+                break
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            while True:
+                try:
+                    fn = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                self._guard(fn)
+            if self._pull in events:
+                self._drain_frames()
+            self._guard(self._on_tick)
+            now = time.monotonic()
+            if now >= next_timer:
+                next_timer = now + _TIMER_PERIOD_S
+                self._guard(lambda: self._on_timer(now))
+
+    def _drain_frames(self) -> None:
+        while True:
+            try:
+                frame = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = m.decode(frame)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # garbage or truncated frames from the network are dropped, never fatal
+                logger.warning("kv %s: rejected bad control frame (%d bytes): %s", self.role, len(frame), e)
+                continue
+            self._guard(lambda: self._on_message(msg))
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - one bad event must not kill the control thread
+            logger.exception("kv %s: control thread error", self.role)
+
+    # ---------------------------------------------------------------- rooms
+    def _finish(self, obj, state: KVPoll, reason: str | None = None) -> bool:
+        """Move a sender/receiver to a terminal state once; call with ``lock`` held."""
+        if obj.state.done:
+            return False
+        if state is KVPoll.Failed:
+            obj.failure_reason = reason or "failed"
+            logger.info("kv %s: room %d failed: %s", self.role, obj.room, obj.failure_reason)
+        obj.state = state
+        obj.done_at = time.monotonic()
+        return True
+
+    @staticmethod
+    def _purge(rooms: dict, now: float) -> None:
+        for room in [r for r, o in rooms.items() if o.done_at is not None and now - o.done_at > _ROOM_RETENTION_S]:
+            del rooms[room]
+
+    @abstractmethod
+    def abort(self, room: int, reason: str) -> None:
+        """Fail the room here and tell the peer (from any thread)."""
+
+    # hooks run on the control thread
+    def _on_start(self) -> None:
+        pass
+
+    @abstractmethod
+    def _on_message(self, msg: m.ControlMessage) -> None: ...
+
+    def _on_tick(self) -> None:
+        pass
+
+    @abstractmethod
+    def _on_timer(self, now: float) -> None: ...
+
+    # ----------------------------------------------------------------- close
+    def close(self) -> None:
+        """Stop the threads, close the sockets, deregister memory and release the engine."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.call_soon(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._close_extra()
+        for sock in self._push.values():
+            sock.close(0)
+        self._pull.close(0)
+        self._ctx.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        for addr in self._registered:
+            try:
+                self.engine.deregister(addr)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("kv %s: deregister %#x: %s", self.role, addr, e)
+        self._registered.clear()
+        self.engine.close()
+
+    def _close_extra(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,54 @@
+"""Prefill side of one room: polled by the scheduler, advanced by the KV manager's threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdserve.kvtransfer.aux_pool import AuxData
+from pdserve.kvtransfer.kv_poll import KVPoll
+
+if TYPE_CHECKING:
+    from pdserve.kvtransfer.prefill_kv_manager import DecodePeer, PrefillKVManager
+    from pdserve.kvtransfer.messages import RoomRequest
+
+
+class KVSender:
+    """Bootstrapping (no destination yet) -> WaitingForInput -> Transferring -> Success | Failed."""
+
+    def __init__(self, mgr: "PrefillKVManager", room: int):
+        self.room = room
+        self._mgr = mgr
+        # plain attributes read without a lock (atomic in CPython); written under mgr.lock
+        self.state = KVPoll.Bootstrapping
+        self.failure_reason: str | None = None
+        self.created = time.monotonic()
+        self.done_at: float | None = None
+        self.peer: "DecodePeer | None" = None
+        self.request: "RoomRequest | None" = None
+        self.pages_sent = 0
+        self.last_sent = False
+
+    def poll(self) -> KVPoll:
+        """Current state; cheap, call every scheduler step."""
+        return self.state
+
+    @property
+    def num_dst_pages(self) -> int | None:
+        """Pages the decode side allocated for this room, once known."""
+        return None if self.request is None else len(self.request.dst_pages)
+
+    def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None) -> None:
+        """Queue the next chunk of this room's pages (local page indices, in prompt order).
+
+        Valid once ``poll()`` is WaitingForInput or Transferring; ``aux`` goes with the
+        last chunk. Returns at once; the write happens on a transfer thread.
+        """
+        self._mgr._send(self, list(page_indices), is_last, aux)
+
+    def abort(self, reason: str = "aborted by prefill") -> None:
+        self._mgr.abort(self.room, reason)
+
+    def __repr__(self) -> str:
+        return f"KVSender(room={self.room}, state={self.state.name}, reason={self.failure_reason!r})"

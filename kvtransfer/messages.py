@@ -1,0 +1,146 @@
+"""Every message of the KV transfer layer, as msgspec Structs.
+
+Control channel (ZMQ, msgpack, tagged union ``ControlMessage``):
+  decode -> prefill: ``RegisterPool`` once per pair, ``RoomRequest`` per room, ``Heartbeat``;
+  prefill -> decode: ``RegisterAck``, ``RoomStatus``, ``HeartbeatAck``;
+  either way: ``AbortRoom``.
+Bootstrap server (HTTP, JSON): ``RankRegistration`` in, ``RankRoute``/``Topology`` out.
+
+KV destinations cross the wire as page indices only; the prefill side turns them
+into addresses with the pool it validated at registration.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class LayoutInfo(msgspec.Struct, frozen=True):
+    """Wire form of ``engine.page_pool.KVLayout``."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @classmethod
+    def from_layout(cls, layout) -> "LayoutInfo":
+        return cls(layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype)
+
+    def mismatch(self, other: "LayoutInfo") -> str | None:
+        """``None`` when equal, else which fields differ, e.g. ``page_size: 16 vs 32``."""
+        diffs = [
+            f"{f}: {getattr(self, f)} vs {getattr(other, f)}"
+            for f in self.__struct_fields__
+            if getattr(self, f) != getattr(other, f)
+        ]
+        return "; ".join(diffs) or None
+
+
+# --------------------------------------------------------------- control channel
+class RegisterPool(msgspec.Struct, frozen=True, tag=True):
+    """decode -> prefill, once per (decode rank, prefill rank) pair."""
+
+    decode_id: str  # unique per decode manager instance
+    endpoint: str  # decode's control endpoint, tcp://host:port
+    backend: str
+    peer_info: bytes  # transfer engine session id / agent metadata
+    layout: LayoutInfo
+    num_pages: int
+    page_bytes: int  # bytes of one page of one layer's K (or V)
+    k_addrs: list[int]  # per layer, address of page 0
+    v_addrs: list[int]
+    aux_addr: int
+    aux_slot_bytes: int
+    aux_num_slots: int
+
+
+class RegisterAck(msgspec.Struct, frozen=True, tag=True):
+    """prefill -> decode: the pool was accepted (ok) or why not."""
+
+    prefill_id: str
+    endpoint: str  # prefill's control endpoint, as in its bootstrap registration
+    ok: bool
+    reason: str = ""
+    peer_info: bytes = b""
+
+
+class RoomRequest(msgspec.Struct, frozen=True, tag=True):
+    """decode -> prefill: where a room's KV goes."""
+
+    room: int
+    decode_id: str
+    dst_pages: list[int]
+    aux_slot: int
+
+
+class RoomStatus(msgspec.Struct, frozen=True, tag=True):
+    """prefill -> decode: the room's KV and aux have landed, or failed with a reason."""
+
+    room: int
+    success: bool
+    reason: str = ""
+    notified: bool = False  # an engine notification for the room follows the data (nixl)
+
+
+class AbortRoom(msgspec.Struct, frozen=True, tag=True):
+    """Either way: stop the room; the receiver of this fails it with ``reason``."""
+
+    room: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, frozen=True, tag=True):
+    """decode -> prefill, every ``heartbeat_interval``."""
+
+    decode_id: str
+    endpoint: str
+    seq: int
+
+
+class HeartbeatAck(msgspec.Struct, frozen=True, tag=True):
+    prefill_id: str
+    endpoint: str
+    seq: int
+
+
+ControlMessage = RegisterPool | RegisterAck | RoomRequest | RoomStatus | AbortRoom | Heartbeat | HeartbeatAck
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ControlMessage)
+
+
+def encode(msg: ControlMessage) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(frame: bytes) -> ControlMessage:
+    """Raises ``msgspec.DecodeError`` (or ``ValidationError``) on garbage or truncated frames."""
+    return _decoder.decode(frame)
+
+
+# -------------------------------------------------------------- bootstrap server
+class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``PUT /route`` body: a prefill scheduler rank announces itself."""
+
+    dp_rank: int
+    tp_rank: int
+    endpoint: str  # host:port of its control channel
+    page_size: int
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    backend: str = "mooncake"
+
+    def layout(self) -> LayoutInfo:
+        return LayoutInfo(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
+
+
+class Topology(msgspec.Struct, frozen=True):
+    """``GET /route``: every rank, once all expected ones registered."""
+
+    dp_size: int
+    tp_size: int
+    ranks: list[RankRegistration]

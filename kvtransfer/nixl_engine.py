@@ -1,0 +1,145 @@
+"""NIXL (UCX backend) behind ``TransferEngine``; metadata travels over our control channel."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdserve.kvtransfer.errors import (
+    ConnectError,
+    EngineInitError,
+    RegistrationError,
+    TransferFailedError,
+)
+from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+class NixlTransferEngine(TransferEngine):
+    name = "nixl"
+    supports_notifications = True
+
+    def __init__(self, host: str, ib_device: str = ""):
+        try:
+            from nixl._api import nixl_agent, nixl_agent_config
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise EngineInitError(self.name, "import", None, f"nixl is not installed: {e}") from e
+        # agent names must be unique among all peers that ever meet
+        self.agent_name = f"pdserve-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self._agent = nixl_agent(self.agent_name, nixl_agent_config(backends=["UCX"]))
+        except Exception as e:  # noqa: BLE001
+            raise EngineInitError(self.name, "nixl_agent", None, str(e)) from e
+        self._regs: dict[int, object] = {}
+        # the agent's notification/transfer calls are not documented thread-safe
+        self._lock = threading.Lock()
+
+    def register(self, addr: int, nbytes: int) -> None:
+        try:
+            with self._lock:
+                self._regs[addr] = self._agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+        except Exception as e:  # noqa: BLE001
+            raise RegistrationError(self.name, "register_memory", None, f"addr={addr:#x} nbytes={nbytes}: {e}") from e
+
+    def deregister(self, addr: int) -> None:
+        reg = self._regs.pop(addr, None)
+        if reg is None:
+            raise RegistrationError(self.name, "deregister_memory", None, f"addr={addr:#x} was not registered")
+        try:
+            with self._lock:
+                self._agent.deregister_memory(reg)
+        except Exception as e:  # noqa: BLE001
+            raise RegistrationError(self.name, "deregister_memory", None, str(e)) from e
+
+    def peer_info(self) -> bytes:
+        with self._lock:
+            return self._agent.get_agent_metadata()
+
+    def connect(self, peer_info: bytes) -> str:
+        try:
+            with self._lock:
+                name = self._agent.add_remote_agent(peer_info)
+        except Exception as e:  # noqa: BLE001
+            raise ConnectError(self.name, "add_remote_agent", None, str(e)) from e
+        return name.decode() if isinstance(name, bytes) else name
+
+    def disconnect(self, peer: str) -> None:
+        try:
+            with self._lock:
+                self._agent.remove_remote_agent(peer)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("nixl remove_remote_agent(%s): %s", peer, e)
+
+    def write_batch(
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        notify: bytes | None = None,
+    ) -> TransferHandle:
+        n = len(src)
+        nbytes = int(sum(lengths))
+        # [n, 3] (addr, len, device id): numpy avoids building n Python tuples per side
+        local = np.zeros((n, 3), dtype=np.uint64)
+        remote = np.zeros((n, 3), dtype=np.uint64)
+        local[:, 0], local[:, 1] = src, lengths
+        remote[:, 0], remote[:, 1] = dst, lengths
+        try:
+            with self._lock:
+                ld = self._agent.get_xfer_descs(local, "DRAM")
+                rd = self._agent.get_xfer_descs(remote, "DRAM")
+                xfer = self._agent.initialize_xfer("WRITE", ld, rd, peer, notify or b"")
+                state = self._agent.transfer(xfer)
+        except Exception as e:  # noqa: BLE001
+            raise TransferFailedError(self.name, "initialize_xfer/transfer", None, f"to {peer}: {e}") from e
+        handle = TransferHandle(xfer, nbytes)
+        if state == "ERR":
+            self._release(handle)
+            raise TransferFailedError(self.name, "transfer", None, f"to {peer}: posting {n} descriptors failed")
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        if handle.state is not TransferState.PENDING:
+            return handle.state
+        try:
+            with self._lock:
+                s = self._agent.check_xfer_state(handle.raw)
+        except Exception as e:  # noqa: BLE001
+            s, msg = "ERR", str(e)
+        else:
+            msg = "transfer reported ERR"
+        if s == "PROC":
+            return TransferState.PENDING
+        if s == "DONE":
+            handle.state = TransferState.DONE
+        else:
+            handle.error = TransferFailedError(self.name, "check_xfer_state", None, msg)
+            handle.state = TransferState.FAILED
+        self._release(handle)
+        return handle.state
+
+    def _release(self, handle: TransferHandle) -> None:
+        try:
+            with self._lock:
+                self._agent.release_xfer_handle(handle.raw)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("nixl release_xfer_handle: %s", e)
+
+    def get_notifications(self) -> list[bytes]:
+        with self._lock:
+            notifs = self._agent.get_new_notifs()
+        return [m for msgs in notifs.values() for m in msgs]
+
+    def close(self) -> None:
+        for addr in list(self._regs):
+            try:
+                self.deregister(addr)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("nixl close: %s", e)

@@ -1,0 +1,46 @@
+"""Turning (source page, destination page) pairs into as few write descriptors as possible."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def page_runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs of pages contiguous on both sides: (src start, dst start, length), each ``[num_runs]`` int64."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    if src.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    # a run breaks wherever either side does not step by exactly one page
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [src.size]))
+    return src[starts], dst[starts], ends - starts
+
+
+def run_descriptors(
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    page_bytes: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """One (src addr, dst addr, length) per run per buffer (all layers' K then V).
+
+    ``src_bases[i]``/``dst_bases[i]`` are buffer i's page-0 addresses on each side;
+    both sides have the same ``page_bytes`` (checked at registration).
+    """
+    if len(src_bases) != len(dst_bases):
+        raise ValueError(f"{len(src_bases)} local buffers but {len(dst_bases)} remote buffers")
+    s0, d0, n = page_runs(src_pages, dst_pages)
+    sb = np.asarray(src_bases, dtype=np.int64)[:, None]  # [buffers, 1]
+    db = np.asarray(dst_bases, dtype=np.int64)[:, None]
+    src = (sb + s0[None, :] * page_bytes).ravel()  # [buffers * runs]
+    dst = (db + d0[None, :] * page_bytes).ravel()
+    lengths = np.broadcast_to(n[None, :] * page_bytes, (len(src_bases), n.size)).ravel()
+    return src.tolist(), dst.tolist(), lengths.tolist()

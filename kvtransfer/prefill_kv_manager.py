@@ -1,0 +1,322 @@
+"""Prefill side: registers with the bootstrap server, accepts decode pools and room
+destinations on the control channel, and writes KV pages and aux data on transfer threads."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import msgspec
+
+from pdserve.engine.page_pool import PagePool
+from pdserve.kvtransfer import messages as m
+from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
+from pdserve.kvtransfer.kv_manager import KVManager, room_notification
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.kv_sender import KVSender
+from pdserve.kvtransfer.page_runs import run_descriptors
+from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodePeer:
+    """A decode rank's registered pool, as validated here."""
+
+    reg: m.RegisterPool
+    engine_peer: str | None  # None when rejected
+    reject_reason: str | None
+    dst_bases: list[int]  # all layers' K then V, page-0 addresses
+
+
+@dataclass
+class _Chunk:
+    sender: KVSender
+    src_pages: list[int]
+    dst_pages: list[int]
+    is_last: bool
+    aux: AuxData | None
+
+
+class PrefillKVManager(KVManager):
+    role = "prefill"
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: PagePool,
+        bootstrap_port: int,
+        *,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+        bootstrap_host: str | None = None,
+        engine: TransferEngine | None = None,
+    ):
+        super().__init__(config, pool, engine)
+        self.dp_rank = dp_rank
+        self.tp_rank = tp_rank
+        self.bootstrap_url = f"http://{bootstrap_host or config.host}:{bootstrap_port}/route"
+        self.src_bases = self.k_addrs + self.v_addrs
+        # one staging aux slot per transfer thread: a thread has one room's aux in flight at a time
+        self._aux_staging = AuxPool(config.num_transfer_threads, config.aux_max_top_logprobs)
+        self._register(self._aux_staging.base_addr, self._aux_staging.nbytes)
+        self.senders: dict[int, KVSender] = {}
+        self._pending: dict[int, tuple[m.RoomRequest, float]] = {}  # destinations that came before the sender
+        self.decode_peers: dict[str, DecodePeer] = {}
+        self.registered = threading.Event()  # set once the bootstrap server accepted this rank
+        self.registration_error: str | None = None
+        self._queues = [queue.SimpleQueue() for _ in range(config.num_transfer_threads)]
+        self._workers = [
+            threading.Thread(target=self._transfer_loop, args=(i,), name=f"kv-transfer-{i}", daemon=True)
+            for i in range(config.num_transfer_threads)
+        ]
+        self._reg_thread = threading.Thread(target=self._register_with_bootstrap, name="kv-bootstrap-reg", daemon=True)
+
+    def start(self) -> "PrefillKVManager":
+        super().start()
+        for w in self._workers:
+            w.start()
+        self._reg_thread.start()
+        return self
+
+    # ---------------------------------------------------------- scheduler API
+    def create_sender(self, room: int) -> KVSender:
+        """A sender for ``room``; WaitingForInput as soon as the decode side's destination is here."""
+        sender = KVSender(self, room)
+        with self.lock:
+            if room in self.senders and not self.senders[room].state.done:
+                raise KVTransferError(f"room {room} already has an open sender")
+            self.senders[room] = sender
+            pending = self._pending.pop(room, None)
+            if pending is not None:
+                self._attach(sender, pending[0])
+        return sender
+
+    def _send(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None) -> None:
+        with self.lock:
+            if sender.state is KVPoll.Failed:
+                return  # the scheduler sees Failed on its next poll
+            if sender.state not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+                raise KVTransferError(f"room {sender.room}: send() in state {sender.state.name}")
+            if sender.last_sent:
+                raise KVTransferError(f"room {sender.room}: send() after the last chunk")
+            bad = [p for p in src_pages if not 0 < p < self.pool.num_pages]
+            if bad:
+                raise KVTransferError(f"room {sender.room}: local pages {bad[:4]} outside [1, {self.pool.num_pages})")
+            dst_all = sender.request.dst_pages
+            start, end = sender.pages_sent, sender.pages_sent + len(src_pages)
+            if end > len(dst_all) or (is_last and end != len(dst_all)):
+                self._fail_sender(sender, f"prefill sent {end} pages but decode preallocated {len(dst_all)}")
+                return
+            sender.pages_sent = end
+            sender.last_sent = is_last
+            sender.state = KVPoll.Transferring
+            chunk = _Chunk(sender, src_pages, dst_all[start:end], is_last, aux)
+        # shard by room so one room's chunks stay in order on one thread
+        self._queues[sender.room % len(self._queues)].put(chunk)
+
+    def abort(self, room: int, reason: str = "aborted by prefill") -> None:
+        with self.lock:
+            sender = self.senders.get(room)
+            self._pending.pop(room, None)
+            if sender is None:
+                return
+            self._fail_sender(sender, reason)
+
+    # ------------------------------------------------------------ room state
+    def _attach(self, sender: KVSender, req: m.RoomRequest) -> None:
+        """Give a Bootstrapping sender its destination; call with ``lock`` held."""
+        peer = self.decode_peers.get(req.decode_id)
+        sender.peer = peer
+        sender.request = req
+        if peer is None:
+            self._fail_sender(sender, f"destination from unregistered decode {req.decode_id}")
+        elif peer.reject_reason:
+            self._fail_sender(sender, peer.reject_reason)
+        elif sender.state is KVPoll.Bootstrapping:
+            sender.state = KVPoll.WaitingForInput
+
+    def _fail_sender(self, sender: KVSender, reason: str, tell_peer: bool = True) -> None:
+        """Call with ``lock`` held."""
+        if self._finish(sender, KVPoll.Failed, reason) and tell_peer and sender.peer is not None:
+            endpoint = sender.peer.reg.endpoint
+            msg = m.AbortRoom(sender.room, reason)
+            self.call_soon(lambda: self.send_msg(endpoint, msg))
+
+    # --------------------------------------------------------- transfer threads
+    def _transfer_loop(self, idx: int) -> None:
+        q = self._queues[idx]
+        while not self._stop.is_set():
+            try:
+                chunk = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self._transfer(idx, chunk)
+            except Exception as e:  # noqa: BLE001 - fail the room, keep the thread
+                logger.exception("kv prefill: transfer of room %d", chunk.sender.room)
+                with self.lock:
+                    self._fail_sender(chunk.sender, f"transfer error: {e!r}")
+
+    def _transfer(self, idx: int, chunk: _Chunk) -> None:
+        sender = chunk.sender
+        if sender.state.done:
+            return  # aborted while queued
+        peer = sender.peer
+        src, dst, lengths = run_descriptors(
+            chunk.src_pages, chunk.dst_pages, self.src_bases, peer.dst_bases, self.page_bytes
+        )
+        notify = None
+        if chunk.is_last:
+            if chunk.aux is not None:
+                self._aux_staging.write(idx, chunk.aux)
+                src.append(self._aux_staging.slot_addr(idx))
+                dst.append(peer.reg.aux_addr + sender.request.aux_slot * peer.reg.aux_slot_bytes)
+                lengths.append(self._aux_staging.slot_bytes)
+            if self.engine.supports_notifications and src:
+                notify = room_notification(sender.room)
+        try:
+            handle = self.engine.write_batch(peer.engine_peer, src, dst, lengths, notify)
+            state = self.engine.wait(handle)
+            error = handle.error
+        except TransferEngineError as e:
+            state, error = TransferState.FAILED, e
+        with self.lock:
+            if state is not TransferState.DONE:
+                self._fail_sender(sender, f"KV write failed: {error}")
+                return
+            if not chunk.is_last or sender.state.done:
+                return
+            self._finish(sender, KVPoll.Success)
+        status = m.RoomStatus(sender.room, True, notified=notify is not None)
+        self.call_soon(lambda: self.send_msg(peer.reg.endpoint, status))
+
+    # ---------------------------------------------------------- control thread
+    def _register_with_bootstrap(self) -> None:
+        reg = m.RankRegistration(
+            dp_rank=self.dp_rank,
+            tp_rank=self.tp_rank,
+            endpoint=self.endpoint,
+            page_size=self.layout.page_size,
+            kv_dtype=self.layout.dtype,
+            num_layers=self.layout.num_layers,
+            num_kv_heads=self.layout.num_kv_heads,
+            head_dim=self.layout.head_dim,
+            backend=self.config.backend,
+        )
+        body = msgspec.json.encode(reg)
+        deadline = time.monotonic() + self.config.bootstrap_timeout
+        while not self._stop.is_set():
+            req = urllib.request.Request(self.bootstrap_url, data=body, method="PUT")
+            req.add_header("Content-Type", "application/json")
+            try:
+                with urllib.request.urlopen(req, timeout=5):
+                    self.registered.set()
+                    return
+            except urllib.error.HTTPError as e:
+                # a 400 will not get better by retrying
+                self.registration_error = f"bootstrap server rejected rank: {e.read().decode(errors='replace')}"
+                logger.error("kv prefill: %s", self.registration_error)
+                self.registered.set()
+                return
+            except OSError as e:
+                if time.monotonic() > deadline:
+                    self.registration_error = f"bootstrap server {self.bootstrap_url} unreachable: {e}"
+                    logger.error("kv prefill: %s", self.registration_error)
+                    self.registered.set()
+                    return
+                self._stop.wait(0.2)
+
+    def _on_message(self, msg: m.ControlMessage) -> None:
+        if isinstance(msg, m.RegisterPool):
+            self._on_register_pool(msg)
+        elif isinstance(msg, m.RoomRequest):
+            self._on_room_request(msg)
+        elif isinstance(msg, m.AbortRoom):
+            with self.lock:
+                self._pending.pop(msg.room, None)
+                sender = self.senders.get(msg.room)
+                if sender is not None:
+                    self._fail_sender(sender, f"aborted by decode: {msg.reason}", tell_peer=False)
+        elif isinstance(msg, m.Heartbeat):
+            self.send_msg(msg.endpoint, m.HeartbeatAck(self.id, self.endpoint, msg.seq))
+        else:
+            logger.warning("kv prefill: unexpected %s", type(msg).__name__)
+
+    def _check_pool(self, reg: m.RegisterPool) -> str | None:
+        diff = self.layout.mismatch(reg.layout)
+        if diff:
+            return f"KV layout mismatch (prefill vs decode): {diff}"
+        if reg.backend != self.config.backend:
+            return f"transfer backend mismatch: prefill {self.config.backend} vs decode {reg.backend}"
+        if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != self.layout.num_layers:
+            return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
+        if reg.page_bytes != self.page_bytes:
+            return f"page bytes mismatch: prefill {self.page_bytes} vs decode {reg.page_bytes}"
+        if reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_slot_bytes != self._aux_staging.slot_bytes:
+            return f"bad decode pool: {reg.num_pages} pages, {reg.aux_num_slots} aux slots of {reg.aux_slot_bytes} bytes"
+        return None
+
+    def _on_register_pool(self, reg: m.RegisterPool) -> None:
+        reason = self._check_pool(reg)
+        engine_peer = None
+        if reason is None:
+            try:
+                engine_peer = self.engine.connect(reg.peer_info)
+            except TransferEngineError as e:
+                reason = str(e)
+        peer = DecodePeer(reg, engine_peer, reason, list(reg.k_addrs) + list(reg.v_addrs))
+        with self.lock:
+            self.decode_peers[reg.decode_id] = peer
+        if reason:
+            logger.warning("kv prefill: rejected decode %s: %s", reg.decode_id, reason)
+        self.send_msg(reg.endpoint, m.RegisterAck(self.id, self.endpoint, reason is None, reason or "", self.engine.peer_info()))
+
+    def _on_room_request(self, req: m.RoomRequest) -> None:
+        peer = self.decode_peers.get(req.decode_id)
+        if peer is None:
+            logger.warning("kv prefill: room %d from unregistered decode %s dropped", req.room, req.decode_id)
+            return
+        problem = peer.reject_reason
+        if problem is None:
+            bad = [p for p in req.dst_pages if not 0 < p < peer.reg.num_pages]
+            if bad:
+                problem = f"destination pages {bad[:4]} outside decode pool [1, {peer.reg.num_pages})"
+            elif not 0 <= req.aux_slot < peer.reg.aux_num_slots:
+                problem = f"aux slot {req.aux_slot} outside [0, {peer.reg.aux_num_slots})"
+        with self.lock:
+            sender = self.senders.get(req.room)
+            if problem is not None:
+                if sender is not None:
+                    sender.peer = peer
+                    self._fail_sender(sender, problem, tell_peer=False)
+                self.send_msg(peer.reg.endpoint, m.AbortRoom(req.room, problem))
+                return
+            if sender is None:
+                self._pending[req.room] = (req, time.monotonic())
+            elif sender.state is KVPoll.Bootstrapping:
+                self._attach(sender, req)
+            else:
+                logger.warning("kv prefill: duplicate destination for room %d ignored", req.room)
+
+    def _on_timer(self, now: float) -> None:
+        timeout = self.config.bootstrap_timeout
+        with self.lock:
+            for sender in self.senders.values():
+                if sender.state is KVPoll.Bootstrapping and now - sender.created > timeout:
+                    self._fail_sender(sender, f"no destination from decode within bootstrap_timeout {timeout}s")
+            for room in [r for r, (_, t) in self._pending.items() if now - t > timeout]:
+                del self._pending[room]
+            self._purge(self.senders, now)
+
+    def _close_extra(self) -> None:
+        for w in self._workers:
+            w.join(timeout=5)

@@ -1,0 +1,123 @@
+"""One small interface over the raw transfer engines (Mooncake, NIXL).
+
+The raw engines take raw pointers and return integer codes or strings; this is
+the one place they are wrapped. Everything above talks to ``TransferEngine`` and
+gets ``TransferEngineError`` subclasses, never a bare ``-1``.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from pdserve.kvtransfer.errors import TransferEngineError
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class TransferHandle:
+    """An in-flight batch write. ``error`` is set once it has failed."""
+
+    __slots__ = ("raw", "nbytes", "error", "state")
+
+    def __init__(self, raw: object, nbytes: int):
+        self.raw = raw
+        self.nbytes = nbytes
+        self.error: TransferEngineError | None = None
+        self.state = TransferState.PENDING
+
+
+class TransferEngine(ABC):
+    """A transfer engine bound to this host. Thread-safe for concurrent writes."""
+
+    name: str = ""
+    #: True when ``write_batch(notify=...)`` delivers a message to the peer after the data
+    supports_notifications: bool = False
+
+    @abstractmethod
+    def __init__(self, host: str, ib_device: str = ""):
+        """Start the engine on ``host`` (RDMA on ``ib_device`` where the backend supports it)."""
+
+    @abstractmethod
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes."""
+
+    @abstractmethod
+    def deregister(self, addr: int) -> None:
+        """Undo ``register`` for the region starting at ``addr``."""
+
+    @abstractmethod
+    def peer_info(self) -> bytes:
+        """What a peer needs to ``connect`` to this engine (session id, agent metadata)."""
+
+    @abstractmethod
+    def connect(self, peer_info: bytes) -> str:
+        """Make a peer known from its ``peer_info``; returns the peer name for ``write_batch``."""
+
+    @abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer (e.g. it died); a later ``connect`` may bring it back."""
+
+    @abstractmethod
+    def write_batch(
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        notify: bytes | None = None,
+    ) -> TransferHandle:
+        """Start writing each ``lengths[i]`` bytes at local ``src[i]`` to the peer's ``dst[i]``.
+
+        Returns at once; ``poll`` or ``wait`` the handle. ``notify`` (backends with
+        ``supports_notifications``) reaches the peer once all bytes have landed.
+        """
+
+    @abstractmethod
+    def poll(self, handle: TransferHandle) -> TransferState:
+        """Non-blocking state of a write; on FAILED, ``handle.error`` says why."""
+
+    def wait(self, handle: TransferHandle, timeout: float | None = None) -> TransferState:
+        """Block until the write is DONE or FAILED (or ``timeout`` passes: PENDING)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spins = 0
+        while (state := self.poll(handle)) is TransferState.PENDING:
+            if deadline is not None and time.monotonic() > deadline:
+                return state
+            spins += 1
+            # spin briefly (small writes finish in microseconds), then back off to spare the CPU
+            time.sleep(0 if spins < 100 else 5e-5)
+        return state
+
+    @abstractmethod
+    def get_notifications(self) -> list[bytes]:
+        """Notifications that arrived since the last call (empty for backends without them)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; no call is valid afterwards."""
+
+
+# name -> "module:Class"; imported only when chosen, so a missing library only
+# breaks the backend that needs it
+TRANSFER_ENGINES: dict[str, str] = {
+    "mooncake": "pdserve.kvtransfer.mooncake_engine:MooncakeTransferEngine",
+    "nixl": "pdserve.kvtransfer.nixl_engine:NixlTransferEngine",
+}
+
+
+def create_transfer_engine(name: str, host: str, ib_device: str = "") -> TransferEngine:
+    """Build the engine registered as ``name`` (``mooncake`` or ``nixl``)."""
+    try:
+        target = TRANSFER_ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown transfer backend {name!r}; choose from {sorted(TRANSFER_ENGINES)}") from None
+    module, cls = target.split(":")
+    return getattr(importlib.import_module(module), cls)(host, ib_device)
