@@ -37,6 +37,7 @@ from pdserve.kvtransfer.transfer_engine import (
 __all__ = [
     "AuxData", "AuxPool", "BootstrapServer", "ConnectError", "DEFAULT_BOOTSTRAP_PORT", "DecodeKVManager",
     "EngineInitError", "KVPoll", "KVReceiver", "KVSender", "KVTransferConfig", "KVTransferError",
+    "PrefillKVManager", "RegistrationError", "TRANSFER_BACKENDS", "TRANSFER_ENGINES",
     "TransferEngine", "TransferEngineError", "TransferFailedError", "TransferHandle", "TransferState",
     "create_transfer_engine",
 ]
