@@ -1,0 +1,221 @@
+"""Router overhead: pdserve's router side by side with sglang-router on the same stand-in workers.
+
+Starts one stand-in prefill and one stand-in decode worker (each its own
+process, answering at once), the pdserve router and sglang-router
+(``--pd-disaggregation``) in front of them, and measures for short
+non-streamed and streamed ``/generate`` requests:
+
+- latency at concurrency 1 (p50, p99) through each router and directly to the
+  decode worker (the baseline: "added" latency = router - direct);
+- the request rate at saturation (closed loop, ``--concurrency`` clients).
+
+Targets are measured interleaved (round by round) so machine noise hits all
+alike. Ends with ONE JSON line holding both routers' figures and the ratios.
+
+    .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 4] [--concurrency 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(args: list[str], log: str) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
+                     procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"{p.args} exited with {p.returncode}")
+        try:
+            async with session.post(url + "/generate", json=body) as r:
+                await r.read()
+                if r.status == 200:
+                    return
+                last = r.status
+        except aiohttp.ClientError as e:
+            last = e
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready after {timeout}s: {last}")
+
+
+async def one(session: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        if stream:
+            async for _ in r.content.iter_any():
+                pass
+        else:
+            await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}")
+    return time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+async def latency(session, targets: dict[str, str], data: bytes, stream: bool, n: int, rounds: int):
+    samples = {name: [] for name in targets}
+    names = list(targets)
+    for _ in range(rounds):
+        random.shuffle(names)
+        for name in names:
+            for _ in range(n // rounds):
+                samples[name].append(await one(session, targets[name], data, stream))
+    return {name: {"p50_ms": 1e3 * pct(s, 0.5), "p99_ms": 1e3 * pct(s, 0.99), "n": len(s)}
+            for name, s in samples.items()}
+
+
+async def saturation(session, url: str, data: bytes, stream: bool, concurrency: int,
+                     duration: float) -> float:
+    done = 0
+    stop_at = time.perf_counter() + duration
+
+    async def worker():
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            await one(session, url, data, stream)
+            done += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+async def measure(args, targets: dict[str, str]) -> dict:
+    results = {}
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4,
+                                                                  "temperature": 0}}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, auto_decompress=False,
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        for stream in (False, True):
+            kind = "stream" if stream else "json"
+            data = json.dumps({**body, "stream": stream}).encode()
+            urls = {name: url + "/generate" for name, url in targets.items()}
+            for url in urls.values():  # warm up connections and code paths
+                for _ in range(50):
+                    await one(session, url, data, stream)
+            lat = await latency(session, urls, data, stream, args.requests, rounds=4)
+            rate = {name: [] for name in targets if name != "direct"}
+            for _ in range(args.rounds):
+                for name in random.sample(list(rate), len(rate)):
+                    rate[name].append(await saturation(session, urls[name], data, stream,
+                                                       args.concurrency, args.duration))
+            for name, lat_ in lat.items():
+                results[f"{kind}.{name}"] = {**lat_}
+                if name in rate:
+                    results[f"{kind}.{name}"]["rps"] = statistics.median(rate[name])
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=400, help="sequential requests per target (latency)")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per saturation run")
+    p.add_argument("--rounds", type=int, default=2, help="saturation runs per target (median)")
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--logs", default="/tmp/bench_router_logs")
+    args = p.parse_args()
+    random.seed(0)
+    os.makedirs(args.logs, exist_ok=True)
+    pp, dp, bp, ours, theirs = (free_port() for _ in range(5))
+    prefill, decode = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+    procs = [
+        spawn([PY, "-m", "pdserve.router.standin_worker", "--role", "prefill", "--port", str(pp)],
+              f"{args.logs}/prefill.log"),
+        spawn([PY, "-m", "pdserve.router.standin_worker", "--role", "decode", "--port", str(dp)],
+              f"{args.logs}/decode.log"),
+    ]
+    try:
+        async def ready_workers():
+            async with aiohttp.ClientSession() as s:
+                for url in (prefill, decode):
+                    await wait_ready(s, url, {"text": "x"}, 30, procs)
+        asyncio.run(ready_workers())
+        procs.append(spawn([PY, "-m", "pdserve.router", "--prefill", prefill, str(bp), "--decode", decode,
+                            "--host", "127.0.0.1", "--port", str(ours), "--policy", "round_robin",
+                            "--log-level", "warn"], f"{args.logs}/pdserve_router.log"))
+        procs.append(spawn([PY, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                            "--prefill", prefill, str(bp), "--decode", decode, "--host", "127.0.0.1",
+                            "--port", str(theirs), "--policy", "round_robin", "--log-level", "warn",
+                            "--prometheus-port", str(free_port())],
+                           f"{args.logs}/sglang_router.log"))
+        targets = {"direct": decode, "pdserve": f"http://127.0.0.1:{ours}",
+                   "sglang": f"http://127.0.0.1:{theirs}"}
+
+        async def run():
+            async with aiohttp.ClientSession() as s:
+                for name in ("pdserve", "sglang"):
+                    await wait_ready(s, targets[name], {"text": "x"}, 120, procs)
+            return await measure(args, targets)
+
+        results = asyncio.run(run())
+    finally:
+        for proc in reversed(procs):
+            stop(proc)
+
+    summary = {"bench": "router", "cpus": os.cpu_count(), "concurrency": args.concurrency}
+    print(f"{'mode':7} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} "
+          f"{'req/s':>8}")
+    for kind in ("json", "stream"):
+        direct = results[f"{kind}.direct"]
+        for name in ("direct", "pdserve", "sglang"):
+            r = results[f"{kind}.{name}"]
+            if name != "direct":
+                r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
+                r["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
+            print(f"{kind:7} {name:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
+                  f"{r.get('added_p50_ms', 0):10.3f} {r.get('added_p99_ms', 0):10.3f} "
+                  f"{r.get('rps', float('nan')):8.0f}")
+            summary[f"{kind}_{name}"] = {k: round(v, 4) for k, v in r.items()}
+        ours_, theirs_ = results[f"{kind}.pdserve"], results[f"{kind}.sglang"]
+        summary[f"{kind}_ratio_added_p50"] = round(ours_["added_p50_ms"] / max(theirs_["added_p50_ms"], 1e-6), 3)
+        summary[f"{kind}_ratio_added_p99"] = round(ours_["added_p99_ms"] / max(theirs_["added_p99_ms"], 1e-6), 3)
+        summary[f"{kind}_ratio_rps"] = round(ours_["rps"] / theirs_["rps"], 3)
+    summary["targets_met"] = all(summary[f"{k}_ratio_added_p50"] <= 1.5 and summary[f"{k}_ratio_rps"] >= 0.5
+                                 for k in ("json", "stream"))
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
