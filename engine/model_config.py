@@ -1,0 +1,189 @@
+"""ModelArch: the shape of a Llama-family model, read from a HF config.json or GGUF metadata.
+
+One dataclass for every supported architecture; the differences between them
+are flags (``attention_bias`` for Qwen2, ``qk_norm`` for Qwen3), so the model
+code has one path with a few switches rather than a class per family.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# HF ``model_type`` / GGUF ``general.architecture`` -> our family name
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    arch: str  # one of SUPPORTED_ARCHS
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_context_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope (Qwen3)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    # llama3-style rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    rope_linear_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"architecture {self.arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    # ------------------------------------------------------------ from HF
+    @classmethod
+    def from_hf_config(cls, cfg: dict, generation_cfg: dict | None = None) -> "ModelArch":
+        """Build from a parsed ``config.json`` (and optional ``generation_config.json``)."""
+        model_type = cfg.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHS:
+            raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHS})")
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        # transformers >= 5 nests rope settings under rope_parameters; older files keep them flat
+        rope = dict(cfg.get("rope_scaling") or {})
+        rope.update(cfg.get("rope_parameters") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        llama3 = None
+        linear = 1.0
+        if rope_type == "llama3":
+            llama3 = (
+                float(rope["factor"]),
+                float(rope["low_freq_factor"]),
+                float(rope["high_freq_factor"]),
+                int(rope["original_max_position_embeddings"]),
+            )
+        elif rope_type == "linear":
+            linear = float(rope["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+        max_ctx = int(cfg.get("max_position_embeddings", 4096))
+        # attention restricted to a window equals full attention for contexts inside it,
+        # so a sliding-window model runs exactly when its context is capped at the window
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            max_ctx = min(max_ctx, int(window))
+        eos: list[int] = []
+        for source in (cfg, generation_cfg or {}):
+            value = source.get("eos_token_id")
+            for tok in value if isinstance(value, list) else [value]:
+                if tok is not None and tok not in eos:
+                    eos.append(int(tok))
+        return cls(
+            arch=model_type,
+            num_layers=cfg["num_hidden_layers"],
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rope_theta=rope_theta,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_context_len=max_ctx,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=tuple(eos),
+            bos_token_id=cfg.get("bos_token_id"),
+            rope_llama3_scaling=llama3,
+            rope_linear_factor=linear,
+        )
+
+    def to_hf_config(self) -> dict:
+        """A ``config.json`` that transformers loads as the same model (used to compare against it)."""
+        model_type = self.arch
+        cfg = {
+            "architectures": [
+                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
+            ],
+            "model_type": model_type,
+            "num_hidden_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_context_len,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "torch_dtype": "float32",
+        }
+        if model_type == "llama":
+            cfg["attention_bias"] = self.attention_bias
+            cfg["mlp_bias"] = False
+        if model_type == "mistral":
+            cfg["sliding_window"] = None
+        if self.rope_llama3_scaling is not None:
+            f, lo, hi, orig = self.rope_llama3_scaling
+            cfg["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
+                                   "high_freq_factor": hi, "original_max_position_embeddings": orig}
+        elif self.rope_linear_factor != 1.0:
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
+        return cfg
+
+    # ---------------------------------------------------------- from GGUF
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict, tensor_names: set[str]) -> "ModelArch":
+        """Build from GGUF key/values (as read by ``model_loader``) and the file's tensor names."""
+        arch = meta.get("general.architecture")
+        if arch not in ("llama", "qwen2", "qwen3"):
+            raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: llama, qwen2, qwen3)")
+        if "rope_freqs.weight" in tensor_names:
+            raise ValueError("GGUF files with rope_freqs (llama3 rope scaling) are not supported")
+
+        def get(key, default=None):
+            return meta.get(f"{arch}.{key}", default)
+
+        hidden = int(get("embedding_length"))
+        num_heads = int(get("attention.head_count"))
+        num_kv = get("attention.head_count_kv", num_heads)
+        vocab = get("vocab_size") or meta.get("tokenizer.ggml.tokens")  # reader gives a count for arrays
+        eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+        scaling = get("rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise ValueError(f"GGUF rope scaling {scaling!r} is not supported")
+        return cls(
+            arch=arch,
+            num_layers=int(get("block_count")),
+            hidden_size=hidden,
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv),
+            head_dim=int(get("attention.key_length", hidden // num_heads)),
+            intermediate_size=int(get("feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            max_context_len=int(get("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in tensor_names,
+            attention_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos)),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            rope_linear_factor=float(get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0,
+        )

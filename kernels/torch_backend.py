@@ -1,0 +1,130 @@
+"""Attention on CPU (or any device) with plain torch ops over the page pool.
+
+- decode rows (one new token): all of them at once. Their pages are gathered
+  into a padded ``[n, L, kv_heads, dim]`` block (whole pages, so a handful of
+  large copies) and a float mask hides the padding, so there is no Python loop
+  over sequences.
+- prefill rows (several new tokens): one ``scaled_dot_product_attention`` per
+  sequence; without a cached prefix the new K/V are used directly (causal),
+  with one the sequence's slots are gathered and an explicit mask aligns the
+  causal diagonal at the prefix length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.kernels.kv_ops import gather_pages, gather_slots, slots_of, store_kv
+
+# With few KV heads, one wide bmm against all heads (wasting num_kv_heads x flops on
+# cross-group products) beats transposing the gathered K/V into a per-head layout.
+_WIDE_MAX_KV_HEADS = 4
+
+
+@dataclass
+class _DecodeMeta:
+    rows: torch.Tensor | None  # [n] token rows of decode sequences; None: every row
+    pages: torch.Tensor  # [n, P] pages to gather
+    mask: torch.Tensor  # [n, 1, P * page_size] float32, 0 where a key exists, -inf elsewhere
+
+
+@dataclass
+class _PrefillMeta:
+    start: int  # first token row
+    end: int
+    slots: torch.Tensor | None  # [seq_len] slots to gather; None: no cached prefix, use new K/V
+    mask: torch.Tensor | None  # [extend, seq_len] bool, True = attend
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def begin_forward(self, batch: ForwardBatch) -> None:
+        self.loc = batch.out_cache_loc
+        device = batch.input_ids.device
+        page_size = self.page_pool.page_size
+        decode_seqs, decode_rows, self.prefills = [], [], []
+        start = 0
+        for i, (ext, seq) in enumerate(zip(batch.extend_lens, batch.seq_lens)):
+            if ext == 1:
+                decode_seqs.append(i)
+                decode_rows.append(start)
+            elif ext > 1:
+                prefix = seq - ext
+                slots = mask = None
+                if prefix > 0:
+                    slots = slots_of(batch.page_table[i], seq, page_size)
+                    # query j sits at position prefix + j and sees keys 0..prefix + j
+                    q_pos = torch.arange(prefix, seq, device=device)[:, None]
+                    mask = torch.arange(seq, device=device)[None, :] <= q_pos
+                self.prefills.append(_PrefillMeta(start, start + ext, slots, mask))
+            start += ext
+        self.num_tokens = start
+        self.decode = None
+        if decode_seqs:
+            all_rows = len(decode_seqs) == batch.batch_size
+            seq_lens = [batch.seq_lens[i] for i in decode_seqs]
+            num_pages = -(-max(seq_lens) // page_size)
+            pages = batch.page_table if all_rows else batch.page_table[decode_seqs]
+            pages = pages[:, :num_pages].to(torch.int64)
+            key_pos = torch.arange(num_pages * page_size, device=device)
+            lens = torch.tensor(seq_lens, device=device)
+            mask = torch.zeros(len(seq_lens), 1, key_pos.numel(), dtype=torch.float32, device=device)
+            mask.masked_fill_(key_pos[None, None, :] >= lens[:, None, None], float("-inf"))
+            rows = None if all_rows else torch.tensor(decode_rows, device=device)
+            self.decode = _DecodeMeta(rows, pages, mask)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        # q: [T, H, D]; k, v: [T, KVH, D]
+        k_cache, v_cache = self.page_pool.k[layer], self.page_pool.v[layer]
+        store_kv(k_cache, v_cache, self.loc, k, v)
+        num_tokens = q.shape[0]
+        dec = self.decode
+        if dec is not None and dec.rows is None:
+            return self._decode(q, k_cache, v_cache, dec)
+        out = q.new_empty(num_tokens, self.num_heads * self.head_dim)
+        if dec is not None:
+            out[dec.rows] = self._decode(q[dec.rows], k_cache, v_cache, dec)
+        for p in self.prefills:
+            out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end],
+                                                 k_cache, v_cache, p)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: _PrefillMeta) -> torch.Tensor:
+        # q: [n, H, D]; k, v: [n, KVH, D] -> [n, H * D]
+        n = q.shape[0]
+        if meta.slots is not None:
+            k = gather_slots(k_cache, meta.slots)  # [seq_len, KVH, D]
+            v = gather_slots(v_cache, meta.slots)
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=meta.mask, is_causal=meta.mask is None, scale=self.scale, enable_gqa=True,
+        )  # [1, H, n, D]
+        return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+
+    def _decode(self, q, k_cache, v_cache, meta: _DecodeMeta) -> torch.Tensor:
+        # q: [n, H, D] -> [n, H * D]
+        n, num_heads, dim = q.shape
+        kvh = self.num_kv_heads
+        group = num_heads // kvh
+        k = gather_pages(k_cache, meta.pages)  # [n, L, KVH, D]
+        v = gather_pages(v_cache, meta.pages)
+        seq = k.shape[1]
+        wide = kvh <= _WIDE_MAX_KV_HEADS
+        if wide:
+            s = torch.bmm(k.view(n, seq * kvh, dim), q.transpose(1, 2))  # [n, L * KVH, H]
+            # keep only products of a query head with its own KV head
+            s = s.view(n, seq, kvh, kvh, group).diagonal(dim1=2, dim2=3)  # [n, L, G, KVH]
+            s = s.permute(0, 3, 2, 1).reshape(n, num_heads, seq)  # [n, H, L]
+        else:
+            s = torch.matmul(q.reshape(n, kvh, group, dim), k.permute(0, 2, 3, 1)).view(n, num_heads, seq)
+        p = torch.softmax(s.float() * self.scale + meta.mask, dim=-1).to(q.dtype)  # [n, H, L]
+        if wide:
+            o = torch.bmm(p, v.view(n, seq, kvh * dim))  # [n, H, KVH * D]
+            o = o.view(n, kvh, group, kvh, dim).diagonal(dim1=1, dim2=3)  # [n, G, D, KVH]
+            return o.permute(0, 3, 1, 2).reshape(n, num_heads * dim)
+        o = torch.matmul(p.view(n, kvh, group, seq), v.transpose(1, 2))  # [n, KVH, G, D]
+        return o.reshape(n, num_heads * dim)
