@@ -1,0 +1,392 @@
+"""The engine server's HTTP API (aiohttp): SGLang's and OpenAI's endpoints.
+
+Handlers decode and validate the body (``protocol``), hand the sequences to the
+tokenizer manager, and shape what comes back (``openai_api``). Every error
+leaves as OpenAI's error object. A middleware checks the API key and the body
+size and counts requests for /metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import asdict
+
+import msgspec
+from aiohttp import web
+
+from pdserve.engine import openai_api as api
+from pdserve.engine.metrics import ServerMetrics
+from pdserve.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestError,
+    SequenceSpec,
+    chat_sequences,
+    completion_sequences,
+    decode_body,
+    generate_sequences,
+    include_usage,
+    new_rid,
+)
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.seq_state import SeqState
+from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.tokenizer_manager import RequestHandle, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+VERSION = "0.1.0"
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed
+_json = msgspec.json.Encoder()
+TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
+CONFIG_KEY = web.AppKey("server_config", ServerConfig)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+STARTED_KEY = web.AppKey("started", float)
+HEALTH_GENERATE_TIMEOUT = 30.0
+
+
+def json_response(obj, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(err: RequestError) -> web.Response:
+    return json_response(err.to_dict(), status=err.status)
+
+
+async def read_body(request: web.Request) -> bytes:
+    limit = request.app[CONFIG_KEY].max_request_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestError(
+            f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
+            status=413,
+            code="request_too_large",
+        )
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
+
+
+@web.middleware
+async def api_middleware(request: web.Request, handler):
+    config = request.app[CONFIG_KEY]
+    metrics = request.app[METRICS_KEY]
+    status = 500
+    try:
+        if config.api_key is not None and request.path not in OPEN_PATHS:
+            auth = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {config.api_key}".encode()):
+                raise RequestError("invalid or missing API key", status=401, type="authentication_error", code="invalid_api_key")
+        resp = await handler(request)
+        status = resp.status
+        return resp
+    except RequestError as e:
+        status = e.status
+        return error_response(e)
+    except web.HTTPException as e:
+        status = e.status
+        if e.status < 400:
+            raise
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return json_response(api.error_object(f"{e.reason}: {request.method} {request.path}", kind), e.status)
+    except (ConnectionResetError, asyncio.CancelledError):
+        status = 499  # the client went away
+        raise
+    except Exception as e:  # a bug: answer 500 instead of dropping the connection
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return json_response(api.error_object(f"internal error: {e!r}"), 500)
+    finally:
+        metrics.on_http(request.path if request.match_info.route.resource else "other", status)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def _first_error(states: list[SeqState]) -> RequestError | None:
+    for st in states:
+        if st.finish_reason == "error":
+            status = st.error_status
+            return RequestError(
+                st.error or "generation failed",
+                status=status,
+                type="server_error",
+                code="unavailable" if status == 503 else "generation_error",
+            )
+    return None
+
+
+def _error_event(st: SeqState) -> bytes:
+    return api.sse(api.error_object(st.error or "generation failed", code=st.error_status))
+
+
+async def _start_sse(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    await resp.prepare(request)
+    return resp
+
+
+async def _stream(request: web.Request, handle: RequestHandle, render, tail=lambda: b"") -> web.StreamResponse:
+    """Write SSE events as updates arrive; ``render(state, delta) -> bytes`` shapes each one."""
+    resp = await _start_sse(request)
+    try:
+        async for first in handle:
+            chunks = []
+            for st, d in [first] + handle.drain_nowait():
+                if d.finished and st.finish_reason == "error":
+                    chunks.append(_error_event(st))
+                else:
+                    chunks.append(render(st, d))
+            data = b"".join(chunks)
+            if data:
+                await resp.write(data)
+        if _first_error(handle.states) is None:
+            await resp.write(tail())
+        await resp.write(api.SSE_DONE)
+    finally:
+        handle.close()
+    return resp
+
+
+async def _collect(handle: RequestHandle) -> list[SeqState]:
+    try:
+        return await handle.wait_all()
+    finally:
+        handle.close()
+
+
+# --- generation endpoints ----------------------------------------------------------------------
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req = decode_body(await read_body(request), GenerateRequest)
+    seqs, is_batch = generate_sequences(req, tm.limits())
+    handle = tm.submit(seqs, batch=is_batch)
+    tok_str = tm.token_str if req.return_text_in_logprobs else None
+    if req.stream:
+
+        def render(st: SeqState, d) -> bytes:
+            return api.sse(api.generate_object(st, tok_str))
+
+        return await _stream(request, handle, render)
+    states = await _collect(handle)
+    err = _first_error(states)
+    if err is not None:
+        raise err
+    outs = [api.generate_object(st, tok_str) for st in states]
+    return json_response(outs if is_batch else outs[0])
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req = decode_body(await read_body(request), CompletionRequest)
+    handle = tm.submit(completion_sequences(req, tm.limits()))
+    return await _openai(request, tm, req, handle, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    tm = request.app[TM_KEY]
+    req = decode_body(await read_body(request), ChatCompletionRequest)
+    handle = tm.submit(chat_sequences(req, tm.limits()))
+    return await _openai(request, tm, req, handle, chat=True)
+
+
+async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, chat: bool) -> web.StreamResponse:
+    rid = ("chatcmpl-" if chat else "cmpl-") + (req.rid if isinstance(req.rid, str) else new_rid())
+    model = req.model or tm.config.model_name
+    created = api.now()
+    if not req.stream:
+        states = await _collect(handle)
+        err = _first_error(states)
+        if err is not None:
+            raise err
+        shape = api.chat_object if chat else api.completion_object
+        return json_response(shape(rid, model, created, states, tm.token_str))
+
+    opened: set[int] = set()
+
+    def render(st: SeqState, d) -> bytes:
+        out = b""
+        if chat and st.spec.index not in opened:
+            opened.add(st.spec.index)
+            out += api.sse(api.chat_chunk(rid, model, created, st, None, tm.token_str))
+        if not d.text and not d.finished and not d.logprobs:
+            return out
+        if chat:
+            return out + api.sse(api.chat_chunk(rid, model, created, st, d, tm.token_str))
+        return out + api.sse(api.completion_chunk(rid, model, created, st, d, tm.token_str))
+
+    def tail() -> bytes:
+        if not include_usage(req):
+            return b""
+        object_ = "chat.completion.chunk" if chat else "text_completion"
+        return api.sse(api.usage_chunk(rid, model, created, object_, handle.states))
+
+    return await _stream(request, handle, render, tail)
+
+
+# --- control and info endpoints ----------------------------------------------------------------
+
+
+async def health(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    if tm.dead_reason is not None:
+        return json_response(api.error_object(tm.dead_reason, code="unavailable"), 503)
+    return web.Response(text="")
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """A one-token greedy generation on every DP rank."""
+    tm = request.app[TM_KEY]
+    if tm.dead_reason is not None:
+        return json_response(api.error_object(tm.dead_reason, code="unavailable"), 503)
+    seqs = [
+        SequenceSpec(
+            index=r,
+            prompt_index=r,
+            prompt=[0],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+            rid=f"health-{new_rid()}",
+            max_tokens_given=True,
+            routed_dp_rank=r,
+        )
+        for r in range(tm.dp_size)
+    ]
+    handle = tm.submit(seqs, batch=True)
+    try:
+        states = await asyncio.wait_for(handle.wait_all(), HEALTH_GENERATE_TIMEOUT)
+    except asyncio.TimeoutError:
+        return json_response(api.error_object("health generation timed out", code="unavailable"), 503)
+    finally:
+        handle.close()
+    err = _first_error(states)
+    if err is not None:
+        return json_response(err.to_dict(), 503)
+    return web.Response(text="")
+
+
+async def models(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    c = tm.config
+    card = {
+        "id": c.model_name,
+        "object": "model",
+        "created": int(request.app[STARTED_KEY]),
+        "owned_by": "pdserve",
+        "root": c.engine.model_path or c.model_name,
+        "max_model_len": tm.model_info.max_context_len,
+    }
+    return json_response({"object": "list", "data": [card]})
+
+
+async def model_info(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    c = tm.config
+    return json_response(
+        {
+            "model_path": c.engine.model_path or c.model_name,
+            "tokenizer_path": c.engine.model_path or c.model_name,
+            "served_model_name": c.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "max_context_len": tm.model_info.max_context_len,
+            "vocab_size": tm.model_info.vocab_size,
+        }
+    )
+
+
+async def server_info(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    c = tm.config
+    info = asdict(c.engine)
+    info.update({k: getattr(c, k) for k in c.server_field_names()})
+    info.pop("api_key", None)
+    info.update(
+        {
+            "version": VERSION,
+            "served_model_name": c.model_name,
+            "page_size": c.engine.page_size,
+            "max_total_num_tokens": tm.max_total_num_tokens,
+            "max_context_len": tm.model_info.max_context_len,
+            "internal_states": [
+                {
+                    "dp_rank": r,
+                    "num_running_reqs": s.num_running if s else None,
+                    "num_waiting_reqs": s.num_waiting if s else None,
+                    "num_free_pages": s.num_free_pages if s else None,
+                    "num_total_pages": s.num_total_pages if s else None,
+                    "max_total_num_tokens": tm.ready[r].max_total_num_tokens,
+                    "inflight": tm.inflight[r],
+                }
+                for r, s in enumerate(tm.stats)
+            ],
+        }
+    )
+    return json_response(info)
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    text = request.app[METRICS_KEY].render(tm.stats, tm.inflight)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Version": "0.0.4"})
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    body = await read_body(request)
+    try:
+        obj = msgspec.json.decode(body) if body else {}
+    except msgspec.DecodeError as e:
+        raise RequestError(f"Invalid JSON body: {e}", code="invalid_json")
+    if not isinstance(obj, dict):
+        raise RequestError("body must be a JSON object", param=None)
+    rid = obj.get("rid")
+    if obj.get("abort_all"):
+        count = sum(tm.abort(st.rid) for st in [e[0] for e in list(tm._seqs.values())])
+    elif isinstance(rid, str) and rid:
+        count = tm.abort(rid)
+    else:
+        raise RequestError("rid must be a non-empty string (or abort_all true)", param="rid")
+    return json_response({"aborted": count})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    request.app[TM_KEY].flush_cache()
+    return web.Response(text="Cache flushed.\n")
+
+
+def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics) -> web.Application:
+    # the body limit is enforced in read_body with a clear error; aiohttp's own limit sits above it
+    app = web.Application(middlewares=[api_middleware], client_max_size=config.max_request_bytes + 1)
+    app[TM_KEY] = tm
+    app[CONFIG_KEY] = config
+    app[METRICS_KEY] = metrics
+    app[STARTED_KEY] = time.time()
+    app.add_routes(
+        [
+            web.post("/generate", generate),
+            web.post("/v1/completions", completions),
+            web.post("/v1/chat/completions", chat_completions),
+            web.get("/v1/models", models),
+            web.get("/health", health),
+            web.get("/health_generate", health_generate),
+            web.get("/get_model_info", model_info),
+            web.get("/model_info", model_info),
+            web.get("/get_server_info", server_info),
+            web.get("/server_info", server_info),
+            web.get("/metrics", metrics_endpoint),
+            web.post("/abort_request", abort_request),
+            web.post("/flush_cache", flush_cache),
+            web.get("/flush_cache", flush_cache),
+        ]
+    )
+    return app

@@ -1,0 +1,380 @@
+"""The main process's side of the engine: tokenize, dispatch, collect, detokenize.
+
+``TokenizerManager`` owns the ZMQ sockets to the scheduler ranks (one PUSH per
+rank, one PULL for all their outputs), the per-sequence states, and the choice
+of DP rank. ``generate(seqs)`` tokenizes and validates every sequence of a
+request before sending any, then yields ``(SeqState, Delta)`` as outputs
+arrive; leaving the iteration early (a client that disconnects cancels its
+handler) aborts the unfinished sequences in their schedulers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.messages import (
+    AbortReq,
+    FlushCacheReq,
+    SchedulerError,
+    SchedulerOutput,
+    SchedulerReady,
+    SchedulerStats,
+    TokenizedGenerateReq,
+    TokenOutput,
+)
+from pdserve.engine.metrics import ServerMetrics
+from pdserve.engine.protocol import ChatPrompt, RequestError, RequestLimits, SequenceSpec
+from pdserve.engine.seq_state import Delta, SeqState, TokenLogprob
+from pdserve.engine.server_config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RankFailed(Exception):
+    """A scheduler rank reported an error or died."""
+
+
+def encode_prompt(tokenizer, prompt: str | list[int] | ChatPrompt) -> list[int]:
+    """Token ids of a prompt: text as the tokenizer encodes it, chat through the model's template."""
+    if isinstance(prompt, list):
+        return list(prompt)
+    if isinstance(prompt, ChatPrompt):
+        text = tokenizer.apply_chat_template(
+            prompt.messages,
+            tokenize=False,
+            add_generation_prompt=not prompt.continue_final_message,
+            continue_final_message=prompt.continue_final_message,
+            **prompt.chat_template_kwargs,
+        )
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(prompt)
+
+
+class TokenizerManager:
+    def __init__(self, config: ServerConfig, tokenizer, metrics: ServerMetrics):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.dp_size = config.dp_size
+        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
+        self.rank_in_addrs = [f"ipc://{self._ipc_dir}/rank{r}" for r in range(self.dp_size)]
+        self.out_addr = f"ipc://{self._ipc_dir}/out"
+        self._ctx = zmq.asyncio.Context()
+        self._push = []
+        for addr in self.rank_in_addrs:
+            s = self._ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.LINGER, 0)
+            s.bind(addr)
+            self._push.append(s)
+        self._pull = self._ctx.socket(zmq.PULL)
+        self._pull.setsockopt(zmq.LINGER, 0)
+        self._pull.bind(self.out_addr)
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(list[SchedulerOutput])
+
+        self.ready: list[SchedulerReady | None] = [None] * self.dp_size
+        self.stats: list[SchedulerStats | None] = [None] * self.dp_size
+        self.inflight = [0] * self.dp_size
+        self._rr = 0
+        self._seqs: dict[str, tuple[SeqState, asyncio.Queue]] = {}
+        self._recv_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+        self._tok_cache: dict[int, str] = {}
+
+    # --- start and stop --------------------------------------------------------------------
+
+    async def wait_ready(self, timeout: float, alive) -> None:
+        """Wait for every rank's SchedulerReady; ``alive()`` False (a rank died) aborts the wait."""
+        deadline = time.monotonic() + timeout
+        while not all(self.ready):
+            if not alive():
+                raise RankFailed("a scheduler process exited during start-up")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RankFailed(f"scheduler ranks not ready within {timeout:.0f} s")
+            if await self._pull.poll(timeout=min(500, int(left * 1000) + 1)):
+                for msg in self._dec.decode(await self._pull.recv()):
+                    if isinstance(msg, SchedulerReady):
+                        self.ready[msg.dp_rank] = msg
+                    elif isinstance(msg, SchedulerError):
+                        raise RankFailed(f"DP rank {msg.dp_rank} failed to start: {msg.message}")
+                    elif isinstance(msg, SchedulerStats):
+                        self.stats[msg.dp_rank] = msg
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    def close(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+        for s in self._push + [self._pull]:
+            s.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    # --- model facts -----------------------------------------------------------------------
+
+    @property
+    def model_info(self) -> SchedulerReady:
+        return self.ready[0]
+
+    @property
+    def max_total_num_tokens(self) -> int:
+        return min(r.max_total_num_tokens for r in self.ready)
+
+    def limits(self) -> RequestLimits:
+        c = self.config
+        names = {c.model_name, "default"}
+        if c.engine.model_path:
+            names.add(c.engine.model_path)
+        return RequestLimits(
+            model_names=frozenset(names),
+            max_n=c.max_n,
+            dp_size=self.dp_size,
+            vocab_size=self.model_info.vocab_size,
+            disaggregation_mode=c.disaggregation_mode,
+        )
+
+    def token_str(self, token_id: int) -> str:
+        s = self._tok_cache.get(token_id)
+        if s is None:
+            s = self._tok_cache[token_id] = self.tokenizer.decode([token_id])
+        return s
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _prepare(self, spec: SequenceSpec, ids: list[int]) -> SeqState:
+        info = self.model_info
+        ctx = info.max_context_len
+        if not ids:
+            raise RequestError(f"{spec.prompt_param} is empty after tokenization", param=spec.prompt_param)
+        if len(ids) >= ctx:
+            raise RequestError(
+                f"{spec.prompt_param} has {len(ids)} tokens; the model's context is {ctx} tokens "
+                "and must leave room for the output",
+                param=spec.prompt_param,
+                code="context_length_exceeded",
+            )
+        room = min(ctx, self.max_total_num_tokens) - len(ids)
+        sp = spec.sampling_params
+        if not spec.max_tokens_given:
+            if room < 1:
+                raise RequestError(
+                    f"{spec.prompt_param} has {len(ids)} tokens, more than the KV cache holds",
+                    param=spec.prompt_param,
+                    code="context_length_exceeded",
+                )
+            sp = msgspec.structs.replace(sp, max_new_tokens=room)
+            spec.sampling_params = sp
+        elif len(ids) + sp.max_new_tokens > ctx:
+            raise RequestError(
+                f"{spec.max_tokens_param} = {sp.max_new_tokens} with a {len(ids)}-token prompt exceeds "
+                f"the model's context of {ctx} tokens",
+                param=spec.max_tokens_param,
+                code="context_length_exceeded",
+            )
+        elif len(ids) + sp.max_new_tokens > self.max_total_num_tokens:
+            raise RequestError(
+                f"{spec.max_tokens_param} = {sp.max_new_tokens} with a {len(ids)}-token prompt exceeds "
+                f"the KV cache of {self.max_total_num_tokens} tokens",
+                param=spec.max_tokens_param,
+                code="context_length_exceeded",
+            )
+        stops = [] if spec.no_stop_trim else sp.stop
+        detok = Detokenizer(self.tokenizer, stops, sp.skip_special_tokens)
+        return SeqState(spec=spec, input_ids=ids, detok=detok, prompt_tokens=len(ids))
+
+    def _pick_rank(self, spec: SequenceSpec) -> int:
+        if spec.routed_dp_rank is not None:
+            return spec.routed_dp_rank
+        if spec.bootstrap is not None and self.config.disaggregation_mode == "prefill":
+            return spec.bootstrap.room % self.dp_size
+        # least loaded by sequences in flight; ties go round robin so idle ranks share the work
+        n = self.dp_size
+        rank = min(range(n), key=lambda r: (self.inflight[r], (r - self._rr) % n))
+        self._rr = (rank + 1) % n
+        return rank
+
+    def submit(self, seqs: list[SequenceSpec], batch: bool = False) -> "RequestHandle":
+        """Tokenize and validate every sequence (RequestError on the first bad one), then send all."""
+        if self.dead_reason is not None:
+            raise RequestError(self.dead_reason, status=503, type="server_error", code="unavailable")
+        states: list[SeqState] = []
+        ids_by_prompt: dict[int, list[int]] = {}
+        for spec in seqs:
+            if spec.prompt_index not in ids_by_prompt:
+                ids_by_prompt[spec.prompt_index] = encode_prompt(self.tokenizer, spec.prompt)
+            states.append(self._prepare(spec, ids_by_prompt[spec.prompt_index]))
+        for st in states:
+            if st.rid in self._seqs:
+                raise RequestError(f"rid {st.rid!r} is already in flight", param="rid")
+        num_prompts = len(ids_by_prompt)
+        handle = RequestHandle(self, states)
+        rank_by_prompt: dict[int, int] = {}
+        for st in states:
+            # every choice of one prompt goes to the same rank, where they share the prompt's cache
+            if st.spec.prompt_index not in rank_by_prompt:
+                rank_by_prompt[st.spec.prompt_index] = self._pick_rank(st.spec)
+            st.dp_rank = rank_by_prompt[st.spec.prompt_index]
+            st.num_prompts_in_batch = num_prompts if batch else 0
+            self._seqs[st.rid] = (st, handle.queue)
+            self.inflight[st.dp_rank] += 1
+            self.metrics.requests_by_rank[st.dp_rank] += 1
+            spec = st.spec
+            req = TokenizedGenerateReq(
+                rid=st.rid,
+                input_ids=st.input_ids,
+                sampling_params=spec.sampling_params,
+                stream=True,
+                return_logprob=spec.return_logprob,
+                top_logprobs_num=spec.top_logprobs_num,
+                logprob_start_len=spec.logprob_start_len,
+                bootstrap=spec.bootstrap,
+            )
+            self._push[st.dp_rank].send(self._enc.encode(req), copy=False)
+        return handle
+
+    def _abort_state(self, st: SeqState, reason: str) -> None:
+        if self._seqs.pop(st.rid, None) is None:
+            return
+        if self.dead_reason is None:
+            self._push[st.dp_rank].send(self._enc.encode(AbortReq(rid=st.rid, reason=reason)))
+        self._finish(st, "abort", None, reason)
+
+    def abort(self, rid: str) -> int:
+        """Abort a request by rid (its choices too); returns how many sequences it ended."""
+        hits = [
+            entry for key, entry in list(self._seqs.items()) if key == rid or key.startswith(rid + "-")
+        ]
+        for st, queue in hits:
+            self._abort_state(st, "aborted by /abort_request")
+            queue.put_nowait((st, Delta("", [], [], True)))
+        return len(hits)
+
+    def flush_cache(self) -> None:
+        for s in self._push:
+            s.send(self._enc.encode(FlushCacheReq()))
+
+    def fail_all(self, reason: str) -> None:
+        """A rank died: end every sequence with a 503 error and refuse new ones."""
+        self.dead_reason = reason
+        for rid, (st, queue) in list(self._seqs.items()):
+            self._seqs.pop(rid, None)
+            st.error_status = 503
+            self._finish(st, "error", None, reason)
+            queue.put_nowait((st, Delta("", [], [], True)))
+
+    # --- outputs ---------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msgs = self._dec.decode(await self._pull.recv())
+            for msg in msgs:
+                if isinstance(msg, TokenOutput):
+                    self._on_output(msg)
+                elif isinstance(msg, SchedulerStats):
+                    self.stats[msg.dp_rank] = msg
+                elif isinstance(msg, SchedulerError):
+                    logger.error("DP rank %d failed: %s", msg.dp_rank, msg.message)
+                    self.fail_all(f"DP rank {msg.dp_rank} failed: {msg.message}")
+
+    def _on_output(self, o: TokenOutput) -> None:
+        entry = self._seqs.get(o.rid)
+        if entry is None:  # aborted here already
+            return
+        st, queue = entry
+        now = time.monotonic()
+        new = o.new_token_ids
+        if new:
+            if st.first_token_time is None:
+                st.first_token_time = now
+                self.metrics.ttft.observe(now - st.created)
+            elif st.last_token_time is not None:
+                self.metrics.tpot.observe((now - st.last_token_time) / len(new))
+            st.last_token_time = now
+            st.output_ids.extend(new)
+        st.prompt_tokens = o.prompt_tokens
+        st.completion_tokens = o.completion_tokens
+        st.cached_tokens = o.cached_tokens
+        if o.input_logprobs:
+            st.input_logprobs = list(o.input_logprobs)
+        lps: list[TokenLogprob] = []
+        if o.new_logprobs:
+            tops = o.new_top_logprobs or [[] for _ in o.new_logprobs]
+            lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in zip(new, o.new_logprobs, tops)]
+            st.logprobs.extend(lps)
+        text = st.detok.feed(new) if new else ""
+        if o.finished:
+            matched = o.matched_stop if isinstance(o.matched_stop, str) and not st.spec.no_stop_trim else None
+            text += st.detok.finish(matched)
+            self._seqs.pop(o.rid, None)
+            if o.error:
+                st.error_status = 500
+            self._finish(st, o.finish_reason or "stop", o.matched_stop, o.error)
+        st.text = st.detok.text
+        queue.put_nowait((st, Delta(text, list(new), lps, o.finished)))
+
+    def _finish(self, st: SeqState, reason: str, matched, error: str | None) -> None:
+        if st.finished:
+            return
+        st.finish_reason = reason
+        st.matched_stop = matched
+        st.error = error
+        st.finished_time = time.monotonic()
+        if st.dp_rank is not None:
+            self.inflight[st.dp_rank] -= 1
+        self.metrics.on_finish(reason, st.prompt_tokens, st.completion_tokens, st.cached_tokens, st.e2e_latency())
+
+
+class RequestHandle:
+    """The sequences of one HTTP request in flight: iterate for ``(state, delta)``; ``close()``
+    aborts what has not finished (call it in ``finally``: a disconnected client cancels its handler)."""
+
+    def __init__(self, manager: TokenizerManager, states: list[SeqState]):
+        self.manager = manager
+        self.states = states
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self._remaining = len(states)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[SeqState, Delta]:
+        if self._remaining == 0:
+            raise StopAsyncIteration
+        st, delta = await self.queue.get()
+        if delta.finished:
+            self._remaining -= 1
+        return st, delta
+
+    def drain_nowait(self) -> list[tuple[SeqState, Delta]]:
+        """Updates already queued, without waiting (to coalesce writes)."""
+        out = []
+        while self._remaining and not self.queue.empty():
+            st, delta = self.queue.get_nowait()
+            if delta.finished:
+                self._remaining -= 1
+            out.append((st, delta))
+        return out
+
+    async def wait_all(self) -> list[SeqState]:
+        async for _ in self:
+            pass
+        return sorted(self.states, key=lambda s: s.spec.index)
+
+    def close(self) -> None:
+        for st in self.states:
+            if not st.finished:
+                self.manager._abort_state(st, "client disconnected")
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
