@@ -1,0 +1,221 @@
+"""The one loop of a scheduler rank: schedule, run the model, sample, report.
+
+``SchedulerLoop`` owns the ModelRunner, the page pool's prefix cache and the
+pure ``Scheduler``. It is single-threaded and knows nothing of sockets: the
+caller (the offline ``Engine``'s thread, or a scheduler process reading ZMQ)
+feeds it messages and ships the ``TokenOutput``s that ``step()`` returns.
+
+The disaggregated modes hook in by overriding small methods rather than by
+flags inside the loop:
+
+- ``make_scheduler()``: the prefill mode returns a Scheduler whose
+  ``on_prefill_done`` hands the request to a KV sender instead of decoding.
+- ``poll()``: called at the start of every step; the prefill mode polls its
+  bootstrap and sending queues there, the decode mode its transfer queue,
+  moving requests whose KV arrived into the decode batch with
+  ``scheduler.add_prefilled`` (pages from ``scheduler.try_alloc``).
+- ``admit(req)``: where a new request goes (prefill mode: bootstrap queue first;
+  decode mode: preallocation).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from pdserve.engine.batch_builder import build_forward_batch
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
+from pdserve.engine.radix_cache import make_prefix_cache
+from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.scheduler import SampleOutput, ScheduledBatch, Scheduler
+from pdserve.engine.stop_checker import StopChecker
+from pdserve.kernels.sampling import (
+    SamplingTensors,
+    apply_penalties,
+    gather_logprobs,
+    processed_logits,
+    sample,
+    seeded_uniform,
+)
+
+
+class SchedulerLoop:
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None):
+        if runner is None:
+            from pdserve.engine.model_runner import ModelRunner
+
+            runner = ModelRunner(config)
+        self.config = config
+        self.dp_rank = dp_rank
+        self.runner = runner
+        self.arch = runner.arch
+        self.tokenizer = runner.tokenizer
+        self.pool = runner.page_pool
+        self.device = runner.device
+        self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
+        self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
+        self.scheduler = self.make_scheduler()
+        self.rng = random.Random(config.seed)  # draws of requests without a seed
+        self._outbox: list[TokenOutput] = []
+        self.num_steps = 0
+
+    # ------------------------------------------------------------- overridables
+    def make_scheduler(self) -> Scheduler:
+        """The scheduler of this mode."""
+        return Scheduler(self.config, self.pool, self.cache, self.stop_checker)
+
+    def poll(self) -> None:
+        """Called at the start of every step: the PD modes advance their queues here."""
+
+    def admit(self, req: Req) -> FinishReason | None:
+        """Where a validated new request goes; returns a reason if it can never run."""
+        return self.scheduler.add(req)
+
+    # ----------------------------------------------------------------- inputs
+    def add_request(self, msg: TokenizedGenerateReq) -> None:
+        """Queue a tokenized request. A request that cannot run ends at once with an error output."""
+        req = Req(
+            rid=msg.rid,
+            input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            stream=msg.stream,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            bootstrap=msg.bootstrap,
+        )
+        error = self.validate(req)
+        reason = FinishReason("error", message=error) if error else self.admit(req)
+        if reason is not None:
+            req.finish_reason = reason
+            req.status = ReqStatus.FINISHED
+            self._outbox.append(self._output(req))
+
+    def validate(self, req: Req) -> str | None:
+        """A message naming what is wrong with the request, or None."""
+        if not req.input_ids:
+            return "input_ids is empty"
+        if req.rid in self.scheduler.reqs:
+            return f"rid {req.rid!r} is already in flight"
+        vocab = self.arch.vocab_size
+        if any(not 0 <= t < vocab for t in req.input_ids):
+            return f"input_ids has a token outside the vocabulary [0, {vocab})"
+        if len(req.input_ids) > self.arch.max_context_len:
+            return f"prompt of {len(req.input_ids)} tokens is longer than the context ({self.arch.max_context_len})"
+        try:
+            req.sampling_params.validate(vocab)
+        except ValueError as exc:
+            return str(exc)
+        if req.top_logprobs_num < 0:
+            return "top_logprobs_num must be >= 0"
+        return None
+
+    def abort(self, rid: str, reason: str = "aborted") -> bool:
+        """End a request and free its pages; its final output comes from the next ``step``."""
+        return self.scheduler.abort(rid, reason) is not None
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; only when idle, as SGLang does."""
+        if self.scheduler.has_work():
+            return False
+        self.cache.flush()
+        return True
+
+    # ------------------------------------------------------------------- loop
+    def has_work(self) -> bool:
+        return bool(self._outbox) or self.scheduler.has_work() or bool(self.scheduler.newly_finished)
+
+    def step(self) -> list[TokenOutput]:
+        """One scheduling round: at most one model forward. Returns the outputs to ship."""
+        self.poll()
+        outputs, self._outbox = self._outbox, []
+        batch = self.scheduler.schedule()
+        updated: list[Req] = []
+        if batch is not None:
+            self.num_steps += 1
+            sampled = self.run_batch(batch)
+            updated = self.scheduler.postprocess(batch, sampled).updated
+        finished = self.scheduler.drain_finished()
+        done = set(map(id, finished))
+        for req in updated:
+            if req.stream and id(req) not in done:
+                outputs.append(self._output(req))
+        outputs.extend(self._output(req) for req in finished)
+        return outputs
+
+    def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
+        fb = build_forward_batch(batch, self.pool.page_size, self.device)
+        with torch.inference_mode():
+            logits = self.runner.forward(fb)  # [num_sampled, vocab] float32
+            return self.sample(batch.sampled_reqs, logits)
+
+    def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        if not reqs:
+            return SampleOutput([])
+        params = [r.sampling_params for r in reqs]
+        want_logprob = any(r.return_logprob for r in reqs)
+        if not want_logprob and all(p.is_greedy for p in params) and not _any_penalty(params):
+            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
+        t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
+        if t.need_penalties:
+            logits = apply_penalties(logits, [r.input_ids for r in reqs], [r.output_ids for r in reqs], t)
+        uniforms = torch.tensor(
+            [
+                seeded_uniform(p.seed, len(r.output_ids)) if p.seed is not None else self.rng.random()
+                for r, p in zip(reqs, params)
+            ],
+            dtype=torch.float32,
+            device=logits.device,
+        )
+        ids = sample(logits, t, uniforms)
+        out = SampleOutput(ids.tolist())
+        if want_logprob:
+            top_n = max(r.top_logprobs_num for r in reqs)
+            lps, tops = gather_logprobs(processed_logits(logits, t), ids, top_n)
+            out.logprobs = lps
+            out.top_logprobs = [top[: r.top_logprobs_num] for r, top in zip(reqs, tops)]
+        return out
+
+    # ---------------------------------------------------------------- outputs
+    def _output(self, req: Req) -> TokenOutput:
+        start = req.num_sent
+        req.num_sent = len(req.output_ids)
+        reason = req.finish_reason
+        out = TokenOutput(
+            rid=req.rid,
+            new_token_ids=req.output_ids[start:],
+            prompt_tokens=req.prompt_len,
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            finished=reason is not None,
+        )
+        if req.return_logprob:
+            out.new_logprobs = req.output_logprobs[start:]
+            out.new_top_logprobs = req.output_top_logprobs[start:]
+        if reason is not None:
+            out.finish_reason = reason.type
+            out.matched_stop = reason.matched
+            out.error = reason.message
+        return out
+
+    # ------------------------------------------------------------------ state
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        return SchedulerStats(
+            dp_rank=self.dp_rank,
+            num_running=len(s.running) + (s.chunked is not None),
+            num_waiting=len(s.waiting),
+            num_free_pages=self.pool.num_free + self.cache.evictable_pages,
+            num_total_pages=self.pool.capacity,
+            page_size=self.pool.page_size,
+        )
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+
+def _any_penalty(params) -> bool:
+    return any(
+        p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params
+    )
