@@ -104,12 +104,11 @@ class WorkerRegistry:
         if model_id:
             worker.model_id = model_id
         dp_size = max(1, int(dp_size))
-        ranks = dp_size if (self.dp_aware or dp_size > 1) else 0
-        if worker.dp_size != dp_size or len(worker.endpoints) != max(ranks, 1):
-            worker.dp_size = dp_size
-            old = {e.dp_rank: e for e in worker.endpoints}
-            worker.endpoints = ([old.get(r) or Endpoint(worker, r) for r in range(ranks)] if ranks
-                                else [old.get(None) or Endpoint(worker, None)])
+        worker.dp_size = dp_size
+        ranks = list(range(dp_size)) if (self.dp_aware or dp_size > 1) else [None]
+        if [e.dp_rank for e in worker.endpoints] != ranks:
+            old = {e.dp_rank: e for e in worker.endpoints}  # keep load counts of kept ranks
+            worker.endpoints = [old.get(r) or Endpoint(worker, r) for r in ranks]
             self._rebuild()
 
     def record_health(self, worker: Worker, ok: bool, failure_threshold: int,
