@@ -66,8 +66,10 @@ class PDProxy:
         self.session = session
         self.headers = headers  # to workers: content type and, with --api-key, the bearer token
         self._rng = random.Random()
+        self._background: set[asyncio.Task] = set()  # prefill legs outliving their stream
 
-    async def handle(self, request: web.Request, path: str, body: dict) -> web.StreamResponse:
+    async def handle(self, request: web.Request, path: str, body: dict,
+                     t0: float) -> web.StreamResponse:
         """Serve one client request; raises RouterError for errors before the first byte."""
         stream = bool(body.get("stream"))
         attempts = self.config.retry_max_retries
@@ -81,7 +83,7 @@ class PDProxy:
             pair = self.pairing.choose(body, exclude)
             try:
                 if stream:
-                    return await self._attempt_stream(request, path, body, pair)
+                    return await self._attempt_stream(request, path, body, pair, t0)
                 return await self._attempt_json(path, body, pair)
             except LegFailure as failure:
                 self.metrics.leg_errors[(failure.endpoint.worker.url, failure.leg)] += 1
@@ -135,14 +137,15 @@ class PDProxy:
             ep.load -= 1
 
     # one attempt, streamed answer -------------------------------------------
-    async def _attempt_stream(self, request: web.Request, path: str, body: dict,
-                              pair: Pair) -> web.StreamResponse:
+    async def _attempt_stream(self, request: web.Request, path: str, body: dict, pair: Pair,
+                              t0: float) -> web.StreamResponse:
         p_body, d_body = Pairing.leg_bodies(body, pair)
         d_ep = pair.decode
         p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
         d_ep.load += 1
         resp: aiohttp.ClientResponse | None = None
+        finished = False
         try:
             # wait for the decode leg's first bytes, unless the prefill leg fails first
             pending = {p_task, d_task}
@@ -154,7 +157,7 @@ class PDProxy:
             out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
             await out.prepare(request)
             await out.write(first)
-            self.metrics.ttft.observe(time.perf_counter() - request["t0"])
+            self.metrics.ttft.observe(time.perf_counter() - t0)
             try:
                 async for chunk in resp.content.iter_any():
                     await out.write(chunk)
@@ -166,6 +169,7 @@ class PDProxy:
                     "message": msg, "type": "upstream_error", "param": None, "code": 502}}) + b"\n\n")
                 await out.write(_DONE)
             await out.write_eof()
+            finished = True
             return out
         finally:
             d_ep.load -= 1
@@ -174,9 +178,14 @@ class PDProxy:
             if resp is not None:
                 resp.close()  # no-op when fully read; otherwise drops the connection (cancels)
             for t in (p_task, d_task):
-                if not t.done():
+                # after a complete stream a prefill leg still answering is left to finish
+                # (cancelling it would make the server abort a room that succeeded)
+                if not t.done() and not (finished and t is p_task):
                     t.cancel()
                 t.add_done_callback(_consume)
+            if finished and not p_task.done():
+                self._background.add(p_task)
+                p_task.add_done_callback(self._background.discard)
 
     async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""

@@ -108,7 +108,7 @@ class Router:
 
     # request path ------------------------------------------------------------
     async def _inference(self, request: web.Request) -> web.StreamResponse:
-        request["t0"] = t0 = time.perf_counter()
+        t0 = time.perf_counter()
         route = request.path
         admitted = False
         status = 500
@@ -123,7 +123,7 @@ class Router:
                 raise bad_request("the JSON body must be an object")
             await self.admission.acquire()
             admitted = True
-            resp = await self.proxy.handle(request, route, body)
+            resp = await self.proxy.handle(request, route, body, t0)
             status = resp.status
             return resp
         except RouterError as err:
