@@ -46,7 +46,7 @@ IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
 def _build_null_loop(config: ServerConfig, dp_rank: int):
     from pdserve.engine.scheduler_loop import SchedulerLoop
 
-    return SchedulerLoop(config.engine)
+    return SchedulerLoop(config.engine, dp_rank=dp_rank)
 
 
 # disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
@@ -60,16 +60,14 @@ def _die_with_parent() -> None:
 
 
 def _ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
-    runner = getattr(loop, "model_runner", None) or getattr(loop, "runner")
-    arch = runner.arch
-    pool = runner.page_pool
+    arch, pool = loop.arch, loop.pool
     return SchedulerReady(
         dp_rank=dp_rank,
         vocab_size=arch.vocab_size,
         max_context_len=arch.max_context_len,
         eos_token_ids=list(arch.eos_token_ids),
         page_size=pool.page_size,
-        max_total_num_tokens=pool.num_pages * pool.page_size,
+        max_total_num_tokens=pool.max_total_tokens,
         num_threads=num_threads,
     )
 
