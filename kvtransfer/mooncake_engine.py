@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.kvtransfer.errors import (
     ConnectError,
@@ -16,6 +16,12 @@ from pdserve.kvtransfer.errors import (
 from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
+
+# Mooncake's TCP lanes reject requests past a bounded queue ("queue-full
+# rejection", seen at ~2k small descriptors in flight), failing the whole batch;
+# so batches go in pieces, with at most _MAX_IN_FLIGHT pieces engine-wide.
+_MAX_DESCS_PER_BATCH = 512
+_MAX_IN_FLIGHT = 2
 
 
 class MooncakeTransferEngine(TransferEngine):
@@ -37,6 +43,7 @@ class MooncakeTransferEngine(TransferEngine):
         # get_batch_transfer_status blocks (GIL released) until a batch ends; these
         # threads do that waiting so write_batch stays non-blocking
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mooncake-wait")
+        self._credits = threading.BoundedSemaphore(_MAX_IN_FLIGHT)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -73,50 +80,54 @@ class MooncakeTransferEngine(TransferEngine):
         lengths: Sequence[int],
         notify: bytes | None = None,
     ) -> TransferHandle:
-        nbytes = int(sum(lengths))
+        handle = TransferHandle(None, int(sum(lengths)))
         if not len(src):
-            handle = TransferHandle(None, 0)
             handle.state = TransferState.DONE
             return handle
-        batch_id = self._engine.batch_transfer_async_write(peer, list(src), list(dst), list(lengths))
-        if batch_id <= 0:
-            raise TransferFailedError(
-                self.name, "batch_transfer_async_write", batch_id, f"to {peer}: {len(src)} descriptors, {nbytes} bytes"
-            )
-        fut: Future = self._waiters.submit(self._engine.get_batch_transfer_status, [batch_id])
-        return TransferHandle((fut, peer), nbytes)
+        handle.raw = self._waiters.submit(self._write_sync, peer, list(src), list(dst), list(lengths))
+        return handle
+
+    def _write_sync(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> tuple[int, str]:
+        """Waiter thread: submit in sub-batches the TCP lanes' queues can hold; (rc, message)."""
+        for i in range(0, len(src), _MAX_DESCS_PER_BATCH):
+            j = i + _MAX_DESCS_PER_BATCH
+            with self._credits:
+                batch_id = self._engine.batch_transfer_async_write(peer, src[i:j], dst[i:j], lengths[i:j])
+                if batch_id <= 0:
+                    return batch_id, f"batch_transfer_async_write to {peer}: {len(src[i:j])} descriptors refused"
+                # blocks with the GIL released until the batch completes, fails or times out
+                rc = self._engine.get_batch_transfer_status([batch_id])
+            if rc != 0:
+                return rc, f"get_batch_transfer_status: writing {sum(lengths[i:j])} bytes to {peer}"
+        return 0, ""
 
     def poll(self, handle: TransferHandle) -> TransferState:
         if handle.state is not TransferState.PENDING:
             return handle.state
-        fut, peer = handle.raw
-        if not fut.done():
+        if not handle.raw.done():
             return TransferState.PENDING
-        return self._finish(handle, fut, peer)
+        return self._finish(handle)
 
     def wait(self, handle: TransferHandle, timeout: float | None = None) -> TransferState:
         if handle.state is not TransferState.PENDING:
             return handle.state
-        fut, peer = handle.raw
         try:
-            fut.result(timeout)
+            handle.raw.result(timeout)
         except TimeoutError:
             return TransferState.PENDING
-        except Exception:
-            pass  # _finish records it
-        return self._finish(handle, fut, peer)
+        except Exception:  # noqa: BLE001 - _finish records it
+            pass
+        return self._finish(handle)
 
-    def _finish(self, handle: TransferHandle, fut: Future, peer: str) -> TransferState:
+    def _finish(self, handle: TransferHandle) -> TransferState:
         try:
-            rc = fut.result()
+            rc, msg = handle.raw.result()
         except Exception as e:  # noqa: BLE001 - the binding may raise anything
             rc, msg = None, repr(e)
-        else:
-            msg = f"to {peer}: {handle.nbytes} bytes"
         if rc == 0:
             handle.state = TransferState.DONE
         else:
-            handle.error = TransferFailedError(self.name, "get_batch_transfer_status", rc, msg)
+            handle.error = TransferFailedError(self.name, "batch write", rc, msg)
             handle.state = TransferState.FAILED
         return handle.state
 
