@@ -1,0 +1,153 @@
+"""The offline Engine on the real default model (SmolLM2-135M), fp32 where exactness matters.
+
+One engine per module; few, short generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.engine import Engine
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Water boils at",
+    "In machine learning, a transformer is a neural network architecture that",
+    "Hello",
+    "List three colors:",
+    "The meaning of life is",
+    "import numpy as np\nx = np.",
+    "Translate to French: cheese =>",
+    "My favourite food is pizza because it is cheesy, warm and",
+    "Q: What is 2 + 2?\nA:",
+    "Roses are red, violets are",
+    "The first man on the moon was",
+]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(dtype="float32", max_total_tokens=8192, num_threads=2) as e:
+        yield e
+
+
+def test_same_greedy_output_alone_and_in_batch_of_16(engine):
+    batch = engine.generate(PROMPTS, GREEDY)
+    engine.check_integrity()
+    assert engine.flush_cache()
+    for prompt, res in zip(PROMPTS, batch):
+        alone = engine.generate(prompt, GREEDY)
+        assert alone["output_ids"] == res["output_ids"], prompt
+        assert alone["text"] == res["text"]
+        assert res["meta_info"]["completion_tokens"] == 8
+        assert res["meta_info"]["finish_reason"] == {"type": "length"}
+    assert batch[0]["text"].startswith(" Paris")
+    engine.check_integrity()
+
+
+def test_seeded_sampling_reproducible(engine):
+    sp = {"temperature": 0.9, "top_p": 0.95, "top_k": 50, "max_new_tokens": 8, "seed": 1234, "ignore_eos": True}
+    a = engine.generate("Once upon a time", sp)
+    b = engine.generate("Once upon a time", sp)
+    assert a["output_ids"] == b["output_ids"]
+    # inside a batch with unseeded neighbours: still the same tokens
+    batch = engine.generate(["Hello", "Once upon a time", "Water"], [{"temperature": 1.0, "max_new_tokens": 8}, sp, {"temperature": 1.0, "max_new_tokens": 8}])
+    assert batch[1]["output_ids"] == a["output_ids"]
+    others = {tuple(engine.generate("Once upon a time", {**sp, "seed": s})["output_ids"]) for s in range(4)}
+    assert len(others | {tuple(a["output_ids"])}) > 1  # seeds matter
+    engine.check_integrity()
+
+
+def test_prefix_cache_hit_same_output(engine):
+    prompt = "Here is a long shared instruction that many requests start with. " * 4
+    a = engine.generate(prompt, GREEDY)
+    b = engine.generate(prompt, GREEDY)
+    assert a["meta_info"]["cached_tokens"] == 0
+    n = a["meta_info"]["prompt_tokens"]
+    assert b["meta_info"]["cached_tokens"] == (n - 1) // 16 * 16 > 0
+    assert b["output_ids"] == a["output_ids"]
+    engine.check_integrity()
+
+
+def test_abort_frees_pages(engine):
+    engine.flush_cache()
+    total = engine.stats().num_total_pages
+    stream = engine.generate(
+        "Count: 1, 2, 3,", {"max_new_tokens": 500, "ignore_eos": True, "temperature": 0}, stream=True, rid="to-abort"
+    )
+    chunks = [next(stream), next(stream)]
+    assert engine.stats().num_running == 1
+    engine.abort("to-abort")
+    chunks.extend(stream)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert sum(len(c["output_ids"]) for c in chunks) < 500
+    engine.check_integrity()
+    engine.flush_cache()
+    assert engine.stats().num_free_pages == total
+
+
+def test_stop_string_trimmed_and_logprobs(engine):
+    full = engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    assert full["text"].startswith(" 5, 6")
+    res = engine.generate(
+        "1, 2, 3, 4,",
+        {"temperature": 0, "max_new_tokens": 8, "stop": [" 6"]},
+        return_logprob=True,
+        top_logprobs_num=2,
+    )
+    assert res["text"] == " 5,"
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": " 6"}
+    lps = res["meta_info"]["output_token_logprobs"]
+    tops = res["meta_info"]["output_top_logprobs"]
+    assert len(lps) == len(tops) == len(res["output_ids"])
+    for (lp, tok, _), top in zip(lps, tops):
+        assert len(top) == 2 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-5 and lp <= 0
+
+
+def test_async_generate_and_stream(engine):
+    async def main():
+        one = await engine.async_generate("The capital of France is", GREEDY)
+        pieces = []
+        async for chunk in await engine.async_generate("The capital of France is", GREEDY, stream=True):
+            pieces.append(chunk)
+        return one, pieces
+
+    one, pieces = asyncio.run(main())
+    assert "".join(p["text"] for p in pieces) == one["text"]
+    assert sum((p["output_ids"] for p in pieces), []) == one["output_ids"]
+    assert pieces[-1]["meta_info"]["finish_reason"]["type"] == "length"
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"prompt": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 0.0}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+        ({"prompt": "hi", "sampling_params": {"max_token": 3}}, "max_token"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": ["ok", ""]}, "prompt"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [1] * 9000}, "context"),
+    ],
+)
+def test_bad_parameters_raise_value_error(engine, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        engine.generate(**kwargs)
+
+
+def test_bad_engine_arguments():
+    with pytest.raises(ValueError, match="model_path"):
+        Engine(model_path="/no/such/model.gguf")
+    with pytest.raises(ValueError, match="page_sise"):
+        Engine(page_sise=16)
