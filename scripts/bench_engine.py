@@ -1,0 +1,190 @@
+#!/usr/bin/env python
+"""Offline throughput: the pdserve Engine vs Hugging Face transformers ``generate``.
+
+Both run in this process, on the same dequantized weights (pdserve's loader
+writes them out as an HF checkpoint that transformers loads) and the same
+dtype and thread count, one after the other for each figure:
+
+- prefill tokens/s: ``--num-prompts`` random prompts of ``--prompt-len`` tokens,
+  one new token each (pdserve: one batch, chunked by its scheduler; HF: one
+  ``generate`` call on the whole batch, same length so no padding);
+- decode tokens/s at 1 and at ``--batch`` concurrent sequences: ``--new-tokens``
+  new tokens each after a ``--decode-prompt-len`` prompt, greedy, no early stop;
+  new tokens / wall time of the whole call.
+
+Prompts are random token ids from a fixed seed. Ends with one JSON line.
+
+    .venv/bin/python scripts/bench_engine.py            # full: 512-token prompts, 1 and 64 x 128 tokens
+    .venv/bin/python scripts/bench_engine.py --quick    # a smoke run in well under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="GGUF file or HF dir; default: SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64, help="concurrent sequences of the batched decode figure")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--decode-prompt-len", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="small settings for a smoke run")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
+    return args
+
+
+def random_prompts(n: int, length: int, rng: random.Random, vocab: int) -> list[list[int]]:
+    # ids from the middle of the vocabulary: ordinary tokens, no special ones
+    lo, hi = min(1000, vocab // 4), vocab - 1
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+class PdserveSide:
+    def __init__(self, args, max_tokens: int):
+        from pdserve.engine import Engine
+
+        self.engine = Engine(
+            model_path=args.model_path,
+            dtype=args.dtype,
+            num_threads=args.threads,
+            max_total_tokens=max_tokens,
+            max_running_requests=max(args.batch, 1),
+            disable_radix_cache=True,  # every prompt is new anyway; no cache hits between runs
+        )
+
+    def generate(self, prompts, new_tokens):
+        sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+        res = self.engine.generate(input_ids=prompts, sampling_params=sp)
+        return [r["output_ids"] for r in res]
+
+    def close(self):
+        self.engine.shutdown()
+
+
+class HFSide:
+    def __init__(self, args, hf_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, args.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+
+    @torch.inference_mode()
+    def generate(self, prompts, new_tokens):
+        ids = torch.tensor(prompts, dtype=torch.int64)  # all prompts of one length: no padding
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[:, ids.shape[1] :].tolist()
+
+    def close(self):
+        pass
+
+
+def export_hf(model_path: str | None, out_dir: str) -> tuple[int, object]:
+    from pdserve.engine.model_loader import load_model, save_hf_checkpoint
+
+    arch, weights, _ = load_model(model_path)
+    save_hf_checkpoint(arch, weights, out_dir)
+    return arch.vocab_size, arch
+
+
+def match_fraction(a: list[list[int]], b: list[list[int]]) -> float:
+    same = total = 0
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            total += 1
+            same += s == t
+            if s != t:
+                break  # after the first divergence the sequences are not comparable
+    return same / max(total, 1)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as hf_dir:
+        t0 = time.perf_counter()
+        vocab, _ = export_hf(args.model_path, hf_dir)
+        print(f"exported dequantized weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        prefill_prompts = random_prompts(args.num_prompts, args.prompt_len, rng, vocab)
+        decode_prompts = random_prompts(args.batch, args.decode_prompt_len, rng, vocab)
+        warm = random_prompts(2, 16, rng, vocab)
+        max_tokens = max(
+            args.num_prompts * (args.prompt_len + 16),
+            args.batch * (args.decode_prompt_len + args.new_tokens + 16),
+        )
+        sides = {"pdserve": PdserveSide(args, max_tokens), "hf": HFSide(args, hf_dir)}
+        figures: dict[str, float] = {}
+        outputs: dict[str, dict[str, list]] = {name: {} for name in sides}
+        for name, side in sides.items():
+            side.generate(warm, 4)  # warm-up: first-call allocations, kernel selection
+        for name, side in sides.items():
+            _, dt = timed(lambda: side.generate(prefill_prompts, 1))
+            figures[f"{name}_prefill_tok_s"] = args.num_prompts * args.prompt_len / dt
+            print(f"{name:8s} prefill {args.num_prompts}x{args.prompt_len}: {dt:.2f}s", file=sys.stderr)
+        for conc in (1, args.batch):
+            for name, side in sides.items():
+                out, dt = timed(lambda: side.generate(decode_prompts[:conc], args.new_tokens))
+                outputs[name][conc] = out
+                figures[f"{name}_decode{conc}_tok_s"] = conc * args.new_tokens / dt
+                print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
+        for side in sides.values():
+            side.close()
+    result = {
+        "bench": "engine",
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "prompt_len": args.prompt_len,
+        "num_prompts": args.num_prompts,
+        "batch": args.batch,
+        "new_tokens": args.new_tokens,
+        **{k: round(v, 1) for k, v in figures.items()},
+        "prefill_ratio": round(figures["pdserve_prefill_tok_s"] / figures["hf_prefill_tok_s"], 3),
+        "decode1_ratio": round(figures["pdserve_decode1_tok_s"] / figures["hf_decode1_tok_s"], 3),
+        f"decode{args.batch}_ratio": round(
+            figures[f"pdserve_decode{args.batch}_tok_s"] / figures[f"hf_decode{args.batch}_tok_s"], 3
+        ),
+        # greedy tokens agreeing with HF up to each sequence's first divergence (bf16 near-ties may flip)
+        "greedy_match": round(match_fraction(outputs["pdserve"][args.batch], outputs["hf"][args.batch]), 3),
+    }
+    print(f"{'figure':24s} {'pdserve':>10s} {'hf':>10s} {'ratio':>7s}", file=sys.stderr)
+    for fig, ratio in (("prefill", "prefill_ratio"), ("decode1", "decode1_ratio"),
+                       (f"decode{args.batch}", f"decode{args.batch}_ratio")):
+        print(f"{fig + ' tok/s':24s} {result[f'pdserve_{fig}_tok_s']:10.1f} {result[f'hf_{fig}_tok_s']:10.1f} "
+              f"{result[ratio]:7.2f}", file=sys.stderr)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
