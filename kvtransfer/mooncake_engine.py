@@ -93,8 +93,8 @@ class MooncakeTransferEngine(TransferEngine):
             j = i + _MAX_DESCS_PER_BATCH
             with self._credits:
                 batch_id = self._engine.batch_transfer_async_write(peer, src[i:j], dst[i:j], lengths[i:j])
-                if batch_id <= 0:
-                    return batch_id, f"batch_transfer_async_write to {peer}: {len(src[i:j])} descriptors refused"
+                if batch_id <= 0:  # 0 when the peer's segment cannot be opened
+                    return batch_id or -1, f"batch_transfer_async_write to {peer}: {len(src[i:j])} descriptors refused"
                 # blocks with the GIL released until the batch completes, fails or times out
                 rc = self._engine.get_batch_transfer_status([batch_id])
             if rc != 0:

@@ -24,6 +24,8 @@ class Pair:
         self.host_p = host
         self.P = PeerProcess(p_netns, env)
         self.D = PeerProcess(d_netns, env)
+        # a spare prefill process for the SIGKILL test, importing in parallel with the others
+        self.victim = PeerProcess(p_netns, env)
         self.cfg = {"backend": backend}
 
     def start(self, p_host="127.0.0.1", d_host="127.0.0.1"):
@@ -36,6 +38,7 @@ class Pair:
     def close(self):
         self.P.close()
         self.D.close()
+        self.victim.close()
 
     def open_room(self, dst, mgr="d"):
         room = next(_rooms)
@@ -138,7 +141,7 @@ def test_killed_sender_fails_receiver_rooms_within_heartbeat_window(pair):
     interval, max_failures = 0.5, 2
     pair.D.call("init", name="hb", role="decode", num_pages=NUM_PAGES,
                 cfg={**pair.cfg, "heartbeat_interval": interval, "heartbeat_max_failures": max_failures})
-    victim = PeerProcess()
+    victim = pair.victim
     try:
         bport = victim.call("init", name="p", role="prefill", num_pages=NUM_PAGES, cfg=pair.cfg)["bootstrap_port"]
         rooms = [next(_rooms), next(_rooms)]

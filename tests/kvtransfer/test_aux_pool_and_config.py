@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import pytest
+
+from pdserve.kvtransfer import AuxData, AuxPool, KVTransferConfig
+
+
+def test_aux_round_trip_and_slots():
+    pool = AuxPool(3, max_top_logprobs=4)
+    a, b = pool.alloc(), pool.alloc()
+    assert a != b and pool.num_free == 1
+    assert pool.read(a) is None  # never written: invalid, not token 0
+    aux = AuxData(49151, -0.5, [1, 2, 3], [-0.5, -1.0, -2.0])
+    pool.write(a, aux)
+    assert pool.read(a) == aux
+    assert pool.read(b) is None
+    assert pool.slot_addr(1) - pool.slot_addr(0) == pool.slot_bytes
+    pool.free(a)
+    with pytest.raises(ValueError):
+        pool.free(a)
+    with pytest.raises(ValueError):
+        pool.write(b, AuxData(1, 0.0, [1] * 5, [0.0] * 5))
+    assert pool.alloc() == a and pool.read(a) is None  # a reused slot is cleared
+
+
+def test_aux_pool_exhaustion():
+    pool = AuxPool(1)
+    assert pool.alloc() == 0
+    assert pool.alloc() is None
+
+
+def test_config_defaults_and_validation():
+    cfg = KVTransferConfig()
+    assert (cfg.bootstrap_timeout, cfg.heartbeat_interval, cfg.heartbeat_max_failures) == (300.0, 5.0, 2)
+    assert cfg.protocol == "tcp" and cfg.heartbeat_window == 10.0
+    assert KVTransferConfig(ib_device="mlx5_0").protocol == "rdma"
+    with pytest.raises(AttributeError):
+        cfg.backend = "nixl"  # frozen
+    for bad in ({"backend": "gloo"}, {"heartbeat_interval": 0}, {"heartbeat_max_failures": 0},
+                {"waiting_timeout": -1}, {"host": ""}, {"control_port": 70000}):
+        with pytest.raises(ValueError):
+            KVTransferConfig(**bad)
