@@ -16,7 +16,6 @@ import logging
 import random
 import time
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -24,6 +23,7 @@ from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing
+from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdserve.router.worker_registry import Endpoint
 
 log = logging.getLogger("pdserve.router")
@@ -59,12 +59,11 @@ def _consume(task: asyncio.Task) -> None:
 
 class PDProxy:
     def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
-                 session: aiohttp.ClientSession, headers: dict[str, str]):
+                 upstream: UpstreamPool):
         self.config = config
         self.pairing = pairing
         self.metrics = metrics
-        self.session = session
-        self.headers = headers  # to workers: content type and, with --api-key, the bearer token
+        self.upstream = upstream  # pooled connections to the workers (sends --api-key as bearer)
         self._rng = random.Random()
         self._background: set[asyncio.Task] = set()  # prefill legs outliving their stream
 
@@ -122,19 +121,22 @@ class PDProxy:
         url = ep.worker.url
         self.metrics.leg_requests[(url, leg)] += 1
         ep.load += 1
+        resp = None
         try:
-            async with self.session.post(url + path, data=data, headers=self.headers) as resp:
-                payload = await resp.read()
-                if resp.status >= 400:
-                    raise LegFailure(leg, ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
-                                     payload, resp.content_type)
-                if leg == "prefill" and _has_error(payload):
-                    raise LegFailure(leg, ep, f"error in answer: {_short(payload)}", 500)
-                return resp.status, resp.content_type, payload
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise LegFailure(leg, ep, f"{type(e).__name__}: {e}") from None
+            resp = await self.upstream.post(url, path, data)
+            payload = await resp.read()
+        except UpstreamError as e:
+            raise LegFailure(leg, ep, str(e)) from None
         finally:
             ep.load -= 1
+            if resp is not None:
+                resp.close()  # no-op when read; aborts the connection when cancelled
+        if resp.status >= 400:
+            raise LegFailure(leg, ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
+                             payload, resp.content_type)
+        if leg == "prefill" and _has_error(payload):
+            raise LegFailure(leg, ep, f"error in answer: {_short(payload)}", 500)
+        return resp.status, resp.content_type, payload
 
     # one attempt, streamed answer -------------------------------------------
     async def _attempt_stream(self, request: web.Request, path: str, body: dict, pair: Pair,
@@ -144,7 +146,7 @@ class PDProxy:
         p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
         d_ep.load += 1
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         finished = False
         try:
             # wait for the decode leg's first bytes, unless the prefill leg fails first
@@ -159,9 +161,9 @@ class PDProxy:
             await out.write(first)
             self.metrics.ttft.observe(time.perf_counter() - t0)
             try:
-                async for chunk in resp.content.iter_any():
+                while chunk := await resp.readany():
                     await out.write(chunk)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except UpstreamError as e:
                 self.metrics.leg_errors[(d_ep.worker.url, "decode")] += 1
                 msg = f"decode worker {d_ep.key} failed mid-stream: {type(e).__name__}: {e}"
                 log.warning(msg)
@@ -193,19 +195,19 @@ class PDProxy:
         self.metrics.leg_requests[(url, "decode")] += 1
         resp = None
         try:
-            resp = await self.session.post(url + path, data=data, headers=self.headers)
+            resp = await self.upstream.post(url, path, data)
             if resp.status >= 400:
                 payload = await resp.read()
                 raise LegFailure("decode", ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
                                  payload, resp.content_type)
-            first = await resp.content.readany()
+            first = await resp.readany()
             if not first:
                 raise LegFailure("decode", ep, "closed the stream before sending anything")
             return resp, first
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except UpstreamError as e:
             if resp is not None:
                 resp.close()
-            raise LegFailure("decode", ep, f"{type(e).__name__}: {e}") from None
+            raise LegFailure("decode", ep, str(e)) from None
         except BaseException:
             if resp is not None:
                 resp.close()

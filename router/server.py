@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from urllib.parse import unquote
 
@@ -25,6 +26,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
+from pdserve.router.upstream import UpstreamPool
 from pdserve.router.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
@@ -57,6 +59,7 @@ class Router:
         self._auth = f"Bearer {config.api_key}" if config.api_key else None
         self.session: aiohttp.ClientSession | None = None
         self.proxy: PDProxy | None = None
+        self.upstream: UpstreamPool | None = None
         self.health: HealthChecker | None = None
         self._health_task: asyncio.Task | None = None
 
@@ -65,10 +68,13 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=60,
                                          enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_secs, sock_connect=10)
+        # no cookies, no decompression, no auto headers: the legs are plain JSON posts
         self.session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                             auto_decompress=False, skip_auto_headers=("User-Agent",))
-        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.session,
-                             self.worker_headers)
+                                             auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
+        auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
+        self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth)
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream)
         self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)
         for spec in self.config.prefill + self.config.decode:
             self.registry.add(spec)
@@ -87,8 +93,12 @@ class Router:
                 await self._health_task
             except asyncio.CancelledError:
                 pass
+        if self.upstream is not None:
+            self.upstream.close()
+            self.upstream = None
         if self.session is not None:
             await self.session.close()
+            self.session = None
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_payload_size)
@@ -250,8 +260,11 @@ def serve(config: RouterConfig) -> None:
         log.info("router listening on %s:%d; prefill %s; decode %s", config.host, port,
                  [w.url for w in router.registry.workers("prefill")],
                  [w.url for w in router.registry.workers("decode")])
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         try:
-            await asyncio.Event().wait()
+            await stop.wait()
         finally:
             await runner.cleanup()
 
