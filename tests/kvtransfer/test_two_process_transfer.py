@@ -19,13 +19,13 @@ _rooms = itertools.count(1000)
 
 
 class Pair:
-    def __init__(self, backend: str, host: str = "127.0.0.1", p_netns=None, d_netns=None, env=None):
+    def __init__(self, backend: str, host: str = "127.0.0.1", p_netns=None, d_netns=None, env=None, spare=False):
         self.backend = backend
         self.host_p = host
         self.P = PeerProcess(p_netns, env)
         self.D = PeerProcess(d_netns, env)
         # a spare prefill process for the SIGKILL test, importing in parallel with the others
-        self.victim = PeerProcess(p_netns, env)
+        self.victim = PeerProcess(p_netns, env) if spare else None
         self.cfg = {"backend": backend}
 
     def start(self, p_host="127.0.0.1", d_host="127.0.0.1"):
@@ -38,7 +38,8 @@ class Pair:
     def close(self):
         self.P.close()
         self.D.close()
-        self.victim.close()
+        if self.victim is not None:
+            self.victim.close()
 
     def open_room(self, dst, mgr="d"):
         room = next(_rooms)
@@ -68,7 +69,7 @@ class Pair:
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def pair(request):
-    pair = Pair(request.param)
+    pair = Pair(request.param, spare=True)
     try:
         yield pair.start()
     finally:
