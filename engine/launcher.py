@@ -31,7 +31,7 @@ logger = logging.getLogger("pdserve.server")
 
 RANK_STOP_GRACE = 3.0  # seconds a rank gets after SIGTERM before SIGKILL
 MONITOR_INTERVAL = 0.2
-DEATH_DRAIN = 0.5  # seconds for 503s to reach clients before the server exits
+DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
 
 
 def threads_per_rank(config: ServerConfig) -> int:

@@ -1,0 +1,16 @@
+"""Fixtures of the server tests."""
+
+from __future__ import annotations
+
+import pytest
+from server_helpers import TEST_MAX_TOTAL_TOKENS
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The offline Engine: the reference for greedy outputs (same pool size as the servers)."""
+    from pdserve.engine.engine import Engine
+
+    eng = Engine(max_total_tokens=TEST_MAX_TOTAL_TOKENS)
+    yield eng
+    eng.shutdown()
