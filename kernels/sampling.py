@@ -144,6 +144,36 @@ def processed_logits(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     return logits / t.temperatures[:, None]
 
 
+# candidates examined before falling back to a full sort (a full-vocabulary sort costs ~30 top-k's)
+TOPK_CANDIDATES = 256
+
+
+def _filtered_ids(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Sample under top-k / top-p / min-p, looking only at the top candidates where that is exact.
+
+    The filters keep a head of the sorted distribution. If the last of the K
+    candidates is already cut (by top_k <= K, by the head's mass passing top_p,
+    or by min_p), everything past it is cut too, so the top-K view is exact;
+    rows where it is not are sorted in full.
+    """
+    # probs: [n, vocab]
+    vocab = probs.shape[-1]
+    k = min(vocab, max(TOPK_CANDIDATES, int(top_ks[top_ks < vocab].max()) if (top_ks < vocab).any() else 0))
+    vals, idx = probs.topk(k, dim=-1)  # [n, k] descending
+    exact = (top_ks <= k) | (vals.sum(-1) > top_ps) | (vals[:, -1] < min_ps * vals[:, 0])
+    if not bool(exact.all()):
+        rows = (~exact).nonzero().squeeze(1)
+        full_vals, full_idx = probs[rows].sort(-1, descending=True)
+        pad = vocab - k
+        vals = torch.nn.functional.pad(vals, (0, pad))  # zero mass past the candidates
+        idx = torch.nn.functional.pad(idx, (0, pad))
+        vals[rows], idx[rows] = full_vals, full_idx
+    kept = filter_sorted_probs(vals, top_ks, top_ps, min_ps)
+    return idx.gather(1, _inverse_cdf(kept, uniforms).unsqueeze(1)).squeeze(1)
+
+
 def sample(logits: torch.Tensor, t: SamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
     """``[bs]`` int64 token ids. ``logits`` already penalized; ``uniforms`` ``[bs]`` in [0, 1)."""
     # logits: [bs, vocab] float32
@@ -151,12 +181,11 @@ def sample(logits: torch.Tensor, t: SamplingTensors, uniforms: torch.Tensor | No
     if t.all_greedy:
         return greedy_ids
     probs = torch.softmax(processed_logits(logits, t), dim=-1)  # [bs, vocab]
+    ids = _inverse_cdf(probs, uniforms)
     if t.need_filter:
-        sorted_probs, idx = probs.sort(-1, descending=True)
-        kept = filter_sorted_probs(sorted_probs, t.top_ks, t.top_ps, t.min_ps)
-        ids = idx.gather(1, _inverse_cdf(kept, uniforms).unsqueeze(1)).squeeze(1)
-    else:
-        ids = _inverse_cdf(probs, uniforms)
+        vocab = probs.shape[-1]
+        rows = ((t.top_ks < vocab) | (t.top_ps < 1.0) | (t.min_ps > 0.0)).nonzero().squeeze(1)
+        ids[rows] = _filtered_ids(probs[rows], t.top_ks[rows], t.top_ps[rows], t.min_ps[rows], uniforms[rows])
     return torch.where(t.greedy, greedy_ids, ids)
 
 

@@ -108,3 +108,47 @@ def test_logprobs_and_top_logprobs():
     assert abs(chosen[0] - ref[0, 3].item()) < 1e-6 and abs(chosen[1] - ref[1, 7].item()) < 1e-6
     assert [t[0] for t in tops[0]] == ref[0].topk(3).indices.tolist()
     assert tops[0][0][1] >= tops[0][1][1] >= tops[0][2][1]
+
+
+def _reference_sample(logits, params, uniforms):
+    """Full-sort filtering and inverse CDF, row by row."""
+    out = []
+    for row, p, u in zip(logits, params, uniforms.tolist()):
+        if p.temperature == 0.0 or p.top_k == 1:
+            out.append(int(row.argmax()))
+            continue
+        probs = torch.softmax(row / p.temperature, -1)
+        if p.top_k < 0 and p.top_p == 1.0 and p.min_p == 0.0:  # unfiltered: vocabulary order
+            cdf = probs.cumsum(0)
+            out.append(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True)))
+            continue
+        vals, idx = probs.sort(descending=True)
+        k = row.numel() if p.top_k < 0 else p.top_k
+        kept = filter_sorted_probs(vals[None], torch.tensor([k]), torch.tensor([p.top_p]), torch.tensor([p.min_p]))[0]
+        cdf = kept.cumsum(0)
+        pos = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True).clamp(max=row.numel() - 1))
+        out.append(int(idx[pos]))
+    return out
+
+
+def test_candidate_shortcut_matches_full_sort():
+    torch.manual_seed(1)
+    vocab = 5000
+    sharp = torch.randn(8, vocab) * 4  # mass concentrated: the top-256 view is exact
+    flat = torch.randn(8, vocab) * 0.01  # near-uniform: top_p needs the full sort fallback
+    logits = torch.cat([sharp, flat])
+    variants = [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=40),
+        SamplingParams(temperature=1.2, min_p=0.05),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=1000, top_p=0.5),
+        SamplingParams(temperature=1.0, top_p=0.99, min_p=0.001),
+        SamplingParams(temperature=1.0, top_k=300),
+    ]
+    params = variants * 2
+    t = SamplingTensors.from_params(params, vocab)
+    for trial in range(5):
+        u = torch.rand(len(params))
+        assert sample(logits, t, u).tolist() == _reference_sample(logits, params, u)
