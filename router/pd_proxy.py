@@ -155,22 +155,32 @@ class PDProxy:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if p_task in done and p_task.exception() is not None:
                     raise p_task.exception()
-            resp, first = d_task.result()
+            resp, chunk = d_task.result()
             out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
-            await out.prepare(request)
-            await out.write(first)
-            self.metrics.ttft.observe(time.perf_counter() - t0)
+            await out.prepare(request)  # the head goes out with the first chunk
+            first = True
             try:
-                while chunk := await resp.readany():
+                while True:
+                    if resp.at_eof():  # the last chunk goes out with the stream's end
+                        await out.write_eof(chunk)
+                        break
                     await out.write(chunk)
+                    if first:
+                        self.metrics.ttft.observe(time.perf_counter() - t0)
+                        first = False
+                    chunk = await resp.readany()
+                    if not chunk:
+                        await out.write_eof()
+                        break
             except UpstreamError as e:
                 self.metrics.leg_errors[(d_ep.worker.url, "decode")] += 1
-                msg = f"decode worker {d_ep.key} failed mid-stream: {type(e).__name__}: {e}"
+                msg = f"decode worker {d_ep.key} failed mid-stream: {e}"
                 log.warning(msg)
-                await out.write(b"data: " + _encode({"error": {
-                    "message": msg, "type": "upstream_error", "param": None, "code": 502}}) + b"\n\n")
-                await out.write(_DONE)
-            await out.write_eof()
+                await out.write_eof(b"data: " + _encode({"error": {
+                    "message": msg, "type": "upstream_error", "param": None, "code": 502}})
+                    + b"\n\n" + _DONE)
+            if first:
+                self.metrics.ttft.observe(time.perf_counter() - t0)
             finished = True
             return out
         finally:

@@ -155,6 +155,10 @@ class UpstreamResponse:
             c.transport.resume_reading()
         return data
 
+    def at_eof(self) -> bool:
+        """True when the whole body has arrived and been handed over by ``readany``."""
+        return self._conn.complete and not self._conn.chunks
+
     async def read(self) -> bytes:
         """The whole body."""
         c = self._conn

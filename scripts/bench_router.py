@@ -6,13 +6,14 @@ process, answering at once), the pdserve router and sglang-router
 non-streamed and streamed ``/generate`` requests:
 
 - latency at concurrency 1 (p50, p99) through each router and directly to the
-  decode worker (the baseline: "added" latency = router - direct);
+  decode worker (the baseline: "added" latency = router - direct), the three
+  taking turns request by request;
 - the request rate at saturation (closed loop, ``--concurrency`` clients).
 
-Targets are measured interleaved (round by round) so machine noise hits all
-alike. Ends with ONE JSON line holding both routers' figures and the ratios.
+Saturation runs alternate between the routers (median of ``--rounds``). Ends
+with ONE JSON line holding both routers' figures and the ratios. Fixed seed.
 
-    .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 4] [--concurrency 32]
+    .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 3] [--rounds 2] [--concurrency 32]
 """
 
 from __future__ import annotations
@@ -93,14 +94,15 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-async def latency(session, targets: dict[str, str], data: bytes, stream: bool, n: int, rounds: int):
+async def latency(session, targets: dict[str, str], data: bytes, stream: bool, n: int):
+    """Sequential requests, the targets taking turns request by request (in a shuffled order
+    each turn) so that the machine's noise falls on all of them alike."""
     samples = {name: [] for name in targets}
     names = list(targets)
-    for _ in range(rounds):
+    for _ in range(n):
         random.shuffle(names)
         for name in names:
-            for _ in range(n // rounds):
-                samples[name].append(await one(session, targets[name], data, stream))
+            samples[name].append(await one(session, targets[name], data, stream))
     return {name: {"p50_ms": 1e3 * pct(s, 0.5), "p99_ms": 1e3 * pct(s, 0.99), "n": len(s)}
             for name, s in samples.items()}
 
@@ -135,7 +137,7 @@ async def measure(args, targets: dict[str, str]) -> dict:
             for url in urls.values():  # warm up connections and code paths
                 for _ in range(50):
                     await one(session, url, data, stream)
-            lat = await latency(session, urls, data, stream, args.requests, rounds=4)
+            lat = await latency(session, urls, data, stream, args.requests)
             rate = {name: [] for name in targets if name != "direct"}
             for _ in range(args.rounds):
                 for name in random.sample(list(rate), len(rate)):
