@@ -8,7 +8,9 @@ non-streamed and streamed ``/generate`` requests:
 - latency at concurrency 1 (p50, p99) through each router and directly to the
   decode worker (the baseline: "added" latency = router - direct), the three
   taking turns request by request;
-- the request rate at saturation (closed loop, ``--concurrency`` clients).
+- the request rate at saturation (closed loop, ``--concurrency`` clients), and
+  the router process's CPU time per request meanwhile (insensitive to noise:
+  on a small machine the stand-ins and the client, not the router, saturate).
 
 Saturation runs alternate between the routers (median of ``--rounds``). Ends
 with ONE JSON line holding both routers' figures and the ratios. Fixed seed.
@@ -107,9 +109,17 @@ async def latency(session, targets: dict[str, str], data: bytes, stream: bool, n
             for name, s in samples.items()}
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 async def saturation(session, url: str, data: bytes, stream: bool, concurrency: int,
-                     duration: float) -> float:
+                     duration: float, pid: int) -> tuple[float, float]:
+    """(requests per second, router CPU microseconds per request)."""
     done = 0
+    cpu0 = cpu_seconds(pid)
     stop_at = time.perf_counter() + duration
 
     async def worker():
@@ -120,10 +130,10 @@ async def saturation(session, url: str, data: bytes, stream: bool, concurrency: 
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - t0)
+    return done / (time.perf_counter() - t0), 1e6 * (cpu_seconds(pid) - cpu0) / max(done, 1)
 
 
-async def measure(args, targets: dict[str, str]) -> dict:
+async def measure(args, targets: dict[str, str], pids: dict[str, int]) -> dict:
     results = {}
     body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4,
                                                                   "temperature": 0}}
@@ -138,15 +148,16 @@ async def measure(args, targets: dict[str, str]) -> dict:
                 for _ in range(50):
                     await one(session, url, data, stream)
             lat = await latency(session, urls, data, stream, args.requests)
-            rate = {name: [] for name in targets if name != "direct"}
+            rate = {name: [] for name in pids}
             for _ in range(args.rounds):
                 for name in random.sample(list(rate), len(rate)):
                     rate[name].append(await saturation(session, urls[name], data, stream,
-                                                       args.concurrency, args.duration))
+                                                       args.concurrency, args.duration, pids[name]))
             for name, lat_ in lat.items():
                 results[f"{kind}.{name}"] = {**lat_}
                 if name in rate:
-                    results[f"{kind}.{name}"]["rps"] = statistics.median(rate[name])
+                    results[f"{kind}.{name}"]["rps"] = statistics.median(r for r, _ in rate[name])
+                    results[f"{kind}.{name}"]["cpu_us_per_req"] = statistics.median(c for _, c in rate[name])
     return results
 
 
@@ -189,7 +200,7 @@ def main() -> None:
             async with aiohttp.ClientSession() as s:
                 for name in ("pdserve", "sglang"):
                     await wait_ready(s, targets[name], {"text": "x"}, 120, procs)
-            return await measure(args, targets)
+            return await measure(args, targets, {"pdserve": procs[2].pid, "sglang": procs[3].pid})
 
         results = asyncio.run(run())
     finally:
@@ -198,7 +209,7 @@ def main() -> None:
 
     summary = {"bench": "router", "cpus": os.cpu_count(), "concurrency": args.concurrency}
     print(f"{'mode':7} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} "
-          f"{'req/s':>8}")
+          f"{'req/s':>8} {'CPU us/req':>10}")
     for kind in ("json", "stream"):
         direct = results[f"{kind}.direct"]
         for name in ("direct", "pdserve", "sglang"):
@@ -208,12 +219,13 @@ def main() -> None:
                 r["added_p99_ms"] = r["p99_ms"] - direct["p99_ms"]
             print(f"{kind:7} {name:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
                   f"{r.get('added_p50_ms', 0):10.3f} {r.get('added_p99_ms', 0):10.3f} "
-                  f"{r.get('rps', float('nan')):8.0f}")
+                  f"{r.get('rps', float('nan')):8.0f} {r.get('cpu_us_per_req', float('nan')):10.0f}")
             summary[f"{kind}_{name}"] = {k: round(v, 4) for k, v in r.items()}
         ours_, theirs_ = results[f"{kind}.pdserve"], results[f"{kind}.sglang"]
         summary[f"{kind}_ratio_added_p50"] = round(ours_["added_p50_ms"] / max(theirs_["added_p50_ms"], 1e-6), 3)
         summary[f"{kind}_ratio_added_p99"] = round(ours_["added_p99_ms"] / max(theirs_["added_p99_ms"], 1e-6), 3)
         summary[f"{kind}_ratio_rps"] = round(ours_["rps"] / theirs_["rps"], 3)
+        summary[f"{kind}_ratio_cpu_per_req"] = round(ours_["cpu_us_per_req"] / theirs_["cpu_us_per_req"], 3)
     summary["targets_met"] = all(summary[f"{k}_ratio_added_p50"] <= 1.5 and summary[f"{k}_ratio_rps"] >= 0.5
                                  for k in ("json", "stream"))
     print(json.dumps(summary))
