@@ -47,6 +47,10 @@ class MooncakeTransferEngine(TransferEngine):
         self._lock = threading.Lock()
         self._closed = False
 
+    @property
+    def raw(self) -> object:
+        return self._engine
+
     def register(self, addr: int, nbytes: int) -> None:
         rc = self._engine.register_memory(addr, nbytes)
         if rc != 0:
@@ -87,8 +91,23 @@ class MooncakeTransferEngine(TransferEngine):
         handle.raw = self._waiters.submit(self._write_sync, peer, list(src), list(dst), list(lengths))
         return handle
 
+    def write(
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        notify: bytes | None = None,
+    ) -> None:
+        # already on a worker thread: write inline instead of hopping to a waiter thread
+        rc, msg = self._write_sync(peer, list(src), list(dst), list(lengths))
+        if rc != 0:
+            raise TransferFailedError(self.name, "batch write", rc, msg)
+
     def _write_sync(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> tuple[int, str]:
-        """Waiter thread: submit in sub-batches the TCP lanes' queues can hold; (rc, message)."""
+        """Blocking: submit in sub-batches the TCP lanes' queues can hold; (rc, message)."""
+        if not src:
+            return 0, ""
         for i in range(0, len(src), _MAX_DESCS_PER_BATCH):
             j = i + _MAX_DESCS_PER_BATCH
             with self._credits:

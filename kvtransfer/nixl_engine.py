@@ -40,6 +40,10 @@ class NixlTransferEngine(TransferEngine):
         # the agent's notification/transfer calls are not documented thread-safe
         self._lock = threading.Lock()
 
+    @property
+    def raw(self) -> object:
+        return self._agent
+
     def register(self, addr: int, nbytes: int) -> None:
         try:
             with self._lock:

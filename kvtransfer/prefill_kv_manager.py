@@ -12,6 +12,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import msgspec
+import zmq
 
 from pdserve.engine.page_pool import PagePool
 from pdserve.kvtransfer import messages as m
@@ -22,7 +23,7 @@ from pdserve.kvtransfer.kv_manager import KVManager, room_notification
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.page_runs import run_descriptors
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferState
+from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class PrefillKVManager(KVManager):
         self.registered = threading.Event()  # set once the bootstrap server accepted this rank
         self.registration_error: str | None = None
         self._queues = [queue.SimpleQueue() for _ in range(config.num_transfer_threads)]
+        # ZMQ sockets are single-thread: each transfer thread owns its own, per decode endpoint
+        self._worker_push: list[dict[str, zmq.Socket]] = [{} for _ in range(config.num_transfer_threads)]
         self._workers = [
             threading.Thread(target=self._transfer_loop, args=(i,), name=f"kv-transfer-{i}", daemon=True)
             for i in range(config.num_transfer_threads)
@@ -154,6 +157,13 @@ class PrefillKVManager(KVManager):
     # --------------------------------------------------------- transfer threads
     def _transfer_loop(self, idx: int) -> None:
         q = self._queues[idx]
+        try:
+            self._transfer_steps(idx, q)
+        finally:
+            for sock in self._worker_push[idx].values():
+                sock.close(0)
+
+    def _transfer_steps(self, idx: int, q: queue.SimpleQueue) -> None:
         while not self._stop.is_set():
             try:
                 chunk = q.get(timeout=0.1)
@@ -184,20 +194,32 @@ class PrefillKVManager(KVManager):
             if self.engine.supports_notifications and src:
                 notify = room_notification(sender.room)
         try:
-            handle = self.engine.write_batch(peer.engine_peer, src, dst, lengths, notify)
-            state = self.engine.wait(handle)
-            error = handle.error
+            if src:  # an empty non-last chunk has nothing to write
+                self.engine.write(peer.engine_peer, src, dst, lengths, notify)
+            error = None
         except TransferEngineError as e:
-            state, error = TransferState.FAILED, e
+            error = e
         with self.lock:
-            if state is not TransferState.DONE:
+            if error is not None:
                 self._fail_sender(sender, f"KV write failed: {error}")
                 return
             if not chunk.is_last or sender.state.done:
                 return
             self._finish(sender, KVPoll.Success)
-        status = m.RoomStatus(sender.room, True, notified=notify is not None)
-        self.call_soon(lambda: self.send_msg(peer.reg.endpoint, status))
+        # straight from this thread (its own socket): one hop less than via the control thread
+        self._push_from_worker(idx, peer.reg.endpoint, m.RoomStatus(sender.room, True, notified=notify is not None))
+
+    def _push_from_worker(self, idx: int, endpoint: str, msg: m.ControlMessage) -> None:
+        socks = self._worker_push[idx]
+        sock = socks.get(endpoint)
+        if sock is None:
+            sock = socks[endpoint] = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://{endpoint}")
+        try:
+            sock.send(m.encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("kv prefill: control queue to %s full, dropped %s", endpoint, type(msg).__name__)
 
     # ---------------------------------------------------------- control thread
     def _register_with_bootstrap(self) -> None:

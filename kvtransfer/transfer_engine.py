@@ -45,6 +45,11 @@ class TransferEngine(ABC):
     def __init__(self, host: str, ib_device: str = ""):
         """Start the engine on ``host`` (RDMA on ``ib_device`` where the backend supports it)."""
 
+    @property
+    @abstractmethod
+    def raw(self) -> object:
+        """The wrapped engine object (mooncake ``TransferEngine``, ``nixl_agent``), for baselines."""
+
     @abstractmethod
     def register(self, addr: int, nbytes: int) -> None:
         """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes."""
@@ -95,6 +100,19 @@ class TransferEngine(ABC):
             # spin briefly (small writes finish in microseconds), then back off to spare the CPU
             time.sleep(0 if spins < 100 else 5e-5)
         return state
+
+    def write(
+        self,
+        peer: str,
+        src: Sequence[int],
+        dst: Sequence[int],
+        lengths: Sequence[int],
+        notify: bytes | None = None,
+    ) -> None:
+        """Blocking ``write_batch`` for worker threads; raises ``TransferEngineError`` on failure."""
+        handle = self.write_batch(peer, src, dst, lengths, notify)
+        if self.wait(handle) is not TransferState.DONE:
+            raise handle.error
 
     @abstractmethod
     def get_notifications(self) -> list[bytes]:
