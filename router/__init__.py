@@ -1,1 +1,10 @@
-"""pdserve.router."""
+"""pdserve.router: the public endpoint that pairs each request with a prefill and a decode worker.
+
+Public API:
+- ``RouterConfig`` / ``WorkerSpec`` (``config.py``): the one frozen config; the CLI's defaults.
+- ``cli.main(argv=None)``: ``pdserve router`` / ``python -m pdserve.router``.
+- ``server.Router(config)``, ``server.start_router(config) -> (router, runner, port)``,
+  ``server.serve(config)``: embed or run the router.
+- ``policy.POLICIES`` / ``make_policy(name, config)``: routing policies by name.
+- ``standin_worker.StandinWorker``: a model-free SGLang/pdserve prefill or decode server for tests.
+"""

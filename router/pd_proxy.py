@@ -30,7 +30,6 @@ log = logging.getLogger("pdserve.router")
 
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
-_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -83,7 +82,7 @@ class PDProxy:
             try:
                 if stream:
                     return await self._attempt_stream(request, path, body, pair, t0)
-                return await self._attempt_json(path, body, pair)
+                return await self._attempt_json(path, body, pair, t0)
             except LegFailure as failure:
                 self.metrics.leg_errors[(failure.endpoint.worker.url, failure.leg)] += 1
                 log.info("attempt %d/%d failed: %s", attempt + 1, attempts, failure.describe())
@@ -94,7 +93,7 @@ class PDProxy:
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
 
     # one attempt, JSON answer ---------------------------------------------
-    async def _attempt_json(self, path: str, body: dict, pair: Pair) -> web.Response:
+    async def _attempt_json(self, path: str, body: dict, pair: Pair, t0: float) -> web.Response:
         p_body, d_body = Pairing.leg_bodies(body, pair)
         p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self._leg("decode", pair.decode, path, d_body))
@@ -114,6 +113,7 @@ class PDProxy:
         status, ctype, d_data = d_task.result()
         if body.get("return_logprob") and path == "/generate":
             d_data = merge_input_logprobs(p_data, d_data)
+        self.metrics.ttft.observe(time.perf_counter() - t0)  # a JSON answer's first byte is all of it
         return web.Response(body=d_data, status=status, content_type=ctype or "application/json")
 
     async def _leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
@@ -156,7 +156,8 @@ class PDProxy:
                 if p_task in done and p_task.exception() is not None:
                     raise p_task.exception()
             resp, chunk = d_task.result()
-            out = web.StreamResponse(status=resp.status, headers=_SSE_HEADERS)
+            out = web.StreamResponse(status=resp.status, headers={
+                "Content-Type": resp.content_type or "text/event-stream", "Cache-Control": "no-cache"})
             await out.prepare(request)  # the head goes out with the first chunk
             first = True
             try:

@@ -27,7 +27,7 @@ class UpstreamError(Exception):
 
 class _Connection(asyncio.Protocol):
     __slots__ = ("pool", "key", "transport", "parser", "status", "content_type", "chunks", "size",
-                 "waiter", "headers_done", "complete", "keep_alive", "error", "paused", "_header", "_eof_body",
+                 "waiter", "headers_done", "complete", "keep_alive", "error", "paused", "_eof_body",
                  "_timer", "used")
 
     def __init__(self, pool: "UpstreamPool", key: tuple[str, int]):

@@ -92,6 +92,7 @@ async def test_models_workers_health_metrics(cluster):
     assert f'pdserve_router_worker_requests_total{{worker="{cluster.prefills[0].url}",leg="prefill"}} 1' in text
     assert 'pdserve_router_requests_total{route="/generate",status="200"} 1' in text
     assert "pdserve_router_e2e_seconds_count 1" in text
+    assert "pdserve_router_ttft_seconds_count 1" in text
     assert f'pdserve_router_worker_in_flight{{worker="{cluster.decodes[0].url}",role="decode"}} 0' in text
 
 
