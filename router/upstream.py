@@ -2,7 +2,7 @@
 
 The legs are the router's hot path, and a general client (aiohttp's) spends
 more time building a request than the stand-in servers spend answering it.
-This one only POSTs JSON to a known ``http://host:port``: it writes the head
+This one only POSTs JSON to a known ``http(s)://host:port``: it writes the head
 and body in one ``transport.write``, parses the answer with httptools
 (llhttp), and hands the body over as it arrives. Failures are one typed
 ``UpstreamError``. A request that is cancelled aborts its connection, which is
@@ -30,7 +30,7 @@ class _Connection(asyncio.Protocol):
                  "waiter", "headers_done", "complete", "keep_alive", "error", "paused", "_eof_body",
                  "_timer", "used")
 
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int]):
+    def __init__(self, pool: "UpstreamPool", key: tuple[str, int, bool]):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -184,7 +184,8 @@ class UpstreamPool:
         self._extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (extra_headers or {}).items())
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._busy: set[_Connection] = set()
-        self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
+        self._heads: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}
+        self._ssl = None
 
     async def post(self, base_url: str, path: str, body: bytes) -> UpstreamResponse:
         """POST ``body`` (JSON) to ``base_url + path``; returns once the answer's head is in."""
@@ -223,15 +224,16 @@ class UpstreamPool:
         cached = self._heads.get((base_url, path))
         if cached is None:
             u = urlsplit(base_url)
-            if u.scheme != "http":
-                raise UpstreamError(f"only http:// workers are supported, got {base_url}")
-            key = (u.hostname, u.port or 80)
+            if u.scheme not in ("http", "https"):
+                raise UpstreamError(f"worker URLs are http:// or https://, got {base_url}")
+            https = u.scheme == "https"
+            key = (u.hostname, u.port or (443 if https else 80), https)
             head = (f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {u.netloc}\r\n"
                     f"Content-Type: application/json\r\n").encode("latin-1") + self._extra + b"Content-Length: "
             cached = self._heads[(base_url, path)] = (key, head)
         return cached
 
-    async def _acquire(self, key: tuple[str, int]) -> _Connection:
+    async def _acquire(self, key: tuple[str, int, bool]) -> _Connection:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -241,12 +243,20 @@ class UpstreamPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), key[0], key[1]),
+                loop.create_connection(lambda: _Connection(self, key), key[0], key[1],
+                                       ssl=self._ssl_context() if key[2] else None),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {type(e).__name__}: {e}") from None
         self._busy.add(conn)
         return conn
+
+    def _ssl_context(self):
+        if self._ssl is None:
+            import ssl
+
+            self._ssl = ssl.create_default_context()
+        return self._ssl
 
     def _done(self, conn: _Connection) -> None:
         self._busy.discard(conn)
