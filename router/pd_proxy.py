@@ -97,13 +97,22 @@ class PDProxy:
         p_body, d_body = Pairing.leg_bodies(body, pair)
         p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self._leg("decode", pair.decode, path, d_body))
+        # one future woken by the first failure or by both successes (lighter than asyncio.wait)
+        waiter = asyncio.get_running_loop().create_future()
+
+        def wake(t: asyncio.Task) -> None:
+            if not waiter.done() and (t.cancelled() or t.exception() is not None
+                                      or (p_task.done() and d_task.done())):
+                waiter.set_result(t)
+
+        p_task.add_done_callback(wake)
+        d_task.add_done_callback(wake)
         try:
-            pending = {p_task, d_task}
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for t in done:
-                    if t.exception() is not None:
-                        raise t.exception()
+            t = await waiter
+            if t.cancelled():
+                raise asyncio.CancelledError()
+            if t.exception() is not None:
+                raise t.exception()
         finally:
             for t in (p_task, d_task):
                 if not t.done():
