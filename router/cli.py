@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve router",
                                 description="PD router: pairs each request with a prefill and a "
                                             "decode worker (SGLang PD protocol).")
-    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar="URL [BOOTSTRAP_PORT]",
+    p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                    help="prefill server URL and optional bootstrap port (a number or 'none'); repeatable")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="decode server URL; repeatable")
