@@ -1,0 +1,142 @@
+"""Greedy output of ModelRunner against Hugging Face transformers on the same weights.
+
+The default model (SmolLM2-135M GGUF, dequantized by our loader) is saved as a
+HF checkpoint and loaded by transformers' LlamaForCausalLM; tiny random Qwen2
+and Qwen3 checkpoints are made by transformers and loaded by our loader.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_runner import ModelRunner
+
+from conftest import greedy_generate, hf_greedy  # noqa: E402  (tests/model has no package)
+
+pytestmark = pytest.mark.timeout(240)
+torch.set_num_threads(1)  # robust when other jobs share the 2 cores (OpenMP spin-waits)
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a hash table is.",
+    "List three uses of copper.",
+    "Hi",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    arch, weights, _ = load_model(None)
+    path = tmp_path_factory.mktemp("smollm2_hf")
+    save_hf_checkpoint(arch, weights, str(path))
+    return str(path)
+
+
+def runner_for(dtype: str, model_path=None) -> ModelRunner:
+    return ModelRunner(EngineConfig(model_path=model_path, dtype=dtype, max_total_tokens=4096, page_size=16))
+
+
+def chat_prompts(tokenizer) -> list[list[int]]:
+    out = []
+    for q in QUESTIONS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False).input_ids)
+    return out
+
+
+def test_default_model_fp32_token_identical_to_transformers(hf_dir):
+    from transformers import LlamaForCausalLM
+
+    runner = runner_for("float32")
+    assert runner.dtype == torch.float32 and runner.arch.num_layers == 30
+    prompts = chat_prompts(runner.tokenizer)
+    assert len({len(p) for p in prompts}) > 1  # mixed lengths in one batch
+    ours, _ = greedy_generate(runner, prompts, NEW_TOKENS)
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, ours):
+        want, _ = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert got == want, runner.tokenizer.decode(got) + " != " + runner.tokenizer.decode(want)
+    assert "Paris" in runner.tokenizer.decode(ours[0])
+
+
+def test_default_model_bf16_differs_only_at_near_ties(hf_dir):
+    from transformers import LlamaForCausalLM
+
+    runner = runner_for("bfloat16")
+    assert runner.dtype == torch.bfloat16
+    prompts = chat_prompts(runner.tokenizer)
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    hf_runs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    # teacher-force our runner along transformers' path, so every position compares like with like
+    ours, our_logits = greedy_generate(runner, prompts, NEW_TOKENS, forced=[t for t, _ in hf_runs])
+    differ = 0
+    for (want, hf_logits), got, logits in zip(hf_runs, ours, our_logits):
+        for t, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                differ += 1
+                assert b in logits[t].topk(3).indices.tolist(), f"step {t}: transformers' {b} not in our top-3"
+                assert a in hf_logits[t].topk(3).indices.tolist(), f"step {t}: our {a} not in transformers' top-3"
+    assert differ <= len(prompts) * NEW_TOKENS // 4  # near-ties are the exception, not the rule
+
+
+def make_tiny_checkpoint(kind: str, path: str) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM)
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, rope_theta=1000000.0, **common))
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    else:
+        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_tiny_random_checkpoint_fp32_token_identical(kind, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_checkpoint(kind, str(tmp_path))
+    runner = runner_for("float32", str(tmp_path))
+    assert runner.arch.arch == kind
+    assert runner.arch.attention_bias == (kind == "qwen2") and runner.arch.qk_norm == (kind == "qwen3")
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 23, 40, 1)]
+    ours, _ = greedy_generate(runner, prompts, NEW_TOKENS)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    for prompt, got in zip(prompts, ours):
+        want, _ = hf_greedy(hf, prompt, NEW_TOKENS)
+        assert got == want
+    assert len({t for seq in ours for t in seq}) > 10  # not a degenerate constant output
+
+
+def test_unknown_model_path_is_value_error_naming_it(tmp_path):
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(ValueError, match="model_path.*no_such_model"):
+        runner_for("float32", missing)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="model_path.*empty"):
+        load_model(str(tmp_path / "empty"))
