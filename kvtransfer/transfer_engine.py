@@ -92,13 +92,14 @@ class TransferEngine(ABC):
     def wait(self, handle: TransferHandle, timeout: float | None = None) -> TransferState:
         """Block until the write is DONE or FAILED (or ``timeout`` passes: PENDING)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        spins = 0
+        start = time.monotonic()
         while (state := self.poll(handle)) is TransferState.PENDING:
-            if deadline is not None and time.monotonic() > deadline:
+            now = time.monotonic()
+            if deadline is not None and now > deadline:
                 return state
-            spins += 1
-            # spin briefly (small writes finish in microseconds), then back off to spare the CPU
-            time.sleep(0 if spins < 100 else 5e-5)
+            # sleep(0) releases the GIL but keeps this thread runnable: a busy host must not
+            # add a scheduling delay to short writes; long ones back off to spare the CPU
+            time.sleep(0 if now - start < 0.005 else 1e-4)
         return state
 
     def write(

@@ -82,7 +82,7 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
         h = raw.initialize_xfer("WRITE", raw.get_xfer_descs(local, "DRAM"), raw.get_xfer_descs(remote, "DRAM"), peer_name, b"")
         raw.transfer(h)
         while (s := raw.check_xfer_state(h)) == "PROC":
-            pass
+            time.sleep(0)  # yield, or a hot loop starves UCX's progress thread on a small host
         raw.release_xfer_handle(h)
         if s != "DONE":
             raise RuntimeError(f"raw nixl write: {s}")
