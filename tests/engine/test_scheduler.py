@@ -17,7 +17,7 @@ from pdserve.engine.batch_builder import build_forward_batch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.page_pool import PagePool
 from pdserve.engine.radix_cache import make_prefix_cache
-from pdserve.engine.request import Req, ReqStatus
+from pdserve.engine.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ForwardMode, SampleOutput, Scheduler
 
@@ -292,3 +292,53 @@ def test_random_workload_never_deadlocks():
         assert step < 5000
     for rid, r in reqs.items():
         assert r.output_ids == expected[rid]
+
+
+class PrefillModeScheduler(Scheduler):
+    """What the prefill mode does: after prefill the request keeps its pages for the KV sender."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.sending: list[Req] = []
+
+    def on_prefill_done(self, req):
+        req.status = ReqStatus.SENDING_KV
+        self.sending.append(req)
+
+
+def test_prefill_mode_hook_holds_pages_until_sent():
+    pool = PagePool(64, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    sched = PrefillModeScheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False))
+    model = EchoModel(pool)
+    r = req("p", range(1, 11), n=5)
+    sched.add(r)
+    sched.postprocess(b := sched.schedule(), model(b))
+    assert sched.sending == [r] and r.status == ReqStatus.SENDING_KV and not sched.running
+    assert r.output_ids == reference(list(range(1, 11)), 1) and r.kv_len == 10
+    assert sched.schedule() is None  # nothing to decode on the prefill side
+    sched.check_integrity()  # its pages are owned, not leaked
+    sched.finish(r, FinishReason("stop"))
+    sched.check_integrity()
+    assert pool.num_used == sched.cache.evictable_pages == 2  # its full pages went to the cache
+
+
+def test_decode_mode_request_arrives_with_kv_and_first_token():
+    sched, model = make()
+    prompt = list(range(30, 43))  # 13 tokens
+    expected = reference(prompt, 6)
+    r = req("d", prompt, n=6)
+    r.status = ReqStatus.WAITING_FOR_KV
+    r.pages = sched.try_alloc(sched.pool.pages_for(len(prompt)))
+    # the "transfer": the prompt's KV lands in the preallocated pages, with the first token
+    k = sched.pool.k_slots(0)
+    for t, tok in enumerate(prompt):
+        k[r.pages[t // PS] * PS + t % PS, 0, 0] = tok
+    r.kv_len = len(prompt)
+    r.output_ids = [expected[0]]
+    sched.add_prefilled(r)
+    assert r.status == ReqStatus.RUNNING
+    sched.check_integrity()
+    batches = run(sched, model)
+    assert all(b.mode == ForwardMode.DECODE for b in batches)
+    assert r.output_ids == expected
+    assert sched.try_alloc(10_000) is None
