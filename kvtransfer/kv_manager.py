@@ -88,6 +88,8 @@ class KVManager(ABC):
     # -------------------------------------------------------------- control thread
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the control thread (from any thread)."""
+        if self._stop.is_set():
+            return
         self._calls.put(fn)
         try:
             os.write(self._wake_w, b"x")
@@ -204,7 +206,7 @@ class KVManager(ABC):
         if self._stop.is_set():
             return
         self._stop.set()
-        self.call_soon(lambda: None)
+        os.write(self._wake_w, b"x")
         if self._thread.is_alive():
             self._thread.join(timeout=5)
         self._close_extra()

@@ -129,10 +129,14 @@ class PrefillKVManager(KVManager):
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         with self.lock:
             sender = self.senders.get(room)
-            self._pending.pop(room, None)
-            if sender is None:
+            pending = self._pending.pop(room, None)
+            if sender is not None:
+                self._fail_sender(sender, reason)
                 return
-            self._fail_sender(sender, reason)
+        peer = None if pending is None else self.decode_peers.get(pending[0].decode_id)
+        if peer is not None:  # the decode side already waits for this room: tell it
+            msg = m.AbortRoom(room, reason)
+            self.call_soon(lambda: self.send_msg(peer.reg.endpoint, msg))
 
     # ------------------------------------------------------------ room state
     def _attach(self, sender: KVSender, req: m.RoomRequest) -> None:

@@ -160,3 +160,62 @@ def test_killed_sender_fails_receiver_rooms_within_heartbeat_window(pair):
             assert d["t"] - killed_at <= interval * max_failures + 1.0, d["t"] - killed_at
     finally:
         victim.close()
+
+
+def test_timeouts(pair):
+    # a second pair of managers in the same processes, with short timeouts
+    short = {**pair.cfg, "bootstrap_timeout": 0.5, "waiting_timeout": 0.5}
+    bport = pair.P.call("init", name="p_short", role="prefill", num_pages=8, cfg=short)["bootstrap_port"]
+    pair.D.call("init", name="d_short", role="decode", num_pages=8, cfg=short)
+    room = next(_rooms)
+    pair.P.call("create_sender", mgr="p_short", room=room)  # no decode side ever comes
+    p = pair.P.call("wait", room=room, states=["Failed"], timeout=10)
+    assert p["state"] == "Failed" and "bootstrap_timeout" in p["reason"], p
+    room = next(_rooms)  # the decode side sends its destination, the prefill side never sends
+    pair.D.call("create_receiver", mgr="d_short", room=room, host="127.0.0.1", port=bport)
+    pair.D.call("recv_init", mgr="d_short", room=room, pages=[1, 2])
+    d = pair.D.call("wait", room=room, states=["Failed"], timeout=10)
+    assert d["state"] == "Failed" and "waiting_timeout" in d["reason"], d
+
+
+def test_prefill_validates_registrations_and_destinations(pair):
+    """Speak the control protocol directly: a bad pool is rejected with the reason; page
+    indices outside the registered pool abort the room (never trusted as addresses)."""
+    from pdserve.kvtransfer import messages as m
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    push.connect(f"tcp://{pair.p_endpoint}")
+    me = f"127.0.0.1:{port}"
+
+    def reg(decode_id, page_size):
+        layout = m.LayoutInfo(30, page_size, 3, 64, "bfloat16")
+        return m.RegisterPool(decode_id, me, pair.backend, b"127.0.0.1:1" if pair.backend == "mooncake" else b"",
+                              layout, 16, page_size * 3 * 64 * 2, [4096] * 30, [4096] * 30, 4096, 176, 4)
+
+    def recv():
+        assert pull.poll(10000), "no reply from prefill"
+        return m.decode(pull.recv())
+
+    try:
+        push.send(m.encode(reg("fake-decode-32", 32)))
+        ack = recv()
+        assert isinstance(ack, m.RegisterAck) and not ack.ok and "page_size: 16 vs 32" in ack.reason, ack
+        if pair.backend == "mooncake":  # a nixl pool needs real agent metadata; mooncake only a session id
+            push.send(m.encode(reg("fake-decode-16", 16)))
+            ack = recv()
+            assert isinstance(ack, m.RegisterAck) and ack.ok, ack
+            room = next(_rooms)
+            push.send(m.encode(m.RoomRequest(room, "fake-decode-16", [1, 99], 0)))
+            abort = recv()
+            assert isinstance(abort, m.AbortRoom) and abort.room == room and "outside decode pool" in abort.reason
+            push.send(m.encode(m.RoomRequest(room + 1, "fake-decode-16", [0], 0)))  # page 0 is scratch
+            assert "outside decode pool" in recv().reason
+            push.send(m.encode(m.RoomRequest(room + 2, "fake-decode-16", [1], 9)))
+            assert "aux slot 9" in recv().reason
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
