@@ -8,6 +8,23 @@ from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.scheduler import ScheduledBatch
 
 
+def input_logprob_rows(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
+    """Extra logits rows for prompt logprobs: (request index, packed row, prompt position scored).
+
+    The logits at position ``q`` score the prompt token at ``q + 1``. Rows come
+    after the sampled rows in ``logits_indices``.
+    """
+    rows = []
+    offset = 0
+    for i, (req, start, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+        if req.wants_input_logprobs:
+            first = max(req.logprob_start_len + len(req.input_logprobs), 1, start + 1)
+            for p in range(first, min(start + n, req.prompt_len - 1) + 1):
+                rows.append((i, offset + p - 1 - start, p))
+        offset += n
+    return rows
+
+
 def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
     input_ids: list[int] = []
     positions: list[int] = []
@@ -29,6 +46,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
             logits_indices.append(offset - 1)
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
+    logits_indices.extend(row for _, row, _ in input_logprob_rows(batch))
     bs = len(batch.reqs)
     # pad with page 0, the scratch page
     page_table = torch.zeros(bs, max(num_pages, default=0), dtype=torch.int32)

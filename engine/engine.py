@@ -53,7 +53,7 @@ class _Waiter:
 class _Result:
     """Folds one request's TokenOutputs into text, ids and meta_info."""
 
-    def __init__(self, rid: str, sp: SamplingParams, tokenizer, return_logprob: bool):
+    def __init__(self, rid: str, sp: SamplingParams, tokenizer, return_logprob: bool, input_ids: list[int]):
         self.rid = rid
         self.sp = sp
         self.detok = Detokenizer(tokenizer, sp.stop, sp.skip_special_tokens)
@@ -61,6 +61,8 @@ class _Result:
         self.output_ids: list[int] = []
         self.logprobs: list[tuple[float, int, None]] = []
         self.top_logprobs: list[list[tuple[float, int, None]]] = []
+        self.input_logprobs: list[tuple[float | None, int, None]] = []
+        self.input_ids = input_ids
         self.meta: dict[str, Any] = {"id": rid, "finish_reason": None}
 
     def add(self, out: TokenOutput) -> dict[str, Any]:
@@ -85,12 +87,18 @@ class _Result:
             self.logprobs.extend(new_lp)
             self.top_logprobs.extend(new_top)
             chunk_meta.update(output_token_logprobs=new_lp, output_top_logprobs=new_top)
+            if out.input_logprobs:
+                ids = self.input_ids[len(self.input_ids) - len(out.input_logprobs) :]
+                self.input_logprobs = [(lp, t, None) for lp, t in zip(out.input_logprobs, ids)]
+                chunk_meta["input_token_logprobs"] = self.input_logprobs
         return {"text": text, "output_ids": list(out.new_token_ids), "meta_info": chunk_meta}
 
     def final(self) -> dict[str, Any]:
         meta = dict(self.meta)
         if self.return_logprob:
             meta.update(output_token_logprobs=self.logprobs, output_top_logprobs=self.top_logprobs)
+            if self.input_logprobs:
+                meta["input_token_logprobs"] = self.input_logprobs
         return {"text": self.detok.text, "output_ids": self.output_ids, "meta_info": meta}
 
 
@@ -178,7 +186,7 @@ class Engine:
 
     # ------------------------------------------------------------- validation
     def _prepare(
-        self, prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num
+        self, prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num, logprob_start_len=-1
     ) -> tuple[list[TokenizedGenerateReq], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
@@ -237,6 +245,7 @@ class Engine:
                     stream=stream,
                     return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs_num,
+                    logprob_start_len=logprob_start_len,
                 )
             )
         return reqs, single
@@ -252,7 +261,7 @@ class Engine:
             for i, r in enumerate(reqs):
                 w = make_waiter(i)
                 self._waiters[r.rid] = w
-                pairs.append((w, _Result(r.rid, r.sampling_params, self.tokenizer, r.return_logprob)))
+                pairs.append((w, _Result(r.rid, r.sampling_params, self.tokenizer, r.return_logprob, r.input_ids)))
         for r in reqs:
             self._inbox.put(("add", r))
         return pairs
@@ -267,8 +276,11 @@ class Engine:
         rid: str | list[str] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict | list[dict] | Iterator[dict]:
-        reqs, single = self._prepare(prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num)
+        reqs, single = self._prepare(
+            prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num, logprob_start_len
+        )
         if stream:
             merged: queue.SimpleQueue = queue.SimpleQueue()
             pairs = self._submit(reqs, lambda i: _Tagged(merged, i))
@@ -328,9 +340,12 @@ class Engine:
         rid: str | list[str] | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As ``generate``; with ``stream=True`` it returns an async iterator (``await`` it, then ``async for``)."""
-        reqs, single = self._prepare(prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num)
+        reqs, single = self._prepare(
+            prompt, sampling_params, input_ids, stream, rid, return_logprob, top_logprobs_num, logprob_start_len
+        )
         aio_loop = asyncio.get_running_loop()
         pairs = self._submit(reqs, lambda i: _Waiter(aio_loop))
         if stream:

@@ -57,6 +57,7 @@ class Req:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     bootstrap: BootstrapInfo | None = None
+    logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens from this position on
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -73,6 +74,8 @@ class Req:
     num_sent: int = 0  # output tokens already reported in a TokenOutput
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # logprob of prompt token p given its prefix, for p = logprob_start_len.. (None for p = 0)
+    input_logprobs: list[float | None] = field(default_factory=list)
     # text decoded so far, kept only when stop strings must be matched
     text_state: Any = None
     num_retractions: int = 0
@@ -89,6 +92,13 @@ class Req:
     @property
     def prompt_len(self) -> int:
         return len(self.input_ids)
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all gathered yet."""
+        return 0 <= self.logprob_start_len < self.prompt_len and (
+            self.logprob_start_len + len(self.input_logprobs) < self.prompt_len
+        )
 
     @property
     def finished(self) -> bool:

@@ -218,7 +218,10 @@ class Scheduler:
                 break
             req = self.waiting[0]
             # leave at least one token to compute: its logits give the next token
-            cached_pages, node = self.cache.match_prefix(req.fill_ids[: req.seq_len - 1])
+            match_len = req.seq_len - 1
+            if req.wants_input_logprobs:  # positions whose logits are wanted must be computed
+                match_len = min(match_len, max(req.logprob_start_len + len(req.input_logprobs) - 1, 0))
+            cached_pages, node = self.cache.match_prefix(req.fill_ids[:match_len])
             self.cache.lock(node)
             need = self.pool.pages_for(req.seq_len) - len(cached_pages)
             reserve = max(

@@ -24,7 +24,7 @@ import random
 
 import torch
 
-from pdserve.engine.batch_builder import build_forward_batch
+from pdserve.engine.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.radix_cache import make_prefix_cache
@@ -84,6 +84,7 @@ class SchedulerLoop:
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             bootstrap=msg.bootstrap,
+            logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
         )
         error = self.validate(req)
         reason = FinishReason("error", message=error) if error else self.admit(req)
@@ -146,9 +147,22 @@ class SchedulerLoop:
 
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
+        reqs = batch.sampled_reqs
         with torch.inference_mode():
-            logits = self.runner.forward(fb)  # [num_sampled, vocab] float32
-            return self.sample(batch.sampled_reqs, logits)
+            logits = self.runner.forward(fb)  # [num_sampled + prompt-logprob rows, vocab] float32
+            if logits.shape[0] > len(reqs):
+                self._gather_input_logprobs(batch, logits[len(reqs) :])
+            return self.sample(reqs, logits[: len(reqs)])
+
+    def _gather_input_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        rows = input_logprob_rows(batch)
+        for req in batch.reqs:
+            if req.wants_input_logprobs and req.logprob_start_len + len(req.input_logprobs) == 0:
+                req.input_logprobs.append(None)  # the first prompt token has no prefix to score it
+        targets = torch.tensor([batch.reqs[i].input_ids[p] for i, _, p in rows], device=logits.device)
+        lps = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.view(-1, 1)).squeeze(1).tolist()
+        for (i, _, _), lp in zip(rows, lps):
+            batch.reqs[i].input_logprobs.append(lp)
 
     def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         if not reqs:
@@ -193,6 +207,8 @@ class SchedulerLoop:
         if req.return_logprob:
             out.new_logprobs = req.output_logprobs[start:]
             out.new_top_logprobs = req.output_top_logprobs[start:]
+            if start == 0:
+                out.input_logprobs = list(req.input_logprobs)
         if reason is not None:
             out.finish_reason = reason.type
             out.matched_stop = reason.matched

@@ -114,6 +114,22 @@ def test_stop_string_trimmed_and_logprobs(engine):
         assert len(top) == 2 and top[0][1] == tok and abs(top[0][0] - lp) < 1e-5 and lp <= 0
 
 
+def test_prompt_logprobs(engine):
+    prompt = "The capital of France is"
+    first = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 1}, return_logprob=True)
+    tok, lp = first["output_ids"][0], first["meta_info"]["output_token_logprobs"][0][0]
+    ids = engine.tokenizer.encode(prompt) + [tok]
+    sp = {"temperature": 0, "max_new_tokens": 1}
+    res = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True, logprob_start_len=0)
+    inp = res["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == ids and inp[0][0] is None
+    assert all(x[0] <= 0 for x in inp[1:])
+    assert abs(inp[-1][0] - lp) < 1e-3  # scoring the generated token as a prompt token agrees
+    tail = engine.generate(input_ids=ids, sampling_params=sp, return_logprob=True, logprob_start_len=3)
+    got = tail["meta_info"]["input_token_logprobs"]
+    assert len(got) == len(ids) - 3 and all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, inp[3:]))
+
+
 def test_async_generate_and_stream(engine):
     async def main():
         one = await engine.async_generate("The capital of France is", GREEDY)

@@ -342,3 +342,34 @@ def test_decode_mode_request_arrives_with_kv_and_first_token():
     assert all(b.mode == ForwardMode.DECODE for b in batches)
     assert r.output_ids == expected
     assert sched.try_alloc(10_000) is None
+
+
+def test_prompt_logprob_rows_cover_each_position_once_across_chunks():
+    from pdserve.engine.batch_builder import input_logprob_rows
+
+    sched, model = make(chunked_prefill_size=8)
+    prompt = list(range(200, 220))
+    warm = req("warm", prompt, n=1)  # puts the prompt's pages in the cache
+    sched.add(warm)
+    run(sched, model)
+    r = req("lp", prompt, n=2)
+    r.return_logprob, r.logprob_start_len = True, 5
+    sched.add(r)
+    scored = []
+    while sched.has_work():
+        batch = sched.schedule()
+        rows = input_logprob_rows(batch)
+        assert all(0 <= row < batch.num_tokens for _, row, _ in rows)
+        for i, row, p in rows:
+            # the row holds the logits of position p - 1 of that request
+            start = sum(batch.extend_lens[:i])
+            assert batch.prefix_lens[i] + row - start == p - 1
+            scored.append(p)
+            batch.reqs[i].input_logprobs.append(0.0)
+        out = SampleOutput([next_token(x.fill_ids[: s + e]) for x, s, e, smp in
+                            zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample) if smp])
+        sched.postprocess(batch, out)
+        sched.check_integrity()
+    assert scored == list(range(5, 20))
+    assert r.cached_tokens == 4  # the cache match stops before the first scored position
+    assert r.output_ids == reference(prompt, 2)
