@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from server_helpers import TEST_MAX_TOTAL_TOKENS
+from server_helpers import TEST_MAX_TOTAL_TOKENS, TEST_NUM_THREADS
 
 
 @pytest.fixture(scope="session")
@@ -11,6 +11,6 @@ def engine():
     """The offline Engine: the reference for greedy outputs (same pool size as the servers)."""
     from pdserve.engine.engine import Engine
 
-    eng = Engine(max_total_tokens=TEST_MAX_TOTAL_TOKENS)
+    eng = Engine(max_total_tokens=TEST_MAX_TOTAL_TOKENS, num_threads=TEST_NUM_THREADS)
     yield eng
     eng.shutdown()

@@ -14,6 +14,9 @@ import requests
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI
+# One torch thread per rank: on a shared 2-core machine several OpenMP threads per process stall on each
+# other's barriers (10x slower decode measured under load); the reference engine uses one as well.
+TEST_NUM_THREADS = 1
 
 
 def free_port() -> int:
@@ -49,7 +52,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "pdserve.engine", "--port", str(self.port),
-               "--max-total-tokens", str(TEST_MAX_TOTAL_TOKENS), "--log-level", "warning", *args]
+               "--max-total-tokens", str(TEST_MAX_TOTAL_TOKENS), "--num-threads", str(TEST_NUM_THREADS),
+               "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log_path = Path(f"/tmp/pdserve-test-server-{self.port}.log")

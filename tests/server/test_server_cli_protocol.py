@@ -1,0 +1,133 @@
+"""The serve CLI, ServerConfig and the request protocol, without a model."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import msgspec
+import pytest
+
+from pdserve.engine.cli import build_serve_parser, main, parse_serve_args
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
+from pdserve.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RequestError,
+    RequestLimits,
+    chat_sequences,
+    completion_sequences,
+    decode_body,
+    generate_sequences,
+)
+from pdserve.engine.server_config import ServerConfig
+
+LIMITS = RequestLimits(model_names=frozenset({"m", "default"}), max_n=4, dp_size=2, vocab_size=1000)
+
+
+def test_cli_defaults_come_from_the_dataclasses():
+    config = parse_serve_args([])
+    assert config == ServerConfig()
+    flags = {a.dest for a in build_serve_parser()._actions}
+    assert {f.name for f in dataclasses.fields(EngineConfig)} <= flags
+    assert set(ServerConfig.server_field_names()) <= flags
+
+
+def test_cli_flags_reach_the_config():
+    c = parse_serve_args(
+        ["--dp-size", "2", "--page-size", "32", "--disable-radix-cache", "--api-key", "k", "--port", "1234",
+         "--disaggregation-mode", "decode", "--max-total-tokens", "4096"]
+    )
+    assert (c.dp_size, c.engine.page_size, c.engine.disable_radix_cache, c.api_key, c.port) == (2, 32, True, "k", 1234)
+    assert c.disaggregation_mode == "decode" and c.engine.max_total_tokens == 4096
+
+
+def test_cli_rejects_bad_values_with_the_field_name(capsys):
+    assert main(["serve", "--dp-size", "0"]) == 2
+    assert "dp_size" in capsys.readouterr().err
+    assert main(["serve", "--disaggregation-mode", "prefill"]) == 2
+    assert "not served by this build" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--dtype", "float8"])
+    assert main(["nonsense"]) == 2
+
+
+def test_python_m_entry_point_help():
+    out = subprocess.run([sys.executable, "-m", "pdserve.engine", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "--dp-size" in out.stdout and "--api-key" in out.stdout
+
+
+def test_scheduler_output_messages_round_trip():
+    msgs = [
+        SchedulerReady(dp_rank=1, vocab_size=10, max_context_len=20, eos_token_ids=[2], page_size=16,
+                       max_total_num_tokens=4096, num_threads=2),
+        SchedulerError(dp_rank=0, message="boom"),
+        SchedulerStats(dp_rank=0, num_running=1, num_waiting=2, num_free_pages=3, num_total_pages=4, page_size=16),
+        TokenOutput(rid="r", new_token_ids=[1], prompt_tokens=2, completion_tokens=1),
+    ]
+    raw = msgspec.msgpack.encode(msgs)
+    assert msgspec.msgpack.decode(raw, type=list[SchedulerOutput]) == msgs
+
+
+def _err(fn, body: bytes, type_) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        fn(decode_body(body, type_), LIMITS)
+    return e.value
+
+
+def test_n_fans_out_with_distinct_rids_and_seeds():
+    req = decode_body(b'{"prompt": ["a", "b"], "n": 3, "seed": 5, "rid": ["x", "y"]}', CompletionRequest)
+    seqs = completion_sequences(req, LIMITS)
+    assert [s.rid for s in seqs] == ["x-0", "x-1", "x-2", "y-0", "y-1", "y-2"]
+    assert [s.index for s in seqs] == list(range(6))
+    assert [s.sampling_params.seed for s in seqs[:3]] == [5, 6, 7]
+    assert {s.prompt_index for s in seqs[3:]} == {1}
+
+
+def test_generate_batch_and_sampling_params():
+    req = decode_body(
+        b'{"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 3, "stop": "x", "sampling_seed": 4},'
+        b' "data_parallel_rank": 1}',
+        GenerateRequest,
+    )
+    seqs, batch = generate_sequences(req, LIMITS)
+    assert batch and [s.prompt for s in seqs] == [[1, 2], [3]]
+    assert seqs[0].sampling_params.stop == ["x"] and seqs[0].sampling_params.seed == 4
+    assert seqs[0].routed_dp_rank == 1
+    single, batch = generate_sequences(decode_body(b'{"text": "hi"}', GenerateRequest), LIMITS)
+    assert not batch and single[0].sampling_params.max_new_tokens == 128  # SGLang's default
+
+
+def test_chat_defaults_and_max_completion_tokens():
+    req = decode_body(b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}', ChatCompletionRequest)
+    (seq,) = chat_sequences(req, LIMITS)
+    assert seq.prompt.messages == [{"role": "user", "content": "hi"}]
+    assert not seq.max_tokens_given  # clamped to the context by the tokenizer manager
+    req = decode_body(b'{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7}', ChatCompletionRequest)
+    (seq,) = chat_sequences(req, LIMITS)
+    assert seq.sampling_params.max_new_tokens == 7 and seq.max_tokens_param == "max_completion_tokens"
+
+
+def test_bootstrap_fields():
+    body = b'{"text": "hi", "bootstrap_host": "10.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}'
+    (seq,), _ = generate_sequences(decode_body(body, GenerateRequest), LIMITS)
+    assert (seq.bootstrap.host, seq.bootstrap.port, seq.bootstrap.room) == ("10.0.0.1", 8998, 12345)
+    e = _err(generate_sequences, b'{"text": "hi", "bootstrap_room": 1}', GenerateRequest)
+    assert e.param == "bootstrap_host"
+    prefill = dataclasses.replace(LIMITS, disaggregation_mode="prefill")
+    with pytest.raises(RequestError) as e:
+        generate_sequences(decode_body(b'{"text": "hi"}', GenerateRequest), prefill)
+    assert "bootstrap" in e.value.message
+
+
+def test_unsupported_features_are_named():
+    e = _err(chat_sequences, b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}',
+             ChatCompletionRequest)
+    assert e.param == "tools" and e.code == "unsupported"
+    e = _err(generate_sequences, b'{"text": "hi", "sampling_params": {"regex": "a+"}}', GenerateRequest)
+    assert e.param == "regex"
+    e = _err(chat_sequences, b'{"messages": [{"role": "robot", "content": "hi"}]}', ChatCompletionRequest)
+    assert e.param == "messages[0].role"
