@@ -16,6 +16,13 @@ Prompts are random token ids from a fixed seed. Ends with one JSON line.
 
     .venv/bin/python scripts/bench_engine.py            # full: 512-token prompts, 1 and 64 x 128 tokens
     .venv/bin/python scripts/bench_engine.py --quick    # a smoke run in well under a minute
+
+``--server URL`` (or ``--server auto``: launch ``pdserve serve`` with the same
+dtype, threads and pool) adds a third side: the same figures measured through
+a running engine server's HTTP API (``/generate`` with ``input_ids``; each
+decode sequence its own streamed request, so ``--batch`` concurrent streams),
+so the API's own overhead shows as ``server_*_vs_engine`` ratios. ``--no-hf``
+leaves the transformers side out.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-prompt-len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="small settings for a smoke run")
+    p.add_argument("--server", default=None, help="engine server URL to measure through HTTP, or 'auto' to launch one")
+    p.add_argument("--no-hf", action="store_true", help="leave out the transformers side")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
@@ -107,6 +116,87 @@ class HFSide:
         pass
 
 
+class ServerSide:
+    """The same calls through an engine server's HTTP API (``auto``: a server launched for this run)."""
+
+    def __init__(self, args, max_tokens: int):
+        import urllib.request
+
+        self.proc = None
+        url = args.server
+        if url == "auto":
+            url = self._launch(args, max_tokens)
+        self.url = url.rstrip("/")
+        with urllib.request.urlopen(self.url + "/get_server_info", timeout=30) as r:
+            info = json.loads(r.read())
+        print(f"server {self.url}: dp_size={info.get('dp_size')}, pool {info.get('max_total_num_tokens')} tokens",
+              file=sys.stderr)
+
+    def _launch(self, args, max_tokens: int) -> str:
+        import socket
+        import subprocess
+        import urllib.request
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "pdserve.engine", "--port", str(port), "--dtype", args.dtype,
+               "--max-total-tokens", str(max_tokens), "--max-running-requests", str(max(args.batch, 1)),
+               "--disable-radix-cache", "--log-level", "warning"]
+        if args.model_path:
+            cmd += ["--model-path", args.model_path]
+        if args.threads:
+            cmd += ["--num-threads", str(args.threads)]
+        self.proc = subprocess.Popen(cmd)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2):
+                    return url
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("pdserve serve not ready within 600 s")
+
+    def generate(self, prompts, new_tokens):
+        import asyncio
+
+        return asyncio.run(self._generate(prompts, new_tokens))
+
+    async def _generate(self, prompts, new_tokens):
+        import asyncio
+
+        import aiohttp
+
+        sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+        timeout = aiohttp.ClientTimeout(total=3600)
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+            if new_tokens == 1:  # prefill figure: one batch request, as the engine gets one batch
+                async with session.post(self.url + "/generate", json={"input_ids": prompts, "sampling_params": sp}) as r:
+                    r.raise_for_status()
+                    return [o["output_ids"] for o in await r.json()]
+
+            async def stream(ids):
+                last = None
+                body = {"input_ids": ids, "sampling_params": sp, "stream": True}
+                async with session.post(self.url + "/generate", json=body) as r:
+                    r.raise_for_status()
+                    async for line in r.content:
+                        if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                            last = line
+                return json.loads(last[len(b"data: ") :])["output_ids"]
+
+            return await asyncio.gather(*(stream(p) for p in prompts))
+
+    def close(self):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(30)
+
+
 def export_hf(model_path: str | None, out_dir: str) -> tuple[int, object]:
     from pdserve.engine.model_loader import load_model, save_hf_checkpoint
 
@@ -142,7 +232,11 @@ def main(argv=None) -> dict:
             args.num_prompts * (args.prompt_len + 16),
             args.batch * (args.decode_prompt_len + args.new_tokens + 16),
         )
-        sides = {"pdserve": PdserveSide(args, max_tokens), "hf": HFSide(args, hf_dir)}
+        sides = {"pdserve": PdserveSide(args, max_tokens)}
+        if not args.no_hf:
+            sides["hf"] = HFSide(args, hf_dir)
+        if args.server:
+            sides["server"] = ServerSide(args, max_tokens)
         figures: dict[str, float] = {}
         outputs: dict[str, dict[str, list]] = {name: {} for name in sides}
         for name, side in sides.items():
@@ -168,19 +262,29 @@ def main(argv=None) -> dict:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         **{k: round(v, 1) for k, v in figures.items()},
-        "prefill_ratio": round(figures["pdserve_prefill_tok_s"] / figures["hf_prefill_tok_s"], 3),
-        "decode1_ratio": round(figures["pdserve_decode1_tok_s"] / figures["hf_decode1_tok_s"], 3),
-        f"decode{args.batch}_ratio": round(
-            figures[f"pdserve_decode{args.batch}_tok_s"] / figures[f"hf_decode{args.batch}_tok_s"], 3
-        ),
-        # greedy tokens agreeing with HF up to each sequence's first divergence (bf16 near-ties may flip)
-        "greedy_match": round(match_fraction(outputs["pdserve"][args.batch], outputs["hf"][args.batch]), 3),
     }
-    print(f"{'figure':24s} {'pdserve':>10s} {'hf':>10s} {'ratio':>7s}", file=sys.stderr)
-    for fig, ratio in (("prefill", "prefill_ratio"), ("decode1", "decode1_ratio"),
-                       (f"decode{args.batch}", f"decode{args.batch}_ratio")):
-        print(f"{fig + ' tok/s':24s} {result[f'pdserve_{fig}_tok_s']:10.1f} {result[f'hf_{fig}_tok_s']:10.1f} "
-              f"{result[ratio]:7.2f}", file=sys.stderr)
+    figs = ("prefill", "decode1", f"decode{args.batch}")
+    rows = []
+    for other, suffix in (("hf", "ratio"), ("server", "vs_engine")):
+        if other not in sides:
+            continue
+        for fig in figs:
+            # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead)
+            num, den = ("pdserve", "hf") if other == "hf" else ("server", "pdserve")
+            key = f"{fig}_ratio" if other == "hf" else f"server_{fig}_vs_engine"
+            result[key] = round(figures[f"{num}_{fig}_tok_s"] / figures[f"{den}_{fig}_tok_s"], 3)
+            rows.append((fig, num, den, key))
+    if "hf" in sides:
+        # greedy tokens agreeing with HF up to each sequence's first divergence (bf16 near-ties may flip)
+        result["greedy_match"] = round(match_fraction(outputs["pdserve"][args.batch], outputs["hf"][args.batch]), 3)
+    if "server" in sides:
+        result["server_greedy_match"] = round(
+            match_fraction(outputs["server"][args.batch], outputs["pdserve"][args.batch]), 3
+        )
+    print(f"{'figure':24s} {'side':>8s} {'tok/s':>10s} {'base':>8s} {'tok/s':>10s} {'ratio':>7s}", file=sys.stderr)
+    for fig, num, den, key in rows:
+        print(f"{fig:24s} {num:>8s} {result[f'{num}_{fig}_tok_s']:10.1f} {den:>8s} "
+              f"{result[f'{den}_{fig}_tok_s']:10.1f} {result[key]:7.2f}", file=sys.stderr)
     print(json.dumps(result))
     return result
 
