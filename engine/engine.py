@@ -237,17 +237,25 @@ class Engine:
             room = ctx - len(ids)
             if sp.max_new_tokens > room:  # as SGLang: generation stops at the context's end
                 sp = msgspec.structs.replace(sp, max_new_tokens=room, min_new_tokens=min(sp.min_new_tokens, room))
-            reqs.append(
-                TokenizedGenerateReq(
-                    rid=r,
-                    input_ids=ids,
-                    sampling_params=sp,
-                    stream=stream,
-                    return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num,
-                    logprob_start_len=logprob_start_len,
+            # n > 1: n independent requests for the prompt (results in order), as SGLang's Engine does
+            copies = [(r, sp)] if sp.n == 1 else [
+                (f"{r}-{j}", msgspec.structs.replace(sp, n=1, seed=None if sp.seed is None else sp.seed + j))
+                for j in range(sp.n)
+            ]
+            if sp.n > 1:
+                single = False
+            for cr, csp in copies:
+                reqs.append(
+                    TokenizedGenerateReq(
+                        rid=cr,
+                        input_ids=ids,
+                        sampling_params=csp,
+                        stream=stream,
+                        return_logprob=return_logprob,
+                        top_logprobs_num=top_logprobs_num,
+                        logprob_start_len=logprob_start_len,
+                    )
                 )
-            )
         return reqs, single
 
     def _submit(self, reqs: list[TokenizedGenerateReq], make_waiter=None) -> list[tuple[_Waiter, _Result]]:

@@ -63,6 +63,8 @@ def test_seeded_sampling_reproducible(engine):
     # inside a batch with unseeded neighbours: still the same tokens
     batch = engine.generate(["Hello", "Once upon a time", "Water"], [{"temperature": 1.0, "max_new_tokens": 8}, sp, {"temperature": 1.0, "max_new_tokens": 8}])
     assert batch[1]["output_ids"] == a["output_ids"]
+    several = engine.generate("Once upon a time", {**sp, "n": 3})
+    assert [r["output_ids"] for r in several][0] == a["output_ids"] and len(several) == 3
     others = {tuple(engine.generate("Once upon a time", {**sp, "seed": s})["output_ids"]) for s in range(4)}
     assert len(others | {tuple(a["output_ids"])}) > 1  # seeds matter
     engine.check_integrity()
