@@ -171,7 +171,9 @@ class Scheduler:
     def _alloc(self, n: int) -> list[int]:
         short = n - self.pool.num_free
         if short > 0:
-            self.cache.evict(short)
+            # evict in batches of >= 1/64 of the pool: an eviction walks the whole tree, so
+            # evicting one page per decode step on a full pool would walk it every step
+            self.cache.evict(max(short, self.pool.capacity // 64))
         return self.pool.alloc(n)
 
     def _reserve_pages(self, req: Req, after_len: int) -> int:
