@@ -87,12 +87,20 @@ async def serve(config: ServerConfig) -> int:
 
     metrics = ServerMetrics(config.dp_size, config.model_name)
     tm = None
+    bootstrap = None
     procs: list[mp.Process] = []
     runner = None
     try:
         tokenizer = None
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
         tm = TokenizerManager(config, None, metrics)
+        if config.disaggregation_mode == "prefill":
+            # decode ranks find this server's prefill ranks here; the ranks register as they start
+            from pdserve.kvtransfer.bootstrap_server import BootstrapServer
+
+            bootstrap = BootstrapServer(config.host, config.disaggregation_bootstrap_port, dp_size=config.dp_size)
+            await bootstrap.start()
+            logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
         procs = spawn_ranks(config, tm)
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
         ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, lambda: all(p.is_alive() for p in procs)))
@@ -145,6 +153,8 @@ async def serve(config: ServerConfig) -> int:
             except asyncio.TimeoutError:
                 logger.warning("HTTP server did not stop within 3 s")
         await loop.run_in_executor(None, stop_ranks, procs)
+        if bootstrap is not None:
+            await bootstrap.stop()
         if tm is not None:
             tm.close()
         logger.info("pdserve stopped")

@@ -319,6 +319,10 @@ def _check_dp_rank(req, limits: RequestLimits) -> int | None:
         rank = getattr(req, name)
         if rank is None:
             continue
+        if name == "disagg_prefill_dp_rank" and limits.disaggregation_mode != "prefill":
+            if rank < 0:  # a decode server: the rank is the prefill server's, checked by its bootstrap server
+                raise RequestError(f"{name} must be >= 0, got {rank}", param=name)
+            continue
         if not 0 <= rank < limits.dp_size:
             raise RequestError(f"{name} must be in [0, {limits.dp_size}), got {rank}", param=name)
     if req.routed_dp_rank is not None:

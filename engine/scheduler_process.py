@@ -49,8 +49,30 @@ def _build_null_loop(config: ServerConfig, dp_rank: int):
     return SchedulerLoop(config.engine, dp_rank=dp_rank)
 
 
+def _build_prefill_loop(config: ServerConfig, dp_rank: int):
+    from pdserve.prefill.prefill_loop import PrefillLoop
+
+    return PrefillLoop(
+        config.engine,
+        dp_rank=dp_rank,
+        kv_config=config.kv_transfer_config(),
+        bootstrap_port=config.disaggregation_bootstrap_port,
+        bootstrap_host=config.advertise_host,
+    )
+
+
+def _build_decode_loop(config: ServerConfig, dp_rank: int):
+    from pdserve.decode.decode_loop import DecodeLoop
+
+    return DecodeLoop(config.engine, dp_rank=dp_rank, kv_config=config.kv_transfer_config())
+
+
 # disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
-LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int], object]] = {"null": _build_null_loop}
+LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int], object]] = {
+    "null": _build_null_loop,
+    "prefill": _build_prefill_loop,
+    "decode": _build_decode_loop,
+}
 
 
 def _die_with_parent() -> None:

@@ -14,8 +14,8 @@ from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Modes this build can serve; prefill/decode arrive with the disaggregated loops.
-SERVED_DISAGGREGATION_MODES = ("null",)
+# Modes this build can serve (the loops of prefill and decode are in pdserve.prefill / pdserve.decode).
+SERVED_DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,16 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     max_n: int = 8  # most choices per OpenAI request
-    # disaggregation (issue 6); only "null" is served by this build
+    # disaggregation (issue 6)
     disaggregation_mode: str = "null"
     disaggregation_bootstrap_port: int = 8998
     disaggregation_transfer_backend: str = "mooncake"
     disaggregation_ib_device: str | None = None
+    # KV manager timeouts; None: KVTransferConfig's default (not repeated here)
+    disaggregation_bootstrap_timeout: float | None = None
+    disaggregation_waiting_timeout: float | None = None
+    disaggregation_heartbeat_interval: float | None = None
+    disaggregation_heartbeat_max_failures: int | None = None
     # seconds the launcher waits for every rank to load its model
     startup_timeout: float = 600.0
 
@@ -67,6 +72,31 @@ class ServerConfig:
                 f"--disaggregation-mode {self.disaggregation_mode} is not served by this build yet "
                 f"(served: {', '.join(SERVED_DISAGGREGATION_MODES)})"
             )
+
+    @property
+    def advertise_host(self) -> str:
+        """The address peers reach this server's KV manager at (the bind host, unless a wildcard)."""
+        if self.host in ("", "0.0.0.0", "::"):
+            import socket
+
+            return socket.gethostbyname(socket.gethostname())
+        return self.host
+
+    def kv_transfer_config(self):
+        """The ``KVTransferConfig`` of this server's ranks (built where the ranks run: it imports torch)."""
+        from pdserve.kvtransfer.config import KVTransferConfig
+
+        overrides = {
+            name: getattr(self, "disaggregation_" + name)
+            for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_max_failures")
+            if getattr(self, "disaggregation_" + name) is not None
+        }
+        return KVTransferConfig(
+            backend=self.disaggregation_transfer_backend,
+            host=self.advertise_host,
+            ib_device=self.disaggregation_ib_device or "",
+            **overrides,
+        )
 
     @property
     def model_name(self) -> str:

@@ -87,6 +87,7 @@ class TokenizerManager:
         self.inflight = [0] * self.dp_size
         self._rr = 0
         self._seqs: dict[str, tuple[SeqState, asyncio.Queue]] = {}
+        self._rooms: dict[int, str] = {}  # bootstrap_room -> rid, while in flight (PD modes)
         self._recv_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self._tok_cache: dict[int, str] = {}
@@ -216,6 +217,10 @@ class TokenizerManager:
         for st in states:
             if st.rid in self._seqs:
                 raise RequestError(f"rid {st.rid!r} is already in flight", param="rid")
+        rooms = [st.spec.bootstrap.room for st in states if st.spec.bootstrap is not None]
+        for room in rooms:
+            if room in self._rooms or rooms.count(room) > 1:
+                raise RequestError(f"bootstrap_room {room} is already in flight", param="bootstrap_room")
         num_prompts = len(ids_by_prompt)
         handle = RequestHandle(self, states)
         rank_by_prompt: dict[int, int] = {}
@@ -226,6 +231,8 @@ class TokenizerManager:
             st.dp_rank = rank_by_prompt[st.spec.prompt_index]
             st.num_prompts_in_batch = num_prompts if batch else 0
             self._seqs[st.rid] = (st, handle.queue)
+            if st.spec.bootstrap is not None:
+                self._rooms[st.spec.bootstrap.room] = st.rid
             self.inflight[st.dp_rank] += 1
             self.metrics.requests_by_rank[st.dp_rank] += 1
             spec = st.spec
@@ -329,6 +336,8 @@ class TokenizerManager:
         st.matched_stop = matched
         st.error = error
         st.finished_time = time.monotonic()
+        if st.spec.bootstrap is not None and self._rooms.get(st.spec.bootstrap.room) == st.rid:
+            del self._rooms[st.spec.bootstrap.room]
         if st.dp_rank is not None:
             self.inflight[st.dp_rank] -= 1
         self.metrics.on_finish(reason, st.prompt_tokens, st.completion_tokens, st.cached_tokens, st.e2e_latency())
