@@ -1,0 +1,146 @@
+"""The loop of a decode-mode scheduler rank.
+
+A request's path (DESIGN.md, request flow steps 4 and 6):
+
+1. ``admit``: it waits in the ``PreallocQueue``, which opens a KV receiver
+   (the prefill rank is looked up through the bootstrap server) and, once the
+   prefill rank accepted this pool, preallocates pages for the prompt and an
+   aux slot and sends them to prefill (``receiver.init``).
+2. ``TransferQueue``: the request holds its pages until the room succeeds or
+   fails.
+3. On Success its first token (and logprobs) come from the aux slot; it joins
+   the running decode batch with ``scheduler.add_prefilled`` and streams from
+   there like any colocated request (retraction and recompute included).
+   On Failed it ends with an error naming the cause, and its pages are freed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pdserve.decode.prealloc_queue import PreallocQueue
+from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
+from pdserve.decode.transfer_queue import TransferQueue
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.scheduler_loop import SchedulerLoop
+from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
+
+# seconds a rank with nothing to compute sleeps between polls of its queues (keeps it off the CPU)
+QUEUE_POLL_S = 0.001
+
+
+class DecodeLoop(SchedulerLoop):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, *, kv_config: KVTransferConfig):
+        super().__init__(config, dp_rank, runner)
+        self.kv_config = kv_config
+        self.kv = DecodeKVManager(kv_config, self.pool).start()
+        self.dp_sizes = PrefillDPSizes(kv_config.bootstrap_timeout)
+        self.prealloc = PreallocQueue(self.kv, self.scheduler, self.dp_sizes)
+        self.transfer = TransferQueue()
+        self._dirty = False
+
+    # ------------------------------------------------------------------ inputs
+    def validate(self, req: Req) -> str | None:
+        error = super().validate(req)
+        if error is None and req.bootstrap is None:
+            error = "a decode server needs bootstrap_host, bootstrap_port and bootstrap_room"
+        if error is None and req.rid in self.prealloc:
+            error = f"rid {req.rid!r} is already in flight"
+        return error
+
+    def admit(self, req: Req) -> FinishReason | None:
+        if self.pool.pages_for(req.seq_len + 1) > self.pool.capacity:
+            return FinishReason("error", message=f"prompt of {req.seq_len} tokens exceeds the KV pool")
+        self.prealloc.add(req)
+        self._dirty = True
+        return None
+
+    def abort(self, rid: str, reason: str = "aborted") -> bool:
+        entry = self.prealloc.remove(rid)
+        if entry is not None:
+            if entry.receiver is not None:
+                entry.receiver.abort(f"aborted by decode: {reason}")
+            self._end_outside(entry.req, FinishReason("abort", message=reason))
+            return True
+        moving = self.transfer.remove(rid)
+        if moving is not None:
+            req, receiver = moving
+            receiver.abort(f"aborted by decode: {reason}")
+            self._release_aux(receiver)
+            self.scheduler.finish(req, FinishReason("abort", message=reason))
+            return True
+        return super().abort(rid, reason)
+
+    # ------------------------------------------------------------------- loop
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.prealloc) or bool(self.transfer)
+
+    def poll(self) -> None:
+        for req, reason in self.prealloc.pop_failed():
+            self._end_outside(req, FinishReason("error", message=reason))
+        s = self.scheduler
+        reserved = sum(s._reserve_pages(r, r.seq_len) for r in s.running)
+        reserved += sum(self.prealloc.decode_reserve(r) for r in self.transfer.reqs())
+        max_new = self.config.max_running_requests - len(s.running) - len(self.transfer) - (s.chunked is not None)
+        for req, receiver in self.prealloc.pop_allocated(reserved, max(max_new, 0)):
+            self.transfer.add(req, receiver)
+        for req, receiver in self.transfer.pop_done():
+            if receiver.poll() is KVPoll.Success:
+                self._start_decoding(req, receiver)
+            else:
+                self._release_aux(receiver)
+                s.finish(req, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
+
+    def _start_decoding(self, req: Req, receiver: KVReceiver) -> None:
+        aux = receiver.aux()
+        self._release_aux(receiver)
+        if aux is None:
+            self.scheduler.finish(req, FinishReason("error", message="KV transfer failed: no first token in the aux data"))
+            return
+        req.kv_len = req.prompt_len
+        req.admitted_once = True
+        req.output_ids.append(aux.token_id)
+        if req.return_logprob:
+            req.output_logprobs.append(aux.logprob)
+            req.output_top_logprobs.append(list(zip(aux.top_ids, aux.top_logprobs))[: req.top_logprobs_num])
+        reason = self.stop_checker(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)  # its output comes from the step's finished list
+            return
+        self.scheduler.add_prefilled(req)
+        if req.stream:
+            self._outbox.append(self._output(req))
+
+    def step(self):
+        outputs = super().step()
+        if not self.scheduler.has_work():
+            if self.has_work():
+                time.sleep(QUEUE_POLL_S)  # only waiting on peers: do not spin
+            elif self._dirty and not outputs:
+                self._dirty = False
+                self.check_integrity()
+        return outputs
+
+    def _release_aux(self, receiver: KVReceiver) -> None:
+        if receiver.aux_slot is not None:
+            self.kv.aux_pool.free(receiver.aux_slot)
+            receiver.aux_slot = None
+
+    def _end_outside(self, req: Req, reason: FinishReason) -> None:
+        """End a request that holds no pages yet (still in the prealloc queue)."""
+        req.finish_reason = reason
+        req.status = ReqStatus.FINISHED
+        self._outbox.append(self._output(req))
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for rid in self.transfer.entries:
+            if rid not in self.scheduler.reqs:
+                raise AssertionError(f"transferring {rid} is not owned by the scheduler")
+        if not self.transfer and self.kv.aux_pool.num_free != self.kv.aux_pool.num_slots:
+            raise AssertionError("aux slots leaked")
+
+    def close(self) -> None:
+        self.dp_sizes.close()
+        self.kv.close()

@@ -1,0 +1,193 @@
+"""The loop of a prefill-mode scheduler rank.
+
+A request's path (DESIGN.md, request flow steps 3 and 5):
+
+1. ``admit``: a KV sender is opened for its ``bootstrap_room``; the request
+   waits in the ``BootstrapQueue`` until the decode side's destination arrives.
+2. It joins the ordinary scheduler (FIFO admission, chunked prefill). After
+   each chunk, ``poll`` queues the chunk's finished pages on the sender, so the
+   transfer threads write them while the next chunk computes.
+3. When the last chunk is computed and the first token sampled, the remaining
+   pages go out with the aux data (first token, logprob, top logprobs), and the
+   request waits in the ``InflightQueue`` holding its pages.
+4. On Success its pages go to the prefix cache (or are freed) and it ends with
+   its one token; on Failed it ends with an error naming the cause.
+
+The HTTP answer is one final output, sent only at step 4, so that a router can
+tell a room that succeeded from one that failed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler_loop import SchedulerLoop
+from pdserve.kvtransfer import AuxData, KVPoll, KVSender, KVTransferConfig, PrefillKVManager
+from pdserve.prefill.bootstrap_queue import BootstrapQueue
+from pdserve.prefill.inflight_queue import InflightQueue
+
+# seconds a rank with nothing to compute sleeps between polls of its queues (keeps it off the CPU)
+QUEUE_POLL_S = 0.001
+
+
+def never_stop(req: Req) -> FinishReason | None:
+    """Prefill samples exactly one token, and it must reach the decode side even if it is EOS."""
+    return None
+
+
+class PrefillScheduler(Scheduler):
+    """The colocated scheduler, except that a prefilled request goes to its KV sender."""
+
+    def __init__(self, config, pool, cache, on_prefilled: Callable[[Req], None]):
+        super().__init__(config, pool, cache, never_stop)
+        self.on_prefilled = on_prefilled
+
+    def on_prefill_done(self, req: Req) -> None:
+        req.status = ReqStatus.SENDING_KV
+        self.on_prefilled(req)
+
+
+class PrefillLoop(SchedulerLoop):
+    def __init__(
+        self,
+        config: EngineConfig,
+        dp_rank: int = 0,
+        runner=None,
+        *,
+        kv_config: KVTransferConfig,
+        bootstrap_port: int,
+        bootstrap_host: str | None = None,
+    ):
+        self._senders: dict[str, KVSender] = {}  # requests inside the scheduler (waiting or prefilling)
+        super().__init__(config, dp_rank, runner)
+        self.kv_config = kv_config
+        self.kv = PrefillKVManager(
+            kv_config, self.pool, bootstrap_port, dp_rank=dp_rank, bootstrap_host=bootstrap_host
+        ).start()
+        self.bootstrap_queue = BootstrapQueue(self.kv, self.pool)
+        self.inflight = InflightQueue()
+        self._dirty = False  # something ran since the last idle integrity check
+
+    def make_scheduler(self) -> Scheduler:
+        return PrefillScheduler(self.config, self.pool, self.cache, self._on_prefilled)
+
+    # ------------------------------------------------------------------ inputs
+    def validate(self, req: Req) -> str | None:
+        error = super().validate(req)
+        if error is None and req.bootstrap is None:
+            error = "a prefill server needs bootstrap_host, bootstrap_port and bootstrap_room"
+        if error is None and (req.rid in self.bootstrap_queue or req.rid in self.inflight):
+            error = f"rid {req.rid!r} is already in flight"
+        return error
+
+    def admit(self, req: Req) -> FinishReason | None:
+        if self.pool.pages_for(req.seq_len) > self.pool.capacity:
+            return FinishReason("error", message=f"prompt of {req.seq_len} tokens exceeds the KV pool")
+        req.stream = False  # one answer, after the KV left (or the room failed)
+        error = self.bootstrap_queue.add(req)
+        self._dirty = True
+        return FinishReason("error", message=error) if error else None
+
+    def abort(self, rid: str, reason: str = "aborted") -> bool:
+        entry = self.bootstrap_queue.remove(rid)
+        if entry is not None:
+            req, sender = entry
+            sender.abort(f"aborted by prefill: {reason}")
+            self._end_outside(req, FinishReason("abort", message=reason))
+            return True
+        entry = self.inflight.remove(rid)
+        if entry is not None:
+            req, sender = entry
+            sender.abort(f"aborted by prefill: {reason}")
+            self.scheduler.finish(req, FinishReason("abort", message=reason))
+            return True
+        sender = self._senders.pop(rid, None)
+        if sender is not None:
+            sender.abort(f"aborted by prefill: {reason}")
+        return super().abort(rid, reason)
+
+    # ------------------------------------------------------------------- loop
+    def has_work(self) -> bool:
+        return super().has_work() or bool(self.bootstrap_queue) or bool(self.inflight)
+
+    def poll(self) -> None:
+        ready, failed = self.bootstrap_queue.pop_ready()
+        for req, reason in failed:
+            self._end_outside(req, FinishReason("error", message=reason))
+        for req, sender in ready:
+            reason = self.scheduler.add(req)
+            if reason is not None:
+                sender.abort(reason.message or reason.type)
+                self._outbox.append(self._output(req))
+            else:
+                self._senders[req.rid] = sender
+        # a room that failed while its request waits or prefills (decode aborted it): stop computing
+        for rid, sender in list(self._senders.items()):
+            if sender.poll() is KVPoll.Failed:
+                del self._senders[rid]
+                req = self.scheduler.reqs.get(rid)
+                if req is not None:
+                    self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
+        # the chunk computed in the last step: its pages go out while the next chunk computes
+        chunked = self.scheduler.chunked
+        if chunked is not None and chunked.rid in self._senders:
+            self._send_pages(chunked, self._senders[chunked.rid], is_last=False)
+        for req, sender in self.inflight.pop_done():
+            if sender.poll() is KVPoll.Success:
+                self.scheduler.finish(req, FinishReason("length"))
+            else:
+                self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
+
+    def step(self):
+        outputs = super().step()
+        # a request that ended without its last chunk sent (max_new_tokens 0, abort): close its room
+        for out in outputs:
+            sender = self._senders.pop(out.rid, None)
+            if sender is not None and not sender.poll().done:
+                sender.abort(f"prefill ended the request: {out.error or out.finish_reason}")
+        if not self.scheduler.has_work():
+            if self.has_work():
+                time.sleep(QUEUE_POLL_S)  # only waiting on peers: do not spin
+            elif self._dirty and not outputs:
+                self._dirty = False
+                self.check_integrity()
+        return outputs
+
+    def _on_prefilled(self, req: Req) -> None:
+        """Called by the scheduler in postprocess: send the last pages with the aux data."""
+        sender = self._senders.pop(req.rid)
+        top_n = self.kv_config.aux_max_top_logprobs
+        aux = AuxData(token_id=req.output_ids[0])
+        if req.return_logprob and req.output_logprobs:
+            top = req.output_top_logprobs[0][:top_n] if req.output_top_logprobs else []
+            aux = AuxData(req.output_ids[0], req.output_logprobs[0], [t for t, _ in top], [lp for _, lp in top])
+        self._send_pages(req, sender, is_last=True, aux=aux)
+        self.inflight.add(req, sender)
+
+    def _send_pages(self, req: Req, sender: KVSender, is_last: bool, aux: AuxData | None = None) -> None:
+        """Queue the pages whose KV is complete and not yet sent (all remaining ones if last)."""
+        if sender.poll() is KVPoll.Failed:
+            return
+        end = self.pool.pages_for(req.prompt_len) if is_last else req.kv_len // self.pool.page_size
+        start = sender.pages_sent
+        if end > start or is_last:
+            sender.send(req.pages[start:end], is_last, aux)
+
+    def _end_outside(self, req: Req, reason: FinishReason) -> None:
+        """End a request the scheduler never held (still in the bootstrap queue)."""
+        req.finish_reason = reason
+        req.status = ReqStatus.FINISHED
+        self._outbox.append(self._output(req))
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        for rid in self.inflight.entries:
+            if rid not in self.scheduler.reqs:
+                raise AssertionError(f"inflight {rid} is not owned by the scheduler")
+
+    def close(self) -> None:
+        self.kv.close()
