@@ -16,11 +16,11 @@ import threading
 import msgspec
 from aiohttp import web
 
+from pdserve.kvtransfer.config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import RankRegistration, Topology
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BOOTSTRAP_PORT = 8998
 _json = msgspec.json.Encoder()
 
 

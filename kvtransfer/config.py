@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 TRANSFER_BACKENDS = ("mooncake", "nixl")
+DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 @dataclass(frozen=True)
@@ -16,6 +17,7 @@ class KVTransferConfig:
     host: str = "127.0.0.1"  # this rank's address for the control channel and the transfer engine
     ib_device: str = ""  # --disaggregation-ib-device; non-empty selects RDMA for mooncake
     control_port: int = 0  # ZMQ control channel; 0 picks a free port
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # --disaggregation-bootstrap-port (prefill servers)
     bootstrap_timeout: float = 300.0  # sender with no destination fails after this
     waiting_timeout: float = 300.0  # receiver with no result this long after sending its metadata fails
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
@@ -29,8 +31,9 @@ class KVTransferConfig:
             raise ValueError(f"backend must be one of {TRANSFER_BACKENDS}, got {self.backend!r}")
         if not self.host:
             raise ValueError("host must be a non-empty address")
-        if not 0 <= self.control_port < 65536:
-            raise ValueError(f"control_port must be in [0, 65535], got {self.control_port}")
+        for name in ("control_port", "bootstrap_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

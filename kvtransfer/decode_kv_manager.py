@@ -37,6 +37,7 @@ class PrefillPeer:
     state: str = "resolving"  # resolving -> registering -> ready | failed
     reason: str | None = None
     route: m.RankRegistration | None = None
+    engine_peer: str | None = None  # the prefill engine, where the backend needs it known (nixl notifications)
     receivers: set[int] = field(default_factory=set)
     next_lookup: float = 0.0
     lookup_inflight: bool = False
@@ -221,6 +222,8 @@ class DecodeKVManager(KVManager):
             peer.receivers.clear()
         if drop:
             self.peers.pop(peer.key, None)
+            if peer.engine_peer is not None:
+                self.engine.disconnect(peer.engine_peer)
             if peer.endpoint:
                 self.call_soon(lambda: self.drop_endpoint(peer.endpoint))
 
@@ -262,7 +265,7 @@ class DecodeKVManager(KVManager):
                 continue
             if self.engine.supports_notifications and ack.peer_info:
                 try:
-                    self.engine.connect(ack.peer_info)
+                    peer.engine_peer = self.engine.connect(ack.peer_info)
                 except TransferEngineError as e:
                     logger.warning("kv decode: connect back to %s: %s", peer.describe(), e)
             peer.state = "ready"

@@ -37,6 +37,7 @@ class NixlTransferEngine(TransferEngine):
         except Exception as e:  # noqa: BLE001
             raise EngineInitError(self.name, "nixl_agent", None, str(e)) from e
         self._regs: dict[int, object] = {}
+        self._peers: dict[bytes, str] = {}  # metadata -> agent name: connecting twice is a no-op
         # the agent's notification/transfer calls are not documented thread-safe
         self._lock = threading.Lock()
 
@@ -66,14 +67,19 @@ class NixlTransferEngine(TransferEngine):
             return self._agent.get_agent_metadata()
 
     def connect(self, peer_info: bytes) -> str:
+        if peer_info in self._peers:
+            return self._peers[peer_info]
         try:
             with self._lock:
                 name = self._agent.add_remote_agent(peer_info)
         except Exception as e:  # noqa: BLE001
             raise ConnectError(self.name, "add_remote_agent", None, str(e)) from e
-        return name.decode() if isinstance(name, bytes) else name
+        name = name.decode() if isinstance(name, bytes) else name
+        self._peers[peer_info] = name
+        return name
 
     def disconnect(self, peer: str) -> None:
+        self._peers = {md: name for md, name in self._peers.items() if name != peer}
         try:
             with self._lock:
                 self._agent.remove_remote_agent(peer)

@@ -54,7 +54,7 @@ class PrefillKVManager(KVManager):
         self,
         config: KVTransferConfig,
         pool: PagePool,
-        bootstrap_port: int,
+        bootstrap_port: int | None = None,
         *,
         dp_rank: int = 0,
         tp_rank: int = 0,
@@ -64,7 +64,9 @@ class PrefillKVManager(KVManager):
         super().__init__(config, pool, engine)
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
-        self.bootstrap_url = f"http://{bootstrap_host or config.host}:{bootstrap_port}/route"
+        # the bootstrap server of this prefill server; None: the configured port
+        port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
+        self.bootstrap_url = f"http://{bootstrap_host or config.host}:{port}/route"
         self.src_bases = self.k_addrs + self.v_addrs
         # one staging aux slot per transfer thread: a thread has one room's aux in flight at a time
         self._aux_staging = AuxPool(config.num_transfer_threads, config.aux_max_top_logprobs)
