@@ -219,3 +219,25 @@ def test_prefill_validates_registrations_and_destinations(pair):
         push.close(0)
         pull.close(0)
         ctx.term()
+
+
+def test_concurrent_rooms_interleaved_chunks(pair):
+    pair.D.call("clear", mgr="d")
+    rng = random.Random(3)
+    src_all = rng.sample(range(1, NUM_PAGES), 48)
+    dst_all = rng.sample(range(1, NUM_PAGES), 48)
+    rooms = []
+    for i in range(4):  # four rooms open at once, 12 pages each, disjoint destinations
+        src, dst = src_all[i * 12 : (i + 1) * 12], dst_all[i * 12 : (i + 1) * 12]
+        rooms.append((pair.open_room(dst), src, dst))
+    for half in (0, 1):  # first halves of every room, then the last halves
+        for room, src, _ in rooms:
+            pair.P.call("send", room=room, pages=src[half * 6 : (half + 1) * 6], is_last=bool(half),
+                        aux={"token_id": room % 1000, "logprob": 0.0, "top_ids": [], "top_logprobs": []} if half else None)
+    for room, _, _ in rooms:
+        assert pair.D.call("wait", room=room, states=["Success", "Failed"])["state"] == "Success"
+        assert pair.D.call("aux", room=room)["token_id"] == room % 1000
+    untouched = sorted(set(range(NUM_PAGES)) - set(dst_all))
+    check = pair.D.call("verify", mgr="d", pairs=list(zip(dst_all, src_all)), untouched=untouched,
+                        src_seed=SRC_SEED, src_num_pages=NUM_PAGES)
+    assert check == {"bad": [], "dirty": []}
