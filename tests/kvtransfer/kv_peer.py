@@ -20,7 +20,6 @@ from pdserve.kvtransfer import (
     AuxData,
     BootstrapServer,
     DecodeKVManager,
-    KVPoll,
     KVTransferConfig,
     PrefillKVManager,
 )
