@@ -1,0 +1,394 @@
+"""Online serving benchmark: TTFT, TPOT, ITL, latency, throughput and goodput at the client.
+
+Like SGLang's ``bench_serving.py`` (same metric names in its JSON), for a
+pdserve server, a pdserve router in front of prefill/decode servers, or an
+SGLang server. Every request is streamed, asks for exactly its output length
+(greedy, EOS ignored) and is timed token by token at the client.
+
+    .venv/bin/python scripts/bench_serving.py --base-url http://127.0.0.1:30000 \\
+        --backend chat --dataset random --random-input-len 256 --random-output-len 64 \\
+        --num-prompts 100 --request-rate 4 --slo-ttft-ms 500 --slo-tpot-ms 100 \\
+        --output-file bench.jsonl --plot plots/
+
+Workloads (``--dataset``): ``random`` token ids of the model's vocabulary,
+``sharegpt`` (a ShareGPT JSON file), ``shared-prefix`` (groups of prompts
+sharing a long system prompt; ``--num-prompts`` is ignored there: the count is
+groups x prompts per group). Arrivals: Poisson at ``--request-rate`` (``inf``:
+all at once), at most ``--max-concurrency`` in flight.
+
+Output: a tqdm bar, a summary table, then one summary line. ``--output-file``
+appends one JSON line per run (the arguments and every metric);
+``--output-details`` adds the per-request arrays; ``--plot DIR`` writes
+ttft_cdf.png, tpot_cdf.png and timeline.png.
+
+Importable: ``parse_args(argv)``, ``run_benchmark(args, rows=None) -> dict``,
+``benchmark(...)`` (async, the load generator) and ``build_rows(args, tokenizer)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+
+import aiohttp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
+
+from benchlib import datasets  # noqa: E402
+from benchlib.client import BACKENDS, Backend, send_request  # noqa: E402
+from benchlib.datasets import DatasetRow  # noqa: E402
+from benchlib.metrics import RequestOutput, calculate_metrics, error_counts, format_table  # noqa: E402
+
+DETAIL_KEYS = (
+    "input_lens", "output_lens", "expected_output_lens", "ttfts", "tpots", "itls",
+    "e2e_latencies", "start_times", "errors", "generated_texts",
+)
+WARMUP_MAX_TOKENS = 16
+
+
+class BenchmarkError(RuntimeError):
+    """The benchmark could not run (server unreachable, warmup failed)."""
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def _rate(text: str) -> float:
+    try:
+        return float(text)  # float() takes "inf" too
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or 'inf': {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Benchmark an LLM server's streaming latency and throughput (SGLang bench_serving metrics).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("target")
+    g.add_argument("--base-url", default="http://127.0.0.1:30000", help="server or router URL")
+    g.add_argument("--backend", choices=sorted(BACKENDS), default="generate",
+                   help="generate: /generate (pdserve/SGLang native); completions: /v1/completions; "
+                        "chat: /v1/chat/completions")
+    g.add_argument("--model", default=None,
+                   help="model name sent to OpenAI endpoints; default: the first of GET /v1/models")
+    g.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    g.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset_name",
+                   choices=["random", "sharegpt", "shared-prefix"], default="random")
+    g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (sharegpt)")
+    g.add_argument("--model-path", default=None,
+                   help="model whose tokenizer makes and measures prompts; default: the default model")
+    g.add_argument("--tokenizer", default=None, help="tokenizer path, if not --model-path's")
+    g.add_argument("--num-prompts", type=int, default=1000)
+    g.add_argument("--random-input-len", type=int, default=1024)
+    g.add_argument("--random-output-len", type=int, default=128)
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths uniform in [len * ratio, len]; 1.0: all exactly len")
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="ask every ShareGPT request for this many tokens instead of its reply's length")
+    g.add_argument("--sharegpt-context-len", type=int, default=None,
+                   help="drop ShareGPT pairs longer than this (default: prompt > 1024 or pair > 2048)")
+    g.add_argument("--sp-num-groups", type=int, default=8)
+    g.add_argument("--sp-prompts-per-group", type=int, default=16)
+    g.add_argument("--sp-system-prompt-len", type=int, default=1024)
+    g.add_argument("--sp-question-len", type=int, default=64)
+    g.add_argument("--sp-output-len", type=int, default=128)
+    g.add_argument("--seed", type=int, default=1)
+
+    g = p.add_argument_group("load")
+    g.add_argument("--request-rate", type=_rate, default=math.inf,
+                   help="Poisson arrival rate in requests/s; inf: send all at once")
+    g.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    g.add_argument("--warmup-requests", type=int, default=1,
+                   help=f"requests sent (and not measured) before the run, at most {WARMUP_MAX_TOKENS} tokens each")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
+    g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
+    g.add_argument("--output-file", default=None, help="append one JSON line per run")
+    g.add_argument("--output-details", action="store_true", help="add per-request arrays to the JSON line")
+    g.add_argument("--plot", default=None, metavar="DIR", help="write CDF and timeline PNGs into DIR")
+    g.add_argument("--tag", default=None, help="free text stored in the JSON line")
+    g.add_argument("--disable-tqdm", action="store_true")
+    return p
+
+
+def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """parser.error (exit 2, usage and message) on any argument that cannot work."""
+    if not args.base_url.startswith(("http://", "https://")):
+        p.error(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+    if math.isnan(args.request_rate) or args.request_rate <= 0:
+        p.error(f"--request-rate must be > 0 (or inf), got {args.request_rate:g}")
+    if args.num_prompts < 1:
+        p.error(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.warmup_requests < 0:
+        p.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    if args.request_timeout <= 0:
+        p.error(f"--request-timeout must be > 0, got {args.request_timeout:g}")
+    for name in ("slo_ttft_ms", "slo_tpot_ms"):
+        v = getattr(args, name)
+        if v is not None and not v > 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0, got {v:g}")
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            p.error("--dataset sharegpt needs --dataset-path FILE (a ShareGPT-format JSON file)")
+        if not os.path.isfile(args.dataset_path):
+            p.error(f"--dataset-path: no such file: {args.dataset_path}")
+        for name in ("sharegpt_output_len", "sharegpt_context_len"):
+            v = getattr(args, name)
+            if v is not None and v < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+    elif args.dataset_path and not os.path.isfile(args.dataset_path):
+        p.error(f"--dataset-path: no such file: {args.dataset_path}")
+    if args.dataset_name == "random":
+        for name in ("random_input_len", "random_output_len"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if not 0.0 <= args.random_range_ratio <= 1.0:
+            p.error(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio:g}")
+    if args.dataset_name == "shared-prefix":
+        for name in ("sp_num_groups", "sp_prompts_per_group", "sp_system_prompt_len", "sp_question_len",
+                     "sp_output_len"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
+    args = p.parse_args(argv)
+    validate(p, args)
+    return args
+
+
+# --- workload ----------------------------------------------------------------------------------
+
+
+def load_tokenizer_for(args: argparse.Namespace):
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(args.tokenizer or args.model_path)
+
+
+def build_rows(args: argparse.Namespace, tokenizer) -> list[DatasetRow]:
+    """The workload the arguments describe."""
+    if args.dataset_name == "random":
+        return datasets.sample_random(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, args.seed)
+    if args.dataset_name == "sharegpt":
+        rows = datasets.sample_sharegpt(tokenizer, args.dataset_path, args.num_prompts, args.seed,
+                                        args.sharegpt_output_len, args.sharegpt_context_len)
+        if not rows:
+            raise BenchmarkError(f"{args.dataset_path}: no usable conversation (need a human and a gpt turn, "
+                                 "each of 2+ tokens, within the context length)")
+        return rows
+    return datasets.sample_shared_prefix(tokenizer, args.sp_num_groups, args.sp_prompts_per_group,
+                                         args.sp_system_prompt_len, args.sp_question_len, args.sp_output_len,
+                                         args.seed)
+
+
+def arrival_offsets(n: int, request_rate: float, seed: int) -> list[float]:
+    """Send times (s after the start) of ``n`` Poisson arrivals; all 0 at rate inf."""
+    if math.isinf(request_rate):
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=n)
+    gaps[0] = 0.0  # the first request opens the run
+    return np.cumsum(gaps).tolist()
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+async def fetch_model_name(session: aiohttp.ClientSession, base_url: str, headers: dict) -> str | None:
+    """The first model id of GET /v1/models, or None when the server has no such endpoint."""
+    try:
+        async with session.get(base_url + "/v1/models", headers=headers) as r:
+            if r.status == 200:
+                data = (await r.json()).get("data") or []
+                return data[0].get("id") if data else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+        pass
+    return None
+
+
+async def benchmark(
+    base_url: str,
+    backend: Backend,
+    rows: list[DatasetRow],
+    offsets: list[float],
+    *,
+    model: str | None = None,
+    max_concurrency: int | None = None,
+    warmup_requests: int = 0,
+    headers: dict | None = None,
+    request_timeout: float = 3600.0,
+    disable_tqdm: bool = True,
+) -> tuple[list[RequestOutput], float]:
+    """Send ``rows[i]`` at ``offsets[i]`` seconds after the start (later if
+    ``max_concurrency`` requests are in flight); returns the outputs in row order
+    and the run's duration (start to last completion). Warmup requests go first,
+    are not measured, and must not all fail."""
+    from tqdm import tqdm
+
+    timeout = aiohttp.ClientTimeout(total=request_timeout)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        if backend.openai and model is None:
+            model = await fetch_model_name(session, base_url, headers or {})
+        if warmup_requests:
+            t0 = time.perf_counter()
+            warm = await asyncio.gather(*(
+                send_request(session, base_url, backend, rows[i % len(rows)], model, t0,
+                             output_len=min(WARMUP_MAX_TOKENS, rows[i % len(rows)].output_len), headers=headers)
+                for i in range(warmup_requests)
+            ))
+            if not any(o.success for o in warm):
+                raise BenchmarkError(f"every warmup request failed; first error: {warm[0].error}")
+
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        bar = tqdm(total=len(rows), disable=disable_tqdm, desc="requests", file=sys.stderr)
+        start = time.perf_counter()
+
+        async def one(row: DatasetRow, at: float) -> RequestOutput:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                out = await send_request(session, base_url, backend, row, model, start, headers=headers)
+            else:
+                async with sem:
+                    out = await send_request(session, base_url, backend, row, model, start, headers=headers)
+            bar.update(1)
+            return out
+
+        try:
+            outputs = await asyncio.gather(*(one(r, t) for r, t in zip(rows, offsets)))
+        finally:
+            bar.close()
+        duration = time.perf_counter() - start
+    return list(outputs), duration
+
+
+def details(outputs: list[RequestOutput]) -> dict:
+    """Per-request arrays (row order); None where a failed request has no such figure."""
+    return {
+        "input_lens": [o.prompt_len for o in outputs],
+        "output_lens": [o.output_len for o in outputs],
+        "expected_output_lens": [o.expected_output_len for o in outputs],
+        "ttfts": [o.ttft if o.success else None for o in outputs],
+        "tpots": [o.tpot for o in outputs],
+        "itls": [o.itl for o in outputs],
+        "e2e_latencies": [o.latency for o in outputs],
+        "start_times": [o.start_time for o in outputs],
+        "errors": [o.error for o in outputs],
+        "generated_texts": [o.generated_text for o in outputs],
+    }
+
+
+def _jsonable(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "inf": the JSON line stays standard JSON
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def summary_line(r: dict) -> str:
+    def ms(k):
+        return "n/a" if r[k] is None else f"{r[k]:.1f}"
+
+    return (f"bench_serving {r['backend']} {r['dataset_name']} rate={r['request_rate']}: "
+            f"completed={r['completed']} failed={r['failed']} req/s={r['request_throughput']:.2f} "
+            f"out_tok/s={r['output_throughput']:.1f} ttft_ms p50={ms('median_ttft_ms')} p99={ms('p99_ttft_ms')} "
+            f"tpot_ms p50={ms('median_tpot_ms')} p99={ms('p99_tpot_ms')} goodput={r['goodput']:.2f} req/s")
+
+
+def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None, tokenizer=None) -> dict:
+    """Run one benchmark as the arguments say; return the arguments and every metric
+    in one dict, plus the per-request arrays (``DETAIL_KEYS``) and ``error_counts``.
+
+    ``rows`` replaces the dataset the arguments describe (the comparison script's
+    own workloads); arrivals are Poisson at ``args.request_rate`` either way
+    (call ``benchmark`` directly for other arrival times). Prints the table and summary line; writes the JSON
+    line and plots when asked. Raises BenchmarkError when the run cannot happen.
+    """
+    if rows is None:
+        tokenizer = tokenizer or load_tokenizer_for(args)
+        rows = build_rows(args, tokenizer)
+    backend = BACKENDS[args.backend]()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    base_url = args.base_url.rstrip("/")
+    offsets = arrival_offsets(len(rows), args.request_rate, args.seed)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    outputs, duration = runner(benchmark(
+        base_url, backend, rows, offsets, model=args.model, max_concurrency=args.max_concurrency,
+        warmup_requests=args.warmup_requests, headers=headers, request_timeout=args.request_timeout,
+        disable_tqdm=args.disable_tqdm,
+    ))
+    metrics = calculate_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    result = {**vars(args), "num_requests": len(rows), **metrics}
+    if args.api_key:
+        result["api_key"] = "***"  # results get shared; the key must not travel with them
+    result["output_len_mismatches"] = sum(o.success and o.output_len != o.expected_output_len for o in outputs)
+    result["error_counts"] = error_counts(outputs)
+
+    print(format_table(result, [
+        ("Backend:", args.backend),
+        ("Base URL:", base_url),
+        ("Dataset:", args.dataset_name),
+        ("Traffic request rate:", args.request_rate),
+        ("Max request concurrency:", args.max_concurrency or "not set"),
+    ]))
+    if result["error_counts"]:
+        print(f"{result['failed']} request(s) failed:")
+        for msg, n in list(result["error_counts"].items())[:10]:
+            print(f"  {n} x {msg}")
+    if result["output_len_mismatches"]:
+        print(f"warning: {result['output_len_mismatches']} request(s) got another output length than asked")
+
+    per_request = details(outputs)
+    if args.output_file:
+        line = {k: v for k, v in result.items()}
+        if args.output_details:
+            line.update(per_request)
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_jsonable(line), allow_nan=False) + "\n")
+    result.update(per_request)
+    if args.plot:
+        from benchlib.plots import plot_run
+
+        paths = plot_run(result, args.plot, label=f"{args.backend} {args.dataset_name}")
+        print("plots: " + ", ".join(paths))
+    print(summary_line(_jsonable(result)))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run_benchmark(args)
+    except BenchmarkError as exc:
+        print(f"bench_serving: error: {exc}", file=sys.stderr)
+        return 1
+    return 0 if result["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
