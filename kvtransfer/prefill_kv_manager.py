@@ -27,6 +27,9 @@ from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
+# how long a rank keeps trying to reach its bootstrap server (started by the same prefill server)
+_REGISTER_DEADLINE_S = 60.0
+
 
 @dataclass
 class DecodePeer:
@@ -241,7 +244,7 @@ class PrefillKVManager(KVManager):
             backend=self.config.backend,
         )
         body = msgspec.json.encode(reg)
-        deadline = time.monotonic() + self.config.bootstrap_timeout
+        deadline = time.monotonic() + max(self.config.bootstrap_timeout, _REGISTER_DEADLINE_S)
         while not self._stop.is_set():
             req = urllib.request.Request(self.bootstrap_url, data=body, method="PUT")
             req.add_header("Content-Type", "application/json")

@@ -164,9 +164,10 @@ def test_killed_sender_fails_receiver_rooms_within_heartbeat_window(pair):
 
 def test_timeouts(pair):
     # a second pair of managers in the same processes, with short timeouts
-    short = {**pair.cfg, "bootstrap_timeout": 0.5, "waiting_timeout": 0.5}
-    bport = pair.P.call("init", name="p_short", role="prefill", num_pages=8, cfg=short)["bootstrap_port"]
-    pair.D.call("init", name="d_short", role="decode", num_pages=8, cfg=short)
+    # (only the timeout under test is short: a loaded host may take longer than 0.5 s to bootstrap)
+    bport = pair.P.call("init", name="p_short", role="prefill", num_pages=8,
+                        cfg={**pair.cfg, "bootstrap_timeout": 0.5})["bootstrap_port"]
+    pair.D.call("init", name="d_short", role="decode", num_pages=8, cfg={**pair.cfg, "waiting_timeout": 0.5})
     room = next(_rooms)
     pair.P.call("create_sender", mgr="p_short", room=room)  # no decode side ever comes
     p = pair.P.call("wait", room=room, states=["Failed"], timeout=10)
