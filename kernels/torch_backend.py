@@ -1,9 +1,10 @@
 """Attention on CPU (or any device) with plain torch ops over the page pool.
 
-- decode rows (one new token): all of them at once. Their pages are gathered
-  into a padded ``[n, L, kv_heads, dim]`` block (whole pages, so a handful of
-  large copies) and a float mask hides the padding, so there is no Python loop
-  over sequences.
+- decode rows (one new token): all of them in one call. On CPU a native kernel
+  (``cpu_native``) reads each sequence's pages in place; elsewhere, or where it
+  cannot be built, the pages are gathered into a padded ``[n, L, kv_heads, dim]``
+  block (whole pages, so a handful of large copies) and a float mask hides the
+  padding. Either way there is no Python loop over sequences.
 - prefill rows (several new tokens): one ``scaled_dot_product_attention`` per
   sequence; without a cached prefix the new K/V are used directly (causal),
   with one the sequence's slots are gathered and an explicit mask aligns the
@@ -18,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.page_pool import PagePool
 from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.kv_ops import gather_pages, gather_slots, slots_of, store_kv
 
 # With few KV heads, one wide bmm against all heads (wasting num_kv_heads x flops on
@@ -29,8 +32,9 @@ _WIDE_MAX_KV_HEADS = 4
 @dataclass
 class _DecodeMeta:
     rows: torch.Tensor | None  # [n] token rows of decode sequences; None: every row
-    pages: torch.Tensor  # [n, P] pages to gather
-    mask: torch.Tensor  # [n, 1, P * page_size] float32, 0 where a key exists, -inf elsewhere
+    pages: torch.Tensor  # [n, P] pages of each sequence (int32 contiguous for the native kernel)
+    seq_lens: torch.Tensor  # [n] int32
+    mask: torch.Tensor | None  # torch path: [n, 1, P * page_size] float32, 0 where a key exists, else -inf
 
 
 @dataclass
@@ -42,6 +46,14 @@ class _PrefillMeta:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, page_pool: PagePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 use_native: bool = True):
+        super().__init__(page_pool, num_heads, num_kv_heads, head_dim, scale)
+        native = native_kernels() if use_native and page_pool.device.type == "cpu" else None
+        if native is not None and not native.supports(page_pool.dtype, num_heads // num_kv_heads, head_dim):
+            native = None
+        self.native = native
+
     def begin_forward(self, batch: ForwardBatch) -> None:
         self.loc = batch.out_cache_loc
         device = batch.input_ids.device
@@ -69,13 +81,16 @@ class TorchAttentionBackend(AttentionBackend):
             seq_lens = [batch.seq_lens[i] for i in decode_seqs]
             num_pages = -(-max(seq_lens) // page_size)
             pages = batch.page_table if all_rows else batch.page_table[decode_seqs]
-            pages = pages[:, :num_pages].to(torch.int64)
-            key_pos = torch.arange(num_pages * page_size, device=device)
-            lens = torch.tensor(seq_lens, device=device)
-            mask = torch.zeros(len(seq_lens), 1, key_pos.numel(), dtype=torch.float32, device=device)
-            mask.masked_fill_(key_pos[None, None, :] >= lens[:, None, None], float("-inf"))
+            pages = pages[:, :num_pages]
+            lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
             rows = None if all_rows else torch.tensor(decode_rows, device=device)
-            self.decode = _DecodeMeta(rows, pages, mask)
+            if self.native is not None:
+                self.decode = _DecodeMeta(rows, pages.to(torch.int32).contiguous(), lens, None)
+            else:
+                key_pos = torch.arange(num_pages * page_size, device=device)
+                mask = torch.zeros(len(seq_lens), 1, key_pos.numel(), dtype=torch.float32, device=device)
+                mask.masked_fill_(key_pos[None, None, :] >= lens[:, None, None], float("-inf"))
+                self.decode = _DecodeMeta(rows, pages.to(torch.int64), lens, mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
@@ -107,6 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: _DecodeMeta) -> torch.Tensor:
         # q: [n, H, D] -> [n, H * D]
+        if self.native is not None:
+            return self.native.decode_attention(q, k_cache, v_cache, meta.pages, meta.seq_lens, self.scale)
         n, num_heads, dim = q.shape
         kvh = self.num_kv_heads
         group = num_heads // kvh

@@ -15,7 +15,9 @@ import torch
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.page_pool import PagePool
 from pdserve.kernels.attention_backend import attention_backend_names, create_attention_backend
+from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.kv_ops import gather_pages, slots_of, store_kv
+from pdserve.kernels.torch_backend import TorchAttentionBackend
 
 torch.set_num_threads(1)
 PAGE = 4
@@ -33,13 +35,14 @@ def reference(q, k_all, v_all, prefix: int) -> torch.Tensor:
     return torch.einsum("hns,shd->nhd", torch.softmax(s, -1), v).reshape(n, heads * dim)
 
 
-def run_case(heads, kv_heads, seqs, dtype, seed=0):
+def run_case(heads, kv_heads, seqs, dtype, seed=0, native=True):
     """seqs: list of (prefix_len, extend_len). Prefix K/V is stored first, as a previous step would."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
     dim = 16
     pool = PagePool(64, PAGE, 1, kv_heads, dim, dtype)
-    backend = create_attention_backend("torch", pool, heads, kv_heads, dim, dim**-0.5)
+    backend = TorchAttentionBackend(pool, heads, kv_heads, dim, dim**-0.5, use_native=native)
+    assert (backend.native is not None) == native
     free = list(range(1, 64))
     rnd.shuffle(free)  # pages of a sequence are not contiguous, and not ascending
     pages, k_all, v_all = [], [], []
@@ -88,17 +91,23 @@ CASES = {
 }
 
 
+def test_native_kernels_build_here():
+    assert native_kernels() is not None  # this machine has a C compiler: the fast path must be tested
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("heads,kv_heads", SHAPES)
 @pytest.mark.parametrize("case", list(CASES))
-def test_float32_matches_float64_reference(heads, kv_heads, case):
-    out, expected = run_case(heads, kv_heads, CASES[case], torch.float32)
+def test_float32_matches_float64_reference(heads, kv_heads, case, native):
+    out, expected = run_case(heads, kv_heads, CASES[case], torch.float32, native=native)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out.double(), expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_bfloat16_close_to_float64_reference(case):
-    out, expected = run_case(6, 2, CASES[case], torch.bfloat16, seed=1)
+def test_bfloat16_close_to_float64_reference(case, native):
+    out, expected = run_case(6, 2, CASES[case], torch.bfloat16, seed=1, native=native)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=2e-2)
 

@@ -1,0 +1,126 @@
+"""ModelRunner vs Hugging Face transformers on the same dequantized weights, same dtype, same process.
+
+Measures prefill tokens/s on 512-token prompts and decode tokens/s at batch 1 and 64,
+alternating pdserve and transformers runs so that load from other jobs on the
+machine hits both alike; reports the best of ``--repeats`` for each. Ends with one
+JSON line.
+
+    .venv/bin/python scripts/bench_model.py [--dtype bfloat16] [--threads 2] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_runner import ModelRunner
+
+
+def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Greedy: one prefill step for all prompts, then ``new_tokens - 1`` decode steps.
+    Returns (prefill seconds, decode seconds)."""
+    pool = runner.page_pool
+    ps = pool.page_size
+    bs, plen = prompts.shape
+    total = plen + new_tokens
+    pages = [pool.alloc(pool.pages_for(total)) for _ in range(bs)]
+    try:
+        page_table = torch.tensor(pages, dtype=torch.int32)
+        slots = (page_table.long()[:, :, None] * ps + torch.arange(ps)).reshape(bs, -1)  # [bs, total slots]
+        t0 = time.perf_counter()
+        batch = ForwardBatch(
+            input_ids=prompts.reshape(-1), positions=torch.arange(plen).repeat(bs),
+            out_cache_loc=slots[:, :plen].reshape(-1), page_table=page_table,
+            logits_indices=torch.arange(bs) * plen + plen - 1, extend_lens=[plen] * bs, seq_lens=[plen] * bs,
+        )
+        nxt = runner.forward(batch).argmax(-1)
+        t1 = time.perf_counter()
+        for step in range(new_tokens - 1):
+            pos = plen + step
+            batch = ForwardBatch(
+                input_ids=nxt, positions=torch.full((bs,), pos), out_cache_loc=slots[:, pos].contiguous(),
+                page_table=page_table, logits_indices=torch.arange(bs), extend_lens=[1] * bs,
+                seq_lens=[pos + 1] * bs,
+            )
+            nxt = runner.forward(batch).argmax(-1)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+    finally:
+        for p in pages:
+            pool.free(p)
+
+
+@torch.inference_mode()
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                   do_sample=False, eos_token_id=None, pad_token_id=0)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--decode-prompt-len", type=int, default=64)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-batch", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--only", default="prefill,decode1,decode64")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, args.dtype)
+    runner = ModelRunner(EngineConfig(dtype=args.dtype, max_total_tokens=80 * 1024, num_threads=args.threads))
+    arch, weights, _ = load_model(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(arch, weights, tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=dtype).eval()
+    del weights
+
+    results = {}
+    n = args.new_tokens
+    vocab = arch.vocab_size
+    for name in args.only.split(","):
+        if name == "prefill":
+            prompts = torch.randint(100, vocab, (args.prefill_batch, args.prefill_len))
+            ours_generate(runner, prompts[:1, :64], 2)  # warm up
+            hf_generate(hf, prompts[:1, :64], 1)
+            best_ours = best_hf = float("inf")
+            for _ in range(args.repeats):
+                best_ours = min(best_ours, ours_generate(runner, prompts, 1)[0])
+                best_hf = min(best_hf, hf_generate(hf, prompts, 1))
+            tokens = prompts.numel()
+            results["prefill_tok_s"] = tokens / best_ours
+            results["hf_prefill_tok_s"] = tokens / best_hf
+        else:
+            bs = int(name.removeprefix("decode"))
+            prompts = torch.randint(100, vocab, (bs, args.decode_prompt_len))
+            ours_generate(runner, prompts, 3)
+            hf_generate(hf, prompts, 3)
+            best_ours = best_hf = float("inf")
+            for _ in range(args.repeats):
+                best_ours = min(best_ours, ours_generate(runner, prompts, n)[1])
+                # transformers' decode time: a run of n tokens minus a run of 1 (its prefill)
+                best_hf = min(best_hf, hf_generate(hf, prompts, n) - hf_generate(hf, prompts, 1))
+            results[f"decode{bs}_tok_s"] = bs * (n - 1) / best_ours
+            results[f"hf_decode{bs}_tok_s"] = bs * (n - 1) / best_hf
+        print({k: round(v, 1) for k, v in results.items()}, flush=True)
+    for key in [k for k in results if not k.startswith("hf_")]:
+        results[key.replace("_tok_s", "_ratio")] = results[key] / results["hf_" + key]
+    results.update(dtype=args.dtype, threads=args.threads, new_tokens=n)
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
