@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.forward_batch import ForwardBatch
 from pdserve.engine.model_config import ModelArch
 from pdserve.engine.model_loader import load_model
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM, can_prepack
 from pdserve.engine.page_pool import PagePool
 from pdserve.engine.tokenizer import load_tokenizer_from_source
 from pdserve.kernels.attention_backend import create_attention_backend
@@ -89,7 +89,8 @@ class ModelRunner:
         arch, weights, source = load_model(config.model_path)
         self.arch: ModelArch = arch
         self.model_source = source
-        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device)
+        prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
+        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack)
         del weights
         self.tokenizer = load_tokenizer_from_source(source)
         num_pages = pool_num_pages(config, arch, self.dtype, self.device)

@@ -6,6 +6,11 @@ fused at load (q|k|v into one matrix, gate|up into one) so a layer is four
 matmuls. The forward is plain functions over tensors rather than nn.Module
 calls: at decode a step runs ~20 small ops per layer and module dispatch
 would be a visible share of it.
+
+In bfloat16 on a CPU with native bf16, weights are prepacked once for oneDNN
+(``mkldnn._linear_pointwise``, the path torch.compile's CPU backend uses):
+about 2x faster at one token, ~20% at 64, bit-identical products. Its post-ops
+also fuse the residual adds and SiLU(gate) * up into the matmuls.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ class _Layer:
     qk_norm: torch.Tensor | None  # [H + KVH, D]: q_norm repeated per q head, then k_norm per kv head
     o_w: torch.Tensor  # [hidden, H * D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up_w: torch.Tensor  # [2 * inter, hidden]
+    gate_up_w: torch.Tensor | None  # [2 * inter, hidden]; None when packed (gate_w, up_w instead)
     down_w: torch.Tensor  # [hidden, inter]
+    gate_w: torch.Tensor | None = None  # packed [inter, hidden]
+    up_w: torch.Tensor | None = None  # packed [inter, hidden]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,12 +65,25 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     return inv_freq
 
 
+def can_prepack(dtype: torch.dtype, device: torch.device, cpu_has_bf16: bool) -> bool:
+    """oneDNN prepacked bf16 linears: CPU, bf16, native bf16 instructions, op present in this torch."""
+    return (
+        device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16
+        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 64)
+
+
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, prepack: bool = False):
         self.arch = arch
         self.dtype = dtype
         self.device = device
+        self.packed = prepack
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -84,16 +104,26 @@ class LlamaForCausalLM:
             qk_norm = None
             if arch.qk_norm:
                 qk_norm = torch.cat([w(a + "q_norm.weight").expand(H, D), w(a + "k_norm.weight").expand(KVH, D)])
-            self.layers.append(_Layer(
+            qkv_w = torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")])
+            layer = _Layer(
                 input_norm=w(p + "input_layernorm.weight"),
-                qkv_w=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                qkv_w=qkv_w,
                 qkv_b=qkv_b,
                 qk_norm=qk_norm,
                 o_w=w(a + "o_proj.weight"),
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_w=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                gate_up_w=None,
                 down_w=w(p + "mlp.down_proj.weight"),
-            ))
+            )
+            if prepack:
+                layer.qkv_w, layer.o_w, layer.down_w = _pack(qkv_w), _pack(layer.o_w), _pack(layer.down_w)
+                layer.gate_w = _pack(w(p + "mlp.gate_proj.weight"))
+                layer.up_w = _pack(w(p + "mlp.up_proj.weight"))
+            else:
+                layer.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")])
+            self.layers.append(layer)
+        if prepack:
+            self.lm_head = _pack(self.lm_head)
         # rope tables as transformers builds them: float32 angles, cast to the model dtype
         positions = torch.arange(arch.max_context_len, dtype=torch.float32)
         freqs = torch.outer(positions, rope_inv_freq(arch))  # [ctx, D / 2]
@@ -112,9 +142,15 @@ class LlamaForCausalLM:
         cos = self.cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, D]
         sin = self.sin.index_select(0, batch.positions)[:, None, :]
         half = D // 2
+        packed = self.packed
+        lp = torch.ops.mkldnn._linear_pointwise if packed else None
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (H + 2 KVH) * D]
+            if packed:
+                qkv = lp(x, layer.qkv_w, layer.qkv_b, "none", [], "")
+            else:
+                qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (H + 2 KVH) * D]
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, eps)
@@ -122,9 +158,21 @@ class LlamaForCausalLM:
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # [T, H + KVH, D]
             v = qkv[:, qk_end:].view(T, KVH, D)
             o = attn.forward(qk[:, :H], qk[:, H:], v, i)  # [T, H * D]
-            h = h + F.linear(o, layer.o_w)
-            x = _rms_norm(h, layer.post_norm, eps)
-            gu = F.linear(x, layer.gate_up_w)  # [T, 2 * inter]
-            h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w)
-        h = h.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
-        return F.linear(_rms_norm(h, self.final_norm, eps), self.lm_head).float()
+            if i == last:
+                # past the last attention only the sampled rows matter
+                o = o.index_select(0, batch.logits_indices)  # [num_sampled, H * D]
+                h = h.index_select(0, batch.logits_indices)
+            if packed:
+                h = lp.binary(o, h, layer.o_w, None, "add")  # h + o @ o_w.T
+                x = _rms_norm(h, layer.post_norm, eps)
+                act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
+                h = lp.binary(act, h, layer.down_w, None, "add")
+            else:
+                h = h + F.linear(o, layer.o_w)
+                x = _rms_norm(h, layer.post_norm, eps)
+                gu = F.linear(x, layer.gate_up_w)  # [T, 2 * inter]
+                h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w)
+        # h: [num_sampled, hidden]
+        x = _rms_norm(h, self.final_norm, eps)
+        logits = lp(x, self.lm_head, None, "none", [], "") if packed else F.linear(x, self.lm_head)
+        return logits.float()
