@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -323,6 +324,79 @@ async def test_client_http_error_and_chat_role_chunk_is_not_a_token():
     assert not bad.success and bad.error.startswith("HTTP 400") and "bad max_tokens" in bad.error
 
 
+class _StandInThread:
+    """A tiny /generate server on a real socket in its own thread: every third request
+    fails with 503; others stream two tokens. Records the most requests in flight."""
+
+    def __init__(self):
+        self.inflight = 0
+        self.max_inflight = 0
+        self.count = 0
+        self.ready = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    async def _handler(self, request):
+        self.count += 1
+        n = self.count
+        if n % 3 == 0:
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            ev = [_sse({"text": "a" * k, "meta_info": {"prompt_tokens": 4, "completion_tokens": k}}) for k in (1, 2)]
+            return await _stream(request, ev + [b"data: [DONE]\n\n"], [0.05, 0.05, 0.0])
+        finally:
+            self.inflight -= 1
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+
+        async def start():
+            app = web.Application()
+            app.router.add_post("/generate", self._handler)
+            self.runner = web.AppRunner(app)
+            await self.runner.setup()
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            await site.start()
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+        self.loop.run_until_complete(start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.mark.timeout(60)
+def test_run_benchmark_in_process_counts_failures_and_caps_concurrency(tmp_path, capsys):
+    stand = _StandInThread()
+    try:
+        out_file = tmp_path / "r.jsonl"
+        args = bs.parse_args(["--base-url", stand.url, "--backend", "generate", "--num-prompts", "12",
+                              "--max-concurrency", "3", "--warmup-requests", "0", "--disable-tqdm",
+                              "--output-file", str(out_file), "--api-key", "secret-key"])
+        rows = [DatasetRow("p", 4, 2, (7, 8, 9, 10))] * 12
+        res = bs.run_benchmark(args, rows=rows)
+    finally:
+        stand.stop()
+    printed = capsys.readouterr().out
+    assert (res["completed"], res["failed"]) == (8, 4)
+    assert res["error_counts"] == {'HTTP 503: {"error": {"message": "overloaded"}}': 4}
+    assert "4 request(s) failed:" in printed and "4 x HTTP 503" in printed
+    assert res["total_output_tokens"] == 16 and res["slo_attainment"] == pytest.approx(8 / 12)
+    assert 1 <= stand.max_inflight <= 3
+    line = json.loads(out_file.read_text())
+    assert line["failed"] == 4 and line["request_rate"] == "inf" and line["api_key"] == "***"
+    assert "ttfts" not in line  # per-request arrays only with --output-details
+    assert "secret-key" not in out_file.read_text()
+
+
 # --- arguments ----------------------------------------------------------------------------------
 
 
@@ -393,39 +467,58 @@ def server(tmp_path_factory):
                 proc.wait(5)
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    "backend, workload",
-    [
-        ("generate", ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4",
-                      "--random-range-ratio", "1"]),
-        ("completions", ["--dataset", "sharegpt", "--sharegpt-output-len", "4"]),
-        ("chat", ["--dataset", "shared-prefix", "--sp-num-groups", "2", "--sp-prompts-per-group", "5",
-                  "--sp-system-prompt-len", "24", "--sp-question-len", "4", "--sp-output-len", "4"]),
-    ],
-)
-def test_end_to_end_against_real_server(server, tmp_path, backend, workload):
-    out_file = tmp_path / "runs.jsonl"
-    plots = tmp_path / "plots"
-    if "sharegpt" in workload:
-        sg = tmp_path / "sg.json"
-        _write_sharegpt(sg)
-        workload = workload + ["--dataset-path", str(sg)]
-    argv = [sys.executable, str(SCRIPT), "--base-url", server, "--backend", backend, *workload,
-            "--num-prompts", "10", "--request-rate", "40", "--max-concurrency", "6", "--warmup-requests", "1",
-            "--seed", "5", "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--output-file", str(out_file),
-            "--output-details", "--plot", str(plots), "--disable-tqdm"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=170, cwd=REPO)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "Serving Benchmark Result" in r.stdout and "Median TTFT (ms):" in r.stdout
-    assert r.stdout.strip().splitlines()[-1].startswith(f"bench_serving {backend}")
+WORKLOADS = {
+    # generate: random ids, a concurrency cap, plots
+    "generate": ["--dataset", "random", "--random-input-len", "16", "--random-output-len", "4",
+                 "--random-range-ratio", "1", "--max-concurrency", "6", "--plot", "{tmp}/plots"],
+    "completions": ["--dataset", "sharegpt", "--sharegpt-output-len", "4", "--dataset-path", "{tmp}/sg.json"],
+    "chat": ["--dataset", "shared-prefix", "--sp-num-groups", "2", "--sp-prompts-per-group", "5",
+             "--sp-system-prompt-len", "24", "--sp-question-len", "4", "--sp-output-len", "4"],
+}
 
-    lines = out_file.read_text().splitlines()
+
+@pytest.fixture(scope="module")
+def e2e_runs(server, tmp_path_factory):
+    """The script run as a subprocess once per backend, the three at the same time (the
+    server batches them together, which keeps this short on a small machine)."""
+    procs = {}
+    for backend, workload in WORKLOADS.items():
+        tmp = tmp_path_factory.mktemp(backend)
+        _write_sharegpt(tmp / "sg.json")
+        argv = [sys.executable, str(SCRIPT), "--base-url", server, "--backend", backend,
+                *[a.format(tmp=tmp) for a in workload],
+                "--num-prompts", "10", "--request-rate", "40", "--warmup-requests", "1", "--seed", "5",
+                "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--output-file", str(tmp / "runs.jsonl"),
+                "--output-details", "--disable-tqdm"]
+        procs[backend] = (tmp, subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                text=True))
+    runs = {}
+    try:
+        for backend, (tmp, proc) in procs.items():
+            out, err = proc.communicate(timeout=170)
+            runs[backend] = (tmp, proc.returncode, out, err)
+    finally:
+        for _, proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    return runs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", list(WORKLOADS))
+def test_end_to_end_against_real_server(e2e_runs, backend):
+    tmp, rc, stdout, stderr = e2e_runs[backend]
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    assert "Serving Benchmark Result" in stdout and "Median TTFT (ms):" in stdout
+    assert stdout.strip().splitlines()[-1].startswith(f"bench_serving {backend}")
+
+    lines = (tmp / "runs.jsonl").read_text().splitlines()
     assert len(lines) == 1
     res = json.loads(lines[0])
     missing = [k for k in METRIC_KEYS if k not in res]
     assert not missing
-    n = 3 if "sharegpt" in workload else 10  # the small ShareGPT file has 3 usable conversations
+    n = 3 if backend == "completions" else 10  # the small ShareGPT file has 3 usable conversations
     assert res["completed"] == n and res["failed"] == 0 and res["error_counts"] == {}
     assert res["output_lens"] == [4] * n and res["total_output_tokens"] == 4 * n
     assert res["output_len_mismatches"] == 0
@@ -439,6 +532,7 @@ def test_end_to_end_against_real_server(server, tmp_path, backend, workload):
         assert res["total_input_tokens"] == sum(res["input_lens"])
     if backend == "generate":
         assert res["input_lens"] == [16] * n  # ids sent as is: the server counts exactly those
-    for name in ("ttft_cdf.png", "tpot_cdf.png", "timeline.png"):
-        data = (plots / name).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert res["max_concurrency"] == 6
+        for name in ("ttft_cdf.png", "tpot_cdf.png", "timeline.png"):
+            data = (tmp / "plots" / name).read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
