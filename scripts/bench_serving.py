@@ -13,8 +13,12 @@ SGLang server. Every request is streamed, asks for exactly its output length
 Workloads (``--dataset``): ``random`` token ids of the model's vocabulary,
 ``sharegpt`` (a ShareGPT JSON file), ``shared-prefix`` (groups of prompts
 sharing a long system prompt; ``--num-prompts`` is ignored there: the count is
-groups x prompts per group). Arrivals: Poisson at ``--request-rate`` (``inf``:
-all at once), at most ``--max-concurrency`` in flight.
+groups x prompts per group; SGLang's ``--gsp-*`` spellings are accepted).
+``random`` and ``shared-prefix`` send token ids where the API takes them
+(generate, completions), so the server sees exactly the lengths asked; chat
+sends their text. Arrivals: Poisson at ``--request-rate`` (``inf``: all at
+once), at most ``--max-concurrency`` in flight. In the JSON line an infinite
+rate is written as the string ``"inf"`` (standard JSON has no Infinity).
 
 Output: a tqdm bar, a summary table, then one summary line. ``--output-file``
 appends one JSON line per run (the arguments and every metric);
@@ -97,11 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ask every ShareGPT request for this many tokens instead of its reply's length")
     g.add_argument("--sharegpt-context-len", type=int, default=None,
                    help="drop ShareGPT pairs longer than this (default: prompt > 1024 or pair > 2048)")
-    g.add_argument("--sp-num-groups", type=int, default=8)
-    g.add_argument("--sp-prompts-per-group", type=int, default=16)
-    g.add_argument("--sp-system-prompt-len", type=int, default=1024)
-    g.add_argument("--sp-question-len", type=int, default=64)
-    g.add_argument("--sp-output-len", type=int, default=128)
+    g.add_argument("--sp-num-groups", "--gsp-num-groups", type=int, default=8)
+    g.add_argument("--sp-prompts-per-group", "--gsp-prompts-per-group", type=int, default=16)
+    g.add_argument("--sp-system-prompt-len", "--gsp-system-prompt-len", type=int, default=1024)
+    g.add_argument("--sp-question-len", "--gsp-question-len", type=int, default=64)
+    g.add_argument("--sp-output-len", "--gsp-output-len", type=int, default=128)
     g.add_argument("--seed", type=int, default=1)
 
     g = p.add_argument_group("load")
