@@ -32,7 +32,7 @@ def _load_script():
 
 bs = _load_script()
 from benchlib import datasets  # noqa: E402
-from benchlib.client import BACKENDS, StreamError, send_request  # noqa: E402
+from benchlib.client import BACKENDS, send_request  # noqa: E402
 from benchlib.datasets import DatasetRow  # noqa: E402
 from benchlib.metrics import RequestOutput, calculate_metrics, format_table  # noqa: E402
 
