@@ -1,0 +1,165 @@
+"""Helpers of the PD tests: real pdserve servers (colocated, prefill, decode) and routers as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+# exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
+COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64", "--num-threads", "1", "--log-level", "warning"]
+FAST_KV = ["--disaggregation-heartbeat-interval", "1.0", "--disaggregation-heartbeat-max-failures", "3",
+           "--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "20"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A subprocess with its log in /tmp; ``cmd_prefix`` runs it elsewhere (``ip netns exec NS``)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None, cmd_prefix: list[str] | None = None):
+        self.name = name
+        self.cmd = cmd
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1", **(env or {})}
+        self.cmd_prefix = cmd_prefix or []
+        self.log_path = Path(f"/tmp/pdserve-pd-{name}-{os.getpid()}.log")
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.cmd_prefix + self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, start_new_session=True)
+
+    def log(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """Signal the whole process group (the server and its scheduler ranks)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)
+        self._log.close()
+
+
+class Server(Proc):
+    """``pdserve serve`` with a mode; ``host`` is where it listens (and where its KV manager is reached)."""
+
+    def __init__(self, name: str, mode: str = "null", *extra: str, host: str = "127.0.0.1",
+                 backend: str = "mooncake", cmd_prefix: list[str] | None = None, env: dict | None = None):
+        self.host = host
+        self.port = free_port()
+        self.bootstrap_port = free_port() if mode == "prefill" else None
+        self.mode = mode
+        cmd = [sys.executable, "-m", "pdserve.engine", "--host", host, "--port", str(self.port),
+               "--disaggregation-mode", mode, *COMMON]
+        if mode != "null":
+            cmd += ["--disaggregation-transfer-backend", backend, *FAST_KV]
+        if self.bootstrap_port:
+            cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        cmd += extra  # last: overrides the defaults above
+        super().__init__(name, cmd, env=env, cmd_prefix=cmd_prefix)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def wait_ready(self, timeout: float = 300.0) -> "Server":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name} not ready within {timeout} s:\n{self.log()}")
+
+    def post(self, path: str, body: dict, timeout: float = 120, **kw) -> requests.Response:
+        return requests.post(self.url + path, json=body, timeout=timeout, **kw)
+
+    def states(self) -> list[dict]:
+        return requests.get(self.url + "/get_server_info", timeout=10).json()["internal_states"]
+
+    def wait_unleaked(self, timeout: float = 20.0) -> None:
+        """Every rank idle and, after a cache flush, every page free; the server still healthy.
+
+        (A rank whose idle integrity check fails dies, which turns /health to 503.)
+        """
+        deadline = time.monotonic() + timeout
+        states: list[dict] = []
+        while time.monotonic() < deadline:
+            requests.post(self.url + "/flush_cache", timeout=10)
+            states = self.states()
+            if all(s["inflight"] == 0 and s["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0
+                   and s["num_free_pages"] == s["num_total_pages"] for s in states):
+                assert requests.get(self.url + "/health", timeout=5).status_code == 200, self.log()
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"{self.name}: pages in use or requests left: {states}\n{self.log()}")
+
+
+def new_room() -> int:
+    return random.getrandbits(63)
+
+
+def pd_post(prefill: Server, decode: Server, path: str, body: dict, prefill_dp_rank: int | None = None,
+            decode_dp_rank: int | None = None, room: int | None = None, timeout: float = 120):
+    """Send one request to a prefill and a decode server at once, as a router pairs it: (prefill, decode) answers."""
+    room = new_room() if room is None else room
+    common = dict(body, bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+    if prefill_dp_rank is not None:
+        common["disagg_prefill_dp_rank"] = prefill_dp_rank
+    p_body, d_body = dict(common), dict(common)
+    if decode_dp_rank is not None:
+        d_body["routed_dp_rank"] = decode_dp_rank
+    out: dict = {}
+
+    def leg():
+        try:
+            out["p"] = prefill.post(path, p_body, timeout=timeout)
+        except requests.RequestException as e:
+            out["p"] = e
+
+    t = threading.Thread(target=leg)
+    t.start()
+    try:
+        d = decode.post(path, d_body, timeout=timeout)
+    except requests.RequestException as e:
+        d = e
+    t.join(timeout)
+    return out.get("p"), d
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def greedy_body(ids: list[int], max_new: int) -> dict:
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}

