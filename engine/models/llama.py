@@ -160,6 +160,8 @@ class LlamaForCausalLM:
             o = attn.forward(qk[:, :H], qk[:, H:], v, i)  # [T, H * D]
             if i == last:
                 # past the last attention only the sampled rows matter
+                if batch.logits_indices.numel() == 0:  # a middle chunk of a chunked prefill
+                    return torch.empty(0, arch.vocab_size, dtype=torch.float32, device=self.device)
                 o = o.index_select(0, batch.logits_indices)  # [num_sampled, H * D]
                 h = h.index_select(0, batch.logits_indices)
             if packed:

@@ -75,6 +75,39 @@ def hf_greedy(model, prompt: list[int], max_new: int):
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
 
 
+def make_tiny_checkpoint(kind: str, path: str) -> None:
+    """A small random transformers checkpoint (qwen2, qwen3 or llama) with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, rope_theta=1000000.0, **common))
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    elif kind == "qwen3":
+        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)
+
+
 @pytest.fixture
 def greedy():
     return greedy_generate

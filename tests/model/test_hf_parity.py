@@ -14,7 +14,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_runner import ModelRunner
 
-from conftest import greedy_generate, hf_greedy  # noqa: E402  (tests/model has no package)
+from conftest import greedy_generate, hf_greedy, make_tiny_checkpoint  # noqa: E402  (tests/model has no package)
 
 pytestmark = pytest.mark.timeout(240)
 torch.set_num_threads(1)  # robust when other jobs share the 2 cores (OpenMP spin-waits)
@@ -83,36 +83,6 @@ def test_default_model_bf16_differs_only_at_near_ties(hf_dir):
                 assert b in logits[t].topk(3).indices.tolist(), f"step {t}: transformers' {b} not in our top-3"
                 assert a in hf_logits[t].topk(3).indices.tolist(), f"step {t}: our {a} not in transformers' top-3"
     assert differ <= len(prompts) * NEW_TOKENS // 4  # near-ties are the exception, not the rule
-
-
-def make_tiny_checkpoint(kind: str, path: str) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                              Qwen3ForCausalLM)
-
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
-    torch.manual_seed(0)
-    if kind == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, rope_theta=1000000.0, **common))
-    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias"):
-                p.normal_(0.0, 0.5)
-            elif "norm" in name:
-                p.normal_(1.0, 0.3)
-    if kind == "qwen2":
-        assert model.model.layers[0].self_attn.q_proj.bias is not None
-    else:
-        assert hasattr(model.model.layers[0].self_attn, "q_norm")
-    model.save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(512)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
