@@ -351,7 +351,7 @@ async def abort_request(request: web.Request) -> web.Response:
         raise RequestError("body must be a JSON object", param=None)
     rid = obj.get("rid")
     if obj.get("abort_all"):
-        count = sum(tm.abort(st.rid) for st in [e[0] for e in list(tm._seqs.values())])
+        count = tm.abort_all()
     elif isinstance(rid, str) and rid:
         count = tm.abort(rid)
     else:

@@ -25,13 +25,17 @@ from pdserve.engine.http_server import build_app
 from pdserve.engine.metrics import ServerMetrics
 from pdserve.engine.scheduler_process import run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
-from pdserve.engine.tokenizer_manager import RankFailed, TokenizerManager, cpu_count
+from pdserve.engine.tokenizer_manager import RankFailed, TokenizerManager
 
 logger = logging.getLogger("pdserve.server")
 
 RANK_STOP_GRACE = 3.0  # seconds a rank gets after SIGTERM before SIGKILL
 MONITOR_INTERVAL = 0.2
 DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def threads_per_rank(config: ServerConfig) -> int:

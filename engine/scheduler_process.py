@@ -25,7 +25,6 @@ from typing import Callable
 import msgspec
 import zmq
 
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import (
     AbortReq,
     FlushCacheReq,

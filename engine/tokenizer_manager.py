@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -266,6 +265,10 @@ class TokenizerManager:
             queue.put_nowait((st, Delta("", [], [], True)))
         return len(hits)
 
+    def abort_all(self) -> int:
+        rids = list(self._seqs)
+        return sum(self.abort(rid) for rid in rids if rid in self._seqs)
+
     def flush_cache(self) -> None:
         for s in self._push:
             s.send(self._enc.encode(FlushCacheReq()))
@@ -383,7 +386,3 @@ class RequestHandle:
         for st in self.states:
             if not st.finished:
                 self.manager._abort_state(st, "client disconnected")
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import time
@@ -372,16 +373,26 @@ def test_abort_request(server):
     server.wait_idle_and_unleaked()
 
 
-def test_client_disconnect_mid_stream_frees_pages(server):
-    body = json.dumps(
-        {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a long story", "max_tokens": 3000, "ignore_eos": True,
-         "stream": True}
-    ).encode()
+def _open_request(server, path: str, body: dict) -> socket.socket:
+    raw = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + f"Authorization: Bearer {API_KEY}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw
     )
+    return sock
+
+
+def _aborted_count(server) -> float:
+    m = re.search(r'^pdserve_requests_finished_total\{[^}]*reason="abort"\} (\S+)$', server.get("/metrics").text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_client_disconnect_mid_stream_frees_pages(server):
+    aborted = _aborted_count(server)
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me a long story", "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    sock = _open_request(server, "/v1/completions", body)
     received = b""
     while received.count(b"data: ") < 3:
         received += sock.recv(65536)
@@ -390,8 +401,20 @@ def test_client_disconnect_mid_stream_frees_pages(server):
     sock.close()
     states = server.wait_idle_and_unleaked(timeout=15)
     assert states[0]["inflight"] == 0
-    metrics = server.get("/metrics").text
-    assert 'pdserve_requests_finished_total{model_name="SmolLM2-135M-Instruct",reason="abort"}' in metrics
+    assert _aborted_count(server) == aborted + 1
+
+
+def test_client_disconnect_before_a_non_streamed_answer_aborts(server):
+    aborted = _aborted_count(server)
+    body = {"text": "Tell me a long story", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    sock = _open_request(server, "/generate", body)
+    deadline = time.monotonic() + 30
+    while server.server_info()["internal_states"][0]["inflight"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    sock.close()
+    server.wait_idle_and_unleaked(timeout=15)
+    assert _aborted_count(server) == aborted + 1
 
 
 # --- last: a dead scheduler rank -----------------------------------------------------------------
