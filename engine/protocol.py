@@ -549,7 +549,7 @@ def _with_choice_seed(sp: SamplingParams, j: int) -> SamplingParams:
 def _openai_sampling(
     req: _OpenAICommon, max_tokens: int | None, max_tokens_param: str, limits: RequestLimits
 ) -> SamplingParams:
-    _unsupported(req, ("regex", "ebnf", "json_schema"))
+    _unsupported(req, ("regex", "ebnf", "json_schema", "logit_bias"))
     _check_max_tokens(req.min_tokens, "min_tokens", 0)
     sp = _build_sampling(
         "",

@@ -129,5 +129,7 @@ def test_unsupported_features_are_named():
     assert e.param == "tools" and e.code == "unsupported"
     e = _err(generate_sequences, b'{"text": "hi", "sampling_params": {"regex": "a+"}}', GenerateRequest)
     assert e.param == "regex"
+    e = _err(completion_sequences, b'{"prompt": "hi", "logit_bias": {"5": 10}}', CompletionRequest)
+    assert e.param == "logit_bias"
     e = _err(chat_sequences, b'{"messages": [{"role": "robot", "content": "hi"}]}', ChatCompletionRequest)
     assert e.param == "messages[0].role"
