@@ -65,12 +65,12 @@ static inline void st_f32(float* p, int i, float v) { p[i] = v; }
 
 /* q: [n, ., D] rows of H heads at q_stride elements per token; caches: [pages, ps, KVH, D];
    page_table: [n, pt_stride] int32; seq_lens: [n] int32; out: [n, H, D] contiguous. */
-#define DECODE_ATTN(NAME, T, LD, ST)                                                          \
+#define DECODE_ATTN(NAME, T, LD, ST, DIMV)                                                        \
 int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,                   \
          const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, T* out,       \
          int n, int H, int KVH, int D, int ps, float scale) {                                 \
     const int G = H / KVH;                                                                    \
-    if (G > MAX_GROUP || D > MAX_DIM) return -1;                                              \
+    if (G > MAX_GROUP || D > MAX_DIM || D != (DIMV)) return -1;                                              \
     int failed = 0;                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
     for (int64_t item = 0; item < (int64_t)n * KVH; item++) {                                 \
@@ -82,18 +82,18 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
         float* s = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(L > 0 ? L : 1));       \
         if (!s) { failed = 1; continue; }                                                     \
         for (int g = 0; g < G; g++) {                                                         \
-            const T* qp = q + (int64_t)b * q_stride + (int64_t)(h * G + g) * D;               \
-            for (int d = 0; d < D; d++) qf[g][d] = LD(qp, d) * scale;                         \
+            const T* qp = q + (int64_t)b * q_stride + (int64_t)(h * G + g) * DIMV;               \
+            for (int d = 0; d < DIMV; d++) qf[g][d] = LD(qp, d) * scale;                         \
             mx[g] = -3.0e38f; sum[g] = 0.f;                                                  \
-            for (int d = 0; d < D; d++) acc[g][d] = 0.f;                                      \
+            for (int d = 0; d < DIMV; d++) acc[g][d] = 0.f;                                      \
         }                                                                                     \
         for (int l = 0; l < L; l++) {                                                         \
-            const T* kp = k_cache + (((int64_t)pages[l / ps] * ps + l % ps) * KVH + h) * D;   \
-            for (int d = 0; d < D; d++) kf[d] = LD(kp, d);                                    \
+            const T* kp = k_cache + (((int64_t)pages[l / ps] * ps + l % ps) * KVH + h) * DIMV;   \
+            for (int d = 0; d < DIMV; d++) kf[d] = LD(kp, d);                                    \
             for (int g = 0; g < G; g++) {                                                     \
                 float dot = 0.f;                                                              \
                 _Pragma("omp simd reduction(+:dot)")                                          \
-                for (int d = 0; d < D; d++) dot += qf[g][d] * kf[d];                          \
+                for (int d = 0; d < DIMV; d++) dot += qf[g][d] * kf[d];                          \
                 s[g * L + l] = dot;                                                           \
                 if (dot > mx[g]) mx[g] = dot;                                                 \
             }                                                                                 \
@@ -105,26 +105,31 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
             sum[g] = t;                                                                       \
         }                                                                                     \
         for (int l = 0; l < L; l++) {                                                         \
-            const T* vp = v_cache + (((int64_t)pages[l / ps] * ps + l % ps) * KVH + h) * D;   \
-            for (int d = 0; d < D; d++) kf[d] = LD(vp, d);                                    \
+            const T* vp = v_cache + (((int64_t)pages[l / ps] * ps + l % ps) * KVH + h) * DIMV;   \
+            for (int d = 0; d < DIMV; d++) kf[d] = LD(vp, d);                                    \
             for (int g = 0; g < G; g++) {                                                     \
                 const float w = s[g * L + l];                                                 \
                 _Pragma("omp simd")                                                           \
-                for (int d = 0; d < D; d++) acc[g][d] += w * kf[d];                           \
+                for (int d = 0; d < DIMV; d++) acc[g][d] += w * kf[d];                           \
             }                                                                                 \
         }                                                                                     \
         for (int g = 0; g < G; g++) {                                                         \
-            T* op = out + ((int64_t)b * H + h * G + g) * D;                                   \
+            T* op = out + ((int64_t)b * H + h * G + g) * DIMV;                                   \
             const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;                              \
-            for (int d = 0; d < D; d++) ST(op, d, acc[g][d] * inv);                           \
+            for (int d = 0; d < DIMV; d++) ST(op, d, acc[g][d] * inv);                           \
         }                                                                                     \
         free(s);                                                                              \
     }                                                                                         \
     return failed ? -2 : 0;                                                                   \
 }
 
-DECODE_ATTN(decode_attn_bf16, uint16_t, ld_bf16, st_bf16)
-DECODE_ATTN(decode_attn_f32, float, ld_f32, st_f32)
+/* head_dim as a compile-time constant lets the compiler keep rows in registers and unroll */
+DECODE_ATTN(decode_attn_bf16, uint16_t, ld_bf16, st_bf16, D)
+DECODE_ATTN(decode_attn_f32, float, ld_f32, st_f32, D)
+DECODE_ATTN(decode_attn_bf16_d64, uint16_t, ld_bf16, st_bf16, 64)
+DECODE_ATTN(decode_attn_f32_d64, float, ld_f32, st_f32, 64)
+DECODE_ATTN(decode_attn_bf16_d128, uint16_t, ld_bf16, st_bf16, 128)
+DECODE_ATTN(decode_attn_f32_d128, float, ld_f32, st_f32, 128)
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -171,14 +176,15 @@ class NativeKernels:
         self.lib = ctypes.CDLL(lib_path)
         args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float]
-        self._decode = {}
-        for dtype, name in ((torch.bfloat16, "decode_attn_bf16"), (torch.float32, "decode_attn_f32")):
-            fn = getattr(self.lib, name)
-            fn.argtypes, fn.restype = args, ctypes.c_int
-            self._decode[dtype] = fn
+        self._decode = {}  # (dtype, head_dim or None for any) -> function
+        for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            for dim, suffix in ((None, ""), (64, "_d64"), (128, "_d128")):
+                fn = getattr(self.lib, f"decode_attn_{tname}{suffix}")
+                fn.argtypes, fn.restype = args, ctypes.c_int
+                self._decode[(dtype, dim)] = fn
 
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
-        return dtype in self._decode and group <= 32 and head_dim <= 256
+        return (dtype, None) in self._decode and group <= 32 and head_dim <= 256
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
@@ -194,7 +200,8 @@ class NativeKernels:
         assert page_table.dtype == torch.int32 and page_table.is_contiguous() and seq_lens.dtype == torch.int32
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
         out = torch.empty(n, num_heads * dim, dtype=q.dtype)
-        rc = self._decode[q.dtype](
+        fn = self._decode.get((q.dtype, dim)) or self._decode[(q.dtype, None)]
+        rc = fn(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
             page_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, kv_heads, dim,
             page_size, scale,

@@ -35,11 +35,10 @@ def reference(q, k_all, v_all, prefix: int) -> torch.Tensor:
     return torch.einsum("hns,shd->nhd", torch.softmax(s, -1), v).reshape(n, heads * dim)
 
 
-def run_case(heads, kv_heads, seqs, dtype, seed=0, native=True):
+def run_case(heads, kv_heads, seqs, dtype, seed=0, native=True, dim=16):
     """seqs: list of (prefix_len, extend_len). Prefix K/V is stored first, as a previous step would."""
     gen = torch.Generator().manual_seed(seed)
     rnd = random.Random(seed)
-    dim = 16
     pool = PagePool(64, PAGE, 1, kv_heads, dim, dtype)
     backend = TorchAttentionBackend(pool, heads, kv_heads, dim, dim**-0.5, use_native=native)
     assert (backend.native is not None) == native
@@ -110,6 +109,17 @@ def test_bfloat16_close_to_float64_reference(case, native):
     out, expected = run_case(6, 2, CASES[case], torch.bfloat16, seed=1, native=native)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dim", [64, 128])  # the native kernel has versions specialised for these
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_native_decode_specialised_head_dims(dim, dtype, atol):
+    torch.set_num_threads(2)  # the kernel's OpenMP loop over (sequence, kv head) with more than one thread
+    try:
+        out, expected = run_case(6, 2, CASES["mixed_decode_and_prefill"], dtype, seed=2, dim=dim)
+    finally:
+        torch.set_num_threads(1)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
 
 
 def test_store_touches_only_its_slots_and_gather_returns_pages():
