@@ -2,6 +2,7 @@
 
 ``pdserve serve [flags]``  engine server (this package; ``python -m pdserve.engine`` is the same)
 ``pdserve router [flags]`` the router (``pdserve.router.cli``)
+``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.launch``)
 
 The flags of ``serve`` are built from the fields of ``EngineConfig`` and
 ``ServerConfig``: names, types and defaults come from the dataclasses.
@@ -88,7 +89,7 @@ def serve_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: pdserve {serve,router} [flags]   (pdserve <command> --help for its flags)"
+    usage = "usage: pdserve {serve,router,launch} [flags]   (pdserve <command> --help for its flags)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -99,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.router.cli import main as router_main
 
         return router_main(rest) or 0
+    if command == "launch":
+        from pdserve.engine.launch import launch_main
+
+        return launch_main(rest)
     print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 
