@@ -147,8 +147,8 @@ async def serve(config: ServerConfig) -> int:
         if tm.dead_reason is None:
             tm.fail_all("server shutting down")
         return exit_code
-    except RankFailed as e:
-        logger.error("%s", e)
+    except (RankFailed, ValueError, OSError) as e:  # start-up failed: a rank, the tokenizer, the port
+        logger.error("pdserve serve failed to start: %s", e)
         return 1
     finally:
         if runner is not None:

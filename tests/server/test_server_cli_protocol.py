@@ -133,3 +133,12 @@ def test_unsupported_features_are_named():
     assert e.param == "logit_bias"
     e = _err(chat_sequences, b'{"messages": [{"role": "robot", "content": "hi"}]}', ChatCompletionRequest)
     assert e.param == "messages[0].role"
+
+
+def test_start_up_failure_exits_non_zero_with_a_message():
+    out = subprocess.run(
+        [sys.executable, "-m", "pdserve.engine", "--model-path", "/nonexistent", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 1
+    assert "failed to start" in out.stderr and "/nonexistent" in out.stderr
