@@ -30,6 +30,8 @@ _HELP = {
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "num_threads": "torch threads per DP rank; default: the CPU cores split between ranks",
+    "disaggregation_fault_injection_rate": "TEST ONLY: fail this fraction of KV writes (prefill side); 0/None = off",
+    "disaggregation_fault_injection_seed": "TEST ONLY: seed of the fault injection draws",
 }
 _TYPES = {"int": int, "float": float, "str": str}
 

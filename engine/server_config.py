@@ -39,6 +39,9 @@ class ServerConfig:
     disaggregation_waiting_timeout: float | None = None
     disaggregation_heartbeat_interval: float | None = None
     disaggregation_heartbeat_max_failures: int | None = None
+    # test-only: fail this fraction of KV writes (prefill side) with a TransferFailedError; 0 = off
+    disaggregation_fault_injection_rate: float | None = None
+    disaggregation_fault_injection_seed: int | None = None
     # seconds the launcher waits for every rank to load its model
     startup_timeout: float = 600.0
 
@@ -88,7 +91,8 @@ class ServerConfig:
 
         overrides = {
             name: getattr(self, "disaggregation_" + name)
-            for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_max_failures")
+            for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_max_failures",
+                         "fault_injection_rate", "fault_injection_seed")
             if getattr(self, "disaggregation_" + name) is not None
         }
         return KVTransferConfig(

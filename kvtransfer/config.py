@@ -25,6 +25,9 @@ class KVTransferConfig:
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = 20
+    # test-only: fail this fraction of KV writes at the adapter boundary (kvtransfer/fault_injection.py)
+    fault_injection_rate: float = 0.0
+    fault_injection_seed: int = 0
 
     def __post_init__(self):
         if self.backend not in TRANSFER_BACKENDS:
@@ -40,6 +43,8 @@ class KVTransferConfig:
         for name in ("heartbeat_max_failures", "num_transfer_threads", "aux_num_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.fault_injection_rate <= 1.0:
+            raise ValueError(f"fault_injection_rate must be in [0, 1], got {self.fault_injection_rate}")
         if self.aux_max_top_logprobs < 0:
             raise ValueError(f"aux_max_top_logprobs must be >= 0, got {self.aux_max_top_logprobs}")
 

@@ -55,6 +55,10 @@ class KVManager(ABC):
         self.k_addrs = [b.base_addr for b in infos[: pool.num_layers]]
         self.v_addrs = [b.base_addr for b in infos[pool.num_layers :]]
         self.engine = engine or create_transfer_engine(config.backend, config.host, config.ib_device)
+        if config.fault_injection_rate > 0:  # test-only hook, off by default
+            from pdserve.kvtransfer.fault_injection import FaultInjectingEngine
+
+            self.engine = FaultInjectingEngine(self.engine, config.fault_injection_rate, config.fault_injection_seed)
         self._registered: list[int] = []
         for b in infos:
             self._register(b.base_addr, b.nbytes)

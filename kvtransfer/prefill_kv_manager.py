@@ -210,7 +210,7 @@ class PrefillKVManager(KVManager):
             error = e
         with self.lock:
             if error is not None:
-                self._fail_sender(sender, f"KV write failed: {error}")
+                self._fail_sender(sender, f"KV write of room {sender.room} failed: {error}")
                 return
             if not chunk.is_last or sender.state.done:
                 return

@@ -1,0 +1,88 @@
+"""A test-only transfer engine that fails a chosen fraction of writes at the adapter boundary.
+
+Off by default: ``KVTransferConfig.fault_injection_rate`` is 0.0 and the real engine is used
+unwrapped. With a rate > 0 (``--disaggregation-fault-injection-rate``) the KV manager wraps its
+engine in ``FaultInjectingEngine``; each batch write then fails with ``TransferFailedError`` with
+that probability (seeded, so a run is repeatable), exactly as a failed RDMA/TCP write would: the
+room fails on both sides with the error in its message and its pages are freed. Everything else
+(register, connect, notifications) goes to the wrapped engine unchanged.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Sequence
+
+from pdserve.kvtransfer.errors import TransferFailedError
+from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+
+INJECTED = "injected transfer fault"
+
+
+class FaultInjectingEngine(TransferEngine):
+    """Wraps ``inner``; fails each ``write_batch``/``write`` with probability ``rate``."""
+
+    def __init__(self, inner: TransferEngine, rate: float, seed: int = 0):  # noqa: D107 - no super(): a wrapper
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"fault injection rate must be in [0, 1], got {rate}")
+        self.inner = inner
+        self.rate = rate
+        self.name = inner.name
+        self.supports_notifications = inner.supports_notifications
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()  # transfer threads draw concurrently
+        self.injected = 0  # faults injected so far (tests read it)
+
+    def _draw(self, peer: str, n: int) -> TransferFailedError | None:
+        with self._lock:
+            if self._rng.random() >= self.rate:
+                return None
+            self.injected += 1
+        return TransferFailedError(self.name, "batch write", None, f"{INJECTED} on {n} descriptors to {peer}")
+
+    @property
+    def raw(self) -> object:
+        return self.inner.raw
+
+    def register(self, addr: int, nbytes: int) -> None:
+        self.inner.register(addr, nbytes)
+
+    def deregister(self, addr: int) -> None:
+        self.inner.deregister(addr)
+
+    def peer_info(self) -> bytes:
+        return self.inner.peer_info()
+
+    def connect(self, peer_info: bytes) -> str:
+        return self.inner.connect(peer_info)
+
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
+    def write_batch(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+                    notify: bytes | None = None) -> TransferHandle:
+        error = self._draw(peer, len(src))
+        if error is None:
+            return self.inner.write_batch(peer, src, dst, lengths, notify)
+        handle = TransferHandle(None, sum(lengths))
+        handle.state, handle.error = TransferState.FAILED, error
+        return handle
+
+    def poll(self, handle: TransferHandle) -> TransferState:
+        if handle.raw is None and handle.error is not None:
+            return TransferState.FAILED
+        return self.inner.poll(handle)
+
+    def write(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
+              notify: bytes | None = None) -> None:
+        error = self._draw(peer, len(src))
+        if error is not None:
+            raise error
+        self.inner.write(peer, src, dst, lengths, notify)
+
+    def get_notifications(self) -> list[bytes]:
+        return self.inner.get_notifications()
+
+    def close(self) -> None:
+        self.inner.close()
