@@ -203,6 +203,16 @@ def _alive_in_group(pgid: int) -> list[int]:
     return pids
 
 
+def _set_parent_death_signal(sig: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, sig) on Linux; nothing elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def log_tail(path: str, n: int = LOG_TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -232,7 +242,13 @@ class Cluster:
     def _spawn(self, spec: ServerSpec) -> None:
         cpus = spec.cpus
 
+        parent = os.getpid()
+
         def in_child() -> None:
+            # SIGTERM when launch dies, even by SIGKILL: no server outlives the launcher
+            _set_parent_death_signal(signal.SIGTERM)
+            if os.getppid() != parent:  # launch died before the line above
+                os._exit(1)
             # the child (and the scheduler ranks it spawns, which inherit it) run on its share only
             if cpus is not None:
                 os.sched_setaffinity(0, cpus)
@@ -421,6 +437,7 @@ def parse_launch_args(argv: list[str]) -> LaunchConfig:
         # check the pass-through flags now, so a typo fails before anything starts
         serve_parser = build_serve_parser()
         serve_parser.prog = "pdserve launch (flags passed to every server)"
+        serve_parser.allow_abbrev = False  # pass-through flags are spelled in full: a typo is an error
         serve_parser.parse_args(rest)
     kwargs = {k: v for k, v in vars(ns).items() if k != "router_arg"}
     return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)

@@ -76,6 +76,26 @@ run_in prefill prefill "$PY" -m pdserve.engine --disaggregation-mode prefill \
   --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
 run_in decode decode "$PY" -m pdserve.engine --disaggregation-mode decode \
   --host "$DECODE_IP" --port $PORT --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
+# the router marks a worker healthy at its first check, then every --health-check-interval-secs
+# (60 s by default): start it once both servers answer, as `pdserve launch` does
+ip netns exec "$(ns router)" "$PY" - "$PREFILL_IP" "$DECODE_IP" "$PORT" "$LOGS" <<'EOF'
+import os, sys, time, urllib.request
+
+p_ip, d_ip, port, logs = sys.argv[1:]
+deadline = time.monotonic() + 600
+for name, ip in (("prefill", p_ip), ("decode", d_ip)):
+    while True:
+        try:
+            if urllib.request.urlopen(f"http://{ip}:{port}/health", timeout=2).status == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            tail = "".join(open(os.path.join(logs, name + ".log")).readlines()[-20:])
+            sys.exit(f"[netns] {name} not healthy in time:\n{tail}")
+        time.sleep(0.5)
+    print(f"[netns] {name} node healthy at http://{ip}:{port} (seen from the router node)", flush=True)
+EOF
 run_in router router "$PY" -m pdserve.router \
   --prefill "http://$PREFILL_IP:$PORT" $BOOTSTRAP_PORT --decode "http://$DECODE_IP:$PORT" \
   --host "$ROUTER_IP" --port $ROUTER_PORT
@@ -101,11 +121,12 @@ while True:
         sys.exit("[netns] cluster did not become healthy in time")
     time.sleep(0.5)
 print(f"[netns] router {base} sees prefill and decode healthy", flush=True)
-body = json.dumps({"model": "default", "max_tokens": 24, "temperature": 0,
+model = json.load(urllib.request.urlopen(base + "/v1/models", timeout=10))["data"][0]["id"]
+body = json.dumps({"model": model, "max_tokens": 24, "temperature": 0,
                    "messages": [{"role": "user", "content": "What is the capital of France?"}]}).encode()
 req = urllib.request.Request(base + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
 t = time.perf_counter()
 resp = json.load(urllib.request.urlopen(req, timeout=300))
-print(f"[netns] answer ({time.perf_counter() - t:.2f} s, prefill on {ip[:-1]}1 -> decode): "
+print(f"[netns] answer ({time.perf_counter() - t:.2f} s, via the router {base}): "
       + repr(resp["choices"][0]["message"]["content"]), flush=True)
 EOF

@@ -1,0 +1,330 @@
+"""Disaggregated (1 prefill + 1 decode behind the router) against colocated, same workload, one run.
+
+    .venv/bin/python scripts/compare_disagg.py --quick          # a few minutes
+    .venv/bin/python scripts/compare_disagg.py --rates 0.5 1 2 3 --slo-tpot-ms 100
+
+(a) ``colocated``: one ``pdserve serve`` (``--disaggregation-mode null``) using every core.
+(b) ``1p1d``: ``pdserve launch --prefill 1 --decode 1 --cpu-split auto`` (each server pinned to
+    its own half of the cores, torch threads sized to match), measured through the router.
+The script starts and stops both itself, one after the other (never together: they would
+share the cores), and sends each the same rows at the same arrival times.
+
+Workloads:
+  steady  random prompts (``--steady-input-len`` tokens, ``--steady-output-len`` out,
+          lengths uniform down to half), Poisson arrivals at each rate of the sweep.
+  mixed   decode-heavy streams (short prompt, long output) arriving Poisson at each rate,
+          plus one long prompt (``--long-input-len`` tokens, 2 tokens out) every
+          ``--long-period`` seconds: on a colocated server every long prefill stalls the
+          decode steps of every running stream (the interference disaggregation removes).
+
+Outputs: a table per rate, a ratio table (1p1d / colocated) at the comparison rate (the
+lowest rate at which the colocated server's p99 TPOT exceeds the SLO, else the highest),
+``compare_disagg.png`` (goodput and p99 TPOT against rate, both setups, each workload)
+and ``tpot_cdf_<workload>.png`` at the comparison rate in ``--out-dir``, and ONE JSON line
+on stdout (also appended to ``--output-file``). Goodput counts requests meeting
+``--slo-ttft-ms`` and ``--slo-tpot-ms`` together. Fixed seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
+
+from bench_serving import arrival_offsets, benchmark  # noqa: E402
+from benchlib import datasets  # noqa: E402
+from benchlib.client import BACKENDS  # noqa: E402
+from benchlib.metrics import calculate_metrics  # noqa: E402
+
+from pdserve.engine.launch import Cluster, LaunchConfig, _alive_in_group, _get_json, free_port, log_tail  # noqa: E402
+
+SETUPS = ("colocated", "1p1d")
+WORKLOADS = ("steady", "mixed")
+TABLE_KEYS = (  # (label, metric key, higher is better)
+    ("p50 TTFT ms", "median_ttft_ms", False),
+    ("p99 TTFT ms", "p99_ttft_ms", False),
+    ("p50 TPOT ms", "median_tpot_ms", False),
+    ("p99 TPOT ms", "p99_tpot_ms", False),
+    ("throughput req/s", "request_throughput", True),
+    ("output tok/s", "output_throughput", True),
+    ("goodput req/s", "goodput", True),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="two rates, few requests: a few minutes")
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--rates", nargs="+", type=float, default=None,
+                   help="request rates (req/s) of the sweep; default 0.5 1 2 3 (quick: 0.5 1.5)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per run (mixed: streams); default 40 (quick: 12)")
+    p.add_argument("--steady-input-len", type=int, default=256)
+    p.add_argument("--steady-output-len", type=int, default=32)
+    p.add_argument("--stream-input-len", type=int, default=32)
+    p.add_argument("--stream-output-len", type=int, default=64)
+    p.add_argument("--long-input-len", type=int, default=1024)
+    p.add_argument("--long-period", type=float, default=3.0, help="seconds between long prompts (mixed)")
+    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--backend", choices=sorted(BACKENDS), default="generate")
+    p.add_argument("--model-path", default=None)
+    p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
+    p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of every server")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out-dir", default="results/compare_disagg")
+    p.add_argument("--output-file", default=None, help="append the JSON line here too")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = build_parser()
+    a = p.parse_args(argv)
+    a.rates = a.rates or ([0.5, 1.5] if a.quick else [0.5, 1.0, 2.0, 3.0])
+    a.num_prompts = a.num_prompts or (12 if a.quick else 40)
+    if any(not (r > 0 and math.isfinite(r)) for r in a.rates):
+        p.error(f"--rates must be finite and > 0, got {a.rates}")
+    if a.num_prompts < 2:
+        p.error(f"--num-prompts must be >= 2, got {a.num_prompts}")
+    for name in ("steady_input_len", "steady_output_len", "stream_input_len", "stream_output_len",
+                 "long_input_len"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.long_period <= 0 or a.slo_ttft_ms <= 0 or a.slo_tpot_ms <= 0:
+        p.error("--long-period, --slo-ttft-ms and --slo-tpot-ms must be > 0")
+    if a.model_path and not os.path.exists(a.model_path):
+        p.error(f"--model-path: no such file or directory: {a.model_path}")
+    return a
+
+
+# --- workloads -----------------------------------------------------------------------------------
+
+
+def workload(name: str, rate: float, args, tokenizer) -> tuple[list, list[float], list[str]]:
+    """Rows, send offsets (s) and a kind per row ("steady", "stream" or "long"), ordered by offset."""
+    seed = args.seed + int(rate * 1000)
+    if name == "steady":
+        rows = datasets.sample_random(tokenizer, args.num_prompts, args.steady_input_len, args.steady_output_len,
+                                      0.5, seed)
+        return rows, arrival_offsets(len(rows), rate, seed), ["steady"] * len(rows)
+    streams = datasets.sample_random(tokenizer, args.num_prompts, args.stream_input_len, args.stream_output_len,
+                                     1.0, seed)
+    offsets = arrival_offsets(len(streams), rate, seed)
+    # long prompts over the span of the stream arrivals, the first one after the first streams started
+    n_long = max(1, int(offsets[-1] // args.long_period))
+    longs = datasets.sample_random(tokenizer, n_long, args.long_input_len, 2, 1.0, seed + 7)
+    long_offsets = [args.long_period * (k + 0.5) for k in range(n_long)]
+    merged = sorted(zip(offsets + long_offsets, streams + longs, ["stream"] * len(streams) + ["long"] * n_long),
+                    key=lambda t: t[0])
+    return [r for _, r, _ in merged], [t for t, _, _ in merged], [k for _, _, k in merged]
+
+
+def measure(base_url: str, name: str, rate: float, args, tokenizer) -> dict:
+    rows, offsets, kinds = workload(name, rate, args, tokenizer)
+    outputs, duration = asyncio.run(benchmark(base_url, BACKENDS[args.backend](), rows, offsets,
+                                              warmup_requests=2, request_timeout=600.0))
+    m = calculate_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    m["rate"] = rate
+    m["num_requests"] = len(rows)
+    m["tpots"] = [o.tpot for o in outputs if o.success]
+    if name == "mixed":  # the streams are what interference hurts: their TPOT on its own
+        s = calculate_metrics([o for o, k in zip(outputs, kinds) if k == "stream"], duration,
+                              args.slo_ttft_ms, args.slo_tpot_ms)
+        m["streams_p99_tpot_ms"] = s["p99_tpot_ms"]
+        m["streams_median_tpot_ms"] = s["median_tpot_ms"]
+        m["long_prompts"] = kinds.count("long")
+        m["tpots"] = [o.tpot for o, k in zip(outputs, kinds) if o.success and k == "stream"]
+    errors = sorted({o.error for o in outputs if not o.success})
+    if errors:
+        m["errors"] = errors[:5]
+    print(f"  {name:<6} rate {rate:<5g} completed {m['completed']}/{len(rows)}  p50/p99 TTFT "
+          f"{_f(m['median_ttft_ms'])}/{_f(m['p99_ttft_ms'])} ms  p50/p99 TPOT {_f(m['median_tpot_ms'])}/"
+          f"{_f(m['p99_tpot_ms'])} ms  goodput {m['goodput']:.2f} req/s", flush=True)
+    return m
+
+
+def _f(v) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+# --- the two setups ------------------------------------------------------------------------------
+
+
+class Colocated:
+    """One ``pdserve serve`` in null mode on every core, in its own process group."""
+
+    def __init__(self, args, log_dir: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = os.path.join(log_dir, "colocated.log")
+        argv = [sys.executable, "-m", "pdserve.engine", "--port", str(self.port), "--disaggregation-mode", "null",
+                "--num-threads", str(len(os.sched_getaffinity(0))), "--max-total-tokens", str(args.max_total_tokens)]
+        if args.model_path:
+            argv += ["--model-path", args.model_path]
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+        deadline = time.monotonic() + args.startup_timeout
+        while _get_json(self.url + "/health") is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"colocated server did not start; {self.log}:\n{log_tail(self.log)}")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 6.0), (signal.SIGKILL, 2.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            end = time.monotonic() + wait
+            while time.monotonic() < end:
+                self.proc.poll()
+                if not _alive_in_group(self.proc.pid):
+                    return
+                time.sleep(0.1)
+
+
+def start_1p1d(args, log_dir: str) -> Cluster:
+    engine_args = ("--max-total-tokens", str(args.max_total_tokens))
+    cfg = LaunchConfig(prefill=1, decode=1, cpu_split="auto", port=0, model_path=args.model_path,
+                       transfer_backend=args.transfer_backend, log_dir=log_dir, engine_args=engine_args,
+                       startup_timeout=args.startup_timeout)
+    cluster = Cluster(cfg)
+    try:
+        cluster.start()
+        cluster.wait_ready()
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+# --- reporting -----------------------------------------------------------------------------------
+
+
+def comparison_rate(results: dict, name: str, slo_tpot_ms: float) -> float:
+    key = "streams_p99_tpot_ms" if name == "mixed" else "p99_tpot_ms"
+    for m in results["colocated"][name]:
+        if m.get(key) is not None and m[key] > slo_tpot_ms:
+            return m["rate"]
+    return results["colocated"][name][-1]["rate"]
+
+
+def ratio(a, b):
+    return None if a is None or b is None or a == 0 else b / a
+
+
+def ratio_table(results: dict, name: str, rate: float) -> tuple[str, dict]:
+    col = next(m for m in results["colocated"][name] if m["rate"] == rate)
+    dis = next(m for m in results["1p1d"][name] if m["rate"] == rate)
+    keys = list(TABLE_KEYS)
+    if name == "mixed":
+        keys.insert(4, ("streams p99 TPOT ms", "streams_p99_tpot_ms", False))
+    lines = [f"{name} at {rate:g} req/s: {'metric':<20} {'colocated':>10} {'1p1d':>10} {'1p1d/col':>9}"]
+    ratios = {}
+    for label, key, _ in keys:
+        r = ratio(col.get(key), dis.get(key))
+        ratios[key] = r
+        lines.append(f"{'':>{len(name) + len(f'{rate:g}') + 12}}{label:<20} {_f(col.get(key)):>10} "
+                     f"{_f(dis.get(key)):>10} {('n/a' if r is None else f'{r:.2f}'):>9}")
+    return "\n".join(lines), ratios
+
+
+def plot(results: dict, workloads: list[str], args, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(10, 3.6 * len(workloads)), squeeze=False)
+    for row, name in enumerate(workloads):
+        tpot_key = "streams_p99_tpot_ms" if name == "mixed" else "p99_tpot_ms"
+        for setup, style in zip(SETUPS, ("o-", "s--")):
+            ms = results[setup][name]
+            axes[row][0].plot([m["rate"] for m in ms], [m["goodput"] for m in ms], style, label=setup)
+            axes[row][1].plot([m["rate"] for m in ms], [m.get(tpot_key) or math.nan for m in ms], style, label=setup)
+        axes[row][0].set_title(f"{name}: goodput (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms)")
+        axes[row][0].set_ylabel("req/s")
+        axes[row][1].axhline(args.slo_tpot_ms, color="grey", lw=0.8, ls=":", label="TPOT SLO")
+        axes[row][1].set_title(f"{name}: p99 TPOT" + (" of the streams" if name == "mixed" else ""))
+        axes[row][1].set_ylabel("ms")
+        for ax in axes[row]:
+            ax.set_xlabel("request rate (req/s)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    log_dir = tempfile.mkdtemp(prefix="pdserve-compare-")
+    from pdserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_path)
+    cores = len(os.sched_getaffinity(0))
+    load = os.getloadavg()[0]
+    print(f"compare_disagg: {cores} cores (load average {load:.1f}), rates {args.rates}, "
+          f"workloads {args.workloads}, logs in {log_dir}", flush=True)
+    results: dict = {s: {w: [] for w in args.workloads} for s in SETUPS}
+    for setup in SETUPS:
+        t = time.monotonic()
+        server = Colocated(args, log_dir) if setup == "colocated" else start_1p1d(args, log_dir)
+        url = server.url
+        print(f"{setup}: ready at {url} in {time.monotonic() - t:.0f} s", flush=True)
+        try:
+            for name in args.workloads:
+                for rate in args.rates:
+                    results[setup][name].append(measure(url, name, rate, args, tokenizer))
+        finally:
+            server.stop()
+
+    summary = {"bench": "compare_disagg", "quick": args.quick, "cores": cores, "load_avg_start": round(load, 2),
+               "load_avg_end": round(os.getloadavg()[0], 2), "rates": args.rates, "backend": args.backend,
+               "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "num_prompts": args.num_prompts,
+               "workloads": {}}
+    from benchlib.plots import plot_cdf
+
+    print()
+    for name in args.workloads:
+        rate = comparison_rate(results, name, args.slo_tpot_ms)
+        table, ratios = ratio_table(results, name, rate)
+        print(table + "\n")
+        cdf = plot_cdf({s: next(m for m in results[s][name] if m["rate"] == rate) for s in SETUPS}, "tpots",
+                       f"TPOT, {name} at {rate:g} req/s", os.path.join(args.out_dir, f"tpot_cdf_{name}.png"))
+        keep = [k for _, k, _ in TABLE_KEYS] + ["rate", "completed", "failed", "num_requests", "slo_attainment",
+                                                 "streams_p99_tpot_ms", "streams_median_tpot_ms", "errors"]
+        summary["workloads"][name] = {
+            "comparison_rate": rate,
+            "ratios_1p1d_over_colocated": {k: (None if v is None else round(v, 3)) for k, v in ratios.items()},
+            **{s: [{k: m[k] for k in keep if k in m} for m in results[s][name]] for s in SETUPS},
+            "tpot_cdf_png": cdf,
+        }
+    summary["plot"] = plot(results, args.workloads, args, os.path.join(args.out_dir, "compare_disagg.png"))
+    print(f"plot: {summary['plot']}")
+    line = json.dumps(summary, allow_nan=False, default=lambda v: None)
+    if args.output_file:
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    failed = sum(m["failed"] for s in SETUPS for w in args.workloads for m in results[s][w])
+    return 0 if failed == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
