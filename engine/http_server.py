@@ -337,7 +337,7 @@ async def server_info(request: web.Request) -> web.Response:
 async def metrics_endpoint(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     text = request.app[METRICS_KEY].render(tm.stats, tm.inflight)
-    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Version": "0.0.4"})
+    return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
 async def abort_request(request: web.Request) -> web.Response:

@@ -341,7 +341,9 @@ def test_info_endpoints(server):
         assert info["page_size"] == 16 and info["max_total_num_tokens"] > 0 and info["version"]
         assert "api_key" not in info
     assert server.get("/health_generate").status_code == 200
-    text = server.get("/metrics").text
+    resp = server.get("/metrics")
+    assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+    text = resp.text
     for name in ("pdserve_requests_total", "pdserve_num_running_reqs", "pdserve_num_waiting_reqs",
                  "pdserve_kv_usage", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
                  "pdserve_time_to_first_token_seconds_bucket", "pdserve_time_per_output_token_seconds_bucket",
