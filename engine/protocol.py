@@ -364,10 +364,17 @@ def _bootstraps(req, num_prompts: int, limits: RequestLimits, prefill_rank: int 
         room = _pick(req.bootstrap_room, i)
         if not 0 <= room < 2**63:
             raise RequestError(f"bootstrap_room must be in [0, 2^63), got {room}", param="bootstrap_room")
+        port, host = _pick(req.bootstrap_port, i), _pick(req.bootstrap_host, i)
+        if not 0 < port < 65536:
+            raise RequestError(f"bootstrap_port must be in [1, 65535], got {port}", param="bootstrap_port")
+        # the decode side turns it into a URL: no empty, overlong or whitespace/control-character hosts
+        if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() or c in "/?#@" for c in host):
+            raise RequestError(f"bootstrap_host must be a host name or address, got {host[:64]!r}",
+                               param="bootstrap_host")
         out.append(
             BootstrapInfo(
-                host=_pick(req.bootstrap_host, i),
-                port=_pick(req.bootstrap_port, i),
+                host=host,
+                port=port,
                 room=room,
                 prefill_dp_rank=prefill_rank,
             )
