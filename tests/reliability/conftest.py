@@ -6,3 +6,25 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def pd11():
+    """1 prefill + 1 decode (small pools, fp32, 64-token chunks) and a router in front."""
+    from pd_stand import Server
+    from rel_stand import Router
+
+    p = Server("rel-P", "prefill", "--max-total-tokens", "2048")
+    d = Server("rel-D", "decode", "--max-total-tokens", "2048")
+    r = None
+    try:
+        p.wait_ready()
+        d.wait_ready()
+        r = Router("rel-router", [p], [d]).wait_ready()
+        yield p, d, r
+    finally:
+        for s in (r, p, d):
+            if s is not None:
+                s.stop()
