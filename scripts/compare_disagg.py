@@ -12,9 +12,9 @@ share the cores), and sends each the same rows at the same arrival times.
 Workloads:
   steady  random prompts (``--steady-input-len`` tokens, ``--steady-output-len`` out,
           lengths uniform down to half), Poisson arrivals at each rate of the sweep.
-  mixed   decode-heavy streams (short prompt, long output) arriving Poisson at each rate,
-          plus one long prompt (``--long-input-len`` tokens, 2 tokens out) every
-          ``--long-period`` seconds: on a colocated server every long prefill stalls the
+  mixed   decode-heavy streams (``--stream-input-len`` in, ``--stream-output-len`` out)
+          arriving Poisson at each rate, plus one long prompt (``--long-input-len`` tokens,
+          2 tokens out) every ``--long-period`` seconds: on a colocated server every long prefill stalls the
           decode steps of every running stream (the interference disaggregation removes).
 
 Outputs: a table per rate, a ratio table (1p1d / colocated) at the comparison rate (the
@@ -45,9 +45,18 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.launch import Cluster, LaunchConfig, _alive_in_group, _get_json, free_port, log_tail  # noqa: E402
+from pdserve.engine.launch import (  # noqa: E402
+    Cluster, LaunchConfig, _alive_in_group, _get_json, _set_parent_death_signal, free_port, log_tail,
+)
 
 SETUPS = ("colocated", "1p1d")
+LENGTHS = (  # flag, default, --quick default (tokens)
+    ("steady_input_len", 256, 128),
+    ("steady_output_len", 32, 16),
+    ("stream_input_len", 32, 32),
+    ("stream_output_len", 64, 32),
+    ("long_input_len", 1024, 512),
+)
 WORKLOADS = ("steady", "mixed")
 TABLE_KEYS = (  # (label, metric key, higher is better)
     ("p50 TTFT ms", "median_ttft_ms", False),
@@ -69,12 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request rates (req/s) of the sweep; default 0.5 1 2 3 (quick: 0.5 1.5)")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="requests per run (mixed: streams); default 40 (quick: 12)")
-    p.add_argument("--steady-input-len", type=int, default=256)
-    p.add_argument("--steady-output-len", type=int, default=32)
-    p.add_argument("--stream-input-len", type=int, default=32)
-    p.add_argument("--stream-output-len", type=int, default=64)
-    p.add_argument("--long-input-len", type=int, default=1024)
-    p.add_argument("--long-period", type=float, default=3.0, help="seconds between long prompts (mixed)")
+    for name, full, quick in LENGTHS:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"default {full} (quick: {quick})")
+    p.add_argument("--long-period", type=float, default=None,
+                   help="seconds between long prompts (mixed); default 3 (quick: 4)")
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="generate")
@@ -91,8 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = build_parser()
     a = p.parse_args(argv)
-    a.rates = a.rates or ([0.5, 1.5] if a.quick else [0.5, 1.0, 2.0, 3.0])
-    a.num_prompts = a.num_prompts or (12 if a.quick else 40)
+    a.rates = a.rates or ([0.25, 0.75] if a.quick else [0.5, 1.0, 2.0, 3.0])
+    a.num_prompts = a.num_prompts or (10 if a.quick else 40)
+    for name, full, quick in LENGTHS:
+        if getattr(a, name) is None:
+            setattr(a, name, quick if a.quick else full)
+    a.long_period = a.long_period or (4.0 if a.quick else 3.0)
     if any(not (r > 0 and math.isfinite(r)) for r in a.rates):
         p.error(f"--rates must be finite and > 0, got {a.rates}")
     if a.num_prompts < 2:
@@ -174,7 +186,8 @@ class Colocated:
             argv += ["--model-path", args.model_path]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+                                         start_new_session=True,
+                                         preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))
         deadline = time.monotonic() + args.startup_timeout
         while _get_json(self.url + "/health") is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -272,6 +285,8 @@ def plot(results: dict, workloads: list[str], args, path: str) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so the finally blocks stop the servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="pdserve-compare-")
     from pdserve.engine.tokenizer import load_tokenizer
