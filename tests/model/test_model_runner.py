@@ -68,3 +68,31 @@ def test_chunked_prefill_and_mixed_batch_give_the_simple_path_logits(runner):
     torch.testing.assert_close(mixed[0], after, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(mixed[1], alone, atol=1e-4, rtol=1e-4)
     assert int(after.argmax()) == int(mixed[0].argmax())
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])  # q/k/v bias and q/k norm through the packed path
+def test_prepacked_bf16_linears_match_plain_ones(kind, tmp_path):
+    from pdserve.engine.model_loader import load_model
+    from pdserve.engine.model_runner import cpu_supports_bf16
+    from pdserve.engine.models.llama import LlamaForCausalLM, can_prepack
+    from pdserve.engine.page_pool import PagePool
+    from pdserve.kernels.torch_backend import TorchAttentionBackend
+
+    if not can_prepack(torch.bfloat16, torch.device("cpu"), cpu_supports_bf16()):
+        pytest.skip("no oneDNN bf16 prepacking on this CPU")
+    make_tiny_checkpoint(kind, str(tmp_path))
+    arch, weights, _ = load_model(str(tmp_path))
+    n = 20
+    batch = ForwardBatch(torch.arange(3, 3 + n), torch.arange(n), torch.arange(16, 16 + n),
+                         torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([n - 1]), [n], [n])
+    outs = []
+    for packed in (False, True):
+        model = LlamaForCausalLM(arch, weights, torch.bfloat16, torch.device("cpu"), prepack=packed)
+        pool = PagePool(4, 16, arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.bfloat16)
+        backend = TorchAttentionBackend(pool, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
+        backend.begin_forward(batch)
+        with torch.inference_mode():
+            outs.append(model.forward(batch, backend)[0])
+    assert outs[0].abs().max() > 1.0  # logits of some size, so the tolerance below means something
+    torch.testing.assert_close(outs[1], outs[0], atol=0.1, rtol=0.05)  # bf16 rounding of fused post-ops
+    assert int(outs[1].argmax()) == int(outs[0].argmax())
