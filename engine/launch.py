@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -36,8 +37,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from pdserve.engine.server_config import TRANSFER_BACKENDS
 

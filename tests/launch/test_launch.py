@@ -91,7 +91,7 @@ def test_launch_serves_a_chat_completion_and_stops_with_nothing_left(tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=ENV, start_new_session=True,
     )
     try:
-        m, out = read_until(proc, r"Ctrl-C stops the cluster", 270)
+        _, out = read_until(proc, r"Ctrl-C stops the cluster", 270)
         url = re.search(r"cluster ready: (http://\S+)", out).group(1)
         assert "curl -s " + url + "/v1/chat/completions" in out
         pids = {name: int(pid) for name, pid in re.findall(r"^  (\S+)\s+http://\S+.*pid (\d+)$", out, re.M)}
