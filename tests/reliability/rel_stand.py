@@ -3,18 +3,32 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
 import requests
-from pd_stand import Proc, Server, free_port
+from pd_stand import Proc, Server
+
+_handed_out: set[int] = set()
+
+
+def unique_port() -> int:
+    """A free port never returned before in this process."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 class Router(Proc):
     """``python -m pdserve.router`` in front of prefill (with bootstrap port) and decode servers."""
 
     def __init__(self, name: str, prefills: list[Server], decodes: list[Server], *extra: str):
-        self.port = free_port()
+        self.port = unique_port()
         cmd = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning"]
         for p in prefills:

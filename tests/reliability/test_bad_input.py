@@ -19,8 +19,8 @@ from pd_stand import greedy_body, prompt_ids
 pytestmark = pytest.mark.timeout(300)
 
 GEN = {"text": "Hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
-COMP = {"model": "m", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0}
+COMP = {"model": "default", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0}
 
 
 def _j(obj) -> bytes:

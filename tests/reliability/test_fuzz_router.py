@@ -46,8 +46,8 @@ def _value(key: str):
 
 BASES = {
     "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 2}},
-    "/v1/completions": {"model": "m", "prompt": "Hello", "max_tokens": 2},
-    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
+    "/v1/completions": {"model": "default", "prompt": "Hello", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2},
 }
 
 
