@@ -4,7 +4,7 @@ until the transfer ends (the transfer threads read them)."""
 from __future__ import annotations
 
 from pdserve.engine.request import Req
-from pdserve.kvtransfer import KVPoll, KVSender
+from pdserve.kvtransfer import KVSender
 
 
 class InflightQueue:
@@ -29,7 +29,3 @@ class InflightQueue:
 
     def remove(self, rid: str) -> tuple[Req, KVSender] | None:
         return self.entries.pop(rid, None)
-
-
-def succeeded(sender: KVSender) -> bool:
-    return sender.poll() is KVPoll.Success
