@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None)
     p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of every server")
+    p.add_argument("--colocated-threads", type=int, default=None,
+                   help="torch threads of the colocated server; default: every core. On a machine shared "
+                        "with other work, threads > free cores make every step wait for a descheduled thread")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="results/compare_disagg")
     p.add_argument("--output-file", default=None, help="append the JSON line here too")
@@ -115,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.long_period <= 0 or a.slo_ttft_ms <= 0 or a.slo_tpot_ms <= 0:
         p.error("--long-period, --slo-ttft-ms and --slo-tpot-ms must be > 0")
+    if a.colocated_threads is not None and a.colocated_threads < 1:
+        p.error(f"--colocated-threads must be >= 1, got {a.colocated_threads}")
     if a.model_path and not os.path.exists(a.model_path):
         p.error(f"--model-path: no such file or directory: {a.model_path}")
     return a
@@ -180,8 +185,9 @@ class Colocated:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = os.path.join(log_dir, "colocated.log")
+        threads = args.colocated_threads or len(os.sched_getaffinity(0))
         argv = [sys.executable, "-m", "pdserve.engine", "--port", str(self.port), "--disaggregation-mode", "null",
-                "--num-threads", str(len(os.sched_getaffinity(0))), "--max-total-tokens", str(args.max_total_tokens)]
+                "--num-threads", str(threads), "--max-total-tokens", str(args.max_total_tokens)]
         if args.model_path:
             argv += ["--model-path", args.model_path]
         with open(self.log, "ab") as f:
@@ -311,7 +317,7 @@ def main(argv=None) -> int:
 
     summary = {"bench": "compare_disagg", "quick": args.quick, "cores": cores, "load_avg_start": round(load, 2),
                "load_avg_end": round(os.getloadavg()[0], 2), "rates": args.rates, "backend": args.backend,
-               "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "num_prompts": args.num_prompts,
+               "colocated_threads": args.colocated_threads or cores, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "num_prompts": args.num_prompts,
                "workloads": {}}
     from benchlib.plots import plot_cdf
 
