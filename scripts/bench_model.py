@@ -2,8 +2,9 @@
 
 Measures prefill tokens/s on 512-token prompts and decode tokens/s at batch 1 and 64,
 alternating pdserve and transformers runs so that load from other jobs on the
-machine hits both alike; reports the best of ``--repeats`` for each. Ends with one
-JSON line.
+machine hits both alike; reports the best of ``--repeats`` for each, by wall clock
+and by process CPU time (the steadier figure when other jobs share the cores;
+with one thread it is the compute time). Ends with one JSON line.
 
     .venv/bin/python scripts/bench_model.py [--dtype bfloat16] [--threads 2] [--new-tokens 32]
 """
@@ -23,9 +24,9 @@ from pdserve.engine.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_runner import ModelRunner
 
 
-def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -> tuple[float, ...]:
     """Greedy: one prefill step for all prompts, then ``new_tokens - 1`` decode steps.
-    Returns (prefill seconds, decode seconds)."""
+    Returns wall seconds of (prefill, decode), then CPU seconds of (prefill, decode)."""
     pool = runner.page_pool
     ps = pool.page_size
     bs, plen = prompts.shape
@@ -34,14 +35,14 @@ def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -
     try:
         page_table = torch.tensor(pages, dtype=torch.int32)
         slots = (page_table.long()[:, :, None] * ps + torch.arange(ps)).reshape(bs, -1)  # [bs, total slots]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         batch = ForwardBatch(
             input_ids=prompts.reshape(-1), positions=torch.arange(plen).repeat(bs),
             out_cache_loc=slots[:, :plen].reshape(-1), page_table=page_table,
             logits_indices=torch.arange(bs) * plen + plen - 1, extend_lens=[plen] * bs, seq_lens=[plen] * bs,
         )
         nxt = runner.forward(batch).argmax(-1)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         for step in range(new_tokens - 1):
             pos = plen + step
             batch = ForwardBatch(
@@ -50,33 +51,36 @@ def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -
                 seq_lens=[pos + 1] * bs,
             )
             nxt = runner.forward(batch).argmax(-1)
-        t2 = time.perf_counter()
-        return t1 - t0, t2 - t1
+        t2, c2 = time.perf_counter(), time.process_time()
+        return t1 - t0, t2 - t1, c1 - c0, c2 - c1
     finally:
         for p in pages:
             pool.free(p)
 
 
 @torch.inference_mode()
-def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, float]:
-    """transformers greedy generate; returns (prefill seconds, decode seconds), timed by a
-    stopping criterion that notes the clock after every generated token."""
+def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, ...]:
+    """transformers greedy generate, timed by a stopping criterion that notes the clocks after
+    every generated token. Returns wall (prefill, decode) then CPU (prefill, decode) seconds."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     class Clock(StoppingCriteria):
         def __init__(self):
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def __call__(self, input_ids, scores, **kwargs):
             self.times.append(time.perf_counter())
+            self.cpu.append(time.process_time())
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     clock = Clock()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
                    do_sample=False, eos_token_id=None, pad_token_id=0,
                    stopping_criteria=StoppingCriteriaList([clock]))
-    return clock.times[0] - t0, clock.times[-1] - clock.times[0]
+    return (clock.times[0] - t0, clock.times[-1] - clock.times[0],
+            clock.cpu[0] - c0, clock.cpu[-1] - clock.cpu[0])
 
 
 def main() -> None:
@@ -105,29 +109,37 @@ def main() -> None:
     results = {}
     n = args.new_tokens
     vocab = arch.vocab_size
+
     for name in args.only.split(","):
         if name == "prefill":
             prompts = torch.randint(100, vocab, (args.prefill_batch, args.prefill_len))
             ours_generate(runner, prompts[:1, :64], 2)  # warm up
-            hf_generate(hf, prompts[:1, :64], 1)
-            best_ours = best_hf = float("inf")
-            for _ in range(args.repeats):
-                best_ours = min(best_ours, ours_generate(runner, prompts, 1)[0])
-                best_hf = min(best_hf, hf_generate(hf, prompts, 1)[0])
-            tokens = prompts.numel()
-            results["prefill_tok_s"] = tokens / best_ours
-            results["hf_prefill_tok_s"] = tokens / best_hf
+            hf_generate(hf, prompts[:1, :64], 2)
+            figures = {}
+            for _ in range(args.repeats):  # alternate, one run each per round
+                for who, fn in (("ours", lambda: ours_generate(runner, prompts, 1)),
+                                ("hf", lambda: hf_generate(hf, prompts, 1))):
+                    wall, _, cpu, _ = fn()
+                    old = figures.get(who, (float("inf"), float("inf")))
+                    figures[who] = (min(old[0], wall), min(old[1], cpu))
+            key, tokens = "prefill", prompts.numel()
         else:
             bs = int(name.removeprefix("decode"))
             prompts = torch.randint(100, vocab, (bs, args.decode_prompt_len))
             ours_generate(runner, prompts, 3)
             hf_generate(hf, prompts, 3)
-            best_ours = best_hf = float("inf")
+            figures = {}
             for _ in range(args.repeats):
-                best_ours = min(best_ours, ours_generate(runner, prompts, n)[1])
-                best_hf = min(best_hf, hf_generate(hf, prompts, n)[1])
-            results[f"decode{bs}_tok_s"] = bs * (n - 1) / best_ours
-            results[f"hf_decode{bs}_tok_s"] = bs * (n - 1) / best_hf
+                for who, fn in (("ours", lambda: ours_generate(runner, prompts, n)),
+                                ("hf", lambda: hf_generate(hf, prompts, n))):
+                    _, wall, _, cpu = fn()
+                    old = figures.get(who, (float("inf"), float("inf")))
+                    figures[who] = (min(old[0], wall), min(old[1], cpu))
+            key, tokens = f"decode{bs}", bs * (n - 1)
+        results[f"{key}_tok_s"] = tokens / figures["ours"][0]
+        results[f"hf_{key}_tok_s"] = tokens / figures["hf"][0]
+        results[f"{key}_cpu_tok_s"] = tokens / figures["ours"][1]
+        results[f"hf_{key}_cpu_tok_s"] = tokens / figures["hf"][1]
         print({k: round(v, 1) for k, v in results.items()}, flush=True)
     for key in [k for k in results if not k.startswith("hf_")]:
         results[key.replace("_tok_s", "_ratio")] = results[key] / results["hf_" + key]
