@@ -172,7 +172,7 @@ def measure(base_url: str, name: str, rate: float, args, tokenizer) -> dict:
 
 
 def _f(v) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
+    return "n/a" if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
 
 
 # --- the two setups ------------------------------------------------------------------------------
@@ -245,6 +245,12 @@ def ratio(a, b):
     return None if a is None or b is None or a == 0 else b / a
 
 
+def _ratio_text(a, b, r) -> str:
+    if r is None:
+        return "inf" if a == 0 and b else "n/a"  # e.g. goodput: colocated met the SLO for no request
+    return f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
+
+
 def ratio_table(results: dict, name: str, rate: float) -> tuple[str, dict]:
     col = next(m for m in results["colocated"][name] if m["rate"] == rate)
     dis = next(m for m in results["1p1d"][name] if m["rate"] == rate)
@@ -257,7 +263,7 @@ def ratio_table(results: dict, name: str, rate: float) -> tuple[str, dict]:
         r = ratio(col.get(key), dis.get(key))
         ratios[key] = r
         lines.append(f"{'':>{len(name) + len(f'{rate:g}') + 12}}{label:<20} {_f(col.get(key)):>10} "
-                     f"{_f(dis.get(key)):>10} {('n/a' if r is None else f'{r:.2f}'):>9}")
+                     f"{_f(dis.get(key)):>10} {_ratio_text(col.get(key), dis.get(key), r):>9}")
     return "\n".join(lines), ratios
 
 
