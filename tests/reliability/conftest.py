@@ -17,6 +17,8 @@ pd_stand.free_port = rel_stand.unique_port
 
 import pytest  # noqa: E402
 
+LOAD_KV = ["--disaggregation-bootstrap-timeout", "120", "--disaggregation-waiting-timeout", "120"]
+
 
 @pytest.fixture(scope="session")
 def pd11():
@@ -24,8 +26,10 @@ def pd11():
     from pd_stand import Server
     from rel_stand import Router
 
-    p = Server("rel-P", "prefill", "--max-total-tokens", "2048")
-    d = Server("rel-D", "decode", "--max-total-tokens", "2048")
+    # KV timeouts sized for queueing under load: at concurrency 16 on 2 shared cores a room can wait
+    # tens of seconds at the prefill, and the decode's waiting_timeout counts that wait (see RELIABILITY.md)
+    p = Server("rel-P", "prefill", "--max-total-tokens", "2048", *LOAD_KV)
+    d = Server("rel-D", "decode", "--max-total-tokens", "2048", *LOAD_KV)
     r = None
     try:
         p.wait_ready()
