@@ -203,14 +203,24 @@ def _alive_in_group(pgid: int) -> list[int]:
     return pids
 
 
-def _set_parent_death_signal(sig: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, sig) on Linux; nothing elsewhere."""
+def _load_prctl():
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        return ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
-        pass
+        return None
+
+
+# looked up once, in the parent: a child between fork and exec should not dlopen (a lock
+# another thread of the parent held at fork time would never be released there)
+_PRCTL = _load_prctl()
+
+
+def _set_parent_death_signal(sig: int) -> None:
+    """prctl(PR_SET_PDEATHSIG, sig) on Linux; nothing elsewhere. Safe in a preexec_fn."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 def log_tail(path: str, n: int = LOG_TAIL_LINES) -> str:

@@ -187,3 +187,24 @@ def test_cpu_split_and_plan():
     assert router[router.index(specs[2].url) - 1] == "--decode"
     assert all(s.argv[-2:] == ("--dtype", "float32") for s in specs[:3])
     assert parse_launch_args(["--max-total-tokens", "64"]).engine_args == ("--max-total-tokens", "64")
+
+
+@pytest.mark.timeout(60)
+def test_children_get_sigterm_when_the_launcher_is_killed():
+    code = (
+        "import signal, subprocess, time\n"
+        "from pdserve.engine.launch import _set_parent_death_signal\n"
+        "p = subprocess.Popen(['sleep', '60'], start_new_session=True,\n"
+        "                     preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=ENV)
+    child = int(parent.stdout.readline())
+    assert live(child)
+    parent.kill()  # SIGKILL: the launcher runs no clean-up of its own
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while live(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live(child)
