@@ -26,8 +26,9 @@ from pdserve.engine.request import FinishReason, Req, ReqStatus
 from pdserve.engine.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
 
-# seconds a rank with nothing to compute sleeps between polls of its queues (keeps it off the CPU)
-QUEUE_POLL_S = 0.001
+# a rank with nothing to compute sleeps between polls of its queues, from the first to the last
+# value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
+QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class DecodeLoop(SchedulerLoop):
@@ -39,6 +40,7 @@ class DecodeLoop(SchedulerLoop):
         self.prealloc = PreallocQueue(self.kv, self.scheduler, self.dp_sizes)
         self.transfer = TransferQueue()
         self._dirty = False
+        self._idle_sleep = QUEUE_POLL_S[0]
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -116,7 +118,7 @@ class DecodeLoop(SchedulerLoop):
         outputs = super().step()
         if not self.scheduler.has_work():
             if self.has_work():
-                time.sleep(QUEUE_POLL_S)  # only waiting on peers: do not spin
+                self._wait_on_peers(bool(outputs))
             elif self._dirty and not outputs:
                 self._dirty = False
                 self.check_integrity()
@@ -126,6 +128,11 @@ class DecodeLoop(SchedulerLoop):
         if receiver.aux_slot is not None:
             self.kv.aux_pool.free(receiver.aux_slot)
             receiver.aux_slot = None
+
+    def _wait_on_peers(self, progressed: bool) -> None:
+        """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
+        self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
+        time.sleep(self._idle_sleep)
 
     def _end_outside(self, req: Req, reason: FinishReason) -> None:
         """End a request that holds no pages yet (still in the prealloc queue)."""

@@ -30,8 +30,9 @@ from pdserve.kvtransfer import AuxData, KVPoll, KVSender, KVTransferConfig, Pref
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
 from pdserve.prefill.inflight_queue import InflightQueue
 
-# seconds a rank with nothing to compute sleeps between polls of its queues (keeps it off the CPU)
-QUEUE_POLL_S = 0.001
+# a rank with nothing to compute sleeps between polls of its queues, from the first to the last
+# value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
+QUEUE_POLL_S = (0.0005, 0.004)
 
 
 def never_stop(req: Req) -> FinishReason | None:
@@ -71,6 +72,7 @@ class PrefillLoop(SchedulerLoop):
         self.bootstrap_queue = BootstrapQueue(self.kv, self.pool)
         self.inflight = InflightQueue()
         self._dirty = False  # something ran since the last idle integrity check
+        self._idle_sleep = QUEUE_POLL_S[0]
 
     def make_scheduler(self) -> Scheduler:
         return PrefillScheduler(self.config, self.pool, self.cache, self._on_prefilled)
@@ -151,7 +153,7 @@ class PrefillLoop(SchedulerLoop):
                 sender.abort(f"prefill ended the request: {out.error or out.finish_reason}")
         if not self.scheduler.has_work():
             if self.has_work():
-                time.sleep(QUEUE_POLL_S)  # only waiting on peers: do not spin
+                self._wait_on_peers(bool(outputs))
             elif self._dirty and not outputs:
                 self._dirty = False
                 self.check_integrity()
@@ -176,6 +178,11 @@ class PrefillLoop(SchedulerLoop):
         start = sender.pages_sent
         if end > start or is_last:
             sender.send(req.pages[start:end], is_last, aux)
+
+    def _wait_on_peers(self, progressed: bool) -> None:
+        """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
+        self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
+        time.sleep(self._idle_sleep)
 
     def _end_outside(self, req: Req, reason: FinishReason) -> None:
         """End a request the scheduler never held (still in the bootstrap queue)."""
