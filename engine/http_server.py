@@ -133,8 +133,9 @@ async def _start_sse(request: web.Request) -> web.StreamResponse:
 
 async def _stream(request: web.Request, handle: RequestHandle, render, tail=lambda: b"") -> web.StreamResponse:
     """Write SSE events as updates arrive; ``render(state, delta) -> bytes`` shapes each one."""
-    resp = await _start_sse(request)
     try:
+        # inside the try: a client gone before the headers went out must still abort its request
+        resp = await _start_sse(request)
         async for first in handle:
             chunks = []
             for st, d in [first] + handle.drain_nowait():
