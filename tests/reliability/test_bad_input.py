@@ -279,3 +279,28 @@ def test_garbage_control_frames_are_rejected_and_logged(pd11):
     _valid_request_works(R)
     P.wait_unleaked()
     D.wait_unleaked()
+
+
+def test_client_gone_before_the_stream_headers_aborts_its_room(pd11):
+    """A streamed request whose client vanishes at once (before the SSE headers go out) is aborted:
+    its decode room does not sit on preallocated pages until the waiting timeout (120 s here)."""
+    import socket
+
+    from pd_stand import new_room
+
+    P, D, R = pd11
+    host, port = D.url.split("//")[1].split(":")
+    for i in range(6):
+        body = json.dumps({"input_ids": prompt_ids(200, seed=70 + i), "stream": True,
+                           "sampling_params": {"max_new_tokens": 4},
+                           # a room its prefill never hears of: only an abort frees its pages
+                           "bootstrap_host": P.host, "bootstrap_port": P.bootstrap_port,
+                           "bootstrap_room": new_room()}).encode()
+        head = (f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(head + body)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+    _alive(P, D, R)
+    D.wait_unleaked(timeout=30)
+    P.wait_unleaked(timeout=30)
