@@ -218,7 +218,10 @@ class DecodeKVManager(KVManager):
             for room in peer.receivers:
                 receiver = self.receivers.get(room)
                 if receiver is not None:
-                    self._fail_receiver(receiver, reason, tell_peer=not drop)
+                    # tell the peer even when it looks dead: a prefill that was only stalled
+                    # (SIGSTOP, a long GC, a congested link) must drop these rooms when it wakes,
+                    # not compute and send them ahead of new rooms (seen: new rooms then timed out)
+                    self._fail_receiver(receiver, reason, tell_peer=True)
             peer.receivers.clear()
         if drop:
             self.peers.pop(peer.key, None)

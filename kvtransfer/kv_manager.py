@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 # terminal rooms are forgotten this long after they ended (late messages for them are ignored)
 _ROOM_RETENTION_S = 60.0
 _TIMER_PERIOD_S = 0.05
+_DROP_LINGER_MS = 1000
 
 
 def room_notification(room: int) -> bytes:
@@ -117,7 +118,8 @@ class KVManager(ABC):
     def drop_endpoint(self, endpoint: str) -> None:
         sock = self._push.pop(endpoint, None)
         if sock is not None:
-            sock.close(0)
+            # a short linger: aborts queued just before the drop still reach a peer that wakes up
+            sock.close(linger=_DROP_LINGER_MS)
 
     def _control_loop(self) -> None:
         poller = zmq.Poller()
