@@ -51,6 +51,17 @@ class LegFailure(Exception):
         return f"{self.leg} worker {self.endpoint.key}: {self.message}"
 
 
+async def _drain(resp) -> None:
+    """Read an upstream stream to its end, then release it (reused when fully read)."""
+    try:
+        while await resp.readany():
+            pass
+    except Exception:  # noqa: BLE001 - the client already has its whole answer
+        pass
+    finally:
+        resp.close()
+
+
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # mark retrieved: the failure was handled through another path
@@ -156,7 +167,7 @@ class PDProxy:
         d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
         d_ep.load += 1
         resp: UpstreamResponse | None = None
-        finished = False
+        finished = draining = False
         try:
             # wait for the decode leg's first bytes, unless the prefill leg fails first
             pending = {p_task, d_task}
@@ -176,10 +187,14 @@ class PDProxy:
                         break
                     if chunk.endswith(_DONE):
                         # the stream is complete: end it now, so a client that closes on [DONE] has
-                        # been answered in full (was: counted as a 499 disconnect in /metrics)
+                        # been answered in full (was: counted as a 499 disconnect in /metrics); the
+                        # upstream's end is drained in the background (keeps its connection), where
+                        # the client's close cannot cancel it
                         await out.write_eof(chunk)
-                        while await resp.readany():  # drain the upstream's end to keep its connection
-                            pass
+                        drain = asyncio.ensure_future(_drain(resp))
+                        self._background.add(drain)
+                        drain.add_done_callback(self._background.discard)
+                        draining = True
                         break
                     await out.write(chunk)
                     if first:
@@ -204,7 +219,7 @@ class PDProxy:
             d_ep.load -= 1
             if resp is None and d_task.done() and not d_task.cancelled() and d_task.exception() is None:
                 resp = d_task.result()[0]
-            if resp is not None:
+            if resp is not None and not draining:
                 resp.close()  # no-op when fully read; otherwise drops the connection (cancels)
             for t in (p_task, d_task):
                 # after a complete stream a prefill leg still answering is left to finish
