@@ -36,7 +36,7 @@ if not hasattr(soak, "run_load"):
 # fast dead-peer detection (heartbeat 1 s x 3), generous queueing timeouts
 KV = ["--max-total-tokens", "1536", "--disaggregation-bootstrap-timeout", "60",
       "--disaggregation-waiting-timeout", "60"]
-N = 90
+LOAD_S = 34.0  # the faults end at ~26 s: the load outlasts them, so completions after the kills count
 
 
 def _signal(p, sig) -> None:
@@ -105,7 +105,7 @@ def test_faults_under_load_every_request_accounted_for(pd22):
         completed_at.append(time.monotonic() - t0) if st.counts["completed"] > len(completed_at) else None
 
     async def run():
-        load = soak.run_load(R.url, n=N, concurrency=16, deadline=120, seed=21, prompt_lens=(1, 100),
+        load = soak.run_load(R.url, duration=LOAD_S, concurrency=16, deadline=120, seed=21, prompt_lens=(1, 100),
                              max_new=(1, 6), disconnect_frac=0.1, on_tick=tick)
         stats, _ = await asyncio.gather(load, faults())
         return stats
@@ -113,11 +113,11 @@ def test_faults_under_load_every_request_accounted_for(pd22):
     stats = asyncio.run(run())
     c = stats.counts
     summary = f"counts={c} errors={stats.errors} events={events}"
-    assert stats.sent == N and sum(c.values()) == N, summary
+    assert stats.sent >= 40 and sum(c.values()) == stats.sent, summary
     assert c["hung"] == 0, summary
     assert stats.bad_token_counts == 0, summary
     assert not any("non-JSON" in k for k in stats.errors), summary
-    assert c["completed"] >= N // 2, summary
+    assert c["completed"] >= stats.sent // 2, summary
     last_kill = events[-1][0]
     assert any(t > last_kill for t in completed_at), f"nothing completed after the last kill: {summary}"
     print(summary)
