@@ -262,8 +262,8 @@ class Cluster:
         py = sys.executable
         common = ["--dtype", "float32", "--num-threads", "1", "--log-level", "warning", "--chunked-prefill-size",
                   "128", "--max-total-tokens", "2048", "--disaggregation-heartbeat-interval", "1.0",
-                  "--disaggregation-heartbeat-max-failures", "3", "--disaggregation-bootstrap-timeout", "10",
-                  "--disaggregation-waiting-timeout", "30", *server_args]
+                  "--disaggregation-heartbeat-max-failures", "3", "--disaggregation-bootstrap-timeout", "60",
+                  "--disaggregation-waiting-timeout", "60", *server_args]
         self.prefills, self.decodes = [], []
         for i in range(prefills):
             port, bport = _free_port(used), _free_port(used)
