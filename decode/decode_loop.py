@@ -11,20 +11,26 @@ A request's path (DESIGN.md, request flow steps 4 and 6):
 3. On Success its first token (and logprobs) come from the aux slot; it joins
    the running decode batch with ``scheduler.add_prefilled`` and streams from
    there like any colocated request (retraction and recompute included).
-   On Failed it ends with an error naming the cause, and its pages are freed.
+   On Failed it ends with an error naming the cause. Its pages (and aux slot) are freed, or,
+   when the prefill already had its destination, held in the ``Quarantine`` until the prefill
+   closes the room (a write in flight there could still land) or ``quarantine_timeout`` passed.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 
 from pdserve.decode.prealloc_queue import PreallocQueue
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
+from pdserve.decode.quarantine import Quarantine
 from pdserve.decode.transfer_queue import TransferQueue
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.request import FinishReason, Req, ReqStatus
 from pdserve.engine.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
+
+logger = logging.getLogger(__name__)
 
 # a rank with nothing to compute sleeps between polls of its queues, from the first to the last
 # value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
@@ -39,6 +45,7 @@ class DecodeLoop(SchedulerLoop):
         self.dp_sizes = PrefillDPSizes(kv_config.bootstrap_timeout)
         self.prealloc = PreallocQueue(self.kv, self.scheduler, self.dp_sizes)
         self.transfer = TransferQueue()
+        self.quarantine = Quarantine(kv_config.quarantine_timeout, self.scheduler.held_pages)
         self._dirty = False
         self._idle_sleep = QUEUE_POLL_S[0]
 
@@ -69,16 +76,16 @@ class DecodeLoop(SchedulerLoop):
         if moving is not None:
             req, receiver = moving
             receiver.abort(f"aborted by decode: {reason}")
-            self._release_aux(receiver)
-            self.scheduler.finish(req, FinishReason("abort", message=reason))
+            self._end_transfer(req, receiver, FinishReason("abort", message=reason))
             return True
         return super().abort(rid, reason)
 
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
-        return super().has_work() or bool(self.prealloc) or bool(self.transfer)
+        return super().has_work() or bool(self.prealloc) or bool(self.transfer) or bool(self.quarantine)
 
     def poll(self) -> None:
+        self._release_quarantined()
         for req, reason in self.prealloc.pop_failed():
             self._end_outside(req, FinishReason("error", message=reason))
         s = self.scheduler
@@ -91,8 +98,33 @@ class DecodeLoop(SchedulerLoop):
             if receiver.poll() is KVPoll.Success:
                 self._start_decoding(req, receiver)
             else:
-                self._release_aux(receiver)
-                s.finish(req, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
+                self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
+
+    def _end_transfer(self, req: Req, receiver: KVReceiver, reason: FinishReason) -> None:
+        """Finish a request whose room did not succeed; quarantine its pages if the prefill may write them."""
+        if receiver.poll() is KVPoll.Failed and receiver.requested_at is not None:
+            held = req.pages[req.num_cache_pages :]
+            req.pages = req.pages[: req.num_cache_pages]
+            logger.info("decode: room %d failed after the prefill got its destination: %d pages held until "
+                        "it closes the room", receiver.room, len(held))
+            self.quarantine.hold(receiver, held, receiver.aux_slot, time.monotonic())
+            receiver.aux_slot = None
+        else:
+            self._release_aux(receiver)
+        self.scheduler.finish(req, reason)
+
+    def _release_quarantined(self) -> None:
+        if not self.quarantine:
+            return
+        for pages, aux_slot, timed_out in self.quarantine.pop_released(time.monotonic()):
+            logger.info("decode: %d quarantined pages back in the free list", len(pages))
+            if timed_out:
+                logger.warning("decode: %d quarantined pages reused after quarantine_timeout %ss without the "
+                               "prefill closing their room", len(pages), self.quarantine.timeout)
+            self.pool.free(pages)
+            if aux_slot is not None:
+                self.kv.aux_pool.free(aux_slot)
+            self._dirty = True
 
     def _start_decoding(self, req: Req, receiver: KVReceiver) -> None:
         aux = receiver.aux()
@@ -145,7 +177,7 @@ class DecodeLoop(SchedulerLoop):
         for rid in self.transfer.entries:
             if rid not in self.scheduler.reqs:
                 raise AssertionError(f"transferring {rid} is not owned by the scheduler")
-        if not self.transfer and self.kv.aux_pool.num_free != self.kv.aux_pool.num_slots:
+        if not self.transfer and self.kv.aux_pool.num_free + self.quarantine.aux_slots != self.kv.aux_pool.num_slots:
             raise AssertionError("aux slots leaked")
 
     def close(self) -> None:

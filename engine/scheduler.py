@@ -103,6 +103,8 @@ class Scheduler:
         self.running: list[Req] = []  # decoding, oldest admitted first
         self.chunked: Req | None = None  # admitted, prefill not complete
         self.reqs: dict[str, Req] = {}  # every live request by rid
+        # used pages owned by no request nor the cache, on purpose (the decode's quarantine of failed rooms)
+        self.held_pages: set[int] = set()
         self.num_retractions = 0
         # finished inside schedule() (no room ever) or by abort: the loop drains and reports them
         self.newly_finished: list[Req] = []
@@ -346,10 +348,10 @@ class Scheduler:
             owned.extend(req.pages[req.num_cache_pages :])
             if req.kv_len > len(req.pages) * self.page_size:
                 raise AssertionError(f"{req} has KV beyond its pages")
-        if len(set(owned)) != len(owned) or set(owned) & cache_pages:
+        if len(set(owned)) != len(owned) or set(owned) & cache_pages or self.held_pages & (set(owned) | cache_pages):
             raise AssertionError("a page is owned twice")
-        if set(owned) | cache_pages != self.pool._used:
-            leaked = self.pool._used - set(owned) - cache_pages
+        if set(owned) | cache_pages | self.held_pages != self.pool._used:
+            leaked = self.pool._used - set(owned) - cache_pages - self.held_pages
             raise AssertionError(f"pages leaked (used but unowned): {sorted(leaked)[:8]}")
         if len(self.running) + (self.chunked is not None) > self.config.max_running_requests:
             raise AssertionError("more running requests than max_running_requests")

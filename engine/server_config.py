@@ -37,6 +37,7 @@ class ServerConfig:
     # KV manager timeouts; None: KVTransferConfig's default (not repeated here)
     disaggregation_bootstrap_timeout: float | None = None
     disaggregation_waiting_timeout: float | None = None
+    disaggregation_quarantine_timeout: float | None = None
     disaggregation_heartbeat_interval: float | None = None
     disaggregation_heartbeat_max_failures: int | None = None
     # test-only: fail this fraction of KV writes (prefill side) with a TransferFailedError; 0 = off
@@ -91,7 +92,7 @@ class ServerConfig:
 
         overrides = {
             name: getattr(self, "disaggregation_" + name)
-            for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval", "heartbeat_max_failures",
+            for name in ("bootstrap_timeout", "waiting_timeout", "quarantine_timeout", "heartbeat_interval", "heartbeat_max_failures",
                          "fault_injection_rate", "fault_injection_seed")
             if getattr(self, "disaggregation_" + name) is not None
         }

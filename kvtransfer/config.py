@@ -20,6 +20,10 @@ class KVTransferConfig:
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # --disaggregation-bootstrap-port (prefill servers)
     bootstrap_timeout: float = 300.0  # sender with no destination fails after this
     waiting_timeout: float = 300.0  # receiver with no result this long after sending its metadata fails
+    # a room failed after its destination went to the prefill keeps its pages (and aux slot) out of
+    # the free list until the prefill's RoomClosed says no write of it is left, or this long; longer
+    # than waiting_timeout's default, since a write can sit in a stalled link's TCP buffers that long
+    quarantine_timeout: float = 600.0
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
@@ -37,7 +41,7 @@ class KVTransferConfig:
         for name in ("control_port", "bootstrap_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
+        for name in ("bootstrap_timeout", "waiting_timeout", "quarantine_timeout", "heartbeat_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("heartbeat_max_failures", "num_transfer_threads", "aux_num_slots"):

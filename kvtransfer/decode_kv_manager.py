@@ -112,7 +112,7 @@ class DecodeKVManager(KVManager):
         self._awaiting_notify.discard(receiver.room)
         peer = receiver.peer
         if tell_peer and peer is not None and peer.endpoint is not None:
-            endpoint, msg = peer.endpoint, m.AbortRoom(receiver.room, reason)
+            endpoint, msg = peer.endpoint, m.AbortRoom(receiver.room, reason, self.endpoint)
             self.call_soon(lambda: self.send_msg(endpoint, msg))
 
     def _attach(self, receiver: KVReceiver) -> None:
@@ -235,7 +235,11 @@ class DecodeKVManager(KVManager):
         if isinstance(msg, m.RoomStatus):
             with self.lock:
                 receiver = self.receivers.get(msg.room)
-                if receiver is None or receiver.state.done:
+                if receiver is None:
+                    return
+                if receiver.state.done:
+                    # a room failed here that completed there anyway: all its writes have returned
+                    receiver.peer_closed = receiver.peer_closed or msg.success
                     return
                 if not msg.success:
                     self._fail_receiver(receiver, f"prefill failed: {msg.reason}", tell_peer=False)
@@ -245,6 +249,11 @@ class DecodeKVManager(KVManager):
                     self._fast_poll = True
                 else:
                     self._finish(receiver, KVPoll.Success)
+        elif isinstance(msg, m.RoomClosed):
+            with self.lock:
+                receiver = self.receivers.get(msg.room)
+                if receiver is not None:
+                    receiver.peer_closed = True
         elif isinstance(msg, m.AbortRoom):
             with self.lock:
                 receiver = self.receivers.get(msg.room)

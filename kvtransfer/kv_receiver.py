@@ -32,6 +32,8 @@ class KVReceiver:
         self.status_ok = False  # prefill said success
         self.notified = False  # the engine's per-room notification arrived (nixl)
         self.need_notify = False
+        # the prefill has no write of this room queued or in flight any more (RoomClosed, or its RoomStatus)
+        self.peer_closed = False
 
     def poll(self) -> KVPoll:
         """Current state; cheap, call every scheduler step."""

@@ -29,6 +29,9 @@ class KVSender:
         self.request: "RoomRequest | None" = None
         self.pages_sent = 0
         self.last_sent = False
+        self.inflight = 0  # chunks queued or being written on a transfer thread
+        self.close_wanted = False  # the decode aborted the room: answer RoomClosed once nothing is in flight
+        self.close_sent = False
 
     def poll(self) -> KVPoll:
         """Current state; cheap, call every scheduler step."""

@@ -2,7 +2,7 @@
 
 Control channel (ZMQ, msgpack, tagged union ``ControlMessage``):
   decode -> prefill: ``RegisterPool`` once per pair, ``RoomRequest`` per room, ``Heartbeat``;
-  prefill -> decode: ``RegisterAck``, ``RoomStatus``, ``HeartbeatAck``;
+  prefill -> decode: ``RegisterAck``, ``RoomStatus``, ``RoomClosed``, ``HeartbeatAck``;
   either way: ``AbortRoom``.
 Bootstrap server (HTTP, JSON): ``RankRegistration`` in, ``RankRoute``/``Topology`` out.
 
@@ -89,6 +89,17 @@ class AbortRoom(msgspec.Struct, frozen=True, tag=True):
 
     room: int
     reason: str
+    endpoint: str = ""  # the sender's control endpoint (decode -> prefill: where RoomClosed goes)
+
+
+class RoomClosed(msgspec.Struct, frozen=True, tag=True):
+    """prefill -> decode: a failed or aborted room has no KV write queued or in flight here any more.
+
+    Sent once per room after ``AbortRoom`` (either way) or a prefill-side failure, when its last
+    queued chunk was dropped or its last write returned; until then the decode keeps the room's
+    pages out of its free list (a write still in flight would land in them)."""
+
+    room: int
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -105,7 +116,9 @@ class HeartbeatAck(msgspec.Struct, frozen=True, tag=True):
     seq: int
 
 
-ControlMessage = RegisterPool | RegisterAck | RoomRequest | RoomStatus | AbortRoom | Heartbeat | HeartbeatAck
+ControlMessage = (
+    RegisterPool | RegisterAck | RoomRequest | RoomStatus | RoomClosed | AbortRoom | Heartbeat | HeartbeatAck
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ControlMessage)

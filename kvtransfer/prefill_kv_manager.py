@@ -127,6 +127,7 @@ class PrefillKVManager(KVManager):
             sender.pages_sent = end
             sender.last_sent = is_last
             sender.state = KVPoll.Transferring
+            sender.inflight += 1
             chunk = _Chunk(sender, src_pages, dst_all[start:end], is_last, aux)
         # shard by room so one room's chunks stay in order on one thread
         self._queues[sender.room % len(self._queues)].put(chunk)
@@ -160,8 +161,21 @@ class PrefillKVManager(KVManager):
         """Call with ``lock`` held."""
         if self._finish(sender, KVPoll.Failed, reason) and tell_peer and sender.peer is not None:
             endpoint = sender.peer.reg.endpoint
-            msg = m.AbortRoom(sender.room, reason)
+            msg = m.AbortRoom(sender.room, reason, self.endpoint)
             self.call_soon(lambda: self.send_msg(endpoint, msg))
+        self._maybe_closed(sender)
+
+    def _maybe_closed(self, sender: KVSender, endpoint: str = "") -> None:
+        """Call with ``lock`` held: once a failed (or decode-aborted) room has no write queued or in
+        flight, tell its decode, which holds the room's pages until then (after any AbortRoom: same queue)."""
+        if not (sender.state is KVPoll.Failed or sender.close_wanted) or sender.inflight or sender.close_sent:
+            return
+        endpoint = sender.peer.reg.endpoint if sender.peer is not None else endpoint
+        if not endpoint:
+            return
+        sender.close_sent = True
+        msg = m.RoomClosed(sender.room)
+        self.call_soon(lambda: self.send_msg(endpoint, msg))
 
     # --------------------------------------------------------- transfer threads
     def _transfer_loop(self, idx: int) -> None:
@@ -184,6 +198,10 @@ class PrefillKVManager(KVManager):
                 logger.exception("kv prefill: transfer of room %d", chunk.sender.room)
                 with self.lock:
                     self._fail_sender(chunk.sender, f"transfer error: {e!r}")
+            finally:
+                with self.lock:
+                    chunk.sender.inflight -= 1
+                    self._maybe_closed(chunk.sender)
 
     def _transfer(self, idx: int, chunk: _Chunk) -> None:
         sender = chunk.sender
@@ -276,7 +294,12 @@ class PrefillKVManager(KVManager):
                 self._pending.pop(msg.room, None)
                 sender = self.senders.get(msg.room)
                 if sender is not None:
+                    sender.close_wanted = True
                     self._fail_sender(sender, f"aborted by decode: {msg.reason}", tell_peer=False)
+                    self._maybe_closed(sender, msg.endpoint)
+                    return
+            if msg.endpoint:  # a room never started here (or long purged): nothing of it can be in flight
+                self.send_msg(msg.endpoint, m.RoomClosed(msg.room))
         elif isinstance(msg, m.Heartbeat):
             self.send_msg(msg.endpoint, m.HeartbeatAck(self.id, self.endpoint, msg.seq))
         else:

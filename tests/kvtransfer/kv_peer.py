@@ -82,6 +82,14 @@ class Peer:
             time.sleep(0.0005)
         return {"state": obj.poll().name, "reason": obj.failure_reason, "t": time.monotonic()}
 
+    def wait_closed(self, room, timeout=10.0):
+        """Until the prefill said this (failed) room has no write queued or in flight (RoomClosed)."""
+        obj = self.rooms[room]
+        deadline = time.monotonic() + timeout
+        while not obj.peer_closed and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return {"closed": obj.peer_closed}
+
     def send(self, room, pages, is_last, aux=None):
         self.rooms[room].send(pages, is_last, AuxData(**aux) if aux else None)
         return {}

@@ -20,6 +20,8 @@ CONTROL = [
     m.RoomStatus(room=5, success=True, notified=True),
     m.RoomStatus(room=5, success=False, reason="KV write failed"),
     m.AbortRoom(room=6, reason="client went away"),
+    m.AbortRoom(room=6, reason="client went away", endpoint="127.0.0.1:5000"),
+    m.RoomClosed(room=(1 << 63) - 1),
     m.Heartbeat("decode-1", "127.0.0.1:5000", seq=3),
     m.HeartbeatAck("prefill-1", "127.0.0.1:6000", seq=3),
 ]

@@ -101,6 +101,8 @@ def test_abort_from_decode(pair):
     p = pair.P.call("wait", room=room, states=["Failed"], timeout=10)
     assert p["state"] == "Failed" and "aborted by decode: client went away" in p["reason"]
     assert pair.D.call("poll", room=room)["state"] == "Failed"
+    # the prefill closes the room (nothing in flight): the decode may reuse its pages
+    assert pair.D.call("wait_closed", room=room) == {"closed": True}
 
 
 def test_abort_from_prefill(pair):
@@ -108,6 +110,19 @@ def test_abort_from_prefill(pair):
     pair.P.call("abort", mgr="p", room=room, reason="prefill OOM")
     d = pair.D.call("wait", room=room, states=["Failed"], timeout=10)
     assert d["state"] == "Failed" and "aborted by prefill: prefill OOM" in d["reason"]
+    assert pair.D.call("wait_closed", room=room) == {"closed": True}
+
+
+def test_abort_from_decode_while_chunks_in_flight(pair):
+    """RoomClosed comes only once the chunks queued before the abort were written or dropped."""
+    rng = random.Random(2)
+    src = rng.sample(range(1, NUM_PAGES), 40)
+    room = pair.open_room(rng.sample(range(1, NUM_PAGES), 40))
+    for i in range(4):
+        pair.P.call("send", room=room, pages=src[i * 10 : (i + 1) * 10], is_last=i == 3)
+    pair.D.call("abort", mgr="d", room=room, reason="client went away")
+    assert pair.D.call("wait_closed", room=room) == {"closed": True}
+    assert pair.P.call("wait", room=room, states=["Success", "Failed"])["state"] in ("Success", "Failed")
 
 
 def test_garbage_control_frames_are_rejected(pair):

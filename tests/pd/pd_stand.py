@@ -18,7 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64", "--num-threads", "1", "--log-level", "warning"]
 FAST_KV = ["--disaggregation-heartbeat-interval", "1.0", "--disaggregation-heartbeat-max-failures", "3",
-           "--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "20"]
+           "--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "20",
+           # a failed room's pages come back within the tests' unleaked waits when its prefill was killed
+           "--disaggregation-quarantine-timeout", "5"]
 
 
 def free_port() -> int:
