@@ -26,16 +26,11 @@ from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.decode.quarantine import Quarantine
 from pdserve.decode.transfer_queue import TransferQueue
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.request import FinishReason, Req
 from pdserve.engine.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
 
 logger = logging.getLogger(__name__)
-
-# a rank with nothing to compute sleeps between polls of its queues, from the first to the last
-# value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
-QUEUE_POLL_S = (0.0005, 0.004)
-
 
 class DecodeLoop(SchedulerLoop):
     def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, *, kv_config: KVTransferConfig):
@@ -47,7 +42,6 @@ class DecodeLoop(SchedulerLoop):
         self.transfer = TransferQueue()
         self.quarantine = Quarantine(kv_config.quarantine_timeout, self.scheduler.held_pages)
         self._dirty = False
-        self._idle_sleep = QUEUE_POLL_S[0]
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -70,7 +64,7 @@ class DecodeLoop(SchedulerLoop):
         if entry is not None:
             if entry.receiver is not None:
                 entry.receiver.abort(f"aborted by decode: {reason}")
-            self._end_outside(entry.req, FinishReason("abort", message=reason))
+            self.finish_unscheduled(entry.req, FinishReason("abort", message=reason))
             return True
         moving = self.transfer.remove(rid)
         if moving is not None:
@@ -87,7 +81,7 @@ class DecodeLoop(SchedulerLoop):
     def poll(self) -> None:
         self._release_quarantined()
         for req, reason in self.prealloc.pop_failed():
-            self._end_outside(req, FinishReason("error", message=reason))
+            self.finish_unscheduled(req, FinishReason("error", message=reason))
         s = self.scheduler
         reserved = sum(s._reserve_pages(r, r.seq_len) for r in s.running)
         reserved += sum(self.prealloc.decode_reserve(r) for r in self.transfer.reqs())
@@ -150,7 +144,7 @@ class DecodeLoop(SchedulerLoop):
         outputs = super().step()
         if not self.scheduler.has_work():
             if self.has_work():
-                self._wait_on_peers(bool(outputs))
+                self.wait_on_peers(bool(outputs))
             elif self._dirty and not outputs:
                 self._dirty = False
                 self.check_integrity()
@@ -160,17 +154,6 @@ class DecodeLoop(SchedulerLoop):
         if receiver.aux_slot is not None:
             self.kv.aux_pool.free(receiver.aux_slot)
             receiver.aux_slot = None
-
-    def _wait_on_peers(self, progressed: bool) -> None:
-        """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
-        self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
-        time.sleep(self._idle_sleep)
-
-    def _end_outside(self, req: Req, reason: FinishReason) -> None:
-        """End a request that holds no pages yet (still in the prealloc queue)."""
-        req.finish_reason = reason
-        req.status = ReqStatus.FINISHED
-        self._outbox.append(self._output(req))
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -21,6 +21,7 @@ flags inside the loop:
 from __future__ import annotations
 
 import random
+import time
 
 import torch
 
@@ -39,6 +40,11 @@ from pdserve.kernels.sampling import (
     sample,
     seeded_uniform,
 )
+
+
+# a rank with nothing to compute sleeps between polls of its queues, from the first to the last
+# value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
+QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class SchedulerLoop:
@@ -60,6 +66,7 @@ class SchedulerLoop:
         self.rng = random.Random(config.seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
+        self._idle_sleep = QUEUE_POLL_S[0]
 
     # ------------------------------------------------------------- overridables
     def make_scheduler(self) -> Scheduler:
@@ -190,6 +197,17 @@ class SchedulerLoop:
             out.logprobs = lps
             out.top_logprobs = [top[: r.top_logprobs_num] for r, top in zip(reqs, tops)]
         return out
+
+    def wait_on_peers(self, progressed: bool) -> None:
+        """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
+        self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
+        time.sleep(self._idle_sleep)
+
+    def finish_unscheduled(self, req: Req, reason: FinishReason) -> None:
+        """End a request the scheduler never held (still queued outside it, e.g. for a PD peer)."""
+        req.finish_reason = reason
+        req.status = ReqStatus.FINISHED
+        self._outbox.append(self._output(req))
 
     # ---------------------------------------------------------------- outputs
     def _output(self, req: Req) -> TokenOutput:

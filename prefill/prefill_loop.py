@@ -19,7 +19,6 @@ tell a room that succeeded from one that failed.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from pdserve.engine.config import EngineConfig
@@ -29,11 +28,6 @@ from pdserve.engine.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import AuxData, KVPoll, KVSender, KVTransferConfig, PrefillKVManager
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
 from pdserve.prefill.inflight_queue import InflightQueue
-
-# a rank with nothing to compute sleeps between polls of its queues, from the first to the last
-# value, doubling while nothing changes: quick to react, yet off the CPU the model threads need
-QUEUE_POLL_S = (0.0005, 0.004)
-
 
 def never_stop(req: Req) -> FinishReason | None:
     """Prefill samples exactly one token, and it must reach the decode side even if it is EOS."""
@@ -72,7 +66,6 @@ class PrefillLoop(SchedulerLoop):
         self.bootstrap_queue = BootstrapQueue(self.kv, self.pool)
         self.inflight = InflightQueue()
         self._dirty = False  # something ran since the last idle integrity check
-        self._idle_sleep = QUEUE_POLL_S[0]
 
     def make_scheduler(self) -> Scheduler:
         return PrefillScheduler(self.config, self.pool, self.cache, self._on_prefilled)
@@ -99,7 +92,7 @@ class PrefillLoop(SchedulerLoop):
         if entry is not None:
             req, sender = entry
             sender.abort(f"aborted by prefill: {reason}")
-            self._end_outside(req, FinishReason("abort", message=reason))
+            self.finish_unscheduled(req, FinishReason("abort", message=reason))
             return True
         entry = self.inflight.remove(rid)
         if entry is not None:
@@ -119,7 +112,7 @@ class PrefillLoop(SchedulerLoop):
     def poll(self) -> None:
         ready, failed = self.bootstrap_queue.pop_ready()
         for req, reason in failed:
-            self._end_outside(req, FinishReason("error", message=reason))
+            self.finish_unscheduled(req, FinishReason("error", message=reason))
         for req, sender in ready:
             reason = self.scheduler.add(req)
             if reason is not None:
@@ -153,7 +146,7 @@ class PrefillLoop(SchedulerLoop):
                 sender.abort(f"prefill ended the request: {out.error or out.finish_reason}")
         if not self.scheduler.has_work():
             if self.has_work():
-                self._wait_on_peers(bool(outputs))
+                self.wait_on_peers(bool(outputs))
             elif self._dirty and not outputs:
                 self._dirty = False
                 self.check_integrity()
@@ -178,17 +171,6 @@ class PrefillLoop(SchedulerLoop):
         start = sender.pages_sent
         if end > start or is_last:
             sender.send(req.pages[start:end], is_last, aux)
-
-    def _wait_on_peers(self, progressed: bool) -> None:
-        """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
-        self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
-        time.sleep(self._idle_sleep)
-
-    def _end_outside(self, req: Req, reason: FinishReason) -> None:
-        """End a request the scheduler never held (still in the bootstrap queue)."""
-        req.finish_reason = reason
-        req.status = ReqStatus.FINISHED
-        self._outbox.append(self._output(req))
 
     def check_integrity(self) -> None:
         super().check_integrity()
