@@ -10,6 +10,14 @@ The baseline is the raw engine (mooncake ``batch_transfer_async_write`` +
 from the same process to the same decode pool. Median (and best) of ``--iters``
 runs, alternating which of the two goes first. Ends with one JSON line.
 
+Each side is pinned to its own CPU (prefill CPU 0, decode CPU 1), as if on two
+hosts: unpinned on a 2-CPU machine, where the kernel happens to put the sender's
+poller, the two UCX progress threads and the decode poller decides a run's
+bandwidth (whole runs came out 18 or 28 ms for the same raw write), and the ratio
+swung between 0.6 and 1.2 from run to run. ``--no-pin`` shares every CPU.
+The decode child polls every millisecond throughout, like a scheduler loop,
+during the raw writes too, so both see the same receiving host.
+
     python scripts/bench_kvtransfer.py [--backends mooncake nixl] [--tokens 1024 4096 16384]
 """
 
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -38,18 +47,30 @@ from pdserve.kvtransfer.page_runs import run_descriptors
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
 TARGET_RATIO_4K = 0.8
+POLL_S = 0.001  # the decode child's loop period
 
 
 def make_pool(num_pages: int) -> PagePool:
     return PagePool(num_pages, PAGE_SIZE, NUM_LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
 
 
-def decode_main(conn, backend: str, num_pages: int) -> None:
+def pin_to(cpu: int | None) -> None:
+    """Pin this thread, and every thread it starts later (the engines' own), to ``cpu``."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def decode_main(conn, backend: str, num_pages: int, cpu: int | None) -> None:
     """Child: a decode manager that receives rooms on command and reports when each succeeded."""
     torch.set_num_threads(1)
+    pin_to(cpu)
     mgr = DecodeKVManager(KVTransferConfig(backend=backend), make_pool(num_pages)).start()
     conn.send("up")
-    while (cmd := conn.recv()) is not None:
+    while True:
+        while not conn.poll():  # a scheduler loop never blocks: poll between rooms too
+            time.sleep(POLL_S)
+        if (cmd := conn.recv()) is None:
+            break
         room, port, pages = cmd
         r = mgr.create_receiver(room, "127.0.0.1", port, 0)
         while r.poll() is KVPoll.Bootstrapping:
@@ -59,7 +80,7 @@ def decode_main(conn, backend: str, num_pages: int) -> None:
         conn.send("ready")
         # poll like a scheduler loop would; a hot spin would steal the CPU the engine's receive path needs
         while not r.poll().done:
-            time.sleep(0.0002)
+            time.sleep(POLL_S)
         done = time.monotonic()
         ok = r.poll() is KVPoll.Success and r.aux() is not None
         mgr.aux_pool.free(slot)
@@ -92,7 +113,7 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
     return time.monotonic() - t0
 
 
-def bench_backend(backend: str, token_counts: list[int], iters: int) -> list[dict]:
+def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu: int | None) -> list[dict]:
     max_pages = max(token_counts) // PAGE_SIZE
     num_pages = max_pages + 2
     pool = make_pool(num_pages)
@@ -102,7 +123,7 @@ def bench_backend(backend: str, token_counts: list[int], iters: int) -> list[dic
     mgr = PrefillKVManager(KVTransferConfig(backend=backend), pool, server.port).start()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=decode_main, args=(child, backend, num_pages), daemon=True)
+    proc = ctx.Process(target=decode_main, args=(child, backend, num_pages, decode_cpu), daemon=True)
     proc.start()
     assert parent.recv() == "up"
     room = 0
@@ -180,16 +201,24 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["mooncake", "nixl"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--no-pin", action="store_true", help="share every CPU between the two sides")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
+    pinned = not args.no_pin and len(os.sched_getaffinity(0)) >= 2
+    if pinned:
+        prefill_cpu, decode_cpu = sorted(os.sched_getaffinity(0))[:2]
+        pin_to(prefill_cpu)
+    else:
+        decode_cpu = None
     results = []
     for backend in args.backends:
-        results += bench_backend(backend, args.tokens, args.iters)
+        results += bench_backend(backend, args.tokens, args.iters, decode_cpu)
     at_4k = {r["backend"]: r["ratio"] for r in results if r["tokens"] == 4096}
     summary = {
         "bench": "kvtransfer",
         "model_kv": "SmolLM2-135M bf16 (30 layers, 3 kv heads, head dim 64, page 16)",
+        "pinned": pinned,
         "results": results,
         "ratio_at_4k": at_4k,
         "target_ratio_at_4k": TARGET_RATIO_4K,
