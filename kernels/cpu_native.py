@@ -12,6 +12,9 @@ with ``cc -O3 -march=native -fopenmp``; the library is cached under
 ``libgomp.so.1`` that torch has already loaded, so it shares torch's OpenMP
 threads (and ``torch.set_num_threads``). Where no compiler is found or the
 build fails, ``native_kernels()`` returns None and callers use the torch path.
+
+The same library carries the bf16 causal prefill attention (``cpu_prefill_source``),
+present where the CPU has AVX-512 BF16 (``has_prefill``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import tempfile
 import threading
 
 import torch
+
+from pdserve.kernels.cpu_prefill_source import PREFILL_SOURCE
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +146,7 @@ DECODE_ATTN(decode_attn_bf16_d64, uint16_t, ld_bf16, st_bf16, 64)
 DECODE_ATTN(decode_attn_f32_d64, float, ld_f32, st_f32, 64)
 DECODE_ATTN(decode_attn_bf16_d128, uint16_t, ld_bf16, st_bf16, 128)
 DECODE_ATTN(decode_attn_f32_d128, float, ld_f32, st_f32, 128)
-"""
+""" + PREFILL_SOURCE
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -196,9 +201,38 @@ class NativeKernels:
                 fn = getattr(self.lib, f"decode_attn_{tname}{suffix}")
                 fn.argtypes, fn.restype = args, ctypes.c_int
                 self._decode[(dtype, dim)] = fn
+        self._prefill = self.lib.prefill_attn_bf16
+        self._prefill.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float]
+        self._prefill.restype = ctypes.c_int
+        self.has_prefill = bool(self.lib.prefill_attn_supported())
 
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return (dtype, None) in self._decode and group <= 32 and head_dim <= 256
+
+    def supports_prefill(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return self.has_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                          scale: float) -> None:
+        """Causal attention of ``n`` new tokens over ``Lk >= n`` keys (the first ``Lk - n`` a cached
+        prefix), written into ``out``. bf16 only (``supports_prefill``).
+
+        q: [n, H, D]; k, v: [Lk, KVH, D]; out: [n, H * D]. Token strides are free; heads and
+        dims must be contiguous.
+        """
+        n, num_heads, dim = q.shape
+        keys, kv_heads, _ = k.shape
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == dim, f"{name}: bf16, heads/dims contiguous"
+        assert v.shape == k.shape and out.shape == (n, num_heads * dim) and out.stride(1) == 1 and out.dtype == q.dtype
+        padded = -(-keys // 64) * 64
+        scratch = torch.empty(2, kv_heads * padded * dim, dtype=torch.bfloat16)
+        rc = self._prefill(
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
+            out.stride(0), scratch[0].data_ptr(), scratch[1].data_ptr(), n, keys, num_heads, kv_heads, dim, scale,
+        )
+        if rc != 0:
+            raise RuntimeError(f"native prefill attention failed with code {rc}")
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:

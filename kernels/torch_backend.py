@@ -5,10 +5,13 @@
   cannot be built, the pages are gathered into a padded ``[n, L, kv_heads, dim]``
   block (whole pages, so a handful of large copies) and a float mask hides the
   padding. Either way there is no Python loop over sequences.
-- prefill rows (several new tokens): one ``scaled_dot_product_attention`` per
-  sequence; without a cached prefix the new K/V are used directly (causal),
-  with one the sequence's slots are gathered and an explicit mask aligns the
-  causal diagonal at the prefix length.
+- prefill rows (several new tokens): one call per sequence; without a cached
+  prefix the new K/V are used directly, with one the sequence's slots are
+  gathered first. In bf16 on a CPU with AVX-512 BF16 the native flash kernel
+  (``cpu_prefill_source``) writes straight into the output rows, ~3.8x faster
+  than PyTorch's CPU flash attention at 512 tokens here; otherwise
+  ``scaled_dot_product_attention``, causal, or with an explicit mask that
+  aligns the causal diagonal at the prefix length.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class TorchAttentionBackend(AttentionBackend):
         if native is not None and not native.supports(page_pool.dtype, num_heads // num_kv_heads, head_dim):
             native = None
         self.native = native
+        self.native_prefill = native is not None and native.supports_prefill(page_pool.dtype, head_dim)
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         self.loc = batch.out_cache_loc
@@ -104,6 +108,12 @@ class TorchAttentionBackend(AttentionBackend):
         if dec is not None:
             out[dec.rows] = self._decode(q[dec.rows], k_cache, v_cache, dec)
         for p in self.prefills:
+            if self.native_prefill:
+                keys, values = k[p.start : p.end], v[p.start : p.end]
+                if p.slots is not None:
+                    keys, values = gather_slots(k_cache, p.slots), gather_slots(v_cache, p.slots)
+                self.native.prefill_attention(q[p.start : p.end], keys, values, out[p.start : p.end], self.scale)
+                continue
             out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end],
                                                  k_cache, v_cache, p)
         return out
