@@ -14,7 +14,8 @@ threads (and ``torch.set_num_threads``). Where no compiler is found or the
 build fails, ``native_kernels()`` returns None and callers use the torch path.
 
 The same library carries the bf16 causal prefill attention (``cpu_prefill_source``),
-present where the CPU has AVX-512 BF16 (``has_prefill``).
+present where the CPU has AVX-512 BF16 (``has_prefill``), and the fused bf16
+RMSNorm and rope (``cpu_norm_rope_source``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import threading
 
 import torch
 
+from pdserve.kernels.cpu_norm_rope_source import NORM_ROPE_SOURCE
 from pdserve.kernels.cpu_prefill_source import PREFILL_SOURCE
 
 logger = logging.getLogger(__name__)
@@ -146,7 +148,7 @@ DECODE_ATTN(decode_attn_bf16_d64, uint16_t, ld_bf16, st_bf16, 64)
 DECODE_ATTN(decode_attn_f32_d64, float, ld_f32, st_f32, 64)
 DECODE_ATTN(decode_attn_bf16_d128, uint16_t, ld_bf16, st_bf16, 128)
 DECODE_ATTN(decode_attn_f32_d128, float, ld_f32, st_f32, 128)
-""" + PREFILL_SOURCE
+""" + PREFILL_SOURCE + NORM_ROPE_SOURCE
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -205,6 +207,12 @@ class NativeKernels:
         self._prefill.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float]
         self._prefill.restype = ctypes.c_int
         self.has_prefill = bool(self.lib.prefill_attn_supported())
+        self._rms_norm = self.lib.rms_norm_bf16
+        self._rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_float]
+        self._rope = self.lib.rope_bf16
+        self._rope.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+        self._rms_norm.restype = self._rope.restype = ctypes.c_int
 
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return (dtype, None) in self._decode and group <= 32 and head_dim <= 256
@@ -233,6 +241,26 @@ class NativeKernels:
         )
         if rc != 0:
             raise RuntimeError(f"native prefill attention failed with code {rc}")
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """bf16 RMSNorm of each row of ``x`` [T, N] (row stride free) with ``weight`` [N]: a new [T, N]."""
+        T, N = x.shape
+        assert x.dtype == weight.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.is_contiguous()
+        out = torch.empty(T, N, dtype=x.dtype)
+        self._rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), N, T, N, eps)
+        return out
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate-half rope of ``x`` [T, heads, D] (token stride free) at ``positions`` [T] int64, with
+        ``cos``/``sin`` tables [ctx, D]: a new contiguous [T, heads, D]."""
+        T, heads, dim = x.shape
+        assert x.dtype == cos.dtype == sin.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(1) == dim
+        assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == dim
+        assert positions.dtype == torch.int64 and positions.is_contiguous()
+        out = torch.empty(T, heads, dim, dtype=x.dtype)
+        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(),
+                   T, heads, dim)
+        return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The native bf16 causal prefill attention against a float64 reference and PyTorch's own bf16 SDPA.
+"""The native bf16 kernels: causal prefill attention against a float64 reference and PyTorch's own
+bf16 SDPA; fused RMSNorm and rope against the torch ops they replace.
 
 Tolerance: bf16 output carries one rounding (~4e-3 relative) plus bf16 products;
 the kernel's max error vs float64 must stay within 1.25x PyTorch's bf16 flash
@@ -79,3 +80,20 @@ def test_writes_only_its_rows_of_a_strided_output():
 
 def test_unsupported_head_dim_is_refused():
     assert not NATIVE.supports_prefill(torch.bfloat16, 96) and not NATIVE.supports_prefill(torch.float32, 64)
+
+
+def test_fused_norm_and_rope_match_the_torch_ops_bit_for_bit():
+    from pdserve.engine.models.llama import _rms_norm
+
+    gen = torch.Generator().manual_seed(3)
+    rows = (torch.randn(37, 700, generator=gen) * 3).bfloat16()[:, 50:626]  # strided rows, as from a fused matmul
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    assert torch.equal(NATIVE.rms_norm(rows, weight, 1e-5), _rms_norm(rows, weight, 1e-5))
+    qkv = (torch.randn(37, 15, 64, generator=gen) * 2).bfloat16()
+    qk = qkv[:, :12]
+    positions = torch.randint(0, 4000, (37,), generator=gen)
+    angles = torch.outer(torch.arange(4096).float(), 1.0 / 10000 ** (torch.arange(0, 64, 2).float() / 64))
+    cos, sin = torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16()
+    c, s = cos.index_select(0, positions)[:, None], sin.index_select(0, positions)[:, None]
+    expected = qk * c + torch.cat([-qk[..., 32:], qk[..., :32]], dim=-1) * s
+    assert torch.equal(NATIVE.rope(qk, cos, sin, positions), expected)
