@@ -62,10 +62,11 @@ static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const 
         const uint32_t* src = (const uint32_t*)(q + (int64_t)t * q_stride);                          \
         for (int p = 0; p < NP; p++) qv[r][p] = src[p];                                              \
     }                                                                                                \
-    __m512 acc[R][NC];                                                                               \
-    float m[R], l[R];                                                                                \
+    __m512 acc[R][NC], l[R];  /* l: the softmax denominator, summed lane-wise until the end */       \
+    float m[R];  /* running max of the scaled scores */                                               \
+    const __m512 sc = _mm512_set1_ps(scale);                                                         \
     for (int r = 0; r < R; r++) {                                                                    \
-        m[r] = -3.0e38f; l[r] = 0.f;                                                                 \
+        m[r] = -3.0e38f; l[r] = _mm512_setzero_ps();                                                 \
         for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();                                \
     }                                                                                                \
     const int nkeys = off + t0 + rows;  /* keys the last row sees */                                 \
@@ -75,35 +76,45 @@ static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const 
         for (int r = 0; r < R; r++)                                                                  \
             for (int c = 0; c < 4; c++) s[r][c] = _mm512_setzero_ps();                               \
         const uint32_t* kb = kp + (int64_t)(k0 / 16) * NP * 16;                                      \
-        for (int p = 0; p < NP; p++) {                                                               \
-            __m512i kv[4];                                                                           \
-            for (int c = 0; c < 4; c++) kv[c] = _mm512_loadu_si512(kb + ((int64_t)c * NP + p) * 16); \
-            for (int r = 0; r < R; r++) {                                                            \
-                const __m512i qb = _mm512_set1_epi32((int)qv[r][p]);                                 \
-                for (int c = 0; c < 4; c++)                                                          \
-                    s[r][c] = _mm512_dpbf16_ps(s[r][c], (__m512bh)qb, (__m512bh)kv[c]);              \
+        if (nkeys - k0 >= PF_KB) {                                                                   \
+            for (int p = 0; p < NP; p++) {                                                           \
+                __m512i kv[4];                                                                       \
+                for (int c = 0; c < 4; c++) kv[c] = _mm512_loadu_si512(kb + ((int64_t)c * NP + p) * 16); \
+                for (int r = 0; r < R; r++) {                                                        \
+                    const __m512i qb = _mm512_set1_epi32((int)qv[r][p]);                             \
+                    for (int c = 0; c < 4; c++)                                                      \
+                        s[r][c] = _mm512_dpbf16_ps(s[r][c], (__m512bh)qb, (__m512bh)kv[c]);          \
+                }                                                                                    \
+            }                                                                                        \
+        } else {  /* the diagonal block: only the 16-key vectors that hold a key some row sees */   \
+            const int nv = (nkeys - k0 + 15) / 16;                                                   \
+            for (int p = 0; p < NP; p++) {                                                           \
+                for (int c = 0; c < nv; c++) {                                                       \
+                    const __m512i kv = _mm512_loadu_si512(kb + ((int64_t)c * NP + p) * 16);         \
+                    for (int r = 0; r < R; r++)                                                      \
+                        s[r][c] = _mm512_dpbf16_ps(s[r][c], (__m512bh)_mm512_set1_epi32((int)qv[r][p]), (__m512bh)kv); \
+                }                                                                                    \
             }                                                                                        \
         }                                                                                            \
         for (int r = 0; r < R; r++) {                                                                \
             const int seen = off + t0 + (r < rows ? r : rows - 1) + 1 - k0;  /* keys of row r here */ \
             __mmask16 mk[4];                                                                         \
             __m512 mx = _mm512_set1_ps(-3.0e38f);                                                    \
-            for (int c = 0; c < 4; c++) {                                                            \
+            for (int c = 0; c < 4; c++) {  /* scale > 0: the max of raw scores, scaled once */        \
                 mk[c] = lanes_below(seen - 16 * c);                                                  \
-                s[r][c] = _mm512_mul_ps(s[r][c], _mm512_set1_ps(scale));                             \
                 mx = _mm512_mask_max_ps(mx, mk[c], mx, s[r][c]);                                     \
             }                                                                                        \
-            const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx));                               \
+            const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx) * scale);                       \
             const float corr = exp_nonpos(m[r] - m_new);                                             \
             m[r] = m_new;                                                                            \
             const __m512 mv = _mm512_set1_ps(m_new);                                                 \
-            __m512 sum = _mm512_setzero_ps();                                                        \
+            const __m512 cv = _mm512_set1_ps(corr);                                                  \
+            __m512 sum = _mm512_mul_ps(l[r], cv);                                                    \
             for (int c = 0; c < 4; c++) {                                                            \
-                s[r][c] = _mm512_maskz_mov_ps(mk[c], exp512_nonpos(_mm512_sub_ps(s[r][c], mv)));     \
+                s[r][c] = _mm512_maskz_mov_ps(mk[c], exp512_nonpos(_mm512_fmsub_ps(s[r][c], sc, mv))); \
                 sum = _mm512_add_ps(sum, s[r][c]);                                                   \
             }                                                                                        \
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);                                          \
-            const __m512 cv = _mm512_set1_ps(corr);                                                  \
+            l[r] = sum;                                                                              \
             for (int c = 0; c < NC; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);                   \
             _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));              \
             _mm512_store_si512(pb[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(s[r][3], s[r][2]));         \
@@ -121,7 +132,7 @@ static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const 
         }                                                                                            \
     }                                                                                                \
     for (int r = 0; r < rows; r++) {                                                                 \
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);                                               \
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(l[r]));                         \
         uint16_t* dst = out + (int64_t)(t0 + r) * out_stride;                                        \
         for (int c = 0; c < NC; c++)                                                                 \
             _mm256_storeu_si256((__m256i*)(dst + 16 * c),                                            \
