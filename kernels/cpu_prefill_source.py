@@ -50,27 +50,26 @@ static inline __mmask16 lanes_below(int count) {  /* the first `count` lanes, co
     return count >= 16 ? (__mmask16)0xFFFF : count <= 0 ? (__mmask16)0 : (__mmask16)((1u << count) - 1u);
 }
 
-/* One group of R query rows (consecutive tokens t0.., one head) through keys 0 .. off + t_last.
+/* One group of R query rows (consecutive tokens t0.., one head) through keys 0 .. off + t_last, in two
+   passes: scores and their row max first (kept in sbuf, [R][Lk64] floats), then exp and P.V block by
+   block, so no running max, rescaling or horizontal reduction per block.
    kp: this KV head's packed K [Lk64 / 16][D / 2][16] pairs; vp: packed V [Lk64 / 2][D] pairs. */
 #define PF_ROWS(NAME, DV, R)                                                                         \
 static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const uint32_t* vp,       \
-                 uint16_t* out, int64_t out_stride, int t0, int rows, int off, float scale) {       \
+                 uint16_t* out, int64_t out_stride, float* sbuf, int64_t sbuf_stride,               \
+                 int t0, int rows, int off, float scale) {                                          \
     enum { NC = DV / 16, NP = DV / 2 };                                                              \
     uint32_t qv[R][NP];                                                                              \
+    int seen[R];  /* keys row r sees */                                                              \
     for (int r = 0; r < R; r++) {                                                                    \
         const int t = t0 + (r < rows ? r : rows - 1);  /* a short group repeats its last row */    \
         const uint32_t* src = (const uint32_t*)(q + (int64_t)t * q_stride);                          \
         for (int p = 0; p < NP; p++) qv[r][p] = src[p];                                              \
+        seen[r] = off + t + 1;                                                                       \
     }                                                                                                \
-    __m512 acc[R][NC], l[R];  /* l: the softmax denominator, summed lane-wise until the end */       \
-    float m[R];  /* running max of the scaled scores */                                               \
-    const __m512 sc = _mm512_set1_ps(scale);                                                         \
-    for (int r = 0; r < R; r++) {                                                                    \
-        m[r] = -3.0e38f; l[r] = _mm512_setzero_ps();                                                 \
-        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();                                \
-    }                                                                                                \
-    const int nkeys = off + t0 + rows;  /* keys the last row sees */                                 \
-    uint16_t pb[R][PF_KB] __attribute__((aligned(64)));                                              \
+    const int nkeys = seen[R - 1];  /* keys the last row sees */                                     \
+    __m512 vmax[R];                                                                                  \
+    for (int r = 0; r < R; r++) vmax[r] = _mm512_set1_ps(-3.0e38f);                                  \
     for (int k0 = 0; k0 < nkeys; k0 += PF_KB) {                                                      \
         __m512 s[R][4];                                                                              \
         for (int r = 0; r < R; r++)                                                                  \
@@ -97,27 +96,32 @@ static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const 
             }                                                                                        \
         }                                                                                            \
         for (int r = 0; r < R; r++) {                                                                \
-            const int seen = off + t0 + (r < rows ? r : rows - 1) + 1 - k0;  /* keys of row r here */ \
-            __mmask16 mk[4];                                                                         \
-            __m512 mx = _mm512_set1_ps(-3.0e38f);                                                    \
-            for (int c = 0; c < 4; c++) {  /* scale > 0: the max of raw scores, scaled once */        \
-                mk[c] = lanes_below(seen - 16 * c);                                                  \
-                mx = _mm512_mask_max_ps(mx, mk[c], mx, s[r][c]);                                     \
-            }                                                                                        \
-            const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx) * scale);                       \
-            const float corr = exp_nonpos(m[r] - m_new);                                             \
-            m[r] = m_new;                                                                            \
-            const __m512 mv = _mm512_set1_ps(m_new);                                                 \
-            const __m512 cv = _mm512_set1_ps(corr);                                                  \
-            __m512 sum = _mm512_mul_ps(l[r], cv);                                                    \
+            float* sr = sbuf + r * sbuf_stride + k0;                                                 \
             for (int c = 0; c < 4; c++) {                                                            \
-                s[r][c] = _mm512_maskz_mov_ps(mk[c], exp512_nonpos(_mm512_fmsub_ps(s[r][c], sc, mv))); \
-                sum = _mm512_add_ps(sum, s[r][c]);                                                   \
+                _mm512_storeu_ps(sr + 16 * c, s[r][c]);                                              \
+                vmax[r] = _mm512_mask_max_ps(vmax[r], lanes_below(seen[r] - k0 - 16 * c), vmax[r], s[r][c]); \
             }                                                                                        \
-            l[r] = sum;                                                                              \
-            for (int c = 0; c < NC; c++) acc[r][c] = _mm512_mul_ps(acc[r][c], cv);                   \
-            _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));              \
-            _mm512_store_si512(pb[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(s[r][3], s[r][2]));         \
+        }                                                                                            \
+    }                                                                                                \
+    __m512 mv[R], l[R], acc[R][NC];  /* l: the softmax denominator, summed lane-wise until the end */ \
+    const __m512 sc = _mm512_set1_ps(scale);                                                         \
+    for (int r = 0; r < R; r++) {  /* scale > 0: the max of raw scores, scaled once */               \
+        mv[r] = _mm512_set1_ps(_mm512_reduce_max_ps(vmax[r]) * scale);                               \
+        l[r] = _mm512_setzero_ps();                                                                  \
+        for (int c = 0; c < NC; c++) acc[r][c] = _mm512_setzero_ps();                                \
+    }                                                                                                \
+    uint16_t pb[R][PF_KB] __attribute__((aligned(64)));                                              \
+    for (int k0 = 0; k0 < nkeys; k0 += PF_KB) {                                                      \
+        for (int r = 0; r < R; r++) {                                                                \
+            const float* sr = sbuf + r * sbuf_stride + k0;                                           \
+            __m512 p[4];                                                                             \
+            for (int c = 0; c < 4; c++) {                                                            \
+                const __mmask16 mk = lanes_below(seen[r] - k0 - 16 * c);                             \
+                p[c] = _mm512_maskz_mov_ps(mk, exp512_nonpos(_mm512_fmsub_ps(_mm512_loadu_ps(sr + 16 * c), sc, mv[r]))); \
+                l[r] = _mm512_add_ps(l[r], p[c]);                                                    \
+            }                                                                                        \
+            _mm512_store_si512(pb[r], (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));                     \
+            _mm512_store_si512(pb[r] + 32, (__m512i)_mm512_cvtne2ps_pbh(p[3], p[2]));                \
         }                                                                                            \
         const int pairs = (nkeys - k0 < PF_KB ? nkeys - k0 + 1 : PF_KB) / 2;                         \
         const uint32_t* vb = vp + (int64_t)(k0 / 2) * DV;                                            \
@@ -155,6 +159,7 @@ int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
     const int nq = (n + PF_QB - 1) / PF_QB;
     uint32_t* kp32 = (uint32_t*)kp;
     uint32_t* vp32 = (uint32_t*)vp;
+    int failed = 0;
     #pragma omp parallel
     {
         /* K: [h][key / 16][pair][key % 16]; V: [h][key / 2][d] as (key, key + 1) pairs */
@@ -180,9 +185,12 @@ int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
             }
         }
         /* the implicit barrier above: every packed key is in place */
+        /* per thread: the score rows of one group, [4][Lk64] floats (R <= 4) */
+        float* sbuf = (float*)aligned_alloc(64, sizeof(float) * 4 * (size_t)Lk64);
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int h = 0; h < KVH; h++) {
             for (int qb = nq - 1; qb >= 0; qb--) {  /* the longest (last) blocks first */
+                if (!sbuf) { failed = 1; continue; }
                 const uint32_t* kph = kp32 + (int64_t)h * Lk64 * NP;
                 const uint32_t* vph = vp32 + (int64_t)h * (Lk64 / 2) * D;
                 const int t_end = (qb + 1) * PF_QB < n ? (qb + 1) * PF_QB : n;
@@ -193,14 +201,15 @@ int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
                     const int R = D == 64 ? 4 : 2;
                     for (int t0 = qb * PF_QB; t0 < t_end; t0 += R) {
                         const int rows = t_end - t0 < R ? t_end - t0 : R;
-                        if (D == 64) pf_rows_d64(qh, q_stride, kph, vph, oh, out_stride, t0, rows, off, scale);
-                        else pf_rows_d128(qh, q_stride, kph, vph, oh, out_stride, t0, rows, off, scale);
+                        if (D == 64) pf_rows_d64(qh, q_stride, kph, vph, oh, out_stride, sbuf, Lk64, t0, rows, off, scale);
+                        else pf_rows_d128(qh, q_stride, kph, vph, oh, out_stride, sbuf, Lk64, t0, rows, off, scale);
                     }
                 }
             }
         }
+        free(sbuf);
     }
-    return 0;
+    return failed ? -2 : 0;
 }
 #else
 int prefill_attn_supported(void) { return 0; }
