@@ -29,6 +29,9 @@ class EngineConfig:
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
     num_reserved_decode_tokens: int = 64  # per running request, kept free for its decode steps
+    # running decodes ride along in prefill steps (one token each, out of the step's token budget)
+    # instead of waiting for the prefills to finish; SGLang's --enable-mixed-chunk
+    enable_mixed_chunk: bool = False
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch threads of this rank; None: torch's default
     seed: int = 0

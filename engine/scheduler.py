@@ -14,6 +14,10 @@ the caller runs the model on it and hands the sampled tokens to
   max_prefill_tokens)``) is prefilled in chunks, one chunked request at a
   time. Its pages are allocated for the whole prompt on admission, so a
   chunk never waits for memory.
+- With ``enable_mixed_chunk``, a prefill step also carries every running
+  request's next token (taken out of the step's token budget), so decodes keep
+  going while a long prompt is prefilled in chunks; where that would use the
+  whole budget, or their next pages are short, the step stays prefill-only.
 - When a decode step lacks pages, the newest running request is retracted: its
   KV goes to the prefix cache (or is freed) and it rejoins the front of the
   queue keeping its output tokens, to be recomputed later. A request that
@@ -200,6 +204,9 @@ class Scheduler:
         if not self.waiting and self.chunked is None:
             return None
         budget = min(self.config.chunked_prefill_size, self.config.max_prefill_tokens)
+        mixed = self.config.enable_mixed_chunk and 0 < len(self.running) < budget
+        if mixed:
+            budget -= len(self.running)  # one token each for the running requests
         batch = ScheduledBatch(ForwardMode.PREFILL, [], [], [], [])
 
         def add_to_batch(req: Req) -> None:
@@ -253,7 +260,24 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             reserved += reserve
             add_to_batch(req)
-        return batch if batch.reqs else None
+        if not batch.reqs:
+            return None
+        if mixed:
+            self._add_decodes(batch)
+        return batch
+
+    def _add_decodes(self, batch: ScheduledBatch) -> None:
+        """Mixed step: every running request adds its next token, if their pages can be had."""
+        growing = [r for r in self.running if self.pool.pages_for(r.kv_len + 1) > len(r.pages)]
+        if len(growing) > self._available_pages():
+            return  # the next decode-only step retracts as needed
+        for r in growing:
+            r.pages.extend(self._alloc(1))
+        for r in self.running:
+            batch.reqs.append(r)
+            batch.prefix_lens.append(r.kv_len)
+            batch.extend_lens.append(1)
+            batch.sample.append(True)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         while self.running:

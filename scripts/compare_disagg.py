@@ -181,15 +181,16 @@ def _f(v) -> str:
 class Colocated:
     """One ``pdserve serve`` in null mode on every core, in its own process group."""
 
-    def __init__(self, args, log_dir: str):
+    def __init__(self, args, log_dir: str, extra_args: tuple[str, ...] = (), name: str = "colocated"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = os.path.join(log_dir, "colocated.log")
+        self.log = os.path.join(log_dir, f"{name}.log")
         threads = args.colocated_threads or len(os.sched_getaffinity(0))
         argv = [sys.executable, "-m", "pdserve.engine", "--port", str(self.port), "--disaggregation-mode", "null",
                 "--num-threads", str(threads), "--max-total-tokens", str(args.max_total_tokens)]
         if args.model_path:
             argv += ["--model-path", args.model_path]
+        argv += list(extra_args)
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True,

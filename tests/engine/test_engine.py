@@ -169,3 +169,18 @@ def test_bad_engine_arguments():
         Engine(model_path="/no/such/model.gguf")
     with pytest.raises(ValueError, match="page_sise"):
         Engine(page_sise=16)
+
+
+def test_mixed_chunk_same_greedy_output_as_alone():
+    # chunks of 64 tokens: the long prompt takes several steps, which also carry the short ones' decodes
+    long_prompt = " ".join(f"item {i} costs {i * 7 % 13} coins;" for i in range(60))
+    prompts = PROMPTS[:4] + [long_prompt]
+    with Engine(dtype="float32", max_total_tokens=8192, num_threads=2, chunked_prefill_size=64,
+                enable_mixed_chunk=True) as mixed:
+        together = mixed.generate(prompts, GREEDY)
+        mixed.check_integrity()
+        assert together[-1]["meta_info"]["prompt_tokens"] > 4 * 64
+        for prompt, res in zip(prompts, together):
+            assert mixed.flush_cache()
+            assert mixed.generate(prompt, GREEDY)["output_ids"] == res["output_ids"], prompt[:40]
+        mixed.check_integrity()

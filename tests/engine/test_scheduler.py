@@ -373,3 +373,57 @@ def test_prompt_logprob_rows_cover_each_position_once_across_chunks():
     assert scored == list(range(5, 20))
     assert r.cached_tokens == 4  # the cache match stops before the first scored position
     assert r.output_ids == reference(prompt, 2)
+
+
+def test_mixed_chunk_decodes_ride_along_with_a_chunked_prefill():
+    sched, model = make(chunked_prefill_size=8, enable_mixed_chunk=True)
+    short = req("short", range(5, 8), n=6)
+    long = req("long", range(100, 130), n=4)  # 30 tokens: chunked
+    sched.add(short)
+    sched.postprocess(batch := sched.schedule(), model(batch))  # short prefills alone, then runs
+    sched.add(long)
+    batches = run(sched, model)
+    chunks = [b for b in batches if long in b.reqs and b.extend_lens[b.reqs.index(long)] > 1]
+    assert len(chunks) == 5  # 7 + 7 + 7 + 7 + 2 tokens: one of each 8-token budget went to the decode
+    for b in chunks[:3]:
+        assert b.mode == ForwardMode.PREFILL and b.reqs == [long, short] and b.extend_lens == [7, 1]
+        assert b.num_tokens <= 8 and b.sample == [False, True]
+    assert short.output_ids == reference(list(range(5, 8)), 6)
+    assert long.output_ids == reference(list(range(100, 130)), 4)
+
+
+def test_mixed_chunk_off_by_default_and_never_over_budget():
+    sched, model = make(chunked_prefill_size=8)
+    sched.add(short := req("short", range(5, 8), n=6))
+    sched.postprocess(batch := sched.schedule(), model(batch))
+    sched.add(req("long", range(100, 130), n=4))
+    batch = sched.schedule()
+    assert batch.reqs != [] and short not in batch.reqs  # prefill-only step: the decode waits
+    # as many running requests as the budget: mixing would leave no token for the prefill
+    sched, model = make(chunked_prefill_size=4, enable_mixed_chunk=True, max_running_requests=16)
+    runners = [req(f"r{i}", [i + 1, i + 2], n=20) for i in range(4)]
+    for r in runners:
+        sched.add(r)
+    while any(r not in sched.running for r in runners):
+        sched.postprocess(batch := sched.schedule(), model(batch))
+    sched.add(req("late", range(50, 70), n=2))
+    batch = sched.schedule()
+    assert batch.mode == ForwardMode.PREFILL and not set(runners) & set(batch.reqs)
+
+
+def test_mixed_chunk_random_workload_matches_reference():
+    rng = random.Random(3)
+    sched, model = make(num_pages=24, chunked_prefill_size=16, max_running_requests=6, num_reserved_decode_tokens=4,
+                        enable_mixed_chunk=True)
+    reqs = []
+    for i, p in enumerate(prompts(20, lo=1, hi=45, seed=5)):
+        r = req(f"r{i}", p, n=rng.randint(1, 12))
+        reqs.append((r, reference(p, r.sampling_params.max_new_tokens)))
+        sched.add(r)
+    batches = run(sched, model)
+    decoding = [r for b in batches if b.mode == ForwardMode.PREFILL
+                for r, start in zip(b.reqs, b.prefix_lens) if start >= r.prompt_len]
+    assert decoding, "no prefill step carried a decode"
+    assert all(b.num_tokens <= 16 for b in batches)
+    for r, expected in reqs:
+        assert r.output_ids == expected
