@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Where one prefill step's time goes, against the floor this CPU's matmul peak sets.
+
+Runs one model step of ``--num-prompts`` x ``--prompt-len`` new tokens (no
+prefix) through the ModelRunner, times the native kernel calls (prefill
+attention, RMSNorm, rope) and the KV store by wrapping them, and calls the rest
+"linears and the remainder". Then measures this machine's bf16 GEMM rate on a
+4096^3 product and prints the step's linear FLOPs at that rate: no engine
+running these weights can take less. Ends with one JSON line.
+
+    .venv/bin/python scripts/profile_prefill_step.py [--threads 2] [--num-prompts 4] [--prompt-len 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_runner import ModelRunner
+
+
+def gemm_rate(n: int = 4096) -> float:
+    """Best bf16 GFLOP/s of an n^3 product, plain ``torch.mm`` or a prepacked oneDNN linear (what
+    pdserve's linears use; transformers' go through the same oneDNN)."""
+    a, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+    calls = [lambda: torch.mm(a, w)]
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
+        calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    best = float("inf")
+    for call in calls:
+        call()
+        for _ in range(3):
+            t = time.perf_counter()
+            call()
+            best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    n, length = args.num_prompts, args.prompt_len
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=n * length + 64, num_threads=args.threads))
+    ps = runner.page_pool.page_size
+    pages = torch.tensor([runner.page_pool.alloc(runner.page_pool.pages_for(length)) for _ in range(n)],
+                         dtype=torch.int32)
+    slots = (pages.long()[:, :, None] * ps + torch.arange(ps)).reshape(n, -1)[:, :length].reshape(-1)
+    batch = ForwardBatch(
+        input_ids=torch.randint(1000, 40000, (n * length,)), positions=torch.arange(length).repeat(n),
+        out_cache_loc=slots, page_table=pages, logits_indices=torch.arange(length - 1, n * length, length),
+        extend_lens=[length] * n, seq_lens=[length] * n,
+    )
+    spent: collections.Counter[str] = collections.Counter()
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            spent[label] += time.perf_counter() - t
+            return out
+
+        setattr(obj, name, wrapper)
+
+    native = runner.model.native
+    if native is not None:
+        timed(native, "prefill_attention", "attention")
+        timed(native, "rms_norm", "rms_norm")
+        timed(native, "rope", "rope")
+    import pdserve.kernels.torch_backend as backend
+
+    timed(backend, "store_kv", "kv_store")
+    runner.forward(batch)  # warm: kernels built, caches touched
+    best, parts = float("inf"), {}
+    for _ in range(args.repeats):
+        spent.clear()
+        t = time.perf_counter()
+        runner.forward(batch)
+        total = time.perf_counter() - t
+        if total < best:
+            best, parts = total, dict(spent)
+    arch = runner.arch
+    hidden, inter, heads, kvh, dim = arch.hidden_size, arch.intermediate_size, arch.num_heads, arch.num_kv_heads, arch.head_dim
+    per_token = hidden * (heads + 2 * kvh) * dim + heads * dim * hidden + 3 * hidden * inter  # weights per layer
+    linear_flops = 2 * n * length * per_token * arch.num_layers
+    attn_flops = n * arch.num_layers * 4 * heads * dim * length * length / 2  # causal QK^T and PV
+    rate = gemm_rate()
+    rest = best - sum(parts.values())
+    result = {
+        "bench": "prefill_step",
+        "tokens": n * length,
+        "step_s": round(best, 4),
+        "tok_s": round(n * length / best, 1),
+        "parts_ms": {k: round(v * 1e3, 1) for k, v in parts.items()} | {"linears_and_rest": round(rest * 1e3, 1)},
+        "gemm_peak_gflops": round(rate, 1),
+        "linear_gflop": round(linear_flops / 1e9, 1),
+        "attention_gflop": round(attn_flops / 1e9, 1),
+        "floor_s": round((linear_flops + attn_flops) / rate / 1e9, 4),
+        "ceiling_tok_s": round(n * length * rate * 1e9 / (linear_flops + attn_flops), 1),
+    }
+    print(f"step {best * 1e3:.0f} ms ({result['tok_s']} tok/s): " + ", ".join(
+        f"{k} {v} ms" for k, v in result["parts_ms"].items()))
+    print(f"bf16 GEMM peak {rate:.0f} GFLOP/s; linears {result['linear_gflop']} GFLOP + attention "
+          f"{result['attention_gflop']} GFLOP -> floor {result['floor_s'] * 1e3:.0f} ms, "
+          f"ceiling {result['ceiling_tok_s']:.0f} tok/s")
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
