@@ -41,7 +41,6 @@ class DecodeLoop(SchedulerLoop):
         self.prealloc = PreallocQueue(self.kv, self.scheduler, self.dp_sizes)
         self.transfer = TransferQueue()
         self.quarantine = Quarantine(kv_config.quarantine_timeout, self.scheduler.held_pages)
-        self._dirty = False
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -142,12 +141,7 @@ class DecodeLoop(SchedulerLoop):
 
     def step(self):
         outputs = super().step()
-        if not self.scheduler.has_work():
-            if self.has_work():
-                self.wait_on_peers(bool(outputs))
-            elif self._dirty and not outputs:
-                self._dirty = False
-                self.check_integrity()
+        self.idle_tail(outputs)
         return outputs
 
     def _release_aux(self, receiver: KVReceiver) -> None:

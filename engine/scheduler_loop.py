@@ -67,6 +67,7 @@ class SchedulerLoop:
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
         self._idle_sleep = QUEUE_POLL_S[0]
+        self._dirty = False  # PD modes: something ran since the last idle integrity check
 
     # ------------------------------------------------------------- overridables
     def make_scheduler(self) -> Scheduler:
@@ -202,6 +203,17 @@ class SchedulerLoop:
         """Only waiting on peers (bootstrap, transfers): sleep instead of spinning, backing off while idle."""
         self._idle_sleep = QUEUE_POLL_S[0] if progressed else min(self._idle_sleep * 2, QUEUE_POLL_S[1])
         time.sleep(self._idle_sleep)
+
+    def idle_tail(self, outputs: list[TokenOutput]) -> None:
+        """PD modes, after a step with nothing scheduled next: wait on peers (backing off), or once
+        all is quiet after activity, check that every page is accounted for."""
+        if self.scheduler.has_work():
+            return
+        if self.has_work():
+            self.wait_on_peers(bool(outputs))
+        elif self._dirty and not outputs:
+            self._dirty = False
+            self.check_integrity()
 
     def finish_unscheduled(self, req: Req, reason: FinishReason) -> None:
         """End a request the scheduler never held (still queued outside it, e.g. for a PD peer)."""

@@ -65,7 +65,6 @@ class PrefillLoop(SchedulerLoop):
         ).start()
         self.bootstrap_queue = BootstrapQueue(self.kv, self.pool)
         self.inflight = InflightQueue()
-        self._dirty = False  # something ran since the last idle integrity check
 
     def make_scheduler(self) -> Scheduler:
         return PrefillScheduler(self.config, self.pool, self.cache, self._on_prefilled)
@@ -144,12 +143,7 @@ class PrefillLoop(SchedulerLoop):
             sender = self._senders.pop(out.rid, None)
             if sender is not None and not sender.poll().done:
                 sender.abort(f"prefill ended the request: {out.error or out.finish_reason}")
-        if not self.scheduler.has_work():
-            if self.has_work():
-                self.wait_on_peers(bool(outputs))
-            elif self._dirty and not outputs:
-                self._dirty = False
-                self.check_integrity()
+        self.idle_tail(outputs)
         return outputs
 
     def _on_prefilled(self, req: Req) -> None:
