@@ -6,7 +6,9 @@ prefix) through the ModelRunner, times the native kernel calls (prefill
 attention, RMSNorm, rope) and the KV store by wrapping them, and calls the rest
 "linears and the remainder". Then measures this machine's bf16 GEMM rate on a
 4096^3 product and prints the step's linear FLOPs at that rate: no engine
-running these weights can take less. Ends with one JSON line.
+running these weights can take less. Last, the native prefill attention
+against PyTorch's CPU flash attention (``scaled_dot_product_attention``) on
+one ``--prompt-len`` sequence of the model's shape. Ends with one JSON line.
 
     .venv/bin/python scripts/profile_prefill_step.py [--threads 2] [--num-prompts 4] [--prompt-len 512]
 """
@@ -41,6 +43,32 @@ def gemm_rate(n: int = 4096) -> float:
             call()
             best = min(best, time.perf_counter() - t)
     return 2 * n**3 / best / 1e9
+
+
+def attention_vs_sdpa(native, heads: int, kv_heads: int, dim: int, length: int) -> tuple[float, float]:
+    """Seconds per call: native prefill attention, and causal SDPA (GQA), on the same bf16 q/k/v."""
+    import torch.nn.functional as F
+
+    qkv = torch.randn(length, heads + 2 * kv_heads, dim).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    out = torch.empty(length, heads * dim, dtype=torch.bfloat16)
+    calls = (
+        lambda: native.prefill_attention(q, k, v, out, dim**-0.5),
+        lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], is_causal=True, scale=dim**-0.5,
+                                               enable_gqa=True),
+    )
+    times = []
+    for call in calls:
+        call()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(10):
+                call()
+            best = min(best, (time.perf_counter() - t) / 10)
+        times.append(best)
+    return times[0], times[1]
 
 
 def main() -> None:
@@ -116,6 +144,13 @@ def main() -> None:
     print(f"bf16 GEMM peak {rate:.0f} GFLOP/s; linears {result['linear_gflop']} GFLOP + attention "
           f"{result['attention_gflop']} GFLOP -> floor {result['floor_s'] * 1e3:.0f} ms, "
           f"ceiling {result['ceiling_tok_s']:.0f} tok/s")
+    if native is not None and native.supports_prefill(torch.bfloat16, dim):
+        t_native, t_sdpa = attention_vs_sdpa(native, heads, kvh, dim, length)
+        result["attention_native_ms"] = round(t_native * 1e3, 3)
+        result["attention_sdpa_ms"] = round(t_sdpa * 1e3, 3)
+        result["attention_speedup"] = round(t_sdpa / t_native, 2)
+        print(f"one {length}-token sequence, {heads}/{kvh} heads: native prefill attention {t_native * 1e3:.2f} ms, "
+              f"SDPA {t_sdpa * 1e3:.2f} ms ({result['attention_speedup']}x)")
     print(json.dumps(result), flush=True)
 
 
