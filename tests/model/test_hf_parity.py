@@ -103,6 +103,27 @@ def test_tiny_random_checkpoint_fp32_token_identical(kind, tmp_path):
     assert len({t for seq in ours for t in seq}) > 10  # not a degenerate constant output
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+def test_tiny_random_checkpoint_bf16_differs_only_at_near_ties(kind, tmp_path):
+    # bf16 runs the native RMSNorm and rope (after Qwen3's q/k norm, with Qwen2's q/k/v bias)
+    from transformers import AutoModelForCausalLM
+
+    make_tiny_checkpoint(kind, str(tmp_path))
+    runner = runner_for("bfloat16", str(tmp_path))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 23, 40)]
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    hf_runs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    ours, our_logits = greedy_generate(runner, prompts, NEW_TOKENS, forced=[t for t, _ in hf_runs])
+    differ = 0
+    for (want, hf_logits), got, logits in zip(hf_runs, ours, our_logits):
+        for t, (a, b) in enumerate(zip(got, want)):
+            if a != b:
+                differ += 1
+                assert b in logits[t].topk(3).indices.tolist() and a in hf_logits[t].topk(3).indices.tolist()
+    assert differ <= len(prompts) * NEW_TOKENS // 4
+
+
 def test_unknown_model_path_is_value_error_naming_it(tmp_path):
     missing = str(tmp_path / "no_such_model")
     with pytest.raises(ValueError, match="model_path.*no_such_model"):
