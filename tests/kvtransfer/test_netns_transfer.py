@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
 from test_two_process_transfer import NUM_PAGES, Pair
 
 pytestmark = pytest.mark.timeout(150)
@@ -15,25 +16,11 @@ pytestmark = pytest.mark.timeout(150)
 P_ADDR, D_ADDR = "198.51.100.1", "198.51.100.2"  # documentation range (RFC 5737)
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-
-def tx_bytes(ns: str, dev: str) -> int:
-    out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
-                         check=True, capture_output=True, text=True, timeout=10)
-    return int(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def netns():
     tag = f"{os.getpid() % 100000}"
     ns_p, ns_d, dev_p, dev_d = f"pdkv-p{tag}", f"pdkv-d{tag}", f"pdkvp{tag}", f"pdkvd{tag}"
-    try:
-        ip("netns", "add", ns_p)
-    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError) as e:
-        reason = getattr(e, "stderr", "") or str(e)
-        pytest.skip(f"`ip netns add` not permitted here: {reason.strip()}")
+    add_netns_or_skip(ns_p)
     try:
         ip("netns", "add", ns_d)
         ip("link", "add", dev_p, "type", "veth", "peer", "name", dev_d)
@@ -45,8 +32,7 @@ def netns():
         yield ns_p, ns_d, dev_p
     finally:
         # deleting a namespace deletes the veth end inside it, and with it the pair
-        for ns in (ns_p, ns_d):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        del_netns(ns_p, ns_d)
         subprocess.run(["ip", "link", "del", dev_p], capture_output=True, timeout=10)
 
 

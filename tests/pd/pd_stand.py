@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import requests
+from stand_util import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
@@ -90,17 +91,8 @@ class Server(Proc):
         return f"http://{self.host}:{self.port}"
 
     def wait_ready(self, timeout: float = 300.0) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{self.name} not ready within {timeout} s:\n{self.log()}")
+        wait_healthy(self.url, self.proc, self.name, self.log, timeout)
+        return self
 
     def post(self, path: str, body: dict, timeout: float = 120, **kw) -> requests.Response:
         return requests.post(self.url + path, json=body, timeout=timeout, **kw)

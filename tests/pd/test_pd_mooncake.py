@@ -10,7 +10,6 @@ integrity checks passed).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import subprocess
 import sys
 import time
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+from netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
 from pd_stand import Proc, Server, greedy_body, prompt_ids
 
 pytestmark = pytest.mark.timeout(400)
@@ -23,25 +24,12 @@ NET = "198.51.100"
 ADDRS = {"p": f"{NET}.11", "d": f"{NET}.12", "r": f"{NET}.13"}
 
 
-def ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=10)
-
-
-def tx_bytes(ns: str, dev: str) -> int:
-    out = subprocess.run(["ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/statistics/tx_bytes"],
-                         check=True, capture_output=True, text=True, timeout=10)
-    return int(out.stdout)
-
-
 @pytest.fixture(scope="module")
 def netns():
     tag = f"{os.getpid() % 100000}"
     hub = f"pdpd-hub{tag}"
     names = {k: f"pdpd-{k}{tag}" for k in ADDRS}
-    try:
-        ip("netns", "add", hub)
-    except (subprocess.CalledProcessError, FileNotFoundError, PermissionError) as e:
-        pytest.skip(f"`ip netns add` not permitted here: {(getattr(e, 'stderr', '') or str(e)).strip()}")
+    add_netns_or_skip(hub)
     try:
         ip("-n", hub, "link", "add", "br0", "type", "bridge")
         ip("-n", hub, "link", "set", "br0", "up")
@@ -58,8 +46,7 @@ def netns():
             ip("-n", ns, "link", "set", "lo", "up")
         yield names
     finally:
-        for ns in [*names.values(), hub]:  # deleting a namespace deletes the veth ends inside it
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        del_netns(*names.values(), hub)
 
 
 def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 
-import requests
 from pd_stand import Proc, Server
+from stand_util import wait_healthy
 
 _handed_out: set[int] = set()
 
@@ -41,17 +40,9 @@ class Router(Proc):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 30.0, headers: dict | None = None) -> "Router":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"{self.name} not up:\n{self.log()}")
+    def wait_ready(self, timeout: float = 30.0) -> "Router":
+        wait_healthy(self.url, self.proc, self.name, self.log, timeout, period=0.2)
+        return self
 
 
 def group_pids(pgid: int) -> list[int]:

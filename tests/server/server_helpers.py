@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import requests
+from stand_util import wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI
@@ -68,18 +69,12 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise TimeoutError(f"server not ready within {timeout} s:\n{self.log()}")
+        try:
+            wait_healthy(self.url, self.proc, "server", self.log, timeout)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def get(self, path: str, **kw) -> requests.Response:
         return requests.get(self.url + path, headers=self.headers, timeout=60, **kw)
