@@ -65,15 +65,9 @@ def test_default_model_fp32_token_identical_to_transformers(hf_dir):
     assert "Paris" in runner.tokenizer.decode(ours[0])
 
 
-def test_default_model_bf16_differs_only_at_near_ties(hf_dir):
-    from transformers import LlamaForCausalLM
-
-    runner = runner_for("bfloat16")
-    assert runner.dtype == torch.bfloat16
-    prompts = chat_prompts(runner.tokenizer)
-    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
-    hf_runs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    # teacher-force our runner along transformers' path, so every position compares like with like
+def assert_only_near_ties(runner, prompts, hf_runs) -> None:
+    """Teacher-force ``runner`` along transformers' greedy path, so every position compares like with
+    like; where the two pick different tokens, each one's pick is in the other's top-3."""
     ours, our_logits = greedy_generate(runner, prompts, NEW_TOKENS, forced=[t for t, _ in hf_runs])
     differ = 0
     for (want, hf_logits), got, logits in zip(hf_runs, ours, our_logits):
@@ -83,6 +77,17 @@ def test_default_model_bf16_differs_only_at_near_ties(hf_dir):
                 assert b in logits[t].topk(3).indices.tolist(), f"step {t}: transformers' {b} not in our top-3"
                 assert a in hf_logits[t].topk(3).indices.tolist(), f"step {t}: our {a} not in transformers' top-3"
     assert differ <= len(prompts) * NEW_TOKENS // 4  # near-ties are the exception, not the rule
+
+
+def test_default_model_bf16_differs_only_at_near_ties(hf_dir):
+    from transformers import LlamaForCausalLM
+
+    runner = runner_for("bfloat16")
+    assert runner.dtype == torch.bfloat16
+    prompts = chat_prompts(runner.tokenizer)
+    hf = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).eval()
+    hf_runs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    assert_only_near_ties(runner, prompts, hf_runs)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
@@ -114,14 +119,7 @@ def test_tiny_random_checkpoint_bf16_differs_only_at_near_ties(kind, tmp_path):
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 23, 40)]
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
     hf_runs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
-    ours, our_logits = greedy_generate(runner, prompts, NEW_TOKENS, forced=[t for t, _ in hf_runs])
-    differ = 0
-    for (want, hf_logits), got, logits in zip(hf_runs, ours, our_logits):
-        for t, (a, b) in enumerate(zip(got, want)):
-            if a != b:
-                differ += 1
-                assert b in logits[t].topk(3).indices.tolist() and a in hf_logits[t].topk(3).indices.tolist()
-    assert differ <= len(prompts) * NEW_TOKENS // 4
+    assert_only_near_ties(runner, prompts, hf_runs)
 
 
 def test_unknown_model_path_is_value_error_naming_it(tmp_path):
