@@ -192,27 +192,26 @@ def _build() -> str:
     return lib_path
 
 
+_P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
 class NativeKernels:
     def __init__(self, lib_path: str):
         self.lib = ctypes.CDLL(lib_path)
-        args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 5 + [ctypes.c_float]
+        decode_args = [_P, _I64, _P, _P, _P, _I64, _P, _P] + [_I32] * 5 + [_F]
         self._decode = {}  # (dtype, head_dim or None for any) -> function
         for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
             for dim, suffix in ((None, ""), (64, "_d64"), (128, "_d128")):
-                fn = getattr(self.lib, f"decode_attn_{tname}{suffix}")
-                fn.argtypes, fn.restype = args, ctypes.c_int
-                self._decode[(dtype, dim)] = fn
-        self._prefill = self.lib.prefill_attn_bf16
-        self._prefill.argtypes = [ctypes.c_void_p, ctypes.c_int64] * 4 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float]
-        self._prefill.restype = ctypes.c_int
+                self._decode[(dtype, dim)] = self._bind(f"decode_attn_{tname}{suffix}", decode_args)
+        self._prefill = self._bind("prefill_attn_bf16", [_P, _I64] * 3 + [_P, _P, _I64, _P, _P] + [_I32] * 5 + [_F])
         self.has_prefill = bool(self.lib.prefill_attn_supported())
-        self._rms_norm = self.lib.rms_norm_bf16
-        self._rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                   ctypes.c_int, ctypes.c_int, ctypes.c_float]
-        self._rope = self.lib.rope_bf16
-        self._rope.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
-        self._rms_norm.restype = self._rope.restype = ctypes.c_int
+        self._rms_norm = self._bind("rms_norm_bf16", [_P, _I64, _P, _P, _I64, _I32, _I32, _F])
+        self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
+
+    def _bind(self, name: str, argtypes: list) -> ctypes._CFuncPtr:
+        fn = getattr(self.lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        return fn
 
     def supports(self, dtype: torch.dtype, group: int, head_dim: int) -> bool:
         return (dtype, None) in self._decode and group <= 32 and head_dim <= 256
@@ -221,23 +220,28 @@ class NativeKernels:
         return self.has_prefill and dtype == torch.bfloat16 and head_dim in (64, 128)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                          scale: float) -> None:
+                          scale: float, key_rows: torch.Tensor | None = None) -> None:
         """Causal attention of ``n`` new tokens over ``Lk >= n`` keys (the first ``Lk - n`` a cached
         prefix), written into ``out``. bf16 only (``supports_prefill``).
 
-        q: [n, H, D]; k, v: [Lk, KVH, D]; out: [n, H * D]. Token strides are free; heads and
-        dims must be contiguous.
+        q: [n, H, D]; k, v: [Lk, KVH, D], or with ``key_rows`` ([Lk] int64: key j is row
+        ``key_rows[j]``) any rows, e.g. the page pool's slots read in place; out: [n, H * D].
+        Token strides are free; heads and dims must be contiguous.
         """
         n, num_heads, dim = q.shape
-        keys, kv_heads, _ = k.shape
+        kv_heads = k.shape[1]
+        keys = k.shape[0] if key_rows is None else key_rows.numel()
+        if key_rows is not None:
+            assert key_rows.dtype == torch.int64 and key_rows.is_contiguous()
         for name, t in (("q", q), ("k", k), ("v", v)):
             assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == dim, f"{name}: bf16, heads/dims contiguous"
-        assert v.shape == k.shape and out.shape == (n, num_heads * dim) and out.stride(1) == 1 and out.dtype == q.dtype
+        assert v.shape == k.shape and keys >= n and out.shape == (n, num_heads * dim) and out.stride(1) == 1 and out.dtype == q.dtype
         padded = -(-keys // 64) * 64
         scratch = torch.empty(2, kv_heads * padded * dim, dtype=torch.bfloat16)
         rc = self._prefill(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), out.data_ptr(),
-            out.stride(0), scratch[0].data_ptr(), scratch[1].data_ptr(), n, keys, num_heads, kv_heads, dim, scale,
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            None if key_rows is None else key_rows.data_ptr(), out.data_ptr(), out.stride(0),
+            scratch[0].data_ptr(), scratch[1].data_ptr(), n, keys, num_heads, kv_heads, dim, scale,
         )
         if rc != 0:
             raise RuntimeError(f"native prefill attention failed with code {rc}")

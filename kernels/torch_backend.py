@@ -73,9 +73,10 @@ class TorchAttentionBackend(AttentionBackend):
                 slots = mask = None
                 if prefix > 0:
                     slots = slots_of(batch.page_table[i], seq, page_size)
-                    # query j sits at position prefix + j and sees keys 0..prefix + j
-                    q_pos = torch.arange(prefix, seq, device=device)[:, None]
-                    mask = torch.arange(seq, device=device)[None, :] <= q_pos
+                    if not self.native_prefill:  # the native kernel aligns the diagonal itself
+                        # query j sits at position prefix + j and sees keys 0..prefix + j
+                        q_pos = torch.arange(prefix, seq, device=device)[:, None]
+                        mask = torch.arange(seq, device=device)[None, :] <= q_pos
                 self.prefills.append(_PrefillMeta(start, start + ext, slots, mask))
             start += ext
         self.num_tokens = start
@@ -109,10 +110,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[dec.rows] = self._decode(q[dec.rows], k_cache, v_cache, dec)
         for p in self.prefills:
             if self.native_prefill:
-                keys, values = k[p.start : p.end], v[p.start : p.end]
-                if p.slots is not None:
-                    keys, values = gather_slots(k_cache, p.slots), gather_slots(v_cache, p.slots)
-                self.native.prefill_attention(q[p.start : p.end], keys, values, out[p.start : p.end], self.scale)
+                if p.slots is None:  # no prefix: the new K/V as they are
+                    keys, values = k[p.start : p.end], v[p.start : p.end]
+                else:  # with one: every key read in place from its slot in the pool
+                    keys, values = self.page_pool.k_slots(layer), self.page_pool.v_slots(layer)
+                self.native.prefill_attention(q[p.start : p.end], keys, values, out[p.start : p.end], self.scale,
+                                              key_rows=p.slots)
                 continue
             out[p.start : p.end] = self._prefill(q[p.start : p.end], k[p.start : p.end], v[p.start : p.end],
                                                  k_cache, v_cache, p)

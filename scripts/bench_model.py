@@ -24,6 +24,17 @@ from pdserve.engine.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_runner import ModelRunner
 
 
+def prefill_batch(prompts: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor) -> ForwardBatch:
+    """One step prefilling every prompt of ``prompts`` [bs, plen] (no prefix) into its pages:
+    ``page_table`` [bs, P] int32, ``slots`` [bs, >= plen] the slots of each sequence in order."""
+    bs, plen = prompts.shape
+    return ForwardBatch(
+        input_ids=prompts.reshape(-1), positions=torch.arange(plen).repeat(bs),
+        out_cache_loc=slots[:, :plen].reshape(-1), page_table=page_table,
+        logits_indices=torch.arange(bs) * plen + plen - 1, extend_lens=[plen] * bs, seq_lens=[plen] * bs,
+    )
+
+
 def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -> tuple[float, ...]:
     """Greedy: one prefill step for all prompts, then ``new_tokens - 1`` decode steps.
     Returns wall seconds of (prefill, decode), then CPU seconds of (prefill, decode)."""
@@ -36,12 +47,7 @@ def ours_generate(runner: ModelRunner, prompts: torch.Tensor, new_tokens: int) -
         page_table = torch.tensor(pages, dtype=torch.int32)
         slots = (page_table.long()[:, :, None] * ps + torch.arange(ps)).reshape(bs, -1)  # [bs, total slots]
         t0, c0 = time.perf_counter(), time.process_time()
-        batch = ForwardBatch(
-            input_ids=prompts.reshape(-1), positions=torch.arange(plen).repeat(bs),
-            out_cache_loc=slots[:, :plen].reshape(-1), page_table=page_table,
-            logits_indices=torch.arange(bs) * plen + plen - 1, extend_lens=[plen] * bs, seq_lens=[plen] * bs,
-        )
-        nxt = runner.forward(batch).argmax(-1)
+        nxt = runner.forward(prefill_batch(prompts, page_table, slots)).argmax(-1)
         t1, c1 = time.perf_counter(), time.process_time()
         for step in range(new_tokens - 1):
             pos = plen + step

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,16 +35,12 @@ from pathlib import Path
 
 import requests
 
+from pdserve.engine.launch import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1K = 1.10
 # SmolLM2-135M KV per token in bf16: 30 layers x K/V x 3 kv heads x 64 dims x 2 bytes
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,9 @@ import time
 
 import aiohttp
 
+from pdserve.engine.launch import free_port
+
 PY = sys.executable
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(args: list[str], log: str) -> subprocess.Popen:

@@ -18,13 +18,18 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
+import sys
 import time
 
 import torch
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.model_runner import ModelRunner
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
+
+from bench_model import prefill_batch  # noqa: E402
+
+from pdserve.engine.config import EngineConfig  # noqa: E402
+from pdserve.engine.model_runner import ModelRunner  # noqa: E402
 
 
 def gemm_rate(n: int = 4096) -> float:
@@ -84,12 +89,8 @@ def main() -> None:
     ps = runner.page_pool.page_size
     pages = torch.tensor([runner.page_pool.alloc(runner.page_pool.pages_for(length)) for _ in range(n)],
                          dtype=torch.int32)
-    slots = (pages.long()[:, :, None] * ps + torch.arange(ps)).reshape(n, -1)[:, :length].reshape(-1)
-    batch = ForwardBatch(
-        input_ids=torch.randint(1000, 40000, (n * length,)), positions=torch.arange(length).repeat(n),
-        out_cache_loc=slots, page_table=pages, logits_indices=torch.arange(length - 1, n * length, length),
-        extend_lens=[length] * n, seq_lens=[length] * n,
-    )
+    slots = (pages.long()[:, :, None] * ps + torch.arange(ps)).reshape(n, -1)
+    batch = prefill_batch(torch.randint(1000, 40000, (n, length)), pages, slots)
     spent: collections.Counter[str] = collections.Counter()
 
     def timed(obj, name: str, label: str) -> None:

@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+
+from pdserve.engine.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("completed", "error", "disconnected", "hung")
@@ -211,13 +212,11 @@ def pages_free(url: str, headers: dict | None = None, timeout: float = 30.0) -> 
 
 # ------------------------------------------------------------------------------------- cluster
 def _free_port(used: set[int]) -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p not in used:
-            used.add(p)
-            return p
+    """A free port not in ``used`` (then added to it)."""
+    while (p := free_port()) in used:
+        pass
+    used.add(p)
+    return p
 
 
 class Proc:

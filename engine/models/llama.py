@@ -181,7 +181,7 @@ class LlamaForCausalLM:
                 h = lp.binary(act, h, layer.down_w, None, "add")
             else:
                 h = h + F.linear(o, layer.o_w)
-                x = _rms_norm(h, layer.post_norm, eps)
+                x = norm(h, layer.post_norm)
                 gu = F.linear(x, layer.gate_up_w)  # [T, 2 * inter]
                 h = h + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w)
         # h: [num_sampled, hidden]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 import requests
 from stand_util import wait_healthy
 
+from pdserve.engine.launch import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64", "--num-threads", "1", "--log-level", "warning"]
@@ -22,12 +23,6 @@ FAST_KV = ["--disaggregation-heartbeat-interval", "1.0", "--disaggregation-heart
            "--disaggregation-bootstrap-timeout", "4", "--disaggregation-waiting-timeout", "20",
            # a failed room's pages come back within the tests' unleaked waits when its prefill was killed
            "--disaggregation-quarantine-timeout", "5"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
@@ -50,13 +45,18 @@ class Proc:
     def log(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
 
-    def kill(self, sig=signal.SIGKILL) -> None:
-        """Signal the whole process group (the server and its scheduler ranks)."""
+    def send(self, sig) -> None:
+        """Signal the whole process group (the server and its scheduler ranks), without waiting."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        """Signal the whole process group and wait for it to exit (SIGKILL after 10 s)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.send(sig)
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:

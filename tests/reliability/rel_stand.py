@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
-from pd_stand import Proc, Server
+from pd_stand import Proc, Server, free_port
 from stand_util import wait_healthy
 
 _handed_out: set[int] = set()
@@ -14,13 +13,10 @@ _handed_out: set[int] = set()
 
 def unique_port() -> int:
     """A free port never returned before in this process."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
+    while (port := free_port()) in _handed_out:
+        pass
+    _handed_out.add(port)
+    return port
 
 
 class Router(Proc):

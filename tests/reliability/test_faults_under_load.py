@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import signal
 import sys
 import time
@@ -39,15 +38,6 @@ KV = ["--max-total-tokens", "1536", "--disaggregation-bootstrap-timeout", "60",
 LOAD_S = 34.0  # the faults end at ~26 s: the load outlasts them, so completions after the kills count
 
 
-def _signal(p, sig) -> None:
-    """Signal a server's whole process group without waiting for it."""
-    if p.proc is not None and p.proc.poll() is None:
-        try:
-            os.killpg(p.proc.pid, sig)
-        except ProcessLookupError:
-            pass
-
-
 @pytest.fixture(scope="module")
 def pd22():
     ps = [Server(f"rel-f-P{i}", "prefill", *KV) for i in range(2)]
@@ -62,7 +52,7 @@ def pd22():
     finally:
         for s in [r, *ps, *ds]:
             if s is not None:
-                _signal(s, signal.SIGCONT)
+                s.send(signal.SIGCONT)
                 s.stop()
 
 
@@ -77,9 +67,9 @@ def test_faults_under_load_every_request_accounted_for(pd22):
     async def faults():
         await asyncio.sleep(4)
         mark("SIGSTOP P2")
-        _signal(P2, signal.SIGSTOP)  # (Proc.kill would wait for an exit, then SIGKILL)
+        P2.send(signal.SIGSTOP)  # (Proc.kill would wait for an exit, then SIGKILL)
         await asyncio.sleep(5)  # past the 3 s heartbeat window
-        _signal(P2, signal.SIGCONT)
+        P2.send(signal.SIGCONT)
         mark("SIGCONT P2")
         assert P2.proc.poll() is None, "P2 died of the SIGSTOP"
         await asyncio.sleep(4)

@@ -7,13 +7,13 @@ This also shows that the stand-ins behave like SGLang servers to sglang-router
 
 import asyncio
 import importlib.util
-import socket
 import subprocess
 import sys
 
 import aiohttp
 import pytest
 
+from pdserve.engine.launch import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
 from pdserve.router.standin_worker import StandinWorker
@@ -32,12 +32,6 @@ REQUESTS = [
 ROOM_FREE = ("bootstrap_room",)
 # sglang-router re-serialises chat requests with OpenAI's newer name for the limit
 RENAMED = {"max_tokens": "max_completion_tokens"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def normalise(answer: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,13 @@ from pathlib import Path
 import requests
 from stand_util import wait_healthy
 
+from pdserve.engine.launch import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI
 # One torch thread per rank: on a shared 2-core machine several OpenMP threads per process stall on each
 # other's barriers (10x slower decode measured under load); the reference engine uses one as well.
 TEST_NUM_THREADS = 1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> list[int]:
