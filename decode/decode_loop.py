@@ -26,8 +26,8 @@ from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.decode.quarantine import Quarantine
 from pdserve.decode.transfer_queue import TransferQueue
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import FinishReason, Req
-from pdserve.engine.scheduler_loop import SchedulerLoop
+from pdserve.engine.sched.request import FinishReason, Req
+from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
 
 logger = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
-from pdserve.engine.request import Req, ReqStatus
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.sched.request import Req, ReqStatus
+from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferError
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.request import Req
+from pdserve.engine.sched.request import Req
 from pdserve.kvtransfer import KVReceiver
 
 

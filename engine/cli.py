@@ -2,7 +2,7 @@
 
 ``pdserve serve [flags]``  engine server (this package; ``python -m pdserve.engine`` is the same)
 ``pdserve router [flags]`` the router (``pdserve.router.cli``)
-``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.launch``)
+``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.cluster``)
 
 The flags of ``serve`` are built from the fields of ``EngineConfig`` and
 ``ServerConfig``: names, types and defaults come from the dataclasses.
@@ -84,7 +84,7 @@ def serve_main(argv: list[str]) -> int:
     except (ValueError, NotImplementedError) as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
-    from pdserve.engine.launcher import run_server
+    from pdserve.engine.serve import run_server
 
     return run_server(config)
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return router_main(rest) or 0
     if command == "launch":
-        from pdserve.engine.launch import launch_main
+        from pdserve.engine.cluster import launch_main
 
         return launch_main(rest)
     print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)

@@ -13,8 +13,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.sched.page_pool import PagePool
 
 
 class AttentionBackend(ABC):

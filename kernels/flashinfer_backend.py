@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.kv_ops import store_kv
 

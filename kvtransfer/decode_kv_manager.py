@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.aux_pool import AuxPool
 from pdserve.kvtransfer.config import KVTransferConfig

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.kv_poll import KVPoll

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
 from pdserve.kvtransfer.config import KVTransferConfig

@@ -3,7 +3,7 @@ until the transfer ends (the transfer threads read them)."""
 
 from __future__ import annotations
 
-from pdserve.engine.request import Req
+from pdserve.engine.sched.request import Req
 from pdserve.kvtransfer import KVSender
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 from typing import Callable
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.request import FinishReason, Req, ReqStatus
-from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.scheduler_loop import SchedulerLoop
+from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.scheduler import Scheduler
+from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer import AuxData, KVPoll, KVSender, KVTransferConfig, PrefillKVManager
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
 from pdserve.prefill.inflight_queue import InflightQueue

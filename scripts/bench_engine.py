@@ -203,7 +203,7 @@ class ServerSide:
 
 
 def export_hf(model_path: str | None, out_dir: str) -> tuple[int, object]:
-    from pdserve.engine.model_loader import load_model, save_hf_checkpoint
+    from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
 
     arch, weights, _ = load_model(model_path)
     save_hf_checkpoint(arch, weights, out_dir)

@@ -34,7 +34,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer import (
     AuxData,
     BootstrapServer,

@@ -19,9 +19,9 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.model_loader import load_model, save_hf_checkpoint
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_executor.model_runner import ModelRunner
 
 
 def prefill_batch(prompts: torch.Tensor, page_table: torch.Tensor, slots: torch.Tensor) -> ForwardBatch:

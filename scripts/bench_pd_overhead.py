@@ -35,7 +35,7 @@ from pathlib import Path
 
 import requests
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1K = 1.10

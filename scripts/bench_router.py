@@ -33,7 +33,7 @@ import time
 
 import aiohttp
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 
 PY = sys.executable
 

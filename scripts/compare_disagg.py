@@ -45,7 +45,7 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.launch import (  # noqa: E402
+from pdserve.engine.cluster import (  # noqa: E402
     Cluster, LaunchConfig, _alive_in_group, _get_json, _set_parent_death_signal, free_port, log_tail,
 )
 
@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="pdserve-compare-")
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_executor.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path)
     cores = len(os.sched_getaffinity(0))

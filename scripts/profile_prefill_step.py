@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 from bench_model import prefill_batch  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.model_runner import ModelRunner  # noqa: E402
+from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 
 
 def gemm_rate(n: int = 4096) -> float:

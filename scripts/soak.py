@@ -39,7 +39,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("completed", "error", "disconnected", "hung")

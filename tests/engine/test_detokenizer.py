@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.detokenizer import Detokenizer, IncrementalDecoder
-from pdserve.engine.request import Req
+from pdserve.engine.frontend.detokenizer import Detokenizer, IncrementalDecoder
+from pdserve.engine.sched.request import Req
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop_checker import StopChecker
-from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.engine.sched.stop_checker import StopChecker
+from pdserve.engine.model_executor.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

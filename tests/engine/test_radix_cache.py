@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.page_pool import PagePool
-from pdserve.engine.radix_cache import NoPrefixCache, RadixCache
+from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.sched.radix_cache import NoPrefixCache, RadixCache
 
 PS = 4
 

@@ -13,13 +13,13 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.batch_builder import build_forward_batch
+from pdserve.engine.sched.batch_builder import build_forward_batch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.page_pool import PagePool
-from pdserve.engine.radix_cache import make_prefix_cache
-from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import ForwardMode, SampleOutput, Scheduler
+from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, Scheduler
 
 VOCAB = 1000
 PS = 4
@@ -345,7 +345,7 @@ def test_decode_mode_request_arrives_with_kv_and_first_token():
 
 
 def test_prompt_logprob_rows_cover_each_position_once_across_chunks():
-    from pdserve.engine.batch_builder import input_logprob_rows
+    from pdserve.engine.sched.batch_builder import input_logprob_rows
 
     sched, model = make(chunked_prefill_size=8)
     prompt = list(range(200, 220))

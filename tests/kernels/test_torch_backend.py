@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kernels.attention_backend import attention_backend_names, create_attention_backend
 from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.kv_ops import gather_pages, slots_of, store_kv

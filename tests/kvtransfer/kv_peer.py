@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer import (
     AuxData,
     BootstrapServer,

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from pdserve.engine.launch import LaunchConfig, parse_launch_args, plan, split_cpus
+from pdserve.engine.cluster import LaunchConfig, parse_launch_args, plan, split_cpus
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
 
@@ -193,7 +193,7 @@ def test_cpu_split_and_plan():
 def test_children_get_sigterm_when_the_launcher_is_killed():
     code = (
         "import signal, subprocess, time\n"
-        "from pdserve.engine.launch import _set_parent_death_signal\n"
+        "from pdserve.engine.cluster import _set_parent_death_signal\n"
         "p = subprocess.Popen(['sleep', '60'], start_new_session=True,\n"
         "                     preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))\n"
         "print(p.pid, flush=True)\n"

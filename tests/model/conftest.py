@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
 
 
 def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list[list[int]] | None = None):

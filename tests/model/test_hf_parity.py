@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_loader import load_model, save_hf_checkpoint
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_executor.model_runner import ModelRunner
 
 from conftest import greedy_generate, hf_greedy, make_tiny_checkpoint  # noqa: E402  (tests/model has no package)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_runner import ModelRunner
 
 from conftest import make_tiny_checkpoint  # noqa: E402
 
@@ -72,10 +72,10 @@ def test_chunked_prefill_and_mixed_batch_give_the_simple_path_logits(runner):
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3"])  # q/k/v bias and q/k norm through the packed path
 def test_prepacked_bf16_linears_match_plain_ones(kind, tmp_path):
-    from pdserve.engine.model_loader import load_model
-    from pdserve.engine.model_runner import cpu_supports_bf16
-    from pdserve.engine.models.llama import LlamaForCausalLM, can_prepack
-    from pdserve.engine.page_pool import PagePool
+    from pdserve.engine.model_executor.model_loader import load_model
+    from pdserve.engine.model_executor.model_runner import cpu_supports_bf16
+    from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+    from pdserve.engine.sched.page_pool import PagePool
     from pdserve.kernels.torch_backend import TorchAttentionBackend
 
     if not can_prepack(torch.bfloat16, torch.device("cpu"), cpu_supports_bf16()):

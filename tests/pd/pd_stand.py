@@ -14,7 +14,7 @@ from pathlib import Path
 import requests
 from stand_util import wait_healthy
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply

@@ -13,7 +13,7 @@ import sys
 import aiohttp
 import pytest
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
 from pdserve.router.standin_worker import StandinWorker

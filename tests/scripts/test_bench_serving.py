@@ -46,7 +46,7 @@ METRIC_KEYS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_executor.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import requests
 from stand_util import wait_healthy
 
-from pdserve.engine.launch import free_port
+from pdserve.engine.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI

@@ -12,7 +12,7 @@ import pytest
 from pdserve.engine.cli import build_serve_parser, main, parse_serve_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
-from pdserve.engine.protocol import (
+from pdserve.engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.sched.scheduler import ScheduledBatch
 
 
 def input_logprob_rows(batch: ScheduledBatch) -> list[tuple[int, int, int]]:

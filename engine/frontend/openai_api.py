@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from pdserve.engine.seq_state import Delta, SeqState
+from pdserve.engine.frontend.seq_state import Delta, SeqState
 
 SSE_DONE = b"data: [DONE]\n\n"
 _json = msgspec.json.Encoder()

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.model_config import ModelArch
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import native_kernels
 

@@ -25,13 +25,13 @@ import time
 
 import torch
 
-from pdserve.engine.batch_builder import build_forward_batch, input_logprob_rows
+from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
-from pdserve.engine.radix_cache import make_prefix_cache
-from pdserve.engine.request import FinishReason, Req, ReqStatus
-from pdserve.engine.scheduler import SampleOutput, ScheduledBatch, Scheduler
-from pdserve.engine.stop_checker import StopChecker
+from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler
+from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
     SamplingTensors,
     apply_penalties,
@@ -50,7 +50,7 @@ QUEUE_POLL_S = (0.0005, 0.004)
 class SchedulerLoop:
     def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None):
         if runner is None:
-            from pdserve.engine.model_runner import ModelRunner
+            from pdserve.engine.model_executor.model_runner import ModelRunner
 
             runner = ModelRunner(config)
         self.config = config

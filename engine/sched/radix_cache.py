@@ -20,7 +20,7 @@ import heapq
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from pdserve.engine.page_pool import PagePool
+from pdserve.engine.sched.page_pool import PagePool
 
 
 class PrefixCache(ABC):

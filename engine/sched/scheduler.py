@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.page_pool import PagePool
-from pdserve.engine.radix_cache import PrefixCache
-from pdserve.engine.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.sched.radix_cache import PrefixCache
+from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 
 StopCheck = Callable[[Req], "FinishReason | None"]
 

@@ -13,12 +13,12 @@ import torch
 
 from pdserve.engine import env
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.forward_batch import ForwardBatch
-from pdserve.engine.model_config import ModelArch
-from pdserve.engine.model_loader import load_model
-from pdserve.engine.models.llama import LlamaForCausalLM, can_prepack
-from pdserve.engine.page_pool import PagePool
-from pdserve.engine.tokenizer import load_tokenizer_from_source
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_config import ModelArch
+from pdserve.engine.model_executor.model_loader import load_model
+from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.model_executor.tokenizer import load_tokenizer_from_source
 from pdserve.kernels.attention_backend import create_attention_backend
 
 logger = logging.getLogger(__name__)

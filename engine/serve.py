@@ -21,11 +21,11 @@ import uvloop
 from aiohttp import web
 
 from pdserve.engine import env
-from pdserve.engine.http_server import build_app
-from pdserve.engine.metrics import ServerMetrics
-from pdserve.engine.scheduler_process import run_scheduler_process
+from pdserve.engine.frontend.http_server import build_app
+from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.sched.scheduler_process import run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
-from pdserve.engine.tokenizer_manager import RankFailed, TokenizerManager
+from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
 
 logger = logging.getLogger("pdserve.server")
 
@@ -76,7 +76,7 @@ def stop_ranks(procs: list[mp.Process]) -> None:
 
 
 async def serve(config: ServerConfig) -> int:
-    from pdserve.engine.tokenizer import load_tokenizer
+    from pdserve.engine.model_executor.tokenizer import load_tokenizer
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

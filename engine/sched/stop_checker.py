@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pdserve.engine.detokenizer import IncrementalDecoder
-from pdserve.engine.request import FinishReason, Req
+from pdserve.engine.frontend.detokenizer import IncrementalDecoder
+from pdserve.engine.sched.request import FinishReason, Req
 
 
 class StopChecker:

@@ -30,10 +30,10 @@ from typing import Any, AsyncIterator, Callable, Iterator
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.frontend.detokenizer import Detokenizer
 from pdserve.engine.messages import TokenizedGenerateReq, TokenOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler_loop import SchedulerLoop
+from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 
 
 class _Waiter:

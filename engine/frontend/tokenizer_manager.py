@@ -20,7 +20,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pdserve.engine.detokenizer import Detokenizer
+from pdserve.engine.frontend.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
     FlushCacheReq,
@@ -31,9 +31,9 @@ from pdserve.engine.messages import (
     TokenizedGenerateReq,
     TokenOutput,
 )
-from pdserve.engine.metrics import ServerMetrics
-from pdserve.engine.protocol import ChatPrompt, RequestError, RequestLimits, SequenceSpec
-from pdserve.engine.seq_state import Delta, SeqState, TokenLogprob
+from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.frontend.protocol import ChatPrompt, RequestError, RequestLimits, SequenceSpec
+from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)

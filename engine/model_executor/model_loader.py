@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.model_config import ModelArch
+from pdserve.engine.model_executor.model_config import ModelArch
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -44,7 +44,7 @@ IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
 
 
 def _build_null_loop(config: ServerConfig, dp_rank: int):
-    from pdserve.engine.scheduler_loop import SchedulerLoop
+    from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 
     return SchedulerLoop(config.engine, dp_rank=dp_rank)
 

@@ -17,9 +17,9 @@ from dataclasses import asdict
 import msgspec
 from aiohttp import web
 
-from pdserve.engine import openai_api as api
-from pdserve.engine.metrics import ServerMetrics
-from pdserve.engine.protocol import (
+from pdserve.engine.frontend import openai_api as api
+from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -33,9 +33,9 @@ from pdserve.engine.protocol import (
     new_rid,
 )
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.seq_state import SeqState
+from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.server_config import ServerConfig
-from pdserve.engine.tokenizer_manager import RequestHandle, TokenizerManager
+from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pdserve.engine.model_loader import ModelSource, resolve_model_path
+from pdserve.engine.model_executor.model_loader import ModelSource, resolve_model_path
 
 
 def load_tokenizer(model_path: str | None):

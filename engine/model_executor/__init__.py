@@ -1,0 +1,1 @@
+"""Model execution: configs, loading, the models, the runner of one step."""
