@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "launch":
         from pdserve.engine.cluster import launch_main
 
-        return launch_main(rest)
+        return launch_main(rest, build_serve_parser)
     print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

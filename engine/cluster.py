@@ -30,15 +30,14 @@ import dataclasses
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from pdserve.engine.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
 from pdserve.engine.server_config import TRANSFER_BACKENDS
 
 CPU_SPLITS = ("auto", "none")
@@ -47,7 +46,6 @@ _OWNED_SERVE_FLAGS = (
     "--host", "--port", "--dp-size", "--model-path", "--disaggregation-mode",
     "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend",
 )
-LOG_TAIL_LINES = 40
 
 
 class LaunchError(RuntimeError):
@@ -68,7 +66,7 @@ class LaunchConfig:
     cpu_split: str = "none"  # auto: pin each server to its own share of the cores
     log_dir: str | None = None  # None: a new temporary directory
     startup_timeout: float = 600.0  # seconds for every server to load its model
-    stop_grace: float = 6.0  # seconds between SIGTERM and SIGKILL (the whole stop stays under 10 s)
+    stop_grace: float = STOP_GRACE_S  # seconds between SIGTERM and SIGKILL (the whole stop stays under 10 s)
     engine_args: tuple[str, ...] = ()  # extra `pdserve serve` flags for every server
     router_args: tuple[str, ...] = ()  # extra router flags
 
@@ -111,12 +109,6 @@ class ServerSpec:
     url: str
     cpus: tuple[int, ...] | None = None  # affinity; None: inherit
     bootstrap_port: int | None = None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def split_cpus(cpus: list[int], n: int) -> list[tuple[int, ...]]:
@@ -172,66 +164,6 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
     return specs
 
 
-def _get_json(url: str, timeout: float = 1.0) -> dict | None:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            if r.status != 200:
-                return None
-            body = r.read()
-            try:
-                return json.loads(body) if body else {}
-            except ValueError:
-                return {}
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-
-
-def _alive_in_group(pgid: int) -> list[int]:
-    """Pids of live (non-zombie) processes in process group ``pgid`` (Linux /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode(errors="replace")
-        except OSError:
-            continue
-        rest = stat[stat.rfind(")") + 2:].split()  # after "(comm) ": state ppid pgrp ...
-        if len(rest) > 2 and rest[0] != "Z" and int(rest[2]) == pgid:
-            pids.append(int(entry))
-    return pids
-
-
-def _load_prctl():
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# looked up once, in the parent: a child between fork and exec should not dlopen (a lock
-# another thread of the parent held at fork time would never be released there)
-_PRCTL = _load_prctl()
-
-
-def _set_parent_death_signal(sig: int) -> None:
-    """prctl(PR_SET_PDEATHSIG, sig) on Linux; nothing elsewhere. Safe in a preexec_fn."""
-    if _PRCTL is not None:
-        _PRCTL(1, int(sig), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-
-
-def log_tail(path: str, n: int = LOG_TAIL_LINES) -> str:
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError as e:
-        return f"(no log: {e})"
-    return "\n".join(lines[-n:])
-
-
 class Cluster:
     """The processes of one launch: ``start()`` them, ``wait_ready()``, ``stop()``."""
 
@@ -250,26 +182,7 @@ class Cluster:
         return os.path.join(self.log_dir, f"{name}.log")
 
     def _spawn(self, spec: ServerSpec) -> None:
-        cpus = spec.cpus
-
-        parent = os.getpid()
-
-        def in_child() -> None:
-            # SIGTERM when launch dies, even by SIGKILL: no server outlives the launcher
-            _set_parent_death_signal(signal.SIGTERM)
-            if os.getppid() != parent:  # launch died before the line above
-                os._exit(1)
-            # the child (and the scheduler ranks it spawns, which inherit it) run on its share only
-            if cpus is not None:
-                os.sched_setaffinity(0, cpus)
-
-        with open(self.log_path(spec.name), "ab") as log:
-            log.write(("$ " + " ".join(spec.argv) + (f"   # cpus {list(cpus)}" if cpus else "") + "\n").encode())
-            log.flush()
-            self.procs[spec.name] = subprocess.Popen(
-                spec.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=in_child, close_fds=True,
-            )
+        self.procs[spec.name] = spawn(spec.argv, self.log_path(spec.name), cpus=spec.cpus, die_with_parent=True)
 
     def start(self) -> None:
         for spec in self.specs[:-1]:
@@ -303,13 +216,13 @@ class Cluster:
             if name is not None:
                 raise self.failure(name)
             for n, spec in list(pending.items()):
-                if _get_json(spec.url + "/health") is not None:
+                if get_json(spec.url + "/health") is not None:
                     print(f"[launch] {n} healthy at {spec.url}", flush=True)
                     del pending[n]
             if not pending and "router" not in self.procs:
                 self._spawn(router)
             if "router" in self.procs:
-                h = _get_json(router.url + "/health")
+                h = get_json(router.url + "/health")
                 counts = (h or {}).get("healthy_endpoints") or {}
                 if h is not None and all(counts.get(r, 0) >= k for r, k in want.items()):
                     return True
@@ -321,38 +234,13 @@ class Cluster:
     def stop(self) -> None:
         """SIGTERM every process group, SIGKILL what is left after the grace period,
         and return once no process of any group is alive."""
-        groups = {name: p.pid for name, p in self.procs.items()}
-        for pgid in groups.values():
-            try:
-                os.killpg(pgid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + self.config.stop_grace
-        while time.monotonic() < deadline:
-            for p in self.procs.values():
-                p.poll()  # reap our direct children so they do not linger as zombies
-            if not any(_alive_in_group(g) for g in groups.values()):
-                break
-            time.sleep(0.1)
-        for name, pgid in groups.items():
-            if _alive_in_group(pgid):
-                print(f"[launch] {name} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in self.procs.values():
-            try:
-                p.wait(2.0)
-            except subprocess.TimeoutExpired:
-                pass
-        end = time.monotonic() + 2.0
-        while time.monotonic() < end and any(_alive_in_group(g) for g in groups.values()):
-            time.sleep(0.05)
+        names = {p.pid: name for name, p in self.procs.items()}
+        for p in stop_groups(self.procs.values(), self.config.stop_grace):
+            print(f"[launch] {names[p.pid]} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
 
 
 def banner(cluster: Cluster) -> str:
-    models = (_get_json(cluster.url + "/v1/models", timeout=5.0) or {}).get("data") or [{}]
+    models = (get_json(cluster.url + "/v1/models", timeout=5.0) or {}).get("data") or [{}]
     model = models[0].get("id") or "default"
     lines = ["", f"pdserve cluster ready: {cluster.url}"]
     for s in cluster.specs:
@@ -437,13 +325,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_launch_args(argv: list[str]) -> LaunchConfig:
-    """LaunchConfig from the command line; ValueError with a clear message on a bad value."""
+def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> LaunchConfig:
+    """LaunchConfig from the command line; ValueError with a clear message on a bad value.
+
+    ``build_serve_parser`` (``pdserve.engine.cli``'s, handed in by the console script, which
+    imports this module) checks the flags passed on to every server."""
     parser = build_parser()
     ns, rest = parser.parse_known_args(argv)
     if rest:
-        from pdserve.engine.cli import build_serve_parser
-
         # check the pass-through flags now, so a typo fails before anything starts
         serve_parser = build_serve_parser()
         serve_parser.prog = "pdserve launch (flags passed to every server)"
@@ -453,14 +342,10 @@ def parse_launch_args(argv: list[str]) -> LaunchConfig:
     return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)
 
 
-def launch_main(argv: list[str]) -> int:
+def launch_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> int:
     try:
-        config = parse_launch_args(argv)
+        config = parse_launch_args(argv, build_serve_parser)
     except ValueError as e:
         print(f"pdserve launch: error: {e}", file=sys.stderr)
         return 2
     return run_launch(config)
-
-
-if __name__ == "__main__":
-    sys.exit(launch_main(sys.argv[1:]))

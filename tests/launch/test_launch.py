@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from pdserve.engine.cli import build_serve_parser
 from pdserve.engine.cluster import LaunchConfig, parse_launch_args, plan, split_cpus
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
@@ -186,16 +187,16 @@ def test_cpu_split_and_plan():
         assert s.argv[s.argv.index("--dp-size") + 1] == "2"
     assert router[router.index(specs[2].url) - 1] == "--decode"
     assert all(s.argv[-2:] == ("--dtype", "float32") for s in specs[:3])
-    assert parse_launch_args(["--max-total-tokens", "64"]).engine_args == ("--max-total-tokens", "64")
+    passed_on = parse_launch_args(["--max-total-tokens", "64"], build_serve_parser).engine_args
+    assert passed_on == ("--max-total-tokens", "64")
 
 
 @pytest.mark.timeout(60)
 def test_children_get_sigterm_when_the_launcher_is_killed():
     code = (
-        "import signal, subprocess, time\n"
-        "from pdserve.engine.cluster import _set_parent_death_signal\n"
-        "p = subprocess.Popen(['sleep', '60'], start_new_session=True,\n"
-        "                     preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))\n"
+        "import time\n"
+        "from pdserve.engine.procs import spawn\n"
+        "p = spawn(['sleep', '60'], '/dev/null', die_with_parent=True)\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
