@@ -6,5 +6,4 @@ Public API:
 - ``server.Router(config)``, ``server.start_router(config) -> (router, runner, port)``,
   ``server.serve(config)``: embed or run the router.
 - ``policy.POLICIES`` / ``make_policy(name, config)``: routing policies by name.
-- ``standin_worker.StandinWorker``: a model-free SGLang/pdserve prefill or decode server for tests.
 """

@@ -37,6 +37,8 @@ import time
 
 import torch
 
+from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -138,13 +140,7 @@ class ServerSide:
               file=sys.stderr)
 
     def _launch(self, args, max_tokens: int) -> str:
-        import socket
-        import subprocess
-        import urllib.request
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         cmd = [sys.executable, "-m", "pdserve.engine", "--port", str(port), "--dtype", args.dtype,
                "--max-total-tokens", str(max_tokens), "--max-running-requests", str(max(args.batch, 1)),
                "--disable-radix-cache", "--log-level", "warning"]
@@ -152,18 +148,11 @@ class ServerSide:
             cmd += ["--model-path", args.model_path]
         if args.threads:
             cmd += ["--num-threads", str(args.threads)]
-        self.proc = subprocess.Popen(cmd)
+        log_path = os.path.join(tempfile.gettempdir(), f"bench-engine-server-{os.getpid()}.log")
+        self.proc = spawn(cmd, log_path)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    return url
-            except OSError:
-                time.sleep(0.5)
-        raise TimeoutError("pdserve serve not ready within 600 s")
+        wait_healthy(url, self.proc, 600, name="pdserve serve", log=lambda: f"see {log_path}", period=0.5)
+        return url
 
     def generate(self, prompts, new_tokens):
         import asyncio
@@ -198,8 +187,7 @@ class ServerSide:
 
     def close(self):
         if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(30)
+            stop_group(self.proc)
 
 
 def export_hf(model_path: str | None, out_dir: str) -> tuple[int, object]:

@@ -25,9 +25,7 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -35,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1K = 1.10
@@ -55,30 +53,14 @@ class Server:
             cmd += ["--disaggregation-transfer-backend", backend]
         if self.bootstrap_port:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
-        self.log = open(f"/tmp/bench-pd-{name}-{os.getpid()}.log", "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_path = f"/tmp/bench-pd-{name}-{os.getpid()}.log"
+        self.proc = spawn(cmd, self.log_path, cwd=REPO)
 
     def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited; see {self.log.name}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready; see {self.log.name}")
+        wait_healthy(self.url, self.proc, timeout, name="server", log=lambda: f"see {self.log_path}", period=0.5)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_group(self.proc, grace=20.0)
 
 
 def stream_ttft(session: requests.Session, url: str, body: dict, t0: float) -> float:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,24 +32,11 @@ import time
 
 import aiohttp
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, spawn, stop_groups
 
 PY = sys.executable
-
-
-def spawn(args: list[str], log: str) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+# the stand-in worker is test code (it imports nothing of pdserve): run by path, as its own process
+STANDIN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "router", "standin_worker.py")
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
@@ -169,9 +155,9 @@ def main() -> None:
     pp, dp, bp, ours, theirs = (free_port() for _ in range(5))
     prefill, decode = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
     procs = [
-        spawn([PY, "-m", "pdserve.router.standin_worker", "--role", "prefill", "--port", str(pp)],
+        spawn([PY, STANDIN, "--role", "prefill", "--port", str(pp)],
               f"{args.logs}/prefill.log"),
-        spawn([PY, "-m", "pdserve.router.standin_worker", "--role", "decode", "--port", str(dp)],
+        spawn([PY, STANDIN, "--role", "decode", "--port", str(dp)],
               f"{args.logs}/decode.log"),
     ]
     try:
@@ -199,8 +185,7 @@ def main() -> None:
 
         results = asyncio.run(run())
     finally:
-        for proc in reversed(procs):
-            stop(proc)
+        stop_groups(procs, grace=10.0)
 
     summary = {"bench": "router", "cpus": os.cpu_count(), "concurrency": args.concurrency}
     print(f"{'mode':7} {'target':8} {'p50 ms':>8} {'p99 ms':>8} {'added p50':>10} {'added p99':>10} "

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,9 +44,8 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.cluster import (  # noqa: E402
-    Cluster, LaunchConfig, _alive_in_group, _get_json, _set_parent_death_signal, free_port, log_tail,
-)
+from pdserve.engine.cluster import Cluster, LaunchConfig  # noqa: E402
+from pdserve.engine.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 SETUPS = ("colocated", "1p1d")
 LENGTHS = (  # flag, default, --quick default (tokens)
@@ -191,29 +189,16 @@ class Colocated:
         if args.model_path:
             argv += ["--model-path", args.model_path]
         argv += list(extra_args)
-        with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True,
-                                         preexec_fn=lambda: _set_parent_death_signal(signal.SIGTERM))
-        deadline = time.monotonic() + args.startup_timeout
-        while _get_json(self.url + "/health") is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"colocated server did not start; {self.log}:\n{log_tail(self.log)}")
-            time.sleep(0.25)
+        self.proc = spawn(argv, self.log, die_with_parent=True)
+        try:
+            wait_healthy(self.url, self.proc, args.startup_timeout, name="colocated server",
+                         log=lambda: f"{self.log}:\n{log_tail(self.log)}")
+        except (RuntimeError, TimeoutError):
+            self.stop()
+            raise
 
     def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 6.0), (signal.SIGKILL, 2.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            end = time.monotonic() + wait
-            while time.monotonic() < end:
-                self.proc.poll()
-                if not _alive_in_group(self.proc.pid):
-                    return
-                time.sleep(0.1)
+        stop_group(self.proc)
 
 
 def start_1p1d(args, log_dir: str) -> Cluster:

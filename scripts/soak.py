@@ -39,7 +39,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, signal_group, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("completed", "error", "disconnected", "hung")
@@ -211,14 +211,6 @@ def pages_free(url: str, headers: dict | None = None, timeout: float = 30.0) -> 
 
 
 # ------------------------------------------------------------------------------------- cluster
-def _free_port(used: set[int]) -> int:
-    """A free port not in ``used`` (then added to it)."""
-    while (p := free_port()) in used:
-        pass
-    used.add(p)
-    return p
-
-
 class Proc:
     def __init__(self, name: str, cmd: list[str], logdir: Path):
         self.name, self.cmd = name, cmd
@@ -227,26 +219,15 @@ class Proc:
 
     def start(self) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+        self.proc = spawn(self.cmd, self.log_path, env=env, cwd=REPO)
 
     def send(self, sig) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+        if self.alive:
+            signal_group(self.proc, sig)
 
-    def stop(self, sig=signal.SIGTERM) -> None:
-        self.send(signal.SIGCONT)
-        self.send(sig)
+    def stop(self) -> None:
         if self.proc is not None:
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.send(signal.SIGKILL)
-                self.proc.wait(5)
+            stop_group(self.proc, grace=15.0)  # under load a server takes longer to drain
 
     @property
     def alive(self) -> bool:
@@ -257,7 +238,6 @@ class Cluster:
     """N prefill + M decode servers and a router, all on 127.0.0.1."""
 
     def __init__(self, prefills: int, decodes: int, logdir: Path, server_args: list[str], router_args: list[str]):
-        used: set[int] = set()
         py = sys.executable
         common = ["--dtype", "float32", "--num-threads", "1", "--log-level", "warning", "--chunked-prefill-size",
                   "128", "--max-total-tokens", "2048", "--disaggregation-heartbeat-interval", "1.0",
@@ -265,18 +245,18 @@ class Cluster:
                   "--disaggregation-waiting-timeout", "60", *server_args]
         self.prefills, self.decodes = [], []
         for i in range(prefills):
-            port, bport = _free_port(used), _free_port(used)
+            port, bport = free_port(), free_port()
             p = Proc(f"prefill{i}", [py, "-m", "pdserve.engine", "--port", str(port), "--disaggregation-mode",
                                      "prefill", "--disaggregation-bootstrap-port", str(bport), *common], logdir)
             p.url, p.bootstrap_port = f"http://127.0.0.1:{port}", bport
             self.prefills.append(p)
         for i in range(decodes):
-            port = _free_port(used)
+            port = free_port()
             d = Proc(f"decode{i}", [py, "-m", "pdserve.engine", "--port", str(port), "--disaggregation-mode",
                                     "decode", *common], logdir)
             d.url = f"http://127.0.0.1:{port}"
             self.decodes.append(d)
-        rport = _free_port(used)
+        rport = free_port()
         cmd = [py, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(rport), "--log-level", "warning",
                "--health-check-interval-secs", "1", *router_args]
         for p in self.prefills:
@@ -304,20 +284,7 @@ class Cluster:
 
 
 def wait_health(p: Proc, timeout: float) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not p.alive:
-            raise RuntimeError(f"{p.name} exited; see {p.log_path}")
-        try:
-            with urllib.request.urlopen(p.url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{p.name} not healthy within {timeout}s; see {p.log_path}")
+    wait_healthy(p.url, p.proc, timeout, name=p.name, log=lambda: f"see {p.log_path}")
 
 
 def router_call(router_url: str, method: str, path: str, body: dict | None = None) -> int:

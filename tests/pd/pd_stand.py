@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import requests
-from stand_util import wait_healthy
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, signal_group, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
@@ -38,9 +37,7 @@ class Proc:
         self.start()
 
     def start(self) -> None:
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd_prefix + self.cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, start_new_session=True)
+        self.proc = spawn(self.cmd_prefix + self.cmd, self.log_path, env=self.env, cwd=REPO)
 
     def log(self, n: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
@@ -48,24 +45,15 @@ class Proc:
     def send(self, sig) -> None:
         """Signal the whole process group (the server and its scheduler ranks), without waiting."""
         if self.proc is not None and self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
+            signal_group(self.proc, sig)
 
     def kill(self, sig=signal.SIGKILL) -> None:
-        """Signal the whole process group and wait for it to exit (SIGKILL after 10 s)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.send(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        """Signal the whole process group and wait until none of it is left (SIGKILL after 10 s)."""
+        if self.proc is not None:
+            stop_group(self.proc, grace=10.0, sig=sig)
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
-        self._log.close()
 
 
 class Server(Proc):
@@ -91,7 +79,7 @@ class Server(Proc):
         return f"http://{self.host}:{self.port}"
 
     def wait_ready(self, timeout: float = 300.0) -> "Server":
-        wait_healthy(self.url, self.proc, self.name, self.log, timeout)
+        wait_healthy(self.url, self.proc, timeout, name=self.name, log=self.log)
         return self
 
     def post(self, path: str, body: dict, timeout: float = 120, **kw) -> requests.Response:

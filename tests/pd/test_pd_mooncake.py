@@ -15,7 +15,9 @@ import time
 
 import pytest
 import requests
-from pd_stand import Proc, Server, free_port, greedy_body, new_room, pd_post, prompt_ids
+from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids
+
+from pdserve.engine.procs import free_port, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -180,7 +182,7 @@ def test_pdserve_router_in_front_of_1p1d(stand, reference, colocated):
     router = Proc("router", [sys.executable, "-m", "pdserve.router", "--prefill", P.url, str(P.bootstrap_port),
                              "--decode", D.url, "--host", "127.0.0.1", "--port", str(port)])
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", router)
+        wait_healthy(f"http://127.0.0.1:{port}", router.proc, 30, name="router", log=router.log)
         for n in (5, 90):
             ids = prompt_ids(n, seed=500 + n)
             r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
@@ -206,7 +208,7 @@ def test_sglang_router_drives_pdserve_servers(stand, reference, colocated):
         "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port()),
         "--health-check-interval-secs", "3600"])
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", router, timeout=90)
+        wait_healthy(f"http://127.0.0.1:{port}", router.proc, 90, name="sglang-router", log=router.log)
         ids = prompt_ids(70, seed=900)
         r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
         assert r.status_code == 200, r.text
@@ -277,16 +279,3 @@ def test_decode_killed_prefill_frees_rooms(stand):
         assert "KV transfer failed" in p.json()["error"]["message"], p.text
     assert took < 4.0 + 10.0
     P.wait_unleaked()
-
-
-def _wait_http(url: str, proc: Proc, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.proc.poll() is None, proc.log()
-        try:
-            if requests.get(url, timeout=1).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not up:\n{proc.log()}")

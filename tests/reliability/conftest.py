@@ -7,14 +7,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
 
-import pd_stand  # noqa: E402
-import rel_stand  # noqa: E402
-
-# pd_stand.free_port binds port 0 and closes: two calls can return the same port, and a server's
-# HTTP port then collides with another's bootstrap port (seen: the decode failed to bind, and its
-# /health was answered by the prefill's bootstrap server). Never hand out a port twice here.
-pd_stand.free_port = rel_stand.unique_port
-
 import pytest  # noqa: E402
 
 LOAD_KV = ["--disaggregation-bootstrap-timeout", "120", "--disaggregation-waiting-timeout", "120"]

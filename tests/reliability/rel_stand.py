@@ -5,25 +5,15 @@ from __future__ import annotations
 import os
 import sys
 
-from pd_stand import Proc, Server, free_port
-from stand_util import wait_healthy
+from pd_stand import Proc, Server
 
-_handed_out: set[int] = set()
-
-
-def unique_port() -> int:
-    """A free port never returned before in this process."""
-    while (port := free_port()) in _handed_out:
-        pass
-    _handed_out.add(port)
-    return port
-
+from pdserve.engine.procs import free_port, group_pids, wait_healthy
 
 class Router(Proc):
     """``python -m pdserve.router`` in front of prefill (with bootstrap port) and decode servers."""
 
     def __init__(self, name: str, prefills: list[Server], decodes: list[Server], *extra: str):
-        self.port = unique_port()
+        self.port = free_port()
         cmd = [sys.executable, "-m", "pdserve.router", "--host", "127.0.0.1", "--port", str(self.port),
                "--log-level", "warning"]
         for p in prefills:
@@ -37,21 +27,8 @@ class Router(Proc):
         return f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 30.0) -> "Router":
-        wait_healthy(self.url, self.proc, self.name, self.log, timeout, period=0.2)
+        wait_healthy(self.url, self.proc, timeout, name=self.name, log=self.log, period=0.2)
         return self
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Every live process of a process group (a server and its scheduler ranks)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                if os.getpgid(int(d)) == pgid:
-                    out.append(int(d))
-            except ProcessLookupError:
-                pass
-    return out
 
 
 def _socket_inodes(pid: int) -> set[str]:

@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
-from pdserve.router.standin_worker import Behavior, StandinWorker
+from standin_worker import Behavior, StandinWorker
 
 # small backoff and health intervals keep the failure tests fast
 FAST = dict(retry_initial_backoff_ms=1.0, retry_max_backoff_ms=5.0, health_check_interval_secs=3600.0,

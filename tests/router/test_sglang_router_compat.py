@@ -7,16 +7,16 @@ This also shows that the stand-ins behave like SGLang servers to sglang-router
 
 import asyncio
 import importlib.util
-import subprocess
+import os
 import sys
 
 import aiohttp
 import pytest
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, spawn, stop_group
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
-from pdserve.router.standin_worker import StandinWorker
+from standin_worker import StandinWorker
 
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,
@@ -45,12 +45,12 @@ async def test_same_bodies_and_answers_as_sglang_router():
     await prefill.start()
     await decode.start()
     port = free_port()
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
          "--prefill", prefill.url, "8998", "--decode", decode.url, "--host", "127.0.0.1",
          "--port", str(port), "--policy", "round_robin", "--log-level", "error",
          "--prometheus-port", str(free_port()), "--health-check-interval-secs", "3600"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        os.devnull)
     cfg = RouterConfig(prefill=(WorkerSpec(prefill.url, "prefill", 8998),),
                        decode=(WorkerSpec(decode.url, "decode"),), host="127.0.0.1", port=0,
                        policy="round_robin")
@@ -92,11 +92,7 @@ async def test_same_bodies_and_answers_as_sglang_router():
                         if k not in ROOM_FREE:
                             assert theirs_body[their_k] == v, (path, k, theirs_body[their_k], v)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_group(proc)
         await runner.cleanup()
         await prefill.close()
         await decode.close()

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +15,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+
+from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_serving.py"
@@ -423,48 +422,18 @@ def test_bad_arguments_exit_2(argv, message):
 # --- end to end against a real pdserve server ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.engine", "--port", str(port), "--max-total-tokens", "2048",
-             "--log-level", "warning"],
-            cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    proc = spawn([sys.executable, "-m", "pdserve.engine", "--port", str(port), "--max-total-tokens", "2048",
+                  "--log-level", "warning"], log, cwd=REPO)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy:\n{log.read_text()[-3000:]}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    pass
-                import urllib.request
-
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.3)
+        wait_healthy(url, proc, 240, name="server", log=lambda: log.read_text()[-3000:])
         yield url
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop_group(proc, grace=15.0)
 
 
 WORKLOADS = {

@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import requests
-from stand_util import wait_healthy
 
-from pdserve.engine.cluster import free_port
+from pdserve.engine.procs import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI
@@ -65,7 +64,7 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
         try:
-            wait_healthy(self.url, self.proc, "server", self.log, timeout)
+            wait_healthy(self.url, self.proc, timeout, name="server", log=self.log)
         except TimeoutError:
             self.stop()
             raise

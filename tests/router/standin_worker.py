@@ -10,7 +10,9 @@ fail, delay, hang or fail mid-stream; it records the bodies it got, and the
 requests whose client went away before the answer was complete (``cancelled``),
 which is how tests see that the router cancelled a leg.
 
-Run alone (benchmarks): ``python -m pdserve.router.standin_worker --role decode --port 8001``.
+Lives with the tests because it is test code, not a part of pdserve; it imports nothing
+of pdserve, so ``scripts/bench_router.py`` runs it by path as its own process:
+``python tests/router/standin_worker.py --role decode --port 8001``.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class StandinWorker:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=1024)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]  # the port bound when asked for 0
         return self.url
 
     async def close(self) -> None:
