@@ -1,27 +1,24 @@
 """Native CPU kernels: C compiled at first use with the system compiler, called through ctypes.
 
-Why: paged decode attention is memory-bound (each step reads every cached K/V
-once), but in plain torch it must first gather pages into a padded block and
-then run tiny batched matmuls, which costs several times the bytes it reads.
-This kernel walks each sequence's pages in place with an online-free two-pass
-softmax in float32, one OpenMP task per (sequence, kv head).
+The C sources are package data next to this file (each says why it exists):
+``cpu_decode_attn.c``, paged decode attention read in place from the pages;
+``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
+AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
+rope; ``cpu_common.h``, their bf16 conversions and exp.
 
-The C source carries no torch headers, so it compiles in well under a second
-with ``cc -O3 -march=native -fopenmp``; the library is cached under
-``~/.cache/pdserve/kernels`` keyed by source, flags and CPU. It links the
+They carry no torch headers, so they compile in well under a second with
+``cc -O3 -march=native -fopenmp`` into one library, cached under
+``~/.cache/pdserve/kernels`` keyed by sources, flags and CPU. It links the
 ``libgomp.so.1`` that torch has already loaded, so it shares torch's OpenMP
 threads (and ``torch.set_num_threads``). Where no compiler is found or the
 build fails, ``native_kernels()`` returns None and callers use the torch path.
-
-The same library carries the bf16 causal prefill attention (``cpu_prefill_source``),
-present where the CPU has AVX-512 BF16 (``has_prefill``), and the fused bf16
-RMSNorm and rope (``cpu_norm_rope_source``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import logging
 import os
 import shutil
@@ -31,124 +28,10 @@ import threading
 
 import torch
 
-from pdserve.kernels.cpu_norm_rope_source import NORM_ROPE_SOURCE
-from pdserve.kernels.cpu_prefill_source import PREFILL_SOURCE
-
 logger = logging.getLogger(__name__)
 
-_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <math.h>
-
-#define MAX_GROUP 32
-#define MAX_DIM 256
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c; c.u = (uint32_t)x << 16; return c.f;
-}
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } c; c.f = f;
-    uint32_t u = c.u;
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-/* exp for x <= 0 in plain float ops, so loops over it vectorize (libm's expf does not):
-   x = n ln2 + r, |r| <= ln2 / 2; degree-6 Taylor for exp(r), relative error ~1e-7 */
-static inline float exp_nonpos(float x) {
-    x = x < -87.f ? -87.f : x;
-    const float n = floorf(x * 1.44269504089f + 0.5f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    const float p = 1.f + r * (1.f + r * (0.5f + r * (0.16666667f + r * (0.041666668f
-                    + r * (0.008333334f + r * 0.0013888889f)))));
-    union { uint32_t u; float f; } c; c.u = (uint32_t)((int32_t)n + 127) << 23;
-    return p * c.f;
-}
-static inline float ld_bf16(const uint16_t* p, int i) { return bf16_to_f32(p[i]); }
-static inline float ld_f32(const float* p, int i) { return p[i]; }
-static inline void st_bf16(uint16_t* p, int i, float v) { p[i] = f32_to_bf16(v); }
-static inline void st_f32(float* p, int i, float v) { p[i] = v; }
-
-/* q: [n, ., D] rows of H heads at q_stride elements per token; caches: [pages, ps, KVH, D];
-   page_table: [n, pt_stride] int32; seq_lens: [n] int32; out: [n, H, D] contiguous. */
-#define DECODE_ATTN(NAME, T, LD, ST, DIMV)                                                        \
-int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,                   \
-         const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, T* out,       \
-         int n, int H, int KVH, int D, int ps, float scale) {                                 \
-    const int G = H / KVH;                                                                    \
-    if (G > MAX_GROUP || D > MAX_DIM || D != (DIMV)) return -1;                                              \
-    int failed = 0;                                                                           \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t item = 0; item < (int64_t)n * KVH; item++) {                                 \
-        const int b = (int)(item / KVH), h = (int)(item % KVH);                               \
-        const int L = seq_lens[b];                                                            \
-        const int32_t* pages = page_table + (int64_t)b * pt_stride;                           \
-        float qf[MAX_GROUP][MAX_DIM], acc[MAX_GROUP][MAX_DIM], kf[MAX_DIM];                   \
-        float mx[MAX_GROUP], sum[MAX_GROUP];                                                  \
-        float* s = (float*)malloc(sizeof(float) * (size_t)G * (size_t)(L > 0 ? L : 1));       \
-        if (!s) { failed = 1; continue; }                                                     \
-        for (int g = 0; g < G; g++) {                                                         \
-            const T* qp = q + (int64_t)b * q_stride + (int64_t)(h * G + g) * DIMV;               \
-            for (int d = 0; d < DIMV; d++) qf[g][d] = LD(qp, d) * scale;                         \
-            mx[g] = -3.0e38f; sum[g] = 0.f;                                                  \
-            for (int d = 0; d < DIMV; d++) acc[g][d] = 0.f;                                      \
-        }                                                                                     \
-        /* pages outer, offsets inner: no division per key */                                \
-        for (int l0 = 0, pi = 0; l0 < L; l0 += ps, pi++) {                                    \
-          const T* kbase = k_cache + ((int64_t)pages[pi] * ps * KVH + h) * DIMV;              \
-          const int nk = L - l0 < ps ? L - l0 : ps;                                           \
-          for (int o = 0; o < nk; o++) {                                                      \
-            const int l = l0 + o;                                                             \
-            const T* kp = kbase + (int64_t)o * KVH * DIMV;                                    \
-            for (int d = 0; d < DIMV; d++) kf[d] = LD(kp, d);                                    \
-            for (int g = 0; g < G; g++) {                                                     \
-                float dot = 0.f;                                                              \
-                _Pragma("omp simd reduction(+:dot)")                                          \
-                for (int d = 0; d < DIMV; d++) dot += qf[g][d] * kf[d];                          \
-                s[g * L + l] = dot;                                                           \
-                if (dot > mx[g]) mx[g] = dot;                                                 \
-            }                                                                                 \
-          }                                                                                   \
-        }                                                                                     \
-        for (int g = 0; g < G; g++) {                                                         \
-            float t = 0.f, m = mx[g], *sg = s + (int64_t)g * L;                               \
-            _Pragma("omp simd reduction(+:t)")                                                \
-            for (int l = 0; l < L; l++) { float e = exp_nonpos(sg[l] - m); sg[l] = e; t += e; } \
-            sum[g] = t;                                                                       \
-        }                                                                                     \
-        for (int l0 = 0, pi = 0; l0 < L; l0 += ps, pi++) {                                    \
-          const T* vbase = v_cache + ((int64_t)pages[pi] * ps * KVH + h) * DIMV;              \
-          const int nv = L - l0 < ps ? L - l0 : ps;                                           \
-          for (int o = 0; o < nv; o++) {                                                      \
-            const int l = l0 + o;                                                             \
-            const T* vp = vbase + (int64_t)o * KVH * DIMV;                                    \
-            for (int d = 0; d < DIMV; d++) kf[d] = LD(vp, d);                                    \
-            for (int g = 0; g < G; g++) {                                                     \
-                const float w = s[g * L + l];                                                 \
-                _Pragma("omp simd")                                                           \
-                for (int d = 0; d < DIMV; d++) acc[g][d] += w * kf[d];                           \
-            }                                                                                 \
-          }                                                                                   \
-        }                                                                                     \
-        for (int g = 0; g < G; g++) {                                                         \
-            T* op = out + ((int64_t)b * H + h * G + g) * DIMV;                                   \
-            const float inv = sum[g] > 0.f ? 1.f / sum[g] : 0.f;                              \
-            for (int d = 0; d < DIMV; d++) ST(op, d, acc[g][d] * inv);                           \
-        }                                                                                     \
-        free(s);                                                                              \
-    }                                                                                         \
-    return failed ? -2 : 0;                                                                   \
-}
-
-/* head_dim as a compile-time constant lets the compiler keep rows in registers and unroll */
-DECODE_ATTN(decode_attn_bf16, uint16_t, ld_bf16, st_bf16, D)
-DECODE_ATTN(decode_attn_f32, float, ld_f32, st_f32, D)
-DECODE_ATTN(decode_attn_bf16_d64, uint16_t, ld_bf16, st_bf16, 64)
-DECODE_ATTN(decode_attn_f32_d64, float, ld_f32, st_f32, 64)
-DECODE_ATTN(decode_attn_bf16_d128, uint16_t, ld_bf16, st_bf16, 128)
-DECODE_ATTN(decode_attn_f32_d128, float, ld_f32, st_f32, 128)
-""" + PREFILL_SOURCE + NORM_ROPE_SOURCE
+# the C sources, package data next to this file; the .c files are the translation units
+_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -169,22 +52,30 @@ def _cpu_signature() -> str:
     return ""
 
 
+def _read_sources() -> dict[str, str]:
+    package = importlib.resources.files(__package__)
+    return {name: (package / name).read_text() for name in _SOURCES}
+
+
 def _build() -> str:
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
+    sources = _read_sources()
+    key_parts = [text for name in _SOURCES for text in (name, sources[name])]
+    key = hashlib.sha256("\0".join([*key_parts, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels")
     lib_path = os.path.join(cache_dir, f"pdserve_cpu_{key}.so")
     if os.path.isfile(lib_path):
         return lib_path
     os.makedirs(cache_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        src = os.path.join(tmp, "kernels.c")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
+        for name, text in sources.items():
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        units = [os.path.join(tmp, name) for name in _SOURCES if name.endswith(".c")]
         out = os.path.join(tmp, "kernels.so")
-        proc = subprocess.run([compiler, *_FLAGS, src, "-o", out, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *_FLAGS, *units, "-o", out, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")

@@ -7,7 +7,7 @@
   padding. Either way there is no Python loop over sequences.
 - prefill rows (several new tokens): one call per sequence; without a cached
   prefix the new K/V are used directly. In bf16 on a CPU with AVX-512 BF16 the
-  native flash kernel (``cpu_prefill_source``) reads a prefix's K/V in place
+  native flash kernel (``cpu_prefill_attn.c``) reads a prefix's K/V in place
   from its slots and writes straight into the output rows, ~4x faster than
   PyTorch's CPU flash attention at 512 tokens here; otherwise the slots are
   gathered and ``scaled_dot_product_attention`` runs causal, or with an

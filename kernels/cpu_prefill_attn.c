@@ -1,25 +1,27 @@
-"""C source of the native causal prefill attention (bf16, AVX-512 BF16), built by ``cpu_native``.
+/* Native causal prefill attention (bf16, AVX-512 BF16), built by cpu_native.py.
 
-Why: prefill attention is compute-bound, and PyTorch's CPU flash attention runs
-it at a fraction of the matmul rate here (about a third of a 512-token prefill's
-time on the default model). This kernel is flash attention written for
-``vdpbf16ps``:
+   Why: prefill attention is compute-bound, and PyTorch's CPU flash attention runs
+   it at a fraction of the matmul rate here (about a third of a 512-token prefill's
+   time on the default model). This kernel is flash attention written for
+   ``vdpbf16ps``:
 
-- K and V of each KV head are first repacked into the pair-interleaved layouts
-  the instruction reads (K: 16 keys x one (d, d+1) pair per vector; V: 16 dims
-  x one (key, key+1) pair per vector), zero-padded to whole 64-key blocks;
-- one OpenMP item per (KV head, 32 query tokens); each takes groups of query
-  rows of one head through the key blocks up to its causal limit, with the
-  online softmax in float32, P rounded to bf16 for the P.V products (as
-  PyTorch's CPU flash attention does), and the output scaled and rounded once;
-- query ``i`` of ``n`` sees keys ``0 .. Lk - n + i``: a cached prefix of
-  ``Lk - n`` keys comes first.
+   - K and V of each KV head are first repacked into the pair-interleaved layouts
+     the instruction reads (K: 16 keys x one (d, d+1) pair per vector; V: 16 dims
+     x one (key, key+1) pair per vector), zero-padded to whole 64-key blocks;
+   - one OpenMP item per (KV head, 32 query tokens); each takes groups of query
+     rows of one head through the key blocks up to its causal limit, with the
+     online softmax in float32, P rounded to bf16 for the P.V products (as
+     PyTorch's CPU flash attention does), and the output scaled and rounded once;
+   - query ``i`` of ``n`` sees keys ``0 .. Lk - n + i``: a cached prefix of
+     ``Lk - n`` keys comes first.
 
-Where the compiler does not target AVX-512 BF16, ``prefill_attn_supported``
-returns 0 and callers keep the torch path.
-"""
+   Where the compiler does not target AVX-512 BF16, ``prefill_attn_supported``
+   returns 0 and callers keep the torch path. */
+#include <stdint.h>
+#include <stdlib.h>
 
-PREFILL_SOURCE = r"""
+#include "cpu_common.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -28,7 +30,7 @@ int prefill_attn_supported(void) { return 1; }
 #define PF_KB 64      /* keys per block */
 #define PF_QB 32      /* query tokens per work item */
 
-/* exp(x) for x <= 0 (and -inf), 16 lanes: the scalar exp_nonpos above, vectorized */
+/* exp(x) for x <= 0 (and -inf), 16 lanes: the scalar exp_nonpos of cpu_common.h, vectorized */
 static inline __m512 exp512_nonpos(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f)),
@@ -222,4 +224,3 @@ int prefill_attn_bf16(const void* q, int64_t a, const void* k, int64_t b, const 
                       const void* key_rows, void* out, int64_t d, void* kp, void* vp, int n, int Lk, int H,
                       int KVH, int D, float scale) { return -1; }
 #endif
-"""

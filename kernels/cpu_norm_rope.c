@@ -1,16 +1,17 @@
-"""C source of the fused bf16 RMSNorm and rotary embedding, built by ``cpu_native``.
+/* Fused bf16 RMSNorm and rotary embedding, built by cpu_native.py.
 
-In plain torch each is 5-7 elementwise ops, each a pass over the activations
-with its own temporary (about 8% of a 512-token prefill on the default model).
-One pass each here, rounding where transformers' bf16 ops round, so outputs
-match theirs bit for bit (up to the order of the float32 sum of squares):
+   In plain torch each is 5-7 elementwise ops, each a pass over the activations
+   with its own temporary (about 8% of a 512-token prefill on the default model).
+   One pass each here, rounding where transformers' bf16 ops round, so outputs
+   match theirs bit for bit (up to the order of the float32 sum of squares):
 
-- RMSNorm: ``bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))``, statistics in float32;
-- rope (rotate-half): ``bf16(bf16(x * cos) + bf16(rot(x) * sin))``, ``rot(x) = [-x2, x1]``,
-  cos/sin rows looked up by position.
-"""
+   - RMSNorm: ``bf16(w * bf16(x * rsqrt(mean(x^2) + eps)))``, statistics in float32;
+   - rope (rotate-half): ``bf16(bf16(x * cos) + bf16(rot(x) * sin))``, ``rot(x) = [-x2, x1]``,
+     cos/sin rows looked up by position. */
+#include <stdint.h>
 
-NORM_ROPE_SOURCE = r"""
+#include "cpu_common.h"
+
 /* x: [T, N] rows at x_stride; w: [N]; out: [T, N] rows at out_stride */
 int rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16_t* out, int64_t out_stride,
                   int T, int N, float eps) {
@@ -55,4 +56,3 @@ int rope_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos_t, const 
     }
     return 0;
 }
-"""
