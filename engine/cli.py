@@ -80,8 +80,7 @@ def parse_serve_args(argv: list[str]) -> ServerConfig:
 def serve_main(argv: list[str]) -> int:
     try:
         config = parse_serve_args(argv)
-        config.check_servable()
-    except (ValueError, NotImplementedError) as e:
+    except ValueError as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
     from pdserve.engine.serve import run_server

@@ -36,10 +36,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
+from pdserve.engine.version import VERSION
 
 logger = logging.getLogger(__name__)
 
-VERSION = "0.1.0"
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key needed
 _json = msgspec.json.Encoder()
 TM_KEY = web.AppKey("tokenizer_manager", TokenizerManager)
