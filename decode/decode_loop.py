@@ -1,6 +1,6 @@
 """The loop of a decode-mode scheduler rank.
 
-A request's path (DESIGN.md, request flow steps 4 and 6):
+A request's path (docs/ARCHITECTURE.md, request flow steps 4 and 6):
 
 1. ``admit``: it waits in the ``PreallocQueue``, which opens a KV receiver
    (the prefill rank is looked up through the bootstrap server) and, once the

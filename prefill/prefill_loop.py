@@ -1,6 +1,6 @@
 """The loop of a prefill-mode scheduler rank.
 
-A request's path (DESIGN.md, request flow steps 3 and 5):
+A request's path (docs/ARCHITECTURE.md, request flow steps 3 and 5):
 
 1. ``admit``: a KV sender is opened for its ``bootstrap_room``; the request
    waits in the ``BootstrapQueue`` until the decode side's destination arrives.

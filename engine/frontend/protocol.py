@@ -4,7 +4,7 @@ Three endpoints share one path: the body is decoded into a msgspec Struct
 (``GenerateRequest``, ``CompletionRequest``, ``ChatCompletionRequest``) that
 forbids unknown fields, so a typo such as ``max_token`` is a 400 naming it,
 while every field of OpenAI's or SGLang's request schema is accepted (and
-ignored where pdserve has no such feature, see DESIGN.md "SGLang wire
+ignored where pdserve has no such feature, see docs/ARCHITECTURE.md "SGLang wire
 compatibility"). ``to_sequences`` then validates the values and expands the
 body into ``SequenceSpec``s: one per prompt and choice, each becoming one
 ``TokenizedGenerateReq`` once the tokenizer manager has tokenized it.

@@ -19,7 +19,7 @@ def pd11():
     from rel_stand import Router
 
     # KV timeouts sized for queueing under load: at concurrency 16 on 2 shared cores a room can wait
-    # tens of seconds at the prefill, and the decode's waiting_timeout counts that wait (see RELIABILITY.md)
+    # tens of seconds at the prefill, and the decode's waiting_timeout counts that wait (see docs/RELIABILITY.md)
     p = Server("rel-P", "prefill", "--max-total-tokens", "2048", *LOAD_KV)
     d = Server("rel-D", "decode", "--max-total-tokens", "2048", *LOAD_KV)
     r = None
