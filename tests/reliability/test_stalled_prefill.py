@@ -10,7 +10,6 @@ prefill leg reports a transfer that succeeded, both sides end unleaked, and new 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import signal
 import time
 
@@ -26,11 +25,11 @@ def test_rooms_failed_by_heartbeat_are_aborted_at_the_woken_prefill(pd11):
     with cf.ThreadPoolExecutor(4) as ex:
         futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, 4), timeout=120) for ids in prompts]
         time.sleep(0.8)  # rooms bootstrapped; the prefill is computing the first prompt
-        os.killpg(P.proc.pid, signal.SIGSTOP)
+        P.send(signal.SIGSTOP)
         try:
             time.sleep(5.0)  # > heartbeat window (3 s)
         finally:
-            os.killpg(P.proc.pid, signal.SIGCONT)
+            P.send(signal.SIGCONT)
         results = [f.result() for f in futs]
     failed_on_decode = 0
     for p, d in results:
