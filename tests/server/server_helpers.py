@@ -53,6 +53,8 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.log_path = Path(f"/tmp/pdserve-test-server-{self.port}.log")
         self._log = open(self.log_path, "wb")
+        # not procs.spawn / stop_group: the server is signalled alone, because these tests check
+        # that the server itself stops its scheduler ranks (a group stop would hide a leak)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
 
     @property
