@@ -55,6 +55,32 @@ def test_cli_rejects_bad_values_with_the_field_name(capsys):
     assert main(["nonsense"]) == 2
 
 
+# runs a command line in a fresh interpreter, then reports which heavy modules it had imported
+_RUN_CLI = """
+import sys
+from {module} import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("imported:", [m for m in {heavy} if m in sys.modules])
+"""
+_MODEL_MODULES = ["pdserve.engine.serve", "pdserve.engine.model_executor.model_runner",
+                  "pdserve.engine.sched.scheduler_process"]
+
+
+def test_unknown_attention_backend_is_a_cli_error_before_anything_starts():
+    code = _RUN_CLI.format(module="pdserve.engine.cli", heavy=_MODEL_MODULES)
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--attention-backend", "troch"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out
+    assert "--attention-backend: invalid choice: 'troch'" in out.stderr
+    assert "'torch'" in out.stderr and "'flashinfer'" in out.stderr  # the choices are named
+    assert "imported: []" in out.stdout  # no server, rank or model was started
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--attention-backend", "troch"])
+    assert parse_serve_args(["--attention-backend", "flashinfer"]).engine.attention_backend == "flashinfer"
+
+
 def test_python_m_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "pdserve.engine", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--dp-size" in out.stdout and "--api-key" in out.stdout
