@@ -94,7 +94,7 @@ class Router:
             except asyncio.CancelledError:
                 pass
         if self.upstream is not None:
-            await self.upstream.close()
+            self.upstream.close()
             self.upstream = None
         if self.session is not None:
             await self.session.close()

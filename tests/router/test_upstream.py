@@ -65,7 +65,7 @@ async def test_keep_alive_connections_are_reused_and_headers_sent():
     head, body = srv.requests[0]
     assert head.startswith(b"POST /generate HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in head
     assert body == b'{"a":1}'
-    await pool.close()
+    pool.close()
     await srv.close()
 
 
@@ -79,7 +79,7 @@ async def test_server_closing_after_each_answer_is_not_an_error():
         if i % 2:  # half the time the close has arrived, half the time it races the next request
             await asyncio.sleep(0.02)
     assert srv.connections == 6
-    await pool.close()
+    pool.close()
     await srv.close()
 
 
@@ -98,7 +98,7 @@ async def test_chunked_stream_and_eof_delimited_body():
     eof = await RawServer(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil-eof", close_after=True).start()
     resp = await pool.post(eof.url, "/e", b"{}")
     assert await resp.read() == b"until-eof"
-    await pool.close()
+    pool.close()
     await eof.close()
 
 
@@ -117,7 +117,7 @@ async def test_timeout_and_broken_answers_are_upstream_errors():
         await resp.read()
     with pytest.raises(UpstreamError, match="cannot connect"):
         await pool.post("http://127.0.0.1:1", "/x", b"{}")
-    await pool.close()
+    pool.close()
     for s in (hang, garbage, cut):
         await s.close()
 
@@ -131,5 +131,5 @@ async def test_cancelling_a_request_closes_its_connection():
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.wait_for(srv.closed_by_client.wait(), 2)
-    await pool.close()
+    pool.close()
     await srv.close()
