@@ -1,4 +1,4 @@
-"""The serve CLI, ServerConfig and the request protocol, without a model."""
+"""The serve CLI, ServerConfig, the request protocol and the /metrics text, without a model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from pdserve.engine.cli import build_serve_parser, main, parse_serve_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
+from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,6 +97,45 @@ def test_scheduler_output_messages_round_trip():
     ]
     raw = msgspec.msgpack.encode(msgs)
     assert msgspec.msgpack.decode(raw, type=list[SchedulerOutput]) == msgs
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_names_labels_and_per_rank_gauges():
+    m = ServerMetrics(dp_size=2, model_name="m")
+    m.on_dispatch(1)
+    m.on_http("/generate", 200)
+    m.on_finish("stop", prompt_tokens=5, completion_tokens=3, cached=2, e2e=0.2)
+    m.ttft.observe(0.02)
+    m.tpot.observe(0.003)
+    stats = [SchedulerStats(dp_rank=0, num_running=1, num_waiting=2, num_free_pages=3, num_total_pages=4,
+                            page_size=16), None]  # rank 1 has not reported yet
+    s = _samples(m.render(stats, inflight=[1, 0]))
+    assert s['pdserve_requests_total{dp_rank="0",model_name="m"}'] == 0
+    assert s['pdserve_requests_total{dp_rank="1",model_name="m"}'] == 1
+    assert s['pdserve_requests_finished_total{model_name="m",reason="stop"}'] == 1
+    assert s['pdserve_http_requests_total{path="/generate",status="200"}'] == 1
+    assert s['pdserve_prompt_tokens_total{model_name="m"}'] == 5
+    assert s['pdserve_generation_tokens_total{model_name="m"}'] == 3
+    assert s['pdserve_cached_tokens_total{model_name="m"}'] == 2
+    assert s['pdserve_time_to_first_token_seconds_bucket{le="0.01"}'] == 0
+    assert s['pdserve_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
+    assert s["pdserve_time_per_output_token_seconds_count"] == 1
+    assert s["pdserve_e2e_request_latency_seconds_sum"] == 0.2
+    assert s['pdserve_num_running_reqs{dp_rank="0",model_name="m"}'] == 1
+    assert s['pdserve_num_waiting_reqs{dp_rank="0",model_name="m"}'] == 2
+    assert s['pdserve_kv_usage{dp_rank="0",model_name="m"}'] == 0.25
+    assert s['pdserve_inflight_requests{dp_rank="0",model_name="m"}'] == 1
+    assert not any(k.startswith("pdserve_kv_free_pages") and 'dp_rank="1"' in k for k in s)
+    other = _samples(ServerMetrics(dp_size=1, model_name="m").render([None], [0]))
+    assert other['pdserve_requests_total{dp_rank="0",model_name="m"}'] == 0  # its own registry
 
 
 def _err(fn, body: bytes, type_) -> RequestError:

@@ -1,0 +1,52 @@
+"""The router's /metrics text: names and labels, worker gauges read at scrape time, one registry each."""
+
+from pdserve.router.config import WorkerSpec
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.worker_registry import WorkerRegistry
+
+P, D = "http://198.51.100.1:30000", "http://198.51.100.2:30001"
+
+
+def samples(metrics: RouterMetrics) -> dict[str, float]:
+    out = {}
+    for line in metrics.render().decode().splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_names_labels_and_worker_gauges():
+    workers = WorkerRegistry()
+    workers.add(WorkerSpec(P, "prefill"), healthy=True)
+    decode = workers.add(WorkerSpec(D, "decode"))
+    decode.endpoints[0].load = 3
+    m = RouterMetrics(workers)
+    m.requests.labels("/generate", "200").inc()
+    m.leg_requests.labels(P, "prefill").inc(2)
+    m.leg_errors.labels(D, "decode").inc()
+    m.leg_retries.labels(D, "decode").inc()
+    m.retries.inc()
+    m.ttft.observe(0.003)
+    m.e2e.observe(0.2)
+    s = samples(m)
+    assert s['pdserve_router_requests_total{route="/generate",status="200"}'] == 1
+    assert s[f'pdserve_router_worker_requests_total{{leg="prefill",worker="{P}"}}'] == 2
+    assert s[f'pdserve_router_worker_errors_total{{leg="decode",worker="{D}"}}'] == 1
+    assert s[f'pdserve_router_worker_retries_total{{leg="decode",worker="{D}"}}'] == 1
+    assert s["pdserve_router_retries_total"] == 1
+    assert s['pdserve_router_ttft_seconds_bucket{le="0.0025"}'] == 0
+    assert s['pdserve_router_ttft_seconds_bucket{le="0.005"}'] == 1
+    assert s["pdserve_router_ttft_seconds_count"] == 1 and s["pdserve_router_e2e_seconds_sum"] == 0.2
+    assert s[f'pdserve_router_worker_in_flight{{role="decode",worker="{D}"}}'] == 3
+    assert s[f'pdserve_router_worker_healthy{{role="prefill",worker="{P}"}}'] == 1
+    assert s[f'pdserve_router_worker_healthy{{role="decode",worker="{D}"}}'] == 0
+    workers.remove(D)  # read when scraped: a removed worker's gauges are gone
+    assert not any(D in key and "worker_in_flight" in key for key in samples(m))
+
+
+def test_each_router_counts_in_its_own_registry():
+    a, b = RouterMetrics(WorkerRegistry()), RouterMetrics(WorkerRegistry())
+    a.retries.inc()
+    assert samples(a)["pdserve_router_retries_total"] == 1
+    assert samples(b)["pdserve_router_retries_total"] == 0
