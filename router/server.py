@@ -247,7 +247,7 @@ async def start_router(config: RouterConfig, host: str | None = None,
     site = web.TCPSite(runner, host or config.host, config.port if port is None else port,
                        backlog=2048)
     await site.start()
-    return router, runner, site._server.sockets[0].getsockname()[1]
+    return router, runner, runner.addresses[0][1]  # the bound port (port 0: chosen by the OS)
 
 
 def serve(config: RouterConfig) -> None:
