@@ -1,4 +1,5 @@
-"""The router's /metrics text: names and labels, worker gauges read at scrape time, one registry each."""
+"""The router's /metrics text: names, labels in declared order, worker gauges read at scrape time,
+one registry each."""
 
 from pdserve.router.config import WorkerSpec
 from pdserve.router.metrics import RouterMetrics
@@ -31,16 +32,19 @@ def test_names_labels_and_worker_gauges():
     m.e2e.observe(0.2)
     s = samples(m)
     assert s['pdserve_router_requests_total{route="/generate",status="200"}'] == 1
-    assert s[f'pdserve_router_worker_requests_total{{leg="prefill",worker="{P}"}}'] == 2
-    assert s[f'pdserve_router_worker_errors_total{{leg="decode",worker="{D}"}}'] == 1
-    assert s[f'pdserve_router_worker_retries_total{{leg="decode",worker="{D}"}}'] == 1
+    assert s[f'pdserve_router_worker_requests_total{{worker="{P}",leg="prefill"}}'] == 2
+    assert s[f'pdserve_router_worker_errors_total{{worker="{D}",leg="decode"}}'] == 1
+    assert s[f'pdserve_router_worker_retries_total{{worker="{D}",leg="decode"}}'] == 1
     assert s["pdserve_router_retries_total"] == 1
     assert s['pdserve_router_ttft_seconds_bucket{le="0.0025"}'] == 0
     assert s['pdserve_router_ttft_seconds_bucket{le="0.005"}'] == 1
     assert s["pdserve_router_ttft_seconds_count"] == 1 and s["pdserve_router_e2e_seconds_sum"] == 0.2
-    assert s[f'pdserve_router_worker_in_flight{{role="decode",worker="{D}"}}'] == 3
-    assert s[f'pdserve_router_worker_healthy{{role="prefill",worker="{P}"}}'] == 1
-    assert s[f'pdserve_router_worker_healthy{{role="decode",worker="{D}"}}'] == 0
+    assert s[f'pdserve_router_worker_in_flight{{worker="{D}",role="decode"}}'] == 3
+    assert s[f'pdserve_router_worker_healthy{{worker="{P}",role="prefill"}}'] == 1
+    assert s[f'pdserve_router_worker_healthy{{worker="{D}",role="decode"}}'] == 0
+    assert not any("_created" in key for key in s)
+    m.requests.labels('/x"y\\z', "404").inc()  # label values are escaped
+    assert 'pdserve_router_requests_total{route="/x\\"y\\\\z",status="404"} 1.0' in m.render().decode()
     workers.remove(D)  # read when scraped: a removed worker's gauges are gone
     assert not any(D in key and "worker_in_flight" in key for key in samples(m))
 
