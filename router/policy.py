@@ -26,6 +26,8 @@ C = TypeVar("C", bound=Candidate)
 
 
 class Policy(ABC):
+    """Chooses an endpoint per leg; one instance per role (prefill, decode) for the router's life."""
+
     #: True when ``select`` uses the request text (only then does the router extract it)
     needs_text: bool = False
 
