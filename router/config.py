@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pdserve.router.policy import POLICY_NAMES
+
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 
 
