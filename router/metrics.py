@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.utils import floatToGoString
 
+from pdserve.engine.frontend.prometheus_text import exposition
 from pdserve.router.worker_registry import WorkerRegistry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -41,33 +41,8 @@ class RouterMetrics:
         reg.register(_WorkerGauges(workers))
 
     def render(self) -> bytes:
-        """The text exposition format of every metric."""
+        """The text exposition format of every metric (labels in declared order)."""
         return exposition(self.registry)
-
-
-def exposition(registry: CollectorRegistry) -> bytes:
-    """The library's samples in the text format, each sample's labels in their declared order.
-
-    ``generate_latest`` sorts label names (``leg`` before ``worker``); this endpoint has always
-    put the worker first, and its readers (tests/router) match the lines as text. The
-    ``_created`` series, which it never had, are left out.
-    """
-    lines = []
-    for family in registry.collect():
-        name = family.name + "_total" if family.type == "counter" else family.name
-        help_ = family.documentation.replace("\\", r"\\").replace("\n", r"\n")
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {family.type}"]
-        for sample in family.samples:
-            if sample.name.endswith("_created"):
-                continue
-            labels = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels.items())
-            lines.append(f"{sample.name}{{{labels}}} {floatToGoString(sample.value)}" if labels
-                         else f"{sample.name} {floatToGoString(sample.value)}")
-    return ("\n".join(lines) + "\n").encode()
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace('"', r'\"').replace("\n", r"\n")
 
 
 class _Labelled:

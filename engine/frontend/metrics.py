@@ -9,9 +9,10 @@ tests in one process do not share counts.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
+from pdserve.engine.frontend.prometheus_text import exposition
 from pdserve.engine.messages import SchedulerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -62,9 +63,10 @@ class ServerMetrics:
         self.e2e.observe(e2e)
 
     def render(self, stats: list[SchedulerStats | None], inflight: list[int]) -> str:
-        """The text exposition of every metric, the gauges from ``stats`` and ``inflight`` (per rank)."""
+        """The text exposition of every metric (labels in declared order), the gauges from ``stats``
+        and ``inflight`` (per rank)."""
         self._gauges.stats, self._gauges.inflight = stats, inflight
-        return generate_latest(self.registry).decode()
+        return exposition(self.registry).decode()
 
 
 class _RankGauges:

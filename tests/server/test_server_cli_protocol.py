@@ -118,8 +118,8 @@ def test_metrics_names_labels_and_per_rank_gauges():
     stats = [SchedulerStats(dp_rank=0, num_running=1, num_waiting=2, num_free_pages=3, num_total_pages=4,
                             page_size=16), None]  # rank 1 has not reported yet
     s = _samples(m.render(stats, inflight=[1, 0]))
-    assert s['pdserve_requests_total{dp_rank="0",model_name="m"}'] == 0
-    assert s['pdserve_requests_total{dp_rank="1",model_name="m"}'] == 1
+    assert s['pdserve_requests_total{model_name="m",dp_rank="0"}'] == 0
+    assert s['pdserve_requests_total{model_name="m",dp_rank="1"}'] == 1
     assert s['pdserve_requests_finished_total{model_name="m",reason="stop"}'] == 1
     assert s['pdserve_http_requests_total{path="/generate",status="200"}'] == 1
     assert s['pdserve_prompt_tokens_total{model_name="m"}'] == 5
@@ -129,13 +129,14 @@ def test_metrics_names_labels_and_per_rank_gauges():
     assert s['pdserve_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
     assert s["pdserve_time_per_output_token_seconds_count"] == 1
     assert s["pdserve_e2e_request_latency_seconds_sum"] == 0.2
-    assert s['pdserve_num_running_reqs{dp_rank="0",model_name="m"}'] == 1
-    assert s['pdserve_num_waiting_reqs{dp_rank="0",model_name="m"}'] == 2
-    assert s['pdserve_kv_usage{dp_rank="0",model_name="m"}'] == 0.25
-    assert s['pdserve_inflight_requests{dp_rank="0",model_name="m"}'] == 1
+    assert s['pdserve_num_running_reqs{model_name="m",dp_rank="0"}'] == 1
+    assert s['pdserve_num_waiting_reqs{model_name="m",dp_rank="0"}'] == 2
+    assert s['pdserve_kv_usage{model_name="m",dp_rank="0"}'] == 0.25
+    assert s['pdserve_inflight_requests{model_name="m",dp_rank="0"}'] == 1
     assert not any(k.startswith("pdserve_kv_free_pages") and 'dp_rank="1"' in k for k in s)
+    assert not any("_created" in k for k in s)
     other = _samples(ServerMetrics(dp_size=1, model_name="m").render([None], [0]))
-    assert other['pdserve_requests_total{dp_rank="0",model_name="m"}'] == 0  # its own registry
+    assert other['pdserve_requests_total{model_name="m",dp_rank="0"}'] == 0  # its own registry
 
 
 def _err(fn, body: bytes, type_) -> RequestError:
