@@ -16,9 +16,11 @@ import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
 from pdserve.engine.server_config import LOG_LEVELS, TRANSFER_BACKENDS, ServerConfig
+from pdserve.kernels.attention_backend import attention_backend_names
 
 _CHOICES = {
     "dtype": DTYPES,
+    "attention_backend": attention_backend_names(),
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": TRANSFER_BACKENDS,
     "log_level": LOG_LEVELS,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pdserve.kernels.attention_backend import check_attention_backend
+
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DTYPES = ("auto", "bfloat16", "float32")
 
@@ -48,6 +50,7 @@ class EngineConfig:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
+        check_attention_backend(self.attention_backend)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -4,21 +4,31 @@ A backend does two things per layer: write the step's new K/V into the page
 pool, and attend each new token over its sequence's cached tokens. Per-step
 metadata (gather indices, masks) is built once in ``begin_forward`` and reused
 by all layers, which keeps per-layer Python work small.
+
+``ATTENTION_BACKENDS`` names each backend: the names are the choices of
+``--attention-backend`` and what ``EngineConfig`` accepts, so a typo fails at
+the command line. This module imports no torch (only for type checking): the
+config and the CLI read the names without loading any backend. Adding a
+backend: an ``AttentionBackend`` subclass in its own module and one line here.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.sched.page_pool import PagePool
+    from pdserve.engine.model_executor.forward_batch import ForwardBatch
+    from pdserve.engine.sched.page_pool import PagePool
 
 
 class AttentionBackend(ABC):
     def __init__(self, page_pool: PagePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        """Attend over ``page_pool``'s pages for a model of these head counts; ``scale`` multiplies
+        the scores (usually ``head_dim ** -0.5``). Raise ValueError where the device does not fit."""
         self.page_pool = page_pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -39,7 +49,7 @@ class AttentionBackend(ABC):
 
 
 # name -> "module:Class"; a backend's module is imported only when it is chosen
-_REGISTRY: dict[str, str] = {
+ATTENTION_BACKENDS: dict[str, str] = {
     "torch": "pdserve.kernels.torch_backend:TorchAttentionBackend",
     "flashinfer": "pdserve.kernels.flashinfer_backend:FlashInferAttentionBackend",
 }
@@ -47,13 +57,19 @@ _REGISTRY: dict[str, str] = {
 
 def attention_backend_names() -> list[str]:
     """The choices of ``--attention-backend``."""
-    return list(_REGISTRY)
+    return list(ATTENTION_BACKENDS)
+
+
+def check_attention_backend(name: str) -> None:
+    """ValueError naming the choices unless ``name`` is registered."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {attention_backend_names()}, got {name!r}")
 
 
 def create_attention_backend(name: str, page_pool: PagePool, num_heads: int, num_kv_heads: int,
                              head_dim: int, scale: float) -> AttentionBackend:
-    if name not in _REGISTRY:
-        raise ValueError(f"attention_backend must be one of {list(_REGISTRY)}, got {name!r}")
-    module_name, cls_name = _REGISTRY[name].split(":")
+    """Import the backend registered as ``name`` and build it."""
+    check_attention_backend(name)
+    module_name, cls_name = ATTENTION_BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
     return cls(page_pool, num_heads, num_kv_heads, head_dim, scale)

@@ -5,5 +5,6 @@ Public API:
 - ``cli.main(argv=None)``: ``pdserve router`` / ``python -m pdserve.router``.
 - ``server.Router(config)``, ``server.start_router(config) -> (router, runner, port)``,
   ``server.serve(config)``: embed or run the router.
-- ``policy.POLICIES`` / ``make_policy(name, config)``: routing policies by name.
+- ``policy.Policy``, ``policy.POLICIES`` / ``make_policy(name, config)``: routing policies by name
+  (implementations in ``simple_policies.py`` and ``cache_aware_policy.py``).
 """

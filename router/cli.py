@@ -7,7 +7,8 @@ import argparse
 import logging
 from dataclasses import fields
 
-from pdserve.router.config import LOG_LEVELS, POLICY_NAMES, RouterConfig, WorkerSpec
+from pdserve.router.config import LOG_LEVELS, RouterConfig, WorkerSpec
+from pdserve.router.policy import POLICY_NAMES
 
 _D = {f.name: f.default for f in fields(RouterConfig)}
 

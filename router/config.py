@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-POLICY_NAMES = ("random", "round_robin", "power_of_two", "cache_aware")
+from pdserve.router.policy import POLICY_NAMES
+
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 
 

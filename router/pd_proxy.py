@@ -86,8 +86,8 @@ class PDProxy:
         last: LegFailure | None = None
         for attempt in range(attempts):
             if attempt:
-                self.metrics.retries += 1
-                self.metrics.leg_retries[(last.endpoint.worker.url, last.leg)] += 1
+                self.metrics.retries.inc()
+                self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
             pair = self.pairing.choose(body, exclude)
             try:
@@ -95,7 +95,7 @@ class PDProxy:
                     return await self._attempt_stream(request, path, body, pair, t0)
                 return await self._attempt_json(path, body, pair, t0)
             except LegFailure as failure:
-                self.metrics.leg_errors[(failure.endpoint.worker.url, failure.leg)] += 1
+                self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
                 log.info("attempt %d/%d failed: %s", attempt + 1, attempts, failure.describe())
                 if not failure.retryable:
                     return _passthrough_error(failure)
@@ -139,7 +139,7 @@ class PDProxy:
     async def _leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
         """POST one leg and read its whole answer; raises LegFailure."""
         url = ep.worker.url
-        self.metrics.leg_requests[(url, leg)] += 1
+        self.metrics.leg_requests.inc(url, leg)
         ep.load += 1
         resp = None
         try:
@@ -205,7 +205,7 @@ class PDProxy:
                         await out.write_eof()
                         break
             except UpstreamError as e:
-                self.metrics.leg_errors[(d_ep.worker.url, "decode")] += 1
+                self.metrics.leg_errors.inc(d_ep.worker.url, "decode")
                 msg = f"decode worker {d_ep.key} failed mid-stream: {e}"
                 log.warning(msg)
                 await out.write_eof(b"data: " + _encode({"error": {
@@ -234,7 +234,7 @@ class PDProxy:
     async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""
         url = ep.worker.url
-        self.metrics.leg_requests[(url, "decode")] += 1
+        self.metrics.leg_requests.inc(url, "decode")
         resp = None
         try:
             resp = await self.upstream.post(url, path, data)

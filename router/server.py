@@ -50,7 +50,7 @@ class Router:
         self.prefill_policy = make_policy(config.effective_prefill_policy, config)
         self.decode_policy = make_policy(config.effective_decode_policy, config)
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(self.registry)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
         self.worker_headers = {"Content-Type": "application/json"}
@@ -145,7 +145,7 @@ class Router:
         finally:
             if admitted:
                 self.admission.release()
-            self.metrics.requests[(route, status)] += 1
+            self.metrics.requests.inc(route, str(status))
             self.metrics.e2e.observe(time.perf_counter() - t0)
 
     def _check_auth(self, request: web.Request) -> None:
@@ -167,8 +167,7 @@ class Router:
         return json_response({"status": "ok", "healthy_endpoints": counts})
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.registry),
-                            content_type="text/plain", charset="utf-8")
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def _forward_get(self, request: web.Request) -> web.Response:
         """Model and server info come from a healthy worker (decode first: it serves the answers)."""
@@ -248,7 +247,7 @@ async def start_router(config: RouterConfig, host: str | None = None,
     site = web.TCPSite(runner, host or config.host, config.port if port is None else port,
                        backlog=2048)
     await site.start()
-    return router, runner, site._server.sockets[0].getsockname()[1]
+    return router, runner, runner.addresses[0][1]  # the bound port (port 0: chosen by the OS)
 
 
 def serve(config: RouterConfig) -> None:

@@ -15,7 +15,12 @@ non-streamed and streamed ``/generate`` requests:
 Saturation runs alternate between the routers (median of ``--rounds``). Ends
 with ONE JSON line holding both routers' figures and the ratios. Fixed seed.
 
+``--baseline-tree DIR`` adds the pdserve router of another checkout (a build of
+the previous commit: ``git archive HEAD~1 | tar -x -C DIR``) as a third router,
+measured in the same run; the ``vs_baseline`` ratios compare this tree's with it.
+
     .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 3] [--rounds 2] [--concurrency 32]
+                                             [--baseline-tree DIR] [--no-sglang]
 """
 
 from __future__ import annotations
@@ -142,17 +147,34 @@ async def measure(args, targets: dict[str, str], pids: dict[str, int]) -> dict:
     return results
 
 
+def source_tree_env(tree: str, into: str) -> dict[str, str]:
+    """The environment that makes ``pdserve`` import from the checkout ``tree`` (another commit,
+    e.g. ``git archive REV | tar -x -C DIR``) instead of this one: a ``pdserve/`` folder of links
+    to its top-level packages, first on PYTHONPATH (ahead of this tree's editable install)."""
+    pkg = os.path.join(into, "pdserve")
+    os.makedirs(pkg, exist_ok=True)
+    for folder in ("engine", "prefill", "decode", "kvtransfer", "router", "kernels"):
+        link = os.path.join(pkg, folder)
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(os.path.abspath(os.path.join(tree, folder)), link)
+    return {**os.environ, "PYTHONPATH": into}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=400, help="sequential requests per target (latency)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per saturation run")
     p.add_argument("--rounds", type=int, default=2, help="saturation runs per target (median)")
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--baseline-tree", metavar="DIR",
+                   help="also run the pdserve router of this checkout (another commit) as 'baseline'")
+    p.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
     p.add_argument("--logs", default="/tmp/bench_router_logs")
     args = p.parse_args()
     random.seed(0)
     os.makedirs(args.logs, exist_ok=True)
-    pp, dp, bp, ours, theirs = (free_port() for _ in range(5))
+    pp, dp, bp = (free_port() for _ in range(3))
     prefill, decode = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
     procs = [
         spawn([PY, STANDIN, "--role", "prefill", "--port", str(pp)],
@@ -160,28 +182,38 @@ def main() -> None:
         spawn([PY, STANDIN, "--role", "decode", "--port", str(dp)],
               f"{args.logs}/decode.log"),
     ]
+    routers: dict[str, subprocess.Popen] = {}
+    targets = {"direct": decode}
     try:
         async def ready_workers():
             async with aiohttp.ClientSession() as s:
                 for url in (prefill, decode):
                     await wait_ready(s, url, {"text": "x"}, 30, procs)
         asyncio.run(ready_workers())
-        procs.append(spawn([PY, "-m", "pdserve.router", "--prefill", prefill, str(bp), "--decode", decode,
-                            "--host", "127.0.0.1", "--port", str(ours), "--policy", "round_robin",
-                            "--log-level", "warn"], f"{args.logs}/pdserve_router.log"))
-        procs.append(spawn([PY, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                            "--prefill", prefill, str(bp), "--decode", decode, "--host", "127.0.0.1",
-                            "--port", str(theirs), "--policy", "round_robin", "--log-level", "warn",
-                            "--prometheus-port", str(free_port())],
-                           f"{args.logs}/sglang_router.log"))
-        targets = {"direct": decode, "pdserve": f"http://127.0.0.1:{ours}",
-                   "sglang": f"http://127.0.0.1:{theirs}"}
+        pdserve_args = ["-m", "pdserve.router", "--prefill", prefill, str(bp), "--decode", decode,
+                        "--host", "127.0.0.1", "--policy", "round_robin", "--log-level", "warn"]
+        runs = [("pdserve", None)]
+        if args.baseline_tree:
+            runs.append(("baseline", source_tree_env(args.baseline_tree, f"{args.logs}/baseline_path")))
+        for name, env in runs:
+            port = free_port()
+            routers[name] = spawn([PY, *pdserve_args, "--port", str(port)], f"{args.logs}/{name}_router.log",
+                                  env=env)
+            targets[name] = f"http://127.0.0.1:{port}"
+        if not args.no_sglang:
+            port = free_port()
+            routers["sglang"] = spawn(
+                [PY, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill, str(bp),
+                 "--decode", decode, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+                 "--log-level", "warn", "--prometheus-port", str(free_port())], f"{args.logs}/sglang_router.log")
+            targets["sglang"] = f"http://127.0.0.1:{port}"
+        procs.extend(routers.values())
 
         async def run():
             async with aiohttp.ClientSession() as s:
-                for name in ("pdserve", "sglang"):
+                for name in routers:
                     await wait_ready(s, targets[name], {"text": "x"}, 120, procs)
-            return await measure(args, targets, {"pdserve": procs[2].pid, "sglang": procs[3].pid})
+            return await measure(args, targets, {name: proc.pid for name, proc in routers.items()})
 
         results = asyncio.run(run())
     finally:
@@ -192,7 +224,7 @@ def main() -> None:
           f"{'req/s':>8} {'CPU us/req':>10}")
     for kind in ("json", "stream"):
         direct = results[f"{kind}.direct"]
-        for name in ("direct", "pdserve", "sglang"):
+        for name in targets:
             r = results[f"{kind}.{name}"]
             if name != "direct":
                 r["added_p50_ms"] = r["p50_ms"] - direct["p50_ms"]
@@ -201,13 +233,19 @@ def main() -> None:
                   f"{r.get('added_p50_ms', 0):10.3f} {r.get('added_p99_ms', 0):10.3f} "
                   f"{r.get('rps', float('nan')):8.0f} {r.get('cpu_us_per_req', float('nan')):10.0f}")
             summary[f"{kind}_{name}"] = {k: round(v, 4) for k, v in r.items()}
-        ours_, theirs_ = results[f"{kind}.pdserve"], results[f"{kind}.sglang"]
-        summary[f"{kind}_ratio_added_p50"] = round(ours_["added_p50_ms"] / max(theirs_["added_p50_ms"], 1e-6), 3)
-        summary[f"{kind}_ratio_added_p99"] = round(ours_["added_p99_ms"] / max(theirs_["added_p99_ms"], 1e-6), 3)
-        summary[f"{kind}_ratio_rps"] = round(ours_["rps"] / theirs_["rps"], 3)
-        summary[f"{kind}_ratio_cpu_per_req"] = round(ours_["cpu_us_per_req"] / theirs_["cpu_us_per_req"], 3)
-    summary["targets_met"] = all(summary[f"{k}_ratio_added_p50"] <= 1.5 and summary[f"{k}_ratio_rps"] >= 0.5
-                                 for k in ("json", "stream"))
+        for other, label in (("sglang", "ratio"), ("baseline", "vs_baseline")):
+            if other not in targets:
+                continue
+            ours_, theirs_ = results[f"{kind}.pdserve"], results[f"{kind}.{other}"]
+            summary[f"{kind}_{label}_added_p50"] = round(
+                ours_["added_p50_ms"] / max(theirs_["added_p50_ms"], 1e-6), 3)
+            summary[f"{kind}_{label}_added_p99"] = round(
+                ours_["added_p99_ms"] / max(theirs_["added_p99_ms"], 1e-6), 3)
+            summary[f"{kind}_{label}_rps"] = round(ours_["rps"] / theirs_["rps"], 3)
+            summary[f"{kind}_{label}_cpu_per_req"] = round(ours_["cpu_us_per_req"] / theirs_["cpu_us_per_req"], 3)
+    if "sglang" in targets:
+        summary["targets_met"] = all(summary[f"{k}_ratio_added_p50"] <= 1.5 and summary[f"{k}_ratio_rps"] >= 0.5
+                                     for k in ("json", "stream"))
     print(json.dumps(summary))
 
 

@@ -233,7 +233,7 @@ class TokenizerManager:
             if st.spec.bootstrap is not None:
                 self._rooms[st.spec.bootstrap.room] = st.rid
             self.inflight[st.dp_rank] += 1
-            self.metrics.requests_by_rank[st.dp_rank] += 1
+            self.metrics.on_dispatch(st.dp_rank)
             spec = st.spec
             req = TokenizedGenerateReq(
                 rid=st.rid,

@@ -7,6 +7,7 @@ and matmul rounding of a few hundred terms); bfloat16 kernels, atol 3e-2
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -14,7 +15,9 @@ import torch
 
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kernels.attention_backend import attention_backend_names, create_attention_backend
+from pdserve.engine.config import EngineConfig
+from pdserve.kernels.attention_backend import (ATTENTION_BACKENDS, AttentionBackend, attention_backend_names,
+                                               create_attention_backend)
 from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.kv_ops import gather_pages, slots_of, store_kv
 from pdserve.kernels.torch_backend import TorchAttentionBackend
@@ -143,3 +146,12 @@ def test_unknown_backend_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match="attention_backend.*'nope'"):
         create_attention_backend("nope", pool, 1, 1, 4, 0.5)
     assert attention_backend_names() == ["torch", "flashinfer"]
+    with pytest.raises(ValueError, match="attention_backend must be one of \\['torch', 'flashinfer'\\], got 'nope'"):
+        EngineConfig(attention_backend="nope")
+    assert EngineConfig(attention_backend="flashinfer").attention_backend == "flashinfer"
+
+
+def test_every_registered_backend_is_an_attention_backend():
+    for name, target in ATTENTION_BACKENDS.items():  # flashinfer itself is imported only when built
+        module, cls = target.split(":")
+        assert issubclass(getattr(importlib.import_module(module), cls), AttentionBackend), name

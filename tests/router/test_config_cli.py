@@ -1,6 +1,8 @@
 """Config validation, the CLI (defaults from RouterConfig, --prefill URL [PORT]), backoff."""
 
 import random
+import subprocess
+import sys
 from dataclasses import fields
 
 import pytest
@@ -9,6 +11,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.cli import build_parser, config_from_args
 from pdserve.router.config import RouterConfig, WorkerSpec, backoff_ms
 from pdserve.router.errors import RouterError
+from pdserve.router.policy import POLICIES
 
 
 def parse(*argv):
@@ -47,6 +50,19 @@ def test_prefill_url_with_optional_bootstrap_port():
 def test_bad_flags_fail_at_start(argv):
     with pytest.raises((SystemExit, ValueError)):
         parse(*argv)
+
+
+def test_unknown_policy_is_a_cli_error_before_anything_starts():
+    # a fresh interpreter: the router's server module (and so its sockets) must not be reached
+    code = ("import sys\nfrom pdserve.engine.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+            "    print('server imported:', 'pdserve.router.server' in sys.modules)\n")
+    for flag in ("--policy", "--prefill-policy", "--decode-policy"):
+        out = subprocess.run([sys.executable, "-c", code, "router", flag, "troch"], capture_output=True,
+                             text=True, timeout=30)
+        assert out.returncode == 2, out
+        assert f"{flag}: invalid choice: 'troch'" in out.stderr
+        assert all(repr(name) in out.stderr for name in POLICIES), out.stderr  # the choices are named
+        assert "server imported: False" in out.stdout
 
 
 def test_config_rejects_a_prefill_spec_as_decode():

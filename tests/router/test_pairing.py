@@ -8,7 +8,7 @@ import pytest
 from pdserve.router.config import WorkerSpec
 from pdserve.router.errors import RouterError
 from pdserve.router.pairing import Pairing, prompt_text
-from pdserve.router.policy import RoundRobinPolicy
+from pdserve.router.simple_policies import RoundRobinPolicy
 from pdserve.router.worker_registry import WorkerRegistry
 
 
@@ -88,7 +88,7 @@ def test_dp_aware_with_single_rank_workers_sends_rank_zero():
 
 
 def test_power_of_two_counts_load_per_dp_rank():
-    from pdserve.router.policy import PowerOfTwoPolicy
+    from pdserve.router.simple_policies import PowerOfTwoPolicy
     reg, _ = make(decode_dp=2)
     d0, d1 = reg.healthy_endpoints("decode")
     d0.load = 3

@@ -5,9 +5,11 @@ from collections import Counter
 
 import pytest
 
+from pdserve.router.cache_aware_policy import CacheAwarePolicy
+from pdserve.router.cli import build_parser
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.policy import (POLICIES, CacheAwarePolicy, PowerOfTwoPolicy, RandomPolicy,
-                                   RoundRobinPolicy, make_policy)
+from pdserve.router.policy import POLICIES, Policy, make_policy, policy_class
+from pdserve.router.simple_policies import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
 from pdserve.router.worker_registry import Endpoint, Worker
 
 
@@ -16,12 +18,23 @@ def endpoints(n: int) -> list[Endpoint]:
 
 
 def test_registry_names_are_the_cli_choices():
-    from pdserve.router.config import POLICY_NAMES
-    assert set(POLICIES) == set(POLICY_NAMES)
+    choices = {a.dest: a.choices for a in build_parser()._actions}
+    for flag in ("policy", "prefill_policy", "decode_policy"):
+        assert set(POLICIES) == set(choices[flag]), flag
     for name in POLICIES:
-        assert isinstance(make_policy(name, RouterConfig()), POLICIES[name])
-    with pytest.raises(ValueError):
+        assert issubclass(policy_class(name), Policy)
+        assert isinstance(make_policy(name, RouterConfig()), policy_class(name))
+    with pytest.raises(ValueError, match="'fastest'.*round_robin"):
         make_policy("fastest", RouterConfig())
+    with pytest.raises(ValueError, match="prefill_policy must be one of"):
+        RouterConfig(prefill_policy="fastest")
+
+
+def test_cache_aware_knobs_come_from_the_config():
+    policy = make_policy("cache_aware", RouterConfig(cache_threshold=0.7, balance_abs_threshold=3,
+                                                     balance_rel_threshold=2.0, max_tree_size=99))
+    assert (policy.cache_threshold, policy.abs_threshold, policy.rel_threshold) == (0.7, 3, 2.0)
+    assert policy.tree.max_size == 99
 
 
 def test_random_spreads_evenly():

@@ -1,4 +1,4 @@
-"""The serve CLI, ServerConfig and the request protocol, without a model."""
+"""The serve CLI, ServerConfig, the request protocol and the /metrics text, without a model."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from pdserve.engine.cli import build_serve_parser, main, parse_serve_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
+from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -55,6 +56,32 @@ def test_cli_rejects_bad_values_with_the_field_name(capsys):
     assert main(["nonsense"]) == 2
 
 
+# runs a command line in a fresh interpreter, then reports which heavy modules it had imported
+_RUN_CLI = """
+import sys
+from {module} import main
+try:
+    main(sys.argv[1:])
+finally:
+    print("imported:", [m for m in {heavy} if m in sys.modules])
+"""
+_MODEL_MODULES = ["pdserve.engine.serve", "pdserve.engine.model_executor.model_runner",
+                  "pdserve.engine.sched.scheduler_process"]
+
+
+def test_unknown_attention_backend_is_a_cli_error_before_anything_starts():
+    code = _RUN_CLI.format(module="pdserve.engine.cli", heavy=_MODEL_MODULES)
+    out = subprocess.run([sys.executable, "-c", code, "serve", "--attention-backend", "troch"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out
+    assert "--attention-backend: invalid choice: 'troch'" in out.stderr
+    assert "'torch'" in out.stderr and "'flashinfer'" in out.stderr  # the choices are named
+    assert "imported: []" in out.stdout  # no server, rank or model was started
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--attention-backend", "troch"])
+    assert parse_serve_args(["--attention-backend", "flashinfer"]).engine.attention_backend == "flashinfer"
+
+
 def test_python_m_entry_point_help():
     out = subprocess.run([sys.executable, "-m", "pdserve.engine", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--dp-size" in out.stdout and "--api-key" in out.stdout
@@ -70,6 +97,46 @@ def test_scheduler_output_messages_round_trip():
     ]
     raw = msgspec.msgpack.encode(msgs)
     assert msgspec.msgpack.decode(raw, type=list[SchedulerOutput]) == msgs
+
+
+def _samples(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out
+
+
+def test_metrics_names_labels_and_per_rank_gauges():
+    m = ServerMetrics(dp_size=2, model_name="m")
+    m.on_dispatch(1)
+    m.on_http("/generate", 200)
+    m.on_finish("stop", prompt_tokens=5, completion_tokens=3, cached=2, e2e=0.2)
+    m.ttft.observe(0.02)
+    m.tpot.observe(0.003)
+    stats = [SchedulerStats(dp_rank=0, num_running=1, num_waiting=2, num_free_pages=3, num_total_pages=4,
+                            page_size=16), None]  # rank 1 has not reported yet
+    s = _samples(m.render(stats, inflight=[1, 0]))
+    assert s['pdserve_requests_total{model_name="m",dp_rank="0"}'] == 0
+    assert s['pdserve_requests_total{model_name="m",dp_rank="1"}'] == 1
+    assert s['pdserve_requests_finished_total{model_name="m",reason="stop"}'] == 1
+    assert s['pdserve_http_requests_total{path="/generate",status="200"}'] == 1
+    assert s['pdserve_prompt_tokens_total{model_name="m"}'] == 5
+    assert s['pdserve_generation_tokens_total{model_name="m"}'] == 3
+    assert s['pdserve_cached_tokens_total{model_name="m"}'] == 2
+    assert s['pdserve_time_to_first_token_seconds_bucket{le="0.01"}'] == 0
+    assert s['pdserve_time_to_first_token_seconds_bucket{le="0.025"}'] == 1
+    assert s["pdserve_time_per_output_token_seconds_count"] == 1
+    assert s["pdserve_e2e_request_latency_seconds_sum"] == 0.2
+    assert s['pdserve_num_running_reqs{model_name="m",dp_rank="0"}'] == 1
+    assert s['pdserve_num_waiting_reqs{model_name="m",dp_rank="0"}'] == 2
+    assert s['pdserve_kv_usage{model_name="m",dp_rank="0"}'] == 0.25
+    assert s['pdserve_inflight_requests{model_name="m",dp_rank="0"}'] == 1
+    assert not any(k.startswith("pdserve_kv_free_pages") and 'dp_rank="1"' in k for k in s)
+    assert not any("_created" in k for k in s)
+    other = _samples(ServerMetrics(dp_size=1, model_name="m").render([None], [0]))
+    assert other['pdserve_requests_total{model_name="m",dp_rank="0"}'] == 0  # its own registry
 
 
 def _err(fn, body: bytes, type_) -> RequestError:
