@@ -206,10 +206,6 @@ class Scheduler:
             self.reserve_pages(r, r.seq_len + 1) for r in receiving
         )
 
-    def available_pages(self, receiving: Iterable[Req] = ()) -> int:
-        """Pages a new request may take: free pages minus the reserve promised to running decodes."""
-        return self.free_pages() - self.promised_pages(receiving)
-
     def fits(self, take: int, reserve: int, promised: int, alone: bool) -> bool:
         """The admission rule, for colocated admission and decode preallocation alike: a request
         taking ``take`` pages now and promised ``reserve`` more for its decodes fits beside the
