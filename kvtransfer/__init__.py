@@ -19,8 +19,8 @@ Scheduler-facing API (all non-blocking, driven by polling from the scheduler loo
     mgr.abort(room, reason); mgr.close()
 
 One room, step by step:
-1. The decode manager looks up the prefill rank at its bootstrap server (``GET /route``,
-   cached per rank) and checks page size, dtype and layout.
+1. The decode manager looks up the prefill rank at its bootstrap server (``GET /route``
+   through ``bootstrap_client``, cached per rank) and checks page size, dtype and layout.
 2. Once per pair it sends ``RegisterPool`` (buffer base addresses, engine peer info);
    the prefill rank validates it and answers ``RegisterAck``.
 3. Per room the decode side sends ``RoomRequest`` (page indices and an aux slot only).

@@ -140,3 +140,18 @@ def test_max_new_tokens_zero_closes_the_room(pair):
     assert pair.final("P", "z").finish_reason == "length"
     assert pair.final("D", "z").finish_reason == "error"
     pair.settle()
+
+
+@pytest.mark.parametrize("pair", [{"p_engine": {"chunked_prefill_size": 8}}], indirect=True)
+def test_decode_abort_stops_a_prefill_between_chunks(pair):
+    pair.submit("mid", list(range(1, 31)), max_new=4)
+    pair.run(lambda: pair.prefill.scheduler.chunked is not None)
+    sender = pair.prefill.senders["mid"]
+    assert pair.decode.abort("mid", "client left")
+    pair.run(lambda: sender.poll() is KVPoll.Failed, prefill=False)
+    pair.step()  # the prefill sees the failed room before computing the next chunk
+    assert "mid" not in pair.prefill.scheduler.reqs and pair.prefill.scheduler.chunked is None
+    pair.run(pair.done("mid"))
+    p = pair.final("P", "mid")
+    assert p.finish_reason == "error" and "aborted by decode: client left" in p.error
+    pair.settle()
