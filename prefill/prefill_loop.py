@@ -21,7 +21,6 @@ from __future__ import annotations
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.request import FinishReason, Req
-from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
@@ -31,24 +30,16 @@ from pdserve.kvtransfer.room_queue import RoomQueue
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
 
 
-def never_stop(req: Req) -> FinishReason | None:
-    """Prefill samples exactly one token, and it must reach the decode side even if it is EOS."""
-    return None
-
-
 class PrefillLoop(SchedulerLoop):
     def __init__(self, config: EngineConfig, kv: PrefillKVManager, dp_rank: int = 0, runner=None):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it."""
-        super().__init__(config, dp_rank, runner)
+        super().__init__(config, dp_rank, runner, decode=False)
         if kv.pool is not self.pool:
             raise ValueError("the KV manager must serve this rank's page pool")
         self.kv = kv
         self.bootstrap_queue = BootstrapQueue(kv, self.pool)
         self.senders: dict[str, KVSender] = {}  # requests inside the scheduler (waiting or prefilling)
         self.inflight: RoomQueue[Req, KVSender] = RoomQueue()  # last chunk queued, pages held
-
-    def make_scheduler(self) -> Scheduler:
-        return Scheduler(self.config, self.pool, self.cache, never_stop, decode=False)
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:

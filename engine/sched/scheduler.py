@@ -22,8 +22,9 @@ the caller runs the model on it and hands the sampled tokens to
   public: the decode mode's preallocation applies the same rule to requests
   whose KV arrives from a prefill server.
 - A prefill server's scheduler (``decode=False``) does not decode: a request
-  whose prefill completed keeps its pages, leaves the batch and is reported in
-  ``StepEvents.prefilled``; it stays owned until ``finish``.
+  whose prefill completed (its one token sampled, never stopped on) keeps its
+  pages, leaves the batch and is reported in ``StepEvents.prefilled``; it stays
+  owned until ``finish``.
 - When a decode step lacks pages, the newest running request is retracted: its
   KV goes to the prefix cache (or is freed) and it rejoins the front of the
   queue keeping its output tokens, to be recomputed later. A request that
@@ -363,7 +364,8 @@ class Scheduler:
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             events.updated.append(req)
-            reason = self.stop_check(req)
+            # a prefill server's one token must reach the decode side even if it is EOS
+            reason = self.stop_check(req) if self.decode else None
             if reason is not None:
                 self.finish(req, reason)
             elif was_prefill and req not in self.running:

@@ -9,7 +9,7 @@ The disaggregated modes (``PrefillLoop``, ``DecodeLoop``) receive their KV
 manager as a constructor argument and hook in by overriding small methods of
 the loop, never of the scheduler:
 
-- ``make_scheduler()``: the prefill mode's scheduler does not decode
+- ``decode=False`` (the prefill mode): the scheduler does not decode
   (``Scheduler(decode=False)``): prefilled requests are reported in the step's
   ``StepEvents.prefilled``, which the prefill loop reads to hand them to their
   KV senders.
@@ -53,7 +53,8 @@ QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class SchedulerLoop:
-    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, decode: bool = True):
+        """``decode=False``: a prefill server's rank (see ``Scheduler``)."""
         if runner is None:
             from pdserve.engine.model_executor.model_runner import ModelRunner
 
@@ -67,7 +68,7 @@ class SchedulerLoop:
         self.device = runner.device
         self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
-        self.scheduler = self.make_scheduler()
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         self.rng = random.Random(config.seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
@@ -75,10 +76,6 @@ class SchedulerLoop:
         self._dirty = False  # PD modes: something ran since the last idle integrity check
 
     # ------------------------------------------------------------- overridables
-    def make_scheduler(self) -> Scheduler:
-        """The scheduler of this mode."""
-        return Scheduler(self.config, self.pool, self.cache, self.stop_checker)
-
     def poll(self) -> None:
         """Called at the start of every step: the PD modes advance their queues here."""
 

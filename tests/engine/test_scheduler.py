@@ -312,6 +312,17 @@ def test_prefill_mode_holds_pages_until_sent():
     assert sched.drain_finished() == [r]  # it leaves by the one path
 
 
+def test_prefill_mode_never_stops_on_its_one_token():
+    """The prefill's token goes to the decode side even if it would stop there (EOS, stop id)."""
+    pool = PagePool(16, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    always = lambda r: FinishReason("stop", matched=r.output_ids[-1])  # noqa: E731
+    sched = Scheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False), always, decode=False)
+    r = req("eos", [1, 2, 3], n=5)
+    sched.add(r)
+    events = sched.postprocess(b := sched.schedule(), EchoModel(pool)(b))
+    assert events.prefilled == [r] and not events.finished and r.status == ReqStatus.SENDING_KV
+
+
 def test_decode_mode_request_arrives_with_kv_and_first_token():
     sched, model = make()
     prompt = list(range(30, 43))  # 13 tokens
