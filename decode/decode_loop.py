@@ -19,28 +19,33 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 4 and 6):
 from __future__ import annotations
 
 import logging
-import time
 
 from pdserve.decode.prealloc_queue import PreallocQueue
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.decode.quarantine import Quarantine
-from pdserve.decode.transfer_queue import TransferQueue
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
-from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferConfig
+from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.kv_receiver import KVReceiver
+from pdserve.kvtransfer.room_queue import RoomQueue
 
 logger = logging.getLogger(__name__)
 
+
 class DecodeLoop(SchedulerLoop):
-    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, *, kv_config: KVTransferConfig):
+    def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None):
+        """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
+        Timeouts run on ``kv.clock``, so a test can move time for both."""
         super().__init__(config, dp_rank, runner)
-        self.kv_config = kv_config
-        self.kv = DecodeKVManager(kv_config, self.pool).start()
-        self.dp_sizes = PrefillDPSizes(kv_config.bootstrap_timeout)
-        self.prealloc = PreallocQueue(self.kv, self.scheduler, self.dp_sizes)
-        self.transfer = TransferQueue()
-        self.quarantine = Quarantine(kv_config.quarantine_timeout, self.scheduler.held_pages)
+        if kv.pool is not self.pool:
+            raise ValueError("the KV manager must serve this rank's page pool")
+        self.kv = kv
+        self.dp_sizes = PrefillDPSizes(kv.config.bootstrap_timeout, clock=kv.clock)
+        self.prealloc = PreallocQueue(kv, self.scheduler, self.dp_sizes)
+        self.transfer: RoomQueue[Req, KVReceiver] = RoomQueue()  # destination sent, pages held
+        self.quarantine = Quarantine(kv.config.quarantine_timeout, self.scheduler.held_pages)
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -82,10 +87,9 @@ class DecodeLoop(SchedulerLoop):
         for req, reason in self.prealloc.pop_failed():
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         s = self.scheduler
-        reserved = sum(s._reserve_pages(r, r.seq_len) for r in s.running)
-        reserved += sum(self.prealloc.decode_reserve(r) for r in self.transfer.reqs())
+        promised = s.promised_pages(self.transfer.reqs())
         max_new = self.config.max_running_requests - len(s.running) - len(self.transfer) - (s.chunked is not None)
-        for req, receiver in self.prealloc.pop_allocated(reserved, max(max_new, 0)):
+        for req, receiver in self.prealloc.pop_allocated(promised, max(max_new, 0)):
             self.transfer.add(req, receiver)
         for req, receiver in self.transfer.pop_done():
             if receiver.poll() is KVPoll.Success:
@@ -100,7 +104,7 @@ class DecodeLoop(SchedulerLoop):
             req.pages = req.pages[: req.num_cache_pages]
             logger.info("decode: room %d failed after the prefill got its destination: %d pages held until "
                         "it closes the room", receiver.room, len(held))
-            self.quarantine.hold(receiver, held, receiver.aux_slot, time.monotonic())
+            self.quarantine.hold(receiver, held, receiver.aux_slot, self.kv.clock())
             receiver.aux_slot = None
         else:
             self._release_aux(receiver)
@@ -109,7 +113,7 @@ class DecodeLoop(SchedulerLoop):
     def _release_quarantined(self) -> None:
         if not self.quarantine:
             return
-        for pages, aux_slot, timed_out in self.quarantine.pop_released(time.monotonic()):
+        for pages, aux_slot, timed_out in self.quarantine.pop_released(self.kv.clock()):
             logger.info("decode: %d quarantined pages back in the free list", len(pages))
             if timed_out:
                 logger.warning("decode: %d quarantined pages reused after quarantine_timeout %ss without the "

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.engine.sched.scheduler import Scheduler
-from pdserve.kvtransfer import DecodeKVManager, KVPoll, KVReceiver, KVTransferError
+from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
+from pdserve.kvtransfer.errors import KVTransferError
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.kv_receiver import KVReceiver
 
 
 @dataclass
@@ -44,11 +47,6 @@ class PreallocQueue:
     def remove(self, rid: str) -> PreallocEntry | None:
         return self.entries.pop(rid, None)
 
-    def decode_reserve(self, req: Req) -> int:
-        """Pages ``req`` will need for its coming decode steps beyond its prompt."""
-        extra = min(req.remaining_new_tokens, self.scheduler.config.num_reserved_decode_tokens)
-        return self.pool.pages_for(req.seq_len + 1 + extra) - self.pool.pages_for(req.prompt_len)
-
     def pop_failed(self) -> list[tuple[Req, str]]:
         """Open receivers where the prefill rank became known; return requests whose room failed."""
         failed = []
@@ -76,13 +74,15 @@ class PreallocQueue:
                 failed.append((e.req, f"KV transfer failed: {e.receiver.failure_reason}"))
         return failed
 
-    def pop_allocated(self, reserved: int, max_new: int) -> list[tuple[Req, KVReceiver]]:
-        """Give pages to bootstrapped requests, oldest first, while memory allows.
+    def pop_allocated(self, promised: int, max_new: int) -> list[tuple[Req, KVReceiver]]:
+        """Give pages to bootstrapped requests, oldest first, while the scheduler's admission rule allows.
 
-        ``reserved``: pages promised to requests already decoding or receiving;
-        ``max_new``: how many more requests may hold pages (max_running_requests).
+        ``promised``: the reserve of requests already decoding or receiving
+        (``Scheduler.promised_pages``); ``max_new``: how many more requests may hold
+        pages (max_running_requests).
         """
         out = []
+        s = self.scheduler
         for rid, e in list(self.entries.items()):
             if len(out) >= max_new:
                 break
@@ -90,20 +90,16 @@ class PreallocQueue:
                 continue  # not bootstrapped yet; later ones may be (different prefill peers)
             req = e.req
             need = self.pool.pages_for(req.prompt_len)
-            reserve = self.decode_reserve(req)
-            available = self.pool.num_free + self.scheduler.cache.evictable_pages
-            alone = not self.scheduler.reqs
-            if need + reserve + reserved > available and not (alone and need <= available):
+            # it decodes from one token past its prompt (the first token comes with the KV)
+            reserve = s.reserve_pages(req, req.seq_len + 1) - need
+            if not s.fits(need, reserve, promised, alone=not s.reqs):
                 break  # FIFO: no overtaking, so a large prompt is not starved by small ones
             slot = self.kv.aux_pool.alloc()
             if slot is None:
                 break
-            pages = self.scheduler.try_alloc(need)
-            req.pages = pages
-            req.kv_len = 0
-            self.scheduler.reqs[req.rid] = req  # the scheduler owns the pages from now on
-            e.receiver.init(pages, slot)
-            reserved += reserve
+            s.hold(req, s.try_alloc(need))  # the scheduler owns the pages from now on
+            e.receiver.init(req.pages, slot)
+            promised += reserve
             del self.entries[rid]
             out.append((req, e.receiver))
         return out

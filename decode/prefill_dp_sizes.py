@@ -8,17 +8,19 @@ fetched on a worker thread so the scheduler loop never blocks on the network.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from pdserve.kvtransfer.bootstrap_client import fetch_topology
 
 _RETRY_S = 0.2
 
 
 class PrefillDPSizes:
-    def __init__(self, timeout: float):
+    def __init__(self, timeout: float, clock: Callable[[], float] = time.monotonic):
         self.timeout = timeout  # give up on a bootstrap server after this long
+        self.clock = clock
         self._sizes: dict[tuple[str, int], int] = {}
         self._pending: dict[tuple[str, int], tuple[Future, float]] = {}  # future, first asked
         self._retry_at: dict[tuple[str, int], float] = {}
@@ -29,10 +31,10 @@ class PrefillDPSizes:
         key = (host, port)
         if key in self._sizes:
             return self._sizes[key]
-        now = time.monotonic()
+        now = self.clock()
         fut, since = self._pending.get(key, (None, now))
         if fut is None:
-            if now < self._retry_at.get(key, 0.0):
+            if time.monotonic() < self._retry_at.get(key, 0.0):  # retry pacing: real time
                 return None
             fut = self._pool.submit(self._fetch, host, port)
             self._pending[key] = (fut, since)
@@ -47,17 +49,12 @@ class PrefillDPSizes:
                 del self._pending[key]
                 return f"bootstrap server {host}:{port} not reachable within {self.timeout}s: {e}"
             self._pending[key] = (None, since)
-            self._retry_at[key] = now + _RETRY_S
+            self._retry_at[key] = time.monotonic() + _RETRY_S
             return None
-
-    def forget(self, host: str, port: int) -> None:
-        """Drop a cached size (the prefill server may have restarted with another one)."""
-        self._sizes.pop((host, port), None)
 
     @staticmethod
     def _fetch(host: str, port: int) -> int:
-        with urllib.request.urlopen(f"http://{host}:{port}/route", timeout=5) as resp:
-            return int(json.loads(resp.read())["dp_size"])
+        return fetch_topology(host, port).dp_size
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

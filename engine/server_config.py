@@ -1,21 +1,22 @@
 """One frozen config for the engine-server process kind (``pdserve serve``).
 
 It composes the ``EngineConfig`` (model, KV cache, scheduling: what each DP
-rank needs) with what only the server needs (HTTP, DP ranks, auth, limits,
-disaggregation). The CLI builds its flags and defaults from the fields of both
-dataclasses, so no default is written twice.
+rank needs) and the ``KVTransferConfig`` (transfer backend, bootstrap port, KV
+timeouts: what each PD rank's KV manager needs) with what only the server needs
+(HTTP, DP ranks, auth, limits, disaggregation mode). The CLI builds its flags
+and defaults from the fields of the three dataclasses, so no default is written
+twice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.kvtransfer.config import KVTransferConfig
 
-TRANSFER_BACKENDS = ("mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-# Modes this build can serve (the loops of prefill and decode are in pdserve.prefill / pdserve.decode).
-SERVED_DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -29,20 +30,9 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     max_n: int = 8  # most choices per OpenAI request
-    # disaggregation (issue 6)
+    # disaggregation (issue 6); kv_transfer.host is replaced by advertise_host where the ranks run
     disaggregation_mode: str = "null"
-    disaggregation_bootstrap_port: int = 8998
-    disaggregation_transfer_backend: str = "mooncake"
-    disaggregation_ib_device: str | None = None
-    # KV manager timeouts; None: KVTransferConfig's default (not repeated here)
-    disaggregation_bootstrap_timeout: float | None = None
-    disaggregation_waiting_timeout: float | None = None
-    disaggregation_quarantine_timeout: float | None = None
-    disaggregation_heartbeat_interval: float | None = None
-    disaggregation_heartbeat_max_failures: int | None = None
-    # test-only: fail this fraction of KV writes (prefill side) with a TransferFailedError; 0 = off
-    disaggregation_fault_injection_rate: float | None = None
-    disaggregation_fault_injection_seed: int | None = None
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # seconds the launcher waits for every rank to load its model
     startup_timeout: float = 600.0
 
@@ -61,21 +51,8 @@ class ServerConfig:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
-        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(
-                f"disaggregation_transfer_backend must be one of {TRANSFER_BACKENDS}, "
-                f"got {self.disaggregation_transfer_backend!r}"
-            )
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            raise ValueError(f"disaggregation_bootstrap_port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
-
-    def check_servable(self) -> None:
-        """Raise NotImplementedError for a mode this build cannot serve yet."""
-        if self.disaggregation_mode not in SERVED_DISAGGREGATION_MODES:
-            raise NotImplementedError(
-                f"--disaggregation-mode {self.disaggregation_mode} is not served by this build yet "
-                f"(served: {', '.join(SERVED_DISAGGREGATION_MODES)})"
-            )
+        if not 0 < self.kv_transfer.bootstrap_port < 65536:
+            raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.kv_transfer.bootstrap_port}")
 
     @property
     def advertise_host(self) -> str:
@@ -86,22 +63,9 @@ class ServerConfig:
             return socket.gethostbyname(socket.gethostname())
         return self.host
 
-    def kv_transfer_config(self):
-        """The ``KVTransferConfig`` of this server's ranks (built where the ranks run: it imports torch)."""
-        from pdserve.kvtransfer.config import KVTransferConfig
-
-        overrides = {
-            name: getattr(self, "disaggregation_" + name)
-            for name in ("bootstrap_timeout", "waiting_timeout", "quarantine_timeout", "heartbeat_interval", "heartbeat_max_failures",
-                         "fault_injection_rate", "fault_injection_seed")
-            if getattr(self, "disaggregation_" + name) is not None
-        }
-        return KVTransferConfig(
-            backend=self.disaggregation_transfer_backend,
-            host=self.advertise_host,
-            ib_device=self.disaggregation_ib_device or "",
-            **overrides,
-        )
+    def kv_transfer_config(self) -> KVTransferConfig:
+        """The ``KVTransferConfig`` of this server's ranks: ``kv_transfer`` at the address peers reach."""
+        return dataclasses.replace(self.kv_transfer, host=self.advertise_host)
 
     @property
     def model_name(self) -> str:
@@ -113,5 +77,5 @@ class ServerConfig:
 
     @classmethod
     def server_field_names(cls) -> list[str]:
-        """The server's own fields (everything but the composed ``engine``)."""
-        return [f.name for f in fields(cls) if f.name != "engine"]
+        """The server's own fields (everything but the composed ``engine`` and ``kv_transfer``)."""
+        return [f.name for f in fields(cls) if f.name not in ("engine", "kv_transfer")]

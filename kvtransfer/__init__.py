@@ -11,7 +11,7 @@ Scheduler-facing API (all non-blocking, driven by polling from the scheduler loo
     sender.poll()                          # Transferring -> Success | Failed (sender.failure_reason)
 
     # decode server: one manager per scheduler rank
-    mgr = DecodeKVManager(cfg, pool).start()
+    mgr = DecodeKVManager(cfg, pool).start()   # cfg.backend: mooncake, nixl, local (one process)
     r = mgr.create_receiver(room, bootstrap_host, bootstrap_port, prefill_dp_rank)
     r.poll()                               # Bootstrapping -> WaitingForInput
     r.init(dst_pages, mgr.aux_pool.alloc())
@@ -19,8 +19,8 @@ Scheduler-facing API (all non-blocking, driven by polling from the scheduler loo
     mgr.abort(room, reason); mgr.close()
 
 One room, step by step:
-1. The decode manager looks up the prefill rank at its bootstrap server (``GET /route``,
-   cached per rank) and checks page size, dtype and layout.
+1. The decode manager looks up the prefill rank at its bootstrap server (``GET /route``
+   through ``bootstrap_client``, cached per rank) and checks page size, dtype and layout.
 2. Once per pair it sends ``RegisterPool`` (buffer base addresses, engine peer info);
    the prefill rank validates it and answers ``RegisterAck``.
 3. Per room the decode side sends ``RoomRequest`` (page indices and an aux slot only).
@@ -32,34 +32,31 @@ One room, step by step:
    known prefill rank fail every open room of a peer that stops answering.
 """
 
-from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
-from pdserve.kvtransfer.bootstrap_server import BootstrapServer
-from pdserve.kvtransfer.config import DEFAULT_BOOTSTRAP_PORT, TRANSFER_BACKENDS, KVTransferConfig
-from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
-from pdserve.kvtransfer.errors import (
-    ConnectError,
-    EngineInitError,
-    KVTransferError,
-    RegistrationError,
-    TransferEngineError,
-    TransferFailedError,
-)
-from pdserve.kvtransfer.kv_poll import KVPoll
-from pdserve.kvtransfer.kv_receiver import KVReceiver
-from pdserve.kvtransfer.kv_sender import KVSender
-from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
-from pdserve.kvtransfer.transfer_engine import (
-    TRANSFER_ENGINES,
-    TransferEngine,
-    TransferHandle,
-    TransferState,
-    create_transfer_engine,
-)
+import importlib
 
-__all__ = [
-    "AuxData", "AuxPool", "DEFAULT_BOOTSTRAP_PORT", "BootstrapServer", "ConnectError", "DecodeKVManager",
-    "EngineInitError", "KVPoll", "KVReceiver", "KVSender", "KVTransferConfig", "KVTransferError",
-    "PrefillKVManager", "RegistrationError", "TRANSFER_BACKENDS", "TRANSFER_ENGINES",
-    "TransferEngine", "TransferEngineError", "TransferFailedError", "TransferHandle", "TransferState",
-    "create_transfer_engine",
-]
+# name -> submodule; imported on first use (PEP 562), so ``import pdserve.kvtransfer`` stays light
+# (no torch, zmq or backend library) and the submodules never import this package back
+_EXPORTS = {
+    "AuxData": "aux_pool", "AuxPool": "aux_pool",
+    "BootstrapServer": "bootstrap_server",
+    "DEFAULT_BOOTSTRAP_PORT": "config", "KVTransferConfig": "config",
+    "DecodeKVManager": "decode_kv_manager",
+    "ConnectError": "errors", "EngineInitError": "errors", "KVTransferError": "errors",
+    "RegistrationError": "errors", "TransferEngineError": "errors", "TransferFailedError": "errors",
+    "KVPoll": "kv_poll",
+    "KVReceiver": "kv_receiver",
+    "KVSender": "kv_sender",
+    "PrefillKVManager": "prefill_kv_manager",
+    "TRANSFER_ENGINES": "transfer_engine", "TransferEngine": "transfer_engine", "TransferHandle": "transfer_engine",
+    "TransferState": "transfer_engine", "check_transfer_backend": "transfer_engine",
+    "create_transfer_engine": "transfer_engine",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

@@ -117,9 +117,8 @@ class BootstrapServer:
         """Serve on the running event loop."""
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -1,19 +1,24 @@
 """The one config of the KV transfer layer: backend, addresses, timeouts, heartbeat.
 
-Frozen and validated; the engine CLI takes its defaults from these fields.
+Frozen and validated; ``ServerConfig`` holds one and the engine CLI's
+``--disaggregation-*`` flags take their defaults from these fields. Light to
+import (no torch): the server's main process validates it before any rank starts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-TRANSFER_BACKENDS = ("mooncake", "nixl")
+from pdserve.kvtransfer.transfer_engine import check_transfer_backend
+
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
-    backend: str = "mooncake"  # --disaggregation-transfer-backend
+    # --disaggregation-transfer-backend: a name of TRANSFER_ENGINES, or an importable
+    # "module:attr" factory (host, ib_device) -> TransferEngine, e.g. a test's fault-injecting wrapper
+    backend: str = "mooncake"
     host: str = "127.0.0.1"  # this rank's address for the control channel and the transfer engine
     ib_device: str = ""  # --disaggregation-ib-device; non-empty selects RDMA for mooncake
     control_port: int = 0  # ZMQ control channel; 0 picks a free port
@@ -29,13 +34,9 @@ class KVTransferConfig:
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = 20
-    # test-only: fail this fraction of KV writes at the adapter boundary (kvtransfer/fault_injection.py)
-    fault_injection_rate: float = 0.0
-    fault_injection_seed: int = 0
 
     def __post_init__(self):
-        if self.backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"backend must be one of {TRANSFER_BACKENDS}, got {self.backend!r}")
+        check_transfer_backend(self.backend)
         if not self.host:
             raise ValueError("host must be a non-empty address")
         for name in ("control_port", "bootstrap_port"):
@@ -47,8 +48,6 @@ class KVTransferConfig:
         for name in ("heartbeat_max_failures", "num_transfer_threads", "aux_num_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.fault_injection_rate <= 1.0:
-            raise ValueError(f"fault_injection_rate must be in [0, 1], got {self.fault_injection_rate}")
         if self.aux_max_top_logprobs < 0:
             raise ValueError(f"aux_max_top_logprobs must be >= 0, got {self.aux_max_top_logprobs}")
 

@@ -8,15 +8,16 @@ import json
 import logging
 import time
 import urllib.error
-import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import msgspec
 
+import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.aux_pool import AuxPool
+from pdserve.kvtransfer.bootstrap_client import fetch_rank
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
 from pdserve.kvtransfer.kv_manager import KVManager, parse_room_notification
@@ -64,8 +65,9 @@ class DecodeKVManager(KVManager):
         *,
         aux_pool: AuxPool | None = None,
         engine: TransferEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        super().__init__(config, pool, engine)
+        super().__init__(config, pool, engine, clock)
         self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs)
         self._register(self.aux_pool.base_addr, self.aux_pool.nbytes)
         self.receivers: dict[int, KVReceiver] = {}
@@ -76,7 +78,7 @@ class DecodeKVManager(KVManager):
     # ---------------------------------------------------------- scheduler API
     def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:
         """A receiver for ``room``; WaitingForInput once the prefill rank accepted this pool."""
-        receiver = KVReceiver(self, room, (bootstrap_host, int(bootstrap_port), int(prefill_dp_rank)))
+        receiver = KVReceiver(self, room, (bootstrap_host, int(bootstrap_port), int(prefill_dp_rank)), self.clock())
         with self.lock:
             if room in self.receivers and not self.receivers[room].state.done:
                 raise KVTransferError(f"room {room} already has an open receiver")
@@ -84,7 +86,8 @@ class DecodeKVManager(KVManager):
         self.call_soon(lambda: self._attach(receiver))
         return receiver
 
-    def _init(self, receiver: KVReceiver, dst_pages: list[int], aux_slot: int) -> None:
+    def init_receiver(self, receiver: KVReceiver, dst_pages: list[int], aux_slot: int) -> None:
+        """``receiver.init``: the room's destination, sent once the prefill rank is ready (scheduler thread)."""
         bad = [p for p in dst_pages if not 0 < p < self.pool.num_pages]
         if bad:
             raise KVTransferError(f"room {receiver.room}: pages {bad[:4]} outside [1, {self.pool.num_pages})")
@@ -130,7 +133,7 @@ class DecodeKVManager(KVManager):
             elif peer.state == "ready" and receiver.state is KVPoll.Bootstrapping:
                 receiver.state = KVPoll.WaitingForInput
         self._maybe_request(receiver)
-        self._maybe_lookup(peer, time.monotonic())
+        self._maybe_lookup(peer)
 
     def _maybe_request(self, receiver: KVReceiver) -> None:
         """Control thread: send the room's destination once both it and the peer are ready."""
@@ -145,12 +148,12 @@ class DecodeKVManager(KVManager):
             ):
                 return
             receiver.state = KVPoll.Transferring
-            receiver.requested_at = time.monotonic()
+            receiver.requested_at = self.clock()
         self.send_msg(peer.endpoint, m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot))
 
     # ------------------------------------------------------- bootstrap lookup
-    def _maybe_lookup(self, peer: PrefillPeer, now: float) -> None:
-        if peer.state != "resolving" or peer.lookup_inflight or now < peer.next_lookup or not peer.receivers:
+    def _maybe_lookup(self, peer: PrefillPeer) -> None:
+        if peer.state != "resolving" or peer.lookup_inflight or time.monotonic() < peer.next_lookup or not peer.receivers:
             return
         peer.lookup_inflight = True
         fut = self._lookups.submit(self._fetch_route, peer.key)
@@ -159,9 +162,7 @@ class DecodeKVManager(KVManager):
     @staticmethod
     def _fetch_route(key: PeerKey) -> m.RankRegistration:
         host, port, dp = key
-        url = f"http://{host}:{port}/route?dp_rank={dp}&tp_rank=0"
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return msgspec.json.decode(resp.read(), type=m.RankRegistration)
+        return fetch_rank(host, port, dp)
 
     def _on_route(self, peer: PrefillPeer, fut) -> None:
         peer.lookup_inflight = False
@@ -176,28 +177,28 @@ class DecodeKVManager(KVManager):
             if e.code not in (503, 404):
                 self._fail_peer(peer, f"bootstrap lookup of {peer.describe()} failed: HTTP {e.code} {detail}")
                 return
-            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S
+            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S  # pacing, not a timeout: real time
             return
         except (OSError, msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError) as e:
             logger.info("kv decode: lookup %s: %s", peer.describe(), e)
-            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S
+            peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S  # pacing, not a timeout: real time
             return
         peer.route = route
         diff = route.layout().mismatch(self.layout)
         if diff:
             self._fail_peer(peer, f"KV layout mismatch (prefill vs decode): {diff}")
             return
-        if route.backend != self.config.backend:
-            self._fail_peer(peer, f"transfer backend mismatch: prefill {route.backend} vs decode {self.config.backend}")
+        if route.backend != self.engine.name:
+            self._fail_peer(peer, f"transfer backend mismatch: prefill {route.backend} vs decode {self.engine.name}")
             return
         peer.state = "registering"
-        peer.last_ack = time.monotonic()  # the heartbeat window starts now
+        peer.last_ack = self.clock()  # the heartbeat window starts now
         self.send_msg(
             route.endpoint,
             m.RegisterPool(
                 decode_id=self.id,
                 endpoint=self.endpoint,
-                backend=self.config.backend,
+                backend=self.engine.name,
                 peer_info=self.engine.peer_info(),
                 layout=self.layout,
                 num_pages=self.pool.num_pages,
@@ -264,7 +265,7 @@ class DecodeKVManager(KVManager):
         elif isinstance(msg, m.HeartbeatAck):
             for peer in self.peers.values():
                 if peer.state in ("registering", "ready") and peer.endpoint == msg.endpoint:
-                    peer.last_ack = time.monotonic()
+                    peer.last_ack = self.clock()
         else:
             logger.warning("kv decode: unexpected %s", type(msg).__name__)
 
@@ -281,7 +282,7 @@ class DecodeKVManager(KVManager):
                 except TransferEngineError as e:
                     logger.warning("kv decode: connect back to %s: %s", peer.describe(), e)
             peer.state = "ready"
-            peer.last_ack = time.monotonic()
+            peer.last_ack = self.clock()
             with self.lock:
                 ready = [self.receivers[r] for r in peer.receivers if r in self.receivers]
                 for receiver in ready:
@@ -324,7 +325,7 @@ class DecodeKVManager(KVManager):
             for peer in self.peers.values():
                 peer.receivers = {r for r in peer.receivers if r in self.receivers and not self.receivers[r].state.done}
         for peer in list(self.peers.values()):
-            self._maybe_lookup(peer, now)
+            self._maybe_lookup(peer)
             if peer.state not in ("registering", "ready"):
                 continue
             if now - peer.last_ack > cfg.heartbeat_window:

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
@@ -47,19 +47,24 @@ def parse_room_notification(msg: bytes) -> int | None:
 class KVManager(ABC):
     role: str = ""
 
-    def __init__(self, config: KVTransferConfig, pool: PagePool, engine: TransferEngine | None = None):
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        pool: PagePool,
+        engine: TransferEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """``engine``: default, the one ``config.backend`` names. ``clock``: what every timeout
+        (bootstrap, waiting, room retention, heartbeat) reads; tests inject one to move time."""
         self.config = config
         self.pool = pool
+        self.clock = clock
         self.layout = m.LayoutInfo.from_layout(pool.layout())
         infos = pool.buffer_infos()
         self.page_bytes = infos[0].page_bytes
         self.k_addrs = [b.base_addr for b in infos[: pool.num_layers]]
         self.v_addrs = [b.base_addr for b in infos[pool.num_layers :]]
         self.engine = engine or create_transfer_engine(config.backend, config.host, config.ib_device)
-        if config.fault_injection_rate > 0:  # test-only hook, off by default
-            from pdserve.kvtransfer.fault_injection import FaultInjectingEngine
-
-            self.engine = FaultInjectingEngine(self.engine, config.fault_injection_rate, config.fault_injection_seed)
         self._registered: list[int] = []
         for b in infos:
             self._register(b.base_addr, b.nbytes)
@@ -147,9 +152,10 @@ class KVManager(ABC):
             if self._pull in events:
                 self._drain_frames()
             self._guard(self._on_tick)
-            now = time.monotonic()
-            if now >= next_timer:
-                next_timer = now + _TIMER_PERIOD_S
+            # timers fire every period of real time and read the (maybe injected) clock
+            if time.monotonic() >= next_timer:
+                next_timer = time.monotonic() + _TIMER_PERIOD_S
+                now = self.clock()
                 self._guard(lambda: self._on_timer(now))
 
     def _drain_frames(self) -> None:
@@ -181,7 +187,7 @@ class KVManager(ABC):
             obj.failure_reason = reason or "failed"
             logger.info("kv %s: room %d failed: %s", self.role, obj.room, obj.failure_reason)
         obj.state = state
-        obj.done_at = time.monotonic()
+        obj.done_at = self.clock()
         return True
 
     @staticmethod

@@ -2,30 +2,36 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from pdserve.kvtransfer.aux_pool import AuxData
+from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
 from pdserve.kvtransfer.kv_poll import KVPoll
 
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager, PrefillPeer
+
+class ReceiverManager(Protocol):
+    """What a receiver needs of its manager (``DecodeKVManager``)."""
+
+    aux_pool: AuxPool
+
+    def init_receiver(self, receiver: "KVReceiver", dst_page_indices: list[int], aux_slot: int) -> None: ...
+
+    def abort(self, room: int, reason: str) -> None: ...
 
 
 class KVReceiver:
     """Bootstrapping (finding and registering with the prefill rank) -> WaitingForInput
     (ready for ``init``) -> Transferring (destination sent) -> Success | Failed."""
 
-    def __init__(self, mgr: "DecodeKVManager", room: int, peer_key: tuple[str, int, int]):
+    def __init__(self, mgr: ReceiverManager, room: int, peer_key: tuple[str, int, int], created: float):
         self.room = room
         self._mgr = mgr
         self.peer_key = peer_key  # (bootstrap_host, bootstrap_port, prefill_dp_rank)
         self.state = KVPoll.Bootstrapping
         self.failure_reason: str | None = None
-        self.created = time.monotonic()
+        self.created = created  # on the manager's clock
         self.done_at: float | None = None
-        self.peer: "PrefillPeer | None" = None
+        self.peer: Any = None  # the manager's record of the prefill peer, once attached
         self.dst_pages: list[int] | None = None
         self.aux_slot: int | None = None
         self.requested_at: float | None = None
@@ -41,7 +47,7 @@ class KVReceiver:
 
     def init(self, dst_page_indices: Sequence[int], aux_slot: int) -> None:
         """Give the pages (and aux slot) preallocated for this room; sent once the peer is ready."""
-        self._mgr._init(self, list(dst_page_indices), aux_slot)
+        self._mgr.init_receiver(self, list(dst_page_indices), aux_slot)
 
     def aux(self) -> AuxData | None:
         """The first output token and logprobs, once ``poll()`` is Success."""

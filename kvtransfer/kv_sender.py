@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.messages import RoomRequest
 
-if TYPE_CHECKING:
-    from pdserve.kvtransfer.prefill_kv_manager import DecodePeer, PrefillKVManager
-    from pdserve.kvtransfer.messages import RoomRequest
+
+class SenderManager(Protocol):
+    """What a sender needs of its manager (``PrefillKVManager``)."""
+
+    def send_chunk(self, sender: "KVSender", page_indices: list[int], is_last: bool, aux: AuxData | None) -> None: ...
+
+    def abort(self, room: int, reason: str) -> None: ...
 
 
 class KVSender:
     """Bootstrapping (no destination yet) -> WaitingForInput -> Transferring -> Success | Failed."""
 
-    def __init__(self, mgr: "PrefillKVManager", room: int):
+    def __init__(self, mgr: SenderManager, room: int, created: float):
         self.room = room
         self._mgr = mgr
         # plain attributes read without a lock (atomic in CPython); written under mgr.lock
         self.state = KVPoll.Bootstrapping
         self.failure_reason: str | None = None
-        self.created = time.monotonic()
+        self.created = created  # on the manager's clock
         self.done_at: float | None = None
-        self.peer: "DecodePeer | None" = None
-        self.request: "RoomRequest | None" = None
+        self.peer: Any = None  # the manager's record of the decode peer, once known
+        self.request: RoomRequest | None = None
         self.pages_sent = 0
         self.last_sent = False
         self.inflight = 0  # chunks queued or being written on a transfer thread
@@ -48,7 +52,7 @@ class KVSender:
         Valid once ``poll()`` is WaitingForInput or Transferring; ``aux`` goes with the
         last chunk. Returns at once; the write happens on a transfer thread.
         """
-        self._mgr._send(self, list(page_indices), is_last, aux)
+        self._mgr.send_chunk(self, list(page_indices), is_last, aux)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr.abort(self.room, reason)

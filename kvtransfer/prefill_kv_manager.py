@@ -8,15 +8,15 @@ import queue
 import threading
 import time
 import urllib.error
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
+import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kvtransfer import messages as m
 from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
+from pdserve.kvtransfer.bootstrap_client import register_rank
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
 from pdserve.kvtransfer.kv_manager import KVManager, room_notification
@@ -63,13 +63,14 @@ class PrefillKVManager(KVManager):
         tp_rank: int = 0,
         bootstrap_host: str | None = None,
         engine: TransferEngine | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
-        super().__init__(config, pool, engine)
+        super().__init__(config, pool, engine, clock)
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
         # the bootstrap server of this prefill server; None: the configured port
-        port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
-        self.bootstrap_url = f"http://{bootstrap_host or config.host}:{port}/route"
+        self.bootstrap_host = bootstrap_host or config.host
+        self.bootstrap_port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
         self.src_bases = self.k_addrs + self.v_addrs
         # one staging aux slot per transfer thread: a thread has one room's aux in flight at a time
         self._aux_staging = AuxPool(config.num_transfer_threads, config.aux_max_top_logprobs)
@@ -98,7 +99,7 @@ class PrefillKVManager(KVManager):
     # ---------------------------------------------------------- scheduler API
     def create_sender(self, room: int) -> KVSender:
         """A sender for ``room``; WaitingForInput as soon as the decode side's destination is here."""
-        sender = KVSender(self, room)
+        sender = KVSender(self, room, self.clock())
         with self.lock:
             if room in self.senders and not self.senders[room].state.done:
                 raise KVTransferError(f"room {room} already has an open sender")
@@ -108,7 +109,8 @@ class PrefillKVManager(KVManager):
                 self._attach(sender, pending[0])
         return sender
 
-    def _send(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None) -> None:
+    def send_chunk(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None) -> None:
+        """``sender.send``: queue a chunk of the room's pages for a transfer thread (from the scheduler thread)."""
         with self.lock:
             if sender.state is KVPoll.Failed:
                 return  # the scheduler sees Failed on its next poll
@@ -259,17 +261,15 @@ class PrefillKVManager(KVManager):
             num_layers=self.layout.num_layers,
             num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.layout.head_dim,
-            backend=self.config.backend,
+            backend=self.engine.name,
         )
-        body = msgspec.json.encode(reg)
         deadline = time.monotonic() + max(self.config.bootstrap_timeout, _REGISTER_DEADLINE_S)
+        where = f"{self.bootstrap_host}:{self.bootstrap_port}"
         while not self._stop.is_set():
-            req = urllib.request.Request(self.bootstrap_url, data=body, method="PUT")
-            req.add_header("Content-Type", "application/json")
             try:
-                with urllib.request.urlopen(req, timeout=5):
-                    self.registered.set()
-                    return
+                register_rank(self.bootstrap_host, self.bootstrap_port, reg)
+                self.registered.set()
+                return
             except urllib.error.HTTPError as e:
                 # a 400 will not get better by retrying
                 self.registration_error = f"bootstrap server rejected rank: {e.read().decode(errors='replace')}"
@@ -278,7 +278,7 @@ class PrefillKVManager(KVManager):
                 return
             except OSError as e:
                 if time.monotonic() > deadline:
-                    self.registration_error = f"bootstrap server {self.bootstrap_url} unreachable: {e}"
+                    self.registration_error = f"bootstrap server {where} unreachable: {e}"
                     logger.error("kv prefill: %s", self.registration_error)
                     self.registered.set()
                     return
@@ -309,8 +309,8 @@ class PrefillKVManager(KVManager):
         diff = self.layout.mismatch(reg.layout)
         if diff:
             return f"KV layout mismatch (prefill vs decode): {diff}"
-        if reg.backend != self.config.backend:
-            return f"transfer backend mismatch: prefill {self.config.backend} vs decode {reg.backend}"
+        if reg.backend != self.engine.name:
+            return f"transfer backend mismatch: prefill {self.engine.name} vs decode {reg.backend}"
         if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != self.layout.num_layers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
         if reg.page_bytes != self.page_bytes:
@@ -355,7 +355,7 @@ class PrefillKVManager(KVManager):
                 self.send_msg(peer.reg.endpoint, m.AbortRoom(req.room, problem))
                 return
             if sender is None:
-                self._pending[req.room] = (req, time.monotonic())
+                self._pending[req.room] = (req, self.clock())
             elif sender.state is KVPoll.Bootstrapping:
                 self._attach(sender, req)
             else:

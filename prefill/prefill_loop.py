@@ -19,55 +19,27 @@ tell a room that succeeded from one that failed.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
-from pdserve.engine.sched.scheduler import Scheduler
+from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
-from pdserve.kvtransfer import AuxData, KVPoll, KVSender, KVTransferConfig, PrefillKVManager
+from pdserve.kvtransfer.aux_pool import AuxData
+from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.kv_sender import KVSender
+from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
+from pdserve.kvtransfer.room_queue import RoomQueue
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
-from pdserve.prefill.inflight_queue import InflightQueue
-
-def never_stop(req: Req) -> FinishReason | None:
-    """Prefill samples exactly one token, and it must reach the decode side even if it is EOS."""
-    return None
-
-
-class PrefillScheduler(Scheduler):
-    """The colocated scheduler, except that a prefilled request goes to its KV sender."""
-
-    def __init__(self, config, pool, cache, on_prefilled: Callable[[Req], None]):
-        super().__init__(config, pool, cache, never_stop)
-        self.on_prefilled = on_prefilled
-
-    def on_prefill_done(self, req: Req) -> None:
-        req.status = ReqStatus.SENDING_KV
-        self.on_prefilled(req)
 
 
 class PrefillLoop(SchedulerLoop):
-    def __init__(
-        self,
-        config: EngineConfig,
-        dp_rank: int = 0,
-        runner=None,
-        *,
-        kv_config: KVTransferConfig,
-        bootstrap_port: int,
-        bootstrap_host: str | None = None,
-    ):
-        self._senders: dict[str, KVSender] = {}  # requests inside the scheduler (waiting or prefilling)
-        super().__init__(config, dp_rank, runner)
-        self.kv_config = kv_config
-        self.kv = PrefillKVManager(
-            kv_config, self.pool, bootstrap_port, dp_rank=dp_rank, bootstrap_host=bootstrap_host
-        ).start()
-        self.bootstrap_queue = BootstrapQueue(self.kv, self.pool)
-        self.inflight = InflightQueue()
-
-    def make_scheduler(self) -> Scheduler:
-        return PrefillScheduler(self.config, self.pool, self.cache, self._on_prefilled)
+    def __init__(self, config: EngineConfig, kv: PrefillKVManager, dp_rank: int = 0, runner=None):
+        """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it."""
+        super().__init__(config, dp_rank, runner, decode=False)
+        if kv.pool is not self.pool:
+            raise ValueError("the KV manager must serve this rank's page pool")
+        self.kv = kv
+        self.bootstrap_queue = BootstrapQueue(kv, self.pool)
+        self.senders: dict[str, KVSender] = {}  # requests inside the scheduler (waiting or prefilling)
+        self.inflight: RoomQueue[Req, KVSender] = RoomQueue()  # last chunk queued, pages held
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -99,7 +71,7 @@ class PrefillLoop(SchedulerLoop):
             sender.abort(f"aborted by prefill: {reason}")
             self.scheduler.finish(req, FinishReason("abort", message=reason))
             return True
-        sender = self._senders.pop(rid, None)
+        sender = self.senders.pop(rid, None)
         if sender is not None:
             sender.abort(f"aborted by prefill: {reason}")
         return super().abort(rid, reason)
@@ -118,18 +90,18 @@ class PrefillLoop(SchedulerLoop):
                 sender.abort(reason.message or reason.type)
                 self._outbox.append(self._output(req))
             else:
-                self._senders[req.rid] = sender
+                self.senders[req.rid] = sender
         # a room that failed while its request waits or prefills (decode aborted it): stop computing
-        for rid, sender in list(self._senders.items()):
+        for rid, sender in list(self.senders.items()):
             if sender.poll() is KVPoll.Failed:
-                del self._senders[rid]
+                del self.senders[rid]
                 req = self.scheduler.reqs.get(rid)
                 if req is not None:
                     self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
         # the chunk computed in the last step: its pages go out while the next chunk computes
         chunked = self.scheduler.chunked
-        if chunked is not None and chunked.rid in self._senders:
-            self._send_pages(chunked, self._senders[chunked.rid], is_last=False)
+        if chunked is not None and chunked.rid in self.senders:
+            self._send_pages(chunked, self.senders[chunked.rid], is_last=False)
         for req, sender in self.inflight.pop_done():
             if sender.poll() is KVPoll.Success:
                 self.scheduler.finish(req, FinishReason("length"))
@@ -137,19 +109,22 @@ class PrefillLoop(SchedulerLoop):
                 self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
 
     def step(self):
-        outputs = super().step()
+        outputs, events = self.step_events()
+        for req in events.prefilled:
+            self._send_last(req)
         # a request that ended without its last chunk sent (max_new_tokens 0, abort): close its room
-        for out in outputs:
-            sender = self._senders.pop(out.rid, None)
+        for req in events.finished:
+            sender = self.senders.pop(req.rid, None)
             if sender is not None and not sender.poll().done:
-                sender.abort(f"prefill ended the request: {out.error or out.finish_reason}")
+                reason = req.finish_reason
+                sender.abort(f"prefill ended the request: {reason.message or reason.type}")
         self.idle_tail(outputs)
         return outputs
 
-    def _on_prefilled(self, req: Req) -> None:
-        """Called by the scheduler in postprocess: send the last pages with the aux data."""
-        sender = self._senders.pop(req.rid)
-        top_n = self.kv_config.aux_max_top_logprobs
+    def _send_last(self, req: Req) -> None:
+        """A request whose prefill completed: its last pages go out with the aux data."""
+        sender = self.senders.pop(req.rid)
+        top_n = self.kv.config.aux_max_top_logprobs
         aux = AuxData(token_id=req.output_ids[0])
         if req.return_logprob and req.output_logprobs:
             top = req.output_top_logprobs[0][:top_n] if req.output_top_logprobs else []

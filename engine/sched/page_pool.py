@@ -91,6 +91,10 @@ class PagePool:
     def num_used(self) -> int:
         return len(self._used)
 
+    def used_pages(self) -> frozenset[int]:
+        """The pages handed out and not freed (for the owners' integrity checks)."""
+        return frozenset(self._used)
+
     @property
     def max_total_tokens(self) -> int:
         return self.capacity * self.page_size

@@ -259,7 +259,7 @@ class RadixCache(PrefixCache):
             raise AssertionError(
                 f"radix counters: nodes {self._num_nodes} vs {count}, evictable {self._evictable} vs {evictable}"
             )
-        if not seen <= self.pool._used:
+        if not seen <= self.pool.used_pages():
             raise AssertionError("radix holds pages the pool thinks are free")
 
 

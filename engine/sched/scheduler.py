@@ -18,6 +18,13 @@ the caller runs the model on it and hands the sampled tokens to
   request's next token (taken out of the step's token budget), so decodes keep
   going while a long prompt is prefilled in chunks; where that would use the
   whole budget, or their next pages are short, the step stays prefill-only.
+- The admission rule (``fits``) and the decode reserve (``reserve_pages``) are
+  public: the decode mode's preallocation applies the same rule to requests
+  whose KV arrives from a prefill server.
+- A prefill server's scheduler (``decode=False``) does not decode: a request
+  whose prefill completed (its one token sampled, never stopped on) keeps its
+  pages, leaves the batch and is reported in ``StepEvents.prefilled``; it stays
+  owned until ``finish``.
 - When a decode step lacks pages, the newest running request is retracted: its
   KV goes to the prefix cache (or is freed) and it rejoins the front of the
   queue keeping its output tokens, to be recomputed later. A request that
@@ -29,7 +36,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from collections.abc import Callable, Iterable
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.page_pool import PagePool
@@ -83,11 +90,12 @@ class SampleOutput:
 
 @dataclass
 class StepEvents:
-    """What ``postprocess`` changed, for the loop to report."""
+    """What changed since the last report, for the loop to act on and report."""
 
     updated: list[Req] = field(default_factory=list)  # got at least one new token
+    # every request finished since the last report, by any path (stop, abort, no room): the one way out
     finished: list[Req] = field(default_factory=list)
-    prefilled: list[Req] = field(default_factory=list)  # finished their prefill this step
+    prefilled: list[Req] = field(default_factory=list)  # completed their prefill this step
 
 
 class Scheduler:
@@ -97,8 +105,11 @@ class Scheduler:
         pool: PagePool,
         cache: PrefixCache,
         stop_check: StopCheck = length_only_stop,
+        decode: bool = True,
     ):
+        """``decode=False``: a prefill server's scheduler (see the module docstring)."""
         self.config = config
+        self.decode = decode
         self.pool = pool
         self.cache = cache
         self.stop_check = stop_check
@@ -110,7 +121,7 @@ class Scheduler:
         # used pages owned by no request nor the cache, on purpose (the decode's quarantine of failed rooms)
         self.held_pages: set[int] = set()
         self.num_retractions = 0
-        # finished inside schedule() (no room ever) or by abort: the loop drains and reports them
+        # every finish (stop, abort, no room) lands here; ``drain_finished`` reports each once
         self.newly_finished: list[Req] = []
 
     # ------------------------------------------------------------- requests
@@ -171,7 +182,8 @@ class Scheduler:
         return bool(self.waiting or self.running or self.chunked)
 
     # --------------------------------------------------------------- memory
-    def _available_pages(self) -> int:
+    def free_pages(self) -> int:
+        """Pages that can be handed out now: free, or held by the prefix cache and evictable."""
         return self.pool.num_free + self.cache.evictable_pages
 
     def _alloc(self, n: int) -> list[int]:
@@ -182,16 +194,41 @@ class Scheduler:
             self.cache.evict(max(short, self.pool.capacity // 64))
         return self.pool.alloc(n)
 
-    def _reserve_pages(self, req: Req, after_len: int) -> int:
-        """Pages ``req`` will still need beyond ``after_len`` tokens for its coming decodes."""
+    def reserve_pages(self, req: Req, after_len: int) -> int:
+        """Pages ``req`` still needs beyond those it holds to reach ``after_len`` tokens and then
+        decode ``num_reserved_decode_tokens`` more (at most its remaining new tokens)."""
         extra = min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens)
         return max(self.pool.pages_for(after_len + extra) - len(req.pages), 0)
 
+    def promised_pages(self, receiving: Iterable[Req] = ()) -> int:
+        """The reserve promised to running decodes, and to ``receiving`` requests (decode mode:
+        pages held for a prompt's KV in flight, decoding from one token past the prompt)."""
+        return sum(self.reserve_pages(r, r.seq_len) for r in self.running) + sum(
+            self.reserve_pages(r, r.seq_len + 1) for r in receiving
+        )
+
+    def fits(self, take: int, reserve: int, promised: int, alone: bool) -> bool:
+        """The admission rule, for colocated admission and decode preallocation alike: a request
+        taking ``take`` pages now and promised ``reserve`` more for its decodes fits beside the
+        ``promised`` reserve of requests already holding pages, or, ``alone`` (nothing else
+        holds pages), when what it takes now is free: a large prompt must not wait forever."""
+        free = self.free_pages()
+        return take + reserve + promised <= free or (alone and take <= free)
+
     def try_alloc(self, n: int) -> list[int] | None:
-        """Pages for a request arriving with its KV (decode mode), or None if short."""
-        if n > self._available_pages():
+        """``n`` pages (evicting cache pages if needed), or None if short."""
+        if n > self.free_pages():
             return None
         return self._alloc(n)
+
+    def hold(self, req: Req, pages: list[int]) -> None:
+        """Decode mode: own ``req`` and the ``pages`` preallocated for its incoming KV (from
+        ``try_alloc``) until it joins the decode batch (``add_prefilled``) or ends (``finish``)."""
+        if req.rid in self.reqs:
+            raise ValueError(f"duplicate rid {req.rid!r}")
+        req.pages = pages
+        req.kv_len = 0
+        self.reqs[req.rid] = req
 
     # ------------------------------------------------------------- schedule
     def schedule(self) -> ScheduledBatch | None:
@@ -223,7 +260,7 @@ class Scheduler:
         if self.chunked is not None:
             add_to_batch(self.chunked)
 
-        reserved = sum(self._reserve_pages(r, r.seq_len) for r in self.running)
+        promised = self.promised_pages()
         while self.waiting and budget > 0 and self.chunked is None:
             if len(self.running) + len(batch.reqs) >= self.config.max_running_requests:
                 break
@@ -235,14 +272,10 @@ class Scheduler:
             cached_pages, node = self.cache.match_prefix(req.fill_ids[:match_len])
             self.cache.lock(node)
             need = self.pool.pages_for(req.seq_len) - len(cached_pages)
-            reserve = max(
-                self.pool.pages_for(req.seq_len + min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens))
-                - self.pool.pages_for(req.seq_len),
-                0,
-            )
-            available = self._available_pages()
+            # req holds no pages yet: its reserve is what it needs past its prompt's pages
+            reserve = self.reserve_pages(req, req.seq_len) - self.pool.pages_for(req.seq_len)
             alone = not self.running and not batch.reqs
-            if need + reserve + reserved > available and not (alone and need <= available):
+            if not self.fits(need, reserve, promised, alone):
                 self.cache.unlock(node)
                 if alone and self.pool.pages_for(req.seq_len) > self.pool.capacity:
                     # a retracted request that outgrew the whole pool can never run again
@@ -258,7 +291,7 @@ class Scheduler:
                 req.cached_tokens = req.kv_len
                 req.admitted_once = True
             req.status = ReqStatus.RUNNING
-            reserved += reserve
+            promised += reserve
             add_to_batch(req)
         if not batch.reqs:
             return None
@@ -269,7 +302,7 @@ class Scheduler:
     def _add_decodes(self, batch: ScheduledBatch) -> None:
         """Mixed step: every running request adds its next token, if their pages can be had."""
         growing = [r for r in self.running if self.pool.pages_for(r.kv_len + 1) > len(r.pages)]
-        if len(growing) > self._available_pages():
+        if len(growing) > self.free_pages():
             return  # the next decode-only step retracts as needed
         for r in growing:
             r.pages.extend(self._alloc(1))
@@ -282,7 +315,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         while self.running:
             need = sum(1 for r in self.running if self.pool.pages_for(r.kv_len + 1) > len(r.pages))
-            if need <= self._available_pages():
+            if need <= self.free_pages():
                 break
             if len(self.running) == 1:
                 self.finish(self.running[0], FinishReason("length", message="KV pool too small for this sequence"))
@@ -324,7 +357,6 @@ class Scheduler:
             was_prefill = batch.mode == ForwardMode.PREFILL
             if req.sampling_params.max_new_tokens == 0:
                 self.finish(req, FinishReason("length"))
-                events.finished.append(req)
                 continue
             req.output_ids.append(out.token_ids[i])
             if req.return_logprob and out.logprobs is not None:
@@ -332,29 +364,27 @@ class Scheduler:
                 if out.top_logprobs is not None:
                     req.output_top_logprobs.append(out.top_logprobs[i])
             events.updated.append(req)
-            reason = self.stop_check(req)
+            # a prefill server's one token must reach the decode side even if it is EOS
+            reason = self.stop_check(req) if self.decode else None
             if reason is not None:
                 self.finish(req, reason)
-                events.finished.append(req)
             elif was_prefill and req not in self.running:
                 events.prefilled.append(req)
-                self.on_prefill_done(req)
+                if self.decode:
+                    req.status = ReqStatus.RUNNING
+                    self.running.append(req)
+                else:  # its KV goes to a decode server; the loop hands it to its sender
+                    req.status = ReqStatus.SENDING_KV
         if k != len(out.token_ids):
             raise ValueError(f"got {len(out.token_ids)} sampled tokens for {k} sampling requests")
+        events.finished = self.drain_finished()
         return events
-
-    def on_prefill_done(self, req: Req) -> None:
-        """Where a request goes after its prefill: here, the decode batch.
-
-        The prefill mode overrides this to hand the request to a KV sender instead.
-        """
-        req.status = ReqStatus.RUNNING
-        self.running.append(req)
 
     def add_prefilled(self, req: Req) -> None:
         """Decode mode: a request whose prompt KV is already in ``req.pages`` joins the decode batch."""
         self.reqs[req.rid] = req
-        self.on_prefill_done(req)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
 
     # ------------------------------------------------------------ integrity
     def check_integrity(self) -> None:
@@ -374,8 +404,9 @@ class Scheduler:
                 raise AssertionError(f"{req} has KV beyond its pages")
         if len(set(owned)) != len(owned) or set(owned) & cache_pages or self.held_pages & (set(owned) | cache_pages):
             raise AssertionError("a page is owned twice")
-        if set(owned) | cache_pages | self.held_pages != self.pool._used:
-            leaked = self.pool._used - set(owned) - cache_pages - self.held_pages
+        used = self.pool.used_pages()
+        if set(owned) | cache_pages | self.held_pages != used:
+            leaked = used - set(owned) - cache_pages - self.held_pages
             raise AssertionError(f"pages leaked (used but unowned): {sorted(leaked)[:8]}")
         if len(self.running) + (self.chunked is not None) > self.config.max_running_requests:
             raise AssertionError("more running requests than max_running_requests")

@@ -5,17 +5,22 @@ pure ``Scheduler``. It is single-threaded and knows nothing of sockets: the
 caller (the offline ``Engine``'s thread, or a scheduler process reading ZMQ)
 feeds it messages and ships the ``TokenOutput``s that ``step()`` returns.
 
-The disaggregated modes hook in by overriding small methods rather than by
-flags inside the loop:
+The disaggregated modes (``PrefillLoop``, ``DecodeLoop``) receive their KV
+manager as a constructor argument and hook in by overriding small methods of
+the loop, never of the scheduler:
 
-- ``make_scheduler()``: the prefill mode returns a Scheduler whose
-  ``on_prefill_done`` hands the request to a KV sender instead of decoding.
+- ``decode=False`` (the prefill mode): the scheduler does not decode
+  (``Scheduler(decode=False)``): prefilled requests are reported in the step's
+  ``StepEvents.prefilled``, which the prefill loop reads to hand them to their
+  KV senders.
 - ``poll()``: called at the start of every step; the prefill mode polls its
   bootstrap and sending queues there, the decode mode its transfer queue,
   moving requests whose KV arrived into the decode batch with
-  ``scheduler.add_prefilled`` (pages from ``scheduler.try_alloc``).
+  ``scheduler.add_prefilled``.
 - ``admit(req)``: where a new request goes (prefill mode: bootstrap queue first;
   decode mode: preallocation).
+- ``step_events()``: one step's outputs and the scheduler's ``StepEvents``; a
+  request leaves by one path, ``StepEvents.finished``.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.sched.radix_cache import make_prefix_cache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
-from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler
+from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
     SamplingTensors,
@@ -48,7 +53,8 @@ QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class SchedulerLoop:
-    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None):
+    def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, decode: bool = True):
+        """``decode=False``: a prefill server's rank (see ``Scheduler``)."""
         if runner is None:
             from pdserve.engine.model_executor.model_runner import ModelRunner
 
@@ -62,7 +68,7 @@ class SchedulerLoop:
         self.device = runner.device
         self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
-        self.scheduler = self.make_scheduler()
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         self.rng = random.Random(config.seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
@@ -70,10 +76,6 @@ class SchedulerLoop:
         self._dirty = False  # PD modes: something ran since the last idle integrity check
 
     # ------------------------------------------------------------- overridables
-    def make_scheduler(self) -> Scheduler:
-        """The scheduler of this mode."""
-        return Scheduler(self.config, self.pool, self.cache, self.stop_checker)
-
     def poll(self) -> None:
         """Called at the start of every step: the PD modes advance their queues here."""
 
@@ -137,21 +139,24 @@ class SchedulerLoop:
 
     def step(self) -> list[TokenOutput]:
         """One scheduling round: at most one model forward. Returns the outputs to ship."""
+        return self.step_events()[0]
+
+    def step_events(self) -> tuple[list[TokenOutput], StepEvents]:
+        """``step``, also returning what the scheduler reported (prefilled, finished, updated)."""
         self.poll()
         outputs, self._outbox = self._outbox, []
         batch = self.scheduler.schedule()
-        updated: list[Req] = []
         if batch is not None:
             self.num_steps += 1
-            sampled = self.run_batch(batch)
-            updated = self.scheduler.postprocess(batch, sampled).updated
-        finished = self.scheduler.drain_finished()
-        done = set(map(id, finished))
-        for req in updated:
+            events = self.scheduler.postprocess(batch, self.run_batch(batch))
+        else:
+            events = StepEvents(finished=self.scheduler.drain_finished())
+        done = set(map(id, events.finished))
+        for req in events.updated:
             if req.stream and id(req) not in done:
                 outputs.append(self._output(req))
-        outputs.extend(self._output(req) for req in finished)
-        return outputs
+        outputs.extend(self._output(req) for req in events.finished)
+        return outputs, events
 
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
@@ -252,7 +257,7 @@ class SchedulerLoop:
             dp_rank=self.dp_rank,
             num_running=len(s.running) + (s.chunked is not None),
             num_waiting=len(s.waiting),
-            num_free_pages=self.pool.num_free + self.cache.evictable_pages,
+            num_free_pages=s.free_pages(),
             num_total_pages=self.pool.capacity,
             page_size=self.pool.page_size,
         )

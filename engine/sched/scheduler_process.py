@@ -50,21 +50,25 @@ def _build_null_loop(config: ServerConfig, dp_rank: int):
 
 
 def _build_prefill_loop(config: ServerConfig, dp_rank: int):
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
     from pdserve.prefill.prefill_loop import PrefillLoop
 
-    return PrefillLoop(
-        config.engine,
-        dp_rank=dp_rank,
-        kv_config=config.kv_transfer_config(),
-        bootstrap_port=config.disaggregation_bootstrap_port,
-        bootstrap_host=config.advertise_host,
-    )
+    runner = ModelRunner(config.engine)
+    kv = PrefillKVManager(
+        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, bootstrap_host=config.advertise_host
+    ).start()
+    return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
 def _build_decode_loop(config: ServerConfig, dp_rank: int):
     from pdserve.decode.decode_loop import DecodeLoop
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 
-    return DecodeLoop(config.engine, dp_rank=dp_rank, kv_config=config.kv_transfer_config())
+    runner = ModelRunner(config.engine)
+    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool).start()
+    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
 # disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)

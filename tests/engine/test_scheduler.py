@@ -294,32 +294,33 @@ def test_random_workload_never_deadlocks():
         assert r.output_ids == expected[rid]
 
 
-class PrefillModeScheduler(Scheduler):
-    """What the prefill mode does: after prefill the request keeps its pages for the KV sender."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.sending: list[Req] = []
-
-    def on_prefill_done(self, req):
-        req.status = ReqStatus.SENDING_KV
-        self.sending.append(req)
-
-
-def test_prefill_mode_hook_holds_pages_until_sent():
+def test_prefill_mode_holds_pages_until_sent():
+    """A prefill server's scheduler (decode=False): after prefill the request keeps its pages for the KV sender."""
     pool = PagePool(64, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
-    sched = PrefillModeScheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False))
+    sched = Scheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False), decode=False)
     model = EchoModel(pool)
     r = req("p", range(1, 11), n=5)
     sched.add(r)
-    sched.postprocess(b := sched.schedule(), model(b))
-    assert sched.sending == [r] and r.status == ReqStatus.SENDING_KV and not sched.running
+    events = sched.postprocess(b := sched.schedule(), model(b))
+    assert events.prefilled == [r] and r.status == ReqStatus.SENDING_KV and not sched.running
     assert r.output_ids == reference(list(range(1, 11)), 1) and r.kv_len == 10
     assert sched.schedule() is None  # nothing to decode on the prefill side
     sched.check_integrity()  # its pages are owned, not leaked
     sched.finish(r, FinishReason("stop"))
     sched.check_integrity()
     assert pool.num_used == sched.cache.evictable_pages == 2  # its full pages went to the cache
+    assert sched.drain_finished() == [r]  # it leaves by the one path
+
+
+def test_prefill_mode_never_stops_on_its_one_token():
+    """The prefill's token goes to the decode side even if it would stop there (EOS, stop id)."""
+    pool = PagePool(16, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    always = lambda r: FinishReason("stop", matched=r.output_ids[-1])  # noqa: E731
+    sched = Scheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False), always, decode=False)
+    r = req("eos", [1, 2, 3], n=5)
+    sched.add(r)
+    events = sched.postprocess(b := sched.schedule(), EchoModel(pool)(b))
+    assert events.prefilled == [r] and not events.finished and r.status == ReqStatus.SENDING_KV
 
 
 def test_decode_mode_request_arrives_with_kv_and_first_token():

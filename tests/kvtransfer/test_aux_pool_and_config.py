@@ -40,3 +40,30 @@ def test_config_defaults_and_validation():
                 {"waiting_timeout": -1}, {"host": ""}, {"control_port": 70000}):
         with pytest.raises(ValueError):
             KVTransferConfig(**bad)
+
+
+def test_serve_cli_kv_flags_come_from_kvtransferconfig():
+    from pdserve.engine.cli import KV_FLAGS, build_serve_parser, parse_serve_args
+
+    ns = build_serve_parser().parse_args([])
+    cfg = KVTransferConfig()
+    assert all(getattr(ns, dest) == getattr(cfg, name) for name, dest in KV_FLAGS.items())
+    assert ns.disaggregation_bootstrap_port == 8998
+    c = parse_serve_args(["--disaggregation-bootstrap-port", "9001", "--disaggregation-transfer-backend", "nixl",
+                          "--disaggregation-waiting-timeout", "7", "--disaggregation-ib-device", "mlx5_0"])
+    kv = c.kv_transfer_config()
+    assert (kv.bootstrap_port, kv.backend, kv.waiting_timeout, kv.protocol) == (9001, "nixl", 7.0, "rdma")
+    for bad in (["--disaggregation-transfer-backend", "gloo"], ["--disaggregation-heartbeat-interval", "0"]):
+        with pytest.raises(SystemExit):  # a usage error before anything starts
+            parse_serve_args(bad)
+
+
+def test_import_is_light():
+    """``import pdserve.kvtransfer`` (and its config) pulls neither torch nor a backend library."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pdserve.kvtransfer, pdserve.kvtransfer.config, pdserve.engine.server_config; "
+            "print(sorted(m for m in ('torch', 'zmq', 'mooncake', 'nixl') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

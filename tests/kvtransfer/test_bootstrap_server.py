@@ -89,3 +89,25 @@ async def test_runs_as_task_in_a_running_loop():
                 assert (await r.json())["endpoint"] == "127.0.0.1:7000"
     finally:
         await s.stop()
+
+
+def test_the_bootstrap_client(server):
+    """The one client of /route (prefill ranks register with it, decode ranks look them up)."""
+    import msgspec
+
+    from pdserve.kvtransfer import bootstrap_client as bc
+    from pdserve.kvtransfer.messages import RankRegistration
+
+    assert server.port != 0  # the bound port, read back from the runner
+    with pytest.raises(urllib.error.HTTPError) as e:
+        bc.fetch_topology("127.0.0.1", server.port)
+    assert e.value.code == 503
+    for dp in (0, 1):
+        bc.register_rank("127.0.0.1", server.port, msgspec.convert(reg(dp, endpoint=f"127.0.0.1:{7000 + dp}"),
+                                                                   RankRegistration))
+    topo = bc.fetch_topology("127.0.0.1", server.port)
+    assert topo.dp_size == 2 and [r.endpoint for r in topo.ranks] == ["127.0.0.1:7000", "127.0.0.1:7001"]
+    assert bc.fetch_rank("127.0.0.1", server.port, 1).endpoint == "127.0.0.1:7001"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        bc.register_rank("127.0.0.1", server.port, msgspec.convert(reg(5), RankRegistration))
+    assert e.value.code == 400

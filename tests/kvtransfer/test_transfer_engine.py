@@ -1,4 +1,5 @@
-"""The adapter over the real engines: bytes move, codes become typed errors, notifications arrive."""
+"""The adapter over the real engines (and the in-process ``local`` one): bytes move, codes become
+typed errors, notifications arrive."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pdserve.kvtransfer import (
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+@pytest.fixture(scope="module", params=["mooncake", "nixl", "local"])
 def engines(request):
     a = create_transfer_engine(request.param, "127.0.0.1")
     b = create_transfer_engine(request.param, "127.0.0.1")
@@ -84,6 +85,17 @@ def test_failures_are_typed(engines):
         h = a.write_batch("127.0.0.1:1", [src.data_ptr()], [0x1000], [64])
         assert a.wait(h, timeout=30) is TransferState.FAILED
         assert isinstance(h.error, TransferEngineError) and h.error.code == -1
+    elif a.name == "local":
+        with pytest.raises(ConnectError):
+            a.connect(b"garbage metadata")
+        # as mooncake: a refused write is a FAILED handle with a typed error
+        for bad_peer, dst in (("no-such-peer", 0x1000), (peer, 0x1000)):
+            h = a.write_batch(bad_peer, [src.data_ptr()], [dst], [64])
+            assert a.wait(h, timeout=1) is TransferState.FAILED and isinstance(h.error, TransferEngineError)
+        with pytest.raises(TransferEngineError, match="not registered"):
+            a.write(peer, [src.data_ptr() + src.numel() - 8], [0x1000], [64])  # runs past the source region
+        with pytest.raises(RegistrationError):
+            a.deregister(0xDEAD000)
     else:
         with pytest.raises(ConnectError):
             a.connect(b"garbage metadata")
@@ -96,3 +108,19 @@ def test_failures_are_typed(engines):
 def test_unknown_backend():
     with pytest.raises(ValueError, match="unknown transfer backend"):
         create_transfer_engine("gloo", "127.0.0.1")
+
+
+def test_registry_names_and_external_specs():
+    from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES, check_transfer_backend
+
+    assert {"mooncake", "nixl", "local"} <= set(TRANSFER_ENGINES)
+    for name in TRANSFER_ENGINES:
+        check_transfer_backend(name)
+    # an importable "module:attr" factory is a backend too; it is imported to be checked
+    check_transfer_backend("pdserve.kvtransfer.local_engine:LocalTransferEngine")
+    eng = create_transfer_engine("pdserve.kvtransfer.local_engine:LocalTransferEngine", "127.0.0.1")
+    assert eng.name == "local"
+    eng.close()
+    for bad in ("mooncak", "no_such_module:factory", "pdserve.kvtransfer.local_engine:Nope"):
+        with pytest.raises(ValueError):
+            check_transfer_backend(bad)

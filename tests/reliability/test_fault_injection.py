@@ -1,8 +1,9 @@
 """A transfer error injected at the adapter boundary fails only its room.
 
-The prefill server runs with ``--disaggregation-fault-injection-rate 0.4``: its KV manager wraps
-the real Mooncake engine in ``FaultInjectingEngine`` which fails 40% of batch writes (seeded)
-with ``TransferFailedError``. Every request either succeeds with all its tokens or fails on both
+The prefill server runs with ``--disaggregation-transfer-backend fault_injection_engine:faulty_mooncake``
+(an external backend factory, imported from this folder through ``PYTHONPATH``): the real Mooncake
+engine wrapped in ``FaultInjectingEngine``, which fails 40% of batch writes (seeded) with
+``TransferFailedError``; the decode server runs plain ``mooncake``. Every request either succeeds with all its tokens or fails on both
 legs with a message naming its room and the injected fault; both servers stay healthy and every
 page returns to the free list on both sides.
 """
@@ -10,6 +11,8 @@ page returns to the free list on both sides.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+from pathlib import Path
 
 import pytest
 import requests
@@ -18,12 +21,14 @@ from pd_stand import Server, greedy_body, new_room, pd_post, prompt_ids
 pytestmark = pytest.mark.timeout(300)
 
 MAX_NEW = 4
+FAULTY = "fault_injection_engine:faulty_mooncake"  # RATE 0.4, SEED 7
 
 
 @pytest.fixture(scope="module")
 def faulty_pair():
-    p = Server("rel-inj-P", "prefill", "--max-total-tokens", "2048",
-               "--disaggregation-fault-injection-rate", "0.4", "--disaggregation-fault-injection-seed", "7")
+    # the server and its spawned scheduler ranks import the factory by name from this folder
+    path = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH")]))
+    p = Server("rel-inj-P", "prefill", "--max-total-tokens", "2048", backend=FAULTY, env={"PYTHONPATH": path})
     d = Server("rel-inj-D", "decode", "--max-total-tokens", "2048")
     try:
         yield p.wait_ready(), d.wait_ready()
@@ -69,18 +74,29 @@ def test_injected_transfer_faults_fail_only_their_rooms(faulty_pair):
 
 
 def test_injection_is_off_by_default():
+    """Fault injection is no part of the package: no config field, no module; only the external spec."""
+    import importlib.util
+
+    from pdserve.engine.cli import parse_serve_args
     from pdserve.engine.server_config import ServerConfig
     from pdserve.kvtransfer.config import KVTransferConfig
 
-    assert KVTransferConfig().fault_injection_rate == 0.0
-    assert ServerConfig().kv_transfer_config().fault_injection_rate == 0.0
-    with pytest.raises(ValueError, match="fault_injection_rate"):
-        KVTransferConfig(fault_injection_rate=1.5)
+    assert not any("fault" in name for name in KVTransferConfig.field_names())
+    assert not any("fault" in name for name in ServerConfig.server_field_names())
+    assert ServerConfig().kv_transfer_config().backend == "mooncake"
+    assert importlib.util.find_spec("pdserve.kvtransfer.fault_injection") is None
+    assert parse_serve_args(["--disaggregation-transfer-backend", FAULTY]).kv_transfer.backend == FAULTY
+    with pytest.raises(SystemExit):  # a misspelt spec is a usage error before anything starts
+        parse_serve_args(["--disaggregation-transfer-backend", "fault_injection_engine:faulty_mooncak"])
+    from fault_injection_engine import FaultInjectingEngine
+
+    with pytest.raises(ValueError, match="rate"):
+        FaultInjectingEngine(object(), 1.5)
 
 
 def test_faulty_engine_fails_writes_with_a_typed_error_at_the_seeded_rate():
     from pdserve.kvtransfer.errors import TransferFailedError
-    from pdserve.kvtransfer.fault_injection import FaultInjectingEngine
+    from fault_injection_engine import FaultInjectingEngine
     from pdserve.kvtransfer.transfer_engine import TransferState
 
     class Inner:  # only the write path is exercised; the real engines are covered by the PD tests

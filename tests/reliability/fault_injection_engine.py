@@ -1,11 +1,13 @@
 """A test-only transfer engine that fails a chosen fraction of writes at the adapter boundary.
 
-Off by default: ``KVTransferConfig.fault_injection_rate`` is 0.0 and the real engine is used
-unwrapped. With a rate > 0 (``--disaggregation-fault-injection-rate``) the KV manager wraps its
-engine in ``FaultInjectingEngine``; each batch write then fails with ``TransferFailedError`` with
-that probability (seeded, so a run is repeatable), exactly as a failed RDMA/TCP write would: the
-room fails on both sides with the error in its message and its pages are freed. Everything else
-(register, connect, notifications) goes to the wrapped engine unchanged.
+It lives with the tests, not in the package: a server uses it through the transfer-backend
+registry's external spec, ``--disaggregation-transfer-backend fault_injection_engine:faulty_mooncake``,
+with this folder on ``PYTHONPATH`` (the server and its spawned scheduler ranks import it by name).
+Each batch write then fails with ``TransferFailedError`` with probability ``RATE`` (seeded, so a
+run is repeatable), exactly as a failed RDMA/TCP write would: the room fails on both sides with
+the error in its message and its pages are freed. Everything else (register, connect,
+notifications, the wire name ``mooncake``) goes to the wrapped engine unchanged, so a decode
+server on plain ``mooncake`` pairs with it.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import threading
 from collections.abc import Sequence
 
 from pdserve.kvtransfer.errors import TransferFailedError
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState, create_transfer_engine
 
 INJECTED = "injected transfer fault"
+RATE, SEED = 0.4, 7  # of the external spec ``faulty_mooncake``
 
 
 class FaultInjectingEngine(TransferEngine):
@@ -86,3 +89,8 @@ class FaultInjectingEngine(TransferEngine):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def faulty_mooncake(host: str, ib_device: str = "") -> FaultInjectingEngine:
+    """Transfer-backend factory (``fault_injection_engine:faulty_mooncake``): Mooncake failing ``RATE`` of writes."""
+    return FaultInjectingEngine(create_transfer_engine("mooncake", host, ib_device), RATE, SEED)
