@@ -24,7 +24,8 @@ log = logging.getLogger("pdserve.router.drain")
 
 RETRY_AFTER_S = 1  # a draining router's clients retry at once: the Service sends them to a live replica
 CUT_OFF_GRACE_S = 5.0  # after the timeout: how long the cancelled handlers get to write their error
-RESPONSE_KEY = "pdserve.router.response"  # request storage: the response once its head went out
+# request storage: the response once its head went out
+RESPONSE_KEY = web.RequestKey("pdserve.router.response", web.StreamResponse)
 WORKER_DRAIN_POLL_S = 0.02
 
 
