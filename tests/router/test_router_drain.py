@@ -197,3 +197,24 @@ def test_router_cli_takes_the_drain_and_readiness_flags():
     out = subprocess.run([sys.executable, "-m", "pdserve.router", "--request-queue-timeout-secs", "-1"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and "request_queue_timeout_secs must be >= 0" in out.stderr
+
+
+async def test_worker_hook_drains_and_undrains_on_every_router_address(cluster, capsys):
+    from pdserve.router.worker_hook import main as hook
+
+    await cluster.start(1, 1, decode_behavior=Behavior(delay_s=0.4))
+    dec = cluster.decodes[0]
+    worker = cluster.router.registry.get(dec.url)
+    req = asyncio.ensure_future(cluster.post("/generate", {"text": "x"}))
+    await asyncio.sleep(0.1)
+    assert await asyncio.to_thread(hook, ["drain", "--router", cluster.url, "--worker", dec.url,
+                                          "--wait-secs", "5"]) == 0
+    assert worker.draining and req.done()  # the answer came once the in-flight request finished
+    assert "draining=True drained=True in_flight=0" in capsys.readouterr().out
+    assert await asyncio.to_thread(hook, ["undrain", "--router", cluster.url, "--worker", dec.url]) == 0
+    assert not worker.draining
+    # an unknown worker or an unreachable router is reported, never a failing hook
+    assert await asyncio.to_thread(hook, ["drain", "--router", cluster.url, "--worker", "http://nope:1"]) == 0
+    assert "HTTP 404" in capsys.readouterr().out
+    assert await asyncio.to_thread(hook, ["drain", "--router", "http://127.0.0.1:1", "--worker", dec.url]) == 0
+    assert "http://127.0.0.1:1: URLError" in capsys.readouterr().out
