@@ -26,7 +26,7 @@ from aiohttp import web
 
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.drain import Shutdown, drain_worker, remember_response
+from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
 from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -349,6 +349,9 @@ def serve(config: RouterConfig) -> None:
             for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal cuts the drain short
                 loop.add_signal_handler(sig, router.shutdown.hurry)
             await router.shutdown.drain()
+            left = await router.proxy.finish_background(CUT_OFF_GRACE_S)
+            if left:
+                log.warning("%d prefill leg(s) still answering at exit are cut", left)
         finally:
             await runner.cleanup()
 

@@ -49,8 +49,8 @@ async def stand():
     workers = []
     procs = []
 
-    async def make(decode_behavior: Behavior, *flags: str):
-        p, d = StandinWorker("prefill"), StandinWorker("decode", decode_behavior)
+    async def make(decode_behavior: Behavior, *flags: str, prefill_behavior: Behavior | None = None):
+        p, d = StandinWorker("prefill", prefill_behavior), StandinWorker("decode", decode_behavior)
         for w in (p, d):
             await w.start()
             workers.append(w)
@@ -132,6 +132,18 @@ async def test_a_second_signal_cuts_the_drain_short(stand):
     events = sse_events(await asyncio.wait_for(stream, 5))
     assert events[-1] == "[DONE]" and "shut down" in events[-2]["error"]["message"]
     assert await router.exit_code(5) == 0
+
+
+async def test_a_prefill_leg_still_answering_after_its_stream_finishes_before_exit(stand):
+    make, client = stand
+    prefill, _, router = await make(Behavior(num_tokens=3), "--graceful-shutdown-timeout", "30",
+                                    prefill_behavior=Behavior(delay_s=1.5))
+    started = asyncio.Event()
+    events = sse_events(await asyncio.wait_for(read_stream(client, router.url, 3, started), 10))
+    assert events[-1] == "[DONE]" and prefill.completed == 0  # the prefill leg is still answering
+    router.proc.send_signal(signal.SIGTERM)
+    assert await router.exit_code(10) == 0, log_tail(router.log)
+    assert prefill.completed == 1 and prefill.cancelled == []  # not cut: its room had succeeded
 
 
 # -- POST /workers/drain ---------------------------------------------------------------------
