@@ -146,6 +146,19 @@ async def test_a_prefill_leg_still_answering_after_its_stream_finishes_before_ex
     assert prefill.completed == 1 and prefill.cancelled == []  # not cut: its room had succeeded
 
 
+async def test_a_json_request_past_the_timeout_gets_a_503_saying_why(stand):
+    make, client = stand
+    _, dec, router = await make(Behavior(hang=True), "--graceful-shutdown-timeout", "0.5")
+    req = asyncio.ensure_future(client.post(router.url + "/generate", json={"text": "x"}))
+    while not dec.requests:
+        await asyncio.sleep(0.02)
+    router.proc.send_signal(signal.SIGTERM)
+    async with await asyncio.wait_for(req, 10) as r:
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert "graceful-shutdown-timeout 0.5 s" in (await r.json())["error"]["message"]
+    assert await router.exit_code(10) == 0, log_tail(router.log)
+
+
 # -- POST /workers/drain ---------------------------------------------------------------------
 
 async def test_a_drained_worker_gets_no_new_requests_and_finishes_its_own(cluster):
