@@ -23,7 +23,9 @@ from pdserve.router.worker_registry import Worker, WorkerRegistry
 log = logging.getLogger("pdserve.router.drain")
 
 RETRY_AFTER_S = 1  # a draining router's clients retry at once: the Service sends them to a live replica
-CUT_OFF_GRACE_S = 5.0  # after the timeout: how long the cancelled handlers get to write their error
+# after the drain: how long the handlers cut off get to write their error, and how long the
+# prefill legs still answering after their stream ended get to finish
+CUT_OFF_GRACE_S = 5.0
 # request storage: the response once its head went out
 RESPONSE_KEY = web.RequestKey("pdserve.router.response", web.StreamResponse)
 WORKER_DRAIN_POLL_S = 0.02
@@ -39,7 +41,7 @@ class Shutdown:
         self.timeout = timeout
         self.draining = False
         self.expired = False  # the timeout passed: what is left is being cut off
-        self._in_flight: dict[asyncio.Task, web.Request] = {}
+        self._in_flight: set[asyncio.Task] = set()  # the handlers of the requests in flight
         self._idle = asyncio.Event()
         self._idle.set()
         self._hurry = asyncio.Event()
@@ -48,15 +50,15 @@ class Shutdown:
     def in_flight(self) -> int:
         return len(self._in_flight)
 
-    def enter(self, request: web.Request) -> None:
-        """Count a new client request in; raises the 503 once draining."""
+    def enter(self) -> None:
+        """Count the current request in (its handler's task); raises the 503 once draining."""
         if self.draining:
             raise shutting_down()
-        self._in_flight[asyncio.current_task()] = request
+        self._in_flight.add(asyncio.current_task())
         self._idle.clear()
 
     def leave(self) -> None:
-        self._in_flight.pop(asyncio.current_task(), None)
+        self._in_flight.discard(asyncio.current_task())
         if not self._in_flight:
             self._idle.set()
 

@@ -137,7 +137,7 @@ class Router:
         admitted = entered = False
         status = 500
         try:
-            self.shutdown.enter(request)
+            self.shutdown.enter()
             entered = True
             self._check_auth(request)
             raw = await self._read_body(request)
