@@ -50,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-check-timeout-secs", type=float, default=_D["health_check_timeout_secs"])
     p.add_argument("--health-failure-threshold", type=int, default=_D["health_failure_threshold"])
     p.add_argument("--health-success-threshold", type=int, default=_D["health_success_threshold"])
+    p.add_argument("--worker-startup-timeout-secs", type=float, default=_D["worker_startup_timeout_secs"],
+                   help="how long a worker that was added or failed is probed often (from 0.5 s, "
+                        "backing off to --health-check-interval-secs) before it is only probed "
+                        "every interval")
+    p.add_argument("--request-queue-timeout-secs", type=float, default=_D["request_queue_timeout_secs"],
+                   help="how long a request waits for a healthy prefill+decode pair before a 503 "
+                        "(0: answer 503 at once)")
+    p.add_argument("--graceful-shutdown-timeout", "--shutdown-grace-period-secs", type=float,
+                   dest="graceful_shutdown_timeout", default=_D["graceful_shutdown_timeout"],
+                   help="on SIGTERM, how long in-flight requests may take to finish (SGLang's "
+                        "flag; sglang-router's name is accepted too)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default=_D["log_level"])
     return p
 

@@ -66,6 +66,14 @@ class RouterConfig:
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 1
+    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was added or
+    # failed is probed from 0.5 s with backoff up to health_check_interval_secs, for at most
+    # worker_startup_timeout_secs (sglang-router's default); a request that finds no healthy pair
+    # waits request_queue_timeout_secs for one; SIGTERM finishes in-flight requests within
+    # graceful_shutdown_timeout (sglang-router's --shutdown-grace-period-secs default)
+    worker_startup_timeout_secs: float = 1800.0
+    request_queue_timeout_secs: float = 30.0
+    graceful_shutdown_timeout: float = 180.0
     log_level: str = "info"
 
     def __post_init__(self):
@@ -85,9 +93,12 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",
-                     "health_check_timeout_secs"):
+                     "health_check_timeout_secs", "worker_startup_timeout_secs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("request_queue_timeout_secs", "graceful_shutdown_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_rel_threshold < 1.0:

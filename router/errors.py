@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+from aiohttp import web
 
 _encode = msgspec.json.encode
 
@@ -19,9 +20,16 @@ class RouterError(Exception):
     message: str
     type: str = "internal_error"
     param: str | None = None
+    retry_after: int | None = None  # seconds, sent as the Retry-After header
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, self.type, self.param)
+
+
+def error_response(err: RouterError) -> web.Response:
+    headers = {"Retry-After": str(err.retry_after)} if err.retry_after is not None else None
+    return web.Response(body=err.body(), status=err.status, content_type="application/json",
+                        headers=headers)
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> bytes:

@@ -1,12 +1,22 @@
 """Health checks: probe every worker each interval; out of rotation after
 ``health_failure_threshold`` failures in a row, back after
 ``health_success_threshold`` passes. A worker's DP size comes from
-``/get_server_info`` (``/server_info`` on newer SGLang) the first time it passes."""
+``/get_server_info`` (``/server_info`` on newer SGLang) the first time it passes.
+
+A worker that was just added, or that just went out of rotation, is not left to
+the interval: ``watch`` probes it from 0.5 s on, doubling the wait up to
+``--health-check-interval-secs``, until it is healthy or
+``--worker-startup-timeout-secs`` have passed (then the interval takes over
+again). So a router started together with its workers serves within a probe
+gap of the moment they answer, not a whole interval later.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Iterator
 
 import aiohttp
 
@@ -14,6 +24,15 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.health")
+PROBE_INITIAL_S = 0.5
+
+
+def probe_delays(cap: float) -> Iterator[float]:
+    """Waits between the probes of a watched worker: 0.5 s, doubling, at most ``cap``."""
+    delay = PROBE_INITIAL_S
+    while True:
+        yield min(delay, cap)
+        delay *= 2
 
 
 class HealthChecker:
@@ -24,6 +43,7 @@ class HealthChecker:
         self.config = config
         self.headers = headers
         self._timeout = aiohttp.ClientTimeout(total=config.health_check_timeout_secs)
+        self._watched: dict[str, asyncio.Task] = {}  # worker url -> its probe task
 
     async def run(self) -> None:
         while True:
@@ -31,9 +51,44 @@ class HealthChecker:
             await self.check_all()
 
     async def check_all(self) -> None:
-        workers = self.registry.workers()
+        """One probe of every worker that is not being watched (those are probed more often)."""
+        workers = [w for w in self.registry.workers() if w.url not in self._watched]
         if workers:
             await asyncio.gather(*(self.check(w) for w in workers))
+
+    def watch(self, worker: Worker, first: bool = False) -> None:
+        """Probe ``worker`` often until it is healthy (no-op when it is already watched)."""
+        if worker.url not in self._watched:
+            self._watched[worker.url] = asyncio.ensure_future(self._probe_until_healthy(worker, first))
+
+    @property
+    def watched(self) -> list[str]:
+        return list(self._watched)
+
+    def close(self) -> None:
+        for task in self._watched.values():
+            task.cancel()
+        self._watched.clear()
+
+    async def _probe_until_healthy(self, worker: Worker, first: bool) -> None:
+        timeout = self.config.worker_startup_timeout_secs
+        deadline = time.monotonic() + timeout
+        try:
+            for delay in probe_delays(self.config.health_check_interval_secs):
+                if self.registry.get(worker.url) is not worker:
+                    return  # removed (or replaced) meanwhile
+                await self.check(worker, first)
+                if worker.healthy:
+                    return
+                if time.monotonic() + delay > deadline:
+                    log.error("%s worker %s did not become healthy within "
+                              "--worker-startup-timeout-secs (%g s); probing it every %g s from now on",
+                              worker.role, worker.url, timeout, self.config.health_check_interval_secs)
+                    return
+                await asyncio.sleep(delay)
+        finally:
+            if self._watched.get(worker.url) is asyncio.current_task():
+                del self._watched[worker.url]
 
     async def check(self, worker: Worker, first: bool = False) -> bool:
         """Probe one worker and record the result; ``first``: a worker just added counts as
@@ -47,6 +102,8 @@ class HealthChecker:
         if changed:
             (log.info if first else log.warning)("%s worker %s is %s", worker.role, worker.url,
                         "back in rotation" if worker.healthy else "out of rotation")
+            if not worker.healthy:
+                self.watch(worker)
         return ok
 
     async def _get_ok(self, url: str) -> bool:

@@ -231,6 +231,14 @@ class PDProxy:
                 self._background.add(p_task)
                 p_task.add_done_callback(self._background.discard)
 
+    async def finish_background(self, timeout: float) -> int:
+        """Wait up to ``timeout`` s for the legs still answering after their client's stream
+        ended (a shutdown would otherwise cut them, and a prefill server would abort a room that
+        succeeded); returns how many are left."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+        return len(self._background)
+
     async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""
         url = ep.worker.url

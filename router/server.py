@@ -2,8 +2,14 @@
 
 ``Router(config)`` owns the worker registry, the policies, the health checker
 and one pooled aiohttp client session; ``await router.start()`` probes the
-configured workers once and starts the health loop; ``router.make_app()`` is
-the aiohttp application. ``serve(config)`` runs it all on uvloop.
+configured workers once, keeps probing those not healthy yet (router/health.py)
+and starts the health loop; ``router.make_app()`` is the aiohttp application.
+``serve(config)`` runs it all on uvloop, and on SIGTERM drains (router/drain.py).
+
+Probes: ``/liveness`` is 200 while the process runs; ``/readiness`` is 200 only
+while a healthy prefill+decode pair exists and the router is not draining
+(router/readiness.py); ``/health`` keeps sglang-router's meaning: 200 while the
+router runs, with the healthy endpoints per role.
 """
 
 from __future__ import annotations
@@ -20,23 +26,21 @@ from aiohttp import web
 
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.errors import RouterError, bad_request, payload_too_large, unauthorized
+from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
+from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
+from pdserve.router.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-
-
-def error_response(err: RouterError) -> web.Response:
-    return web.Response(body=err.body(), status=err.status, content_type="application/json")
 
 
 def json_response(obj, status: int = 200) -> web.Response:
@@ -53,6 +57,8 @@ class Router:
         self.metrics = RouterMetrics(self.registry)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
+        self.gate = PairGate(self.registry)
+        self.shutdown = Shutdown(config.graceful_shutdown_timeout)
         self.worker_headers = {"Content-Type": "application/json"}
         if config.api_key:
             self.worker_headers["Authorization"] = f"Bearer {config.api_key}"
@@ -84,9 +90,12 @@ class Router:
         for w in workers:
             if not w.healthy:
                 log.warning("%s worker %s does not answer /health yet", w.role, w.url)
+                self.health.watch(w, first=True)
         self._health_task = asyncio.ensure_future(self.health.run())
 
     async def close(self) -> None:
+        if self.health is not None:
+            self.health.close()
         if self._health_task is not None:
             self._health_task.cancel()
             try:
@@ -109,10 +118,15 @@ class Router:
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
             r.add_get(path, self._forward_get)
         r.add_get("/health", self._health)
+        r.add_get("/liveness", self._liveness)
+        r.add_get("/readiness", self._readiness)
         r.add_get("/metrics", self._metrics)
         r.add_get("/workers", self._list_workers)
         r.add_post("/workers", self._add_worker)
+        r.add_post("/workers/drain", self._drain_worker)
+        r.add_post("/workers/undrain", self._undrain_worker)
         r.add_delete("/workers/{url:.+}", self._remove_worker)
+        app.on_response_prepare.append(remember_response)
         app.on_cleanup.append(lambda _app: self.close())
         return app
 
@@ -120,9 +134,11 @@ class Router:
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         route = request.path
-        admitted = False
+        admitted = entered = False
         status = 500
         try:
+            self.shutdown.enter()
+            entered = True
             self._check_auth(request)
             raw = await self._read_body(request)
             try:
@@ -133,6 +149,8 @@ class Router:
                 raise bad_request("the JSON body must be an object")
             await self.admission.acquire()
             admitted = True
+            if not self.gate.is_open:  # workers starting or restarting: wait for a pair
+                await self.gate.wait(self.config.request_queue_timeout_secs)
             resp = await self.proxy.handle(request, route, body, t0)
             status = resp.status
             return resp
@@ -140,9 +158,16 @@ class Router:
             status = err.status
             return error_response(err)
         except (ConnectionResetError, asyncio.CancelledError):
+            if self.shutdown.expired and entered:
+                # cancelled by the graceful-shutdown timeout, not by the client: end it with an error
+                asyncio.current_task().uncancel()
+                status = 503
+                return await self.shutdown.cut_off(request)
             status = 499  # the client went away; the legs are already cancelled
             raise
         finally:
+            if entered:
+                self.shutdown.leave()
             if admitted:
                 self.admission.release()
             self.metrics.requests.inc(route, str(status))
@@ -165,6 +190,20 @@ class Router:
     async def _health(self, request: web.Request) -> web.Response:
         counts = {role: len(self.registry.healthy_endpoints(role)) for role in ("prefill", "decode")}
         return json_response({"status": "ok", "healthy_endpoints": counts})
+
+    async def _liveness(self, request: web.Request) -> web.Response:
+        return json_response({"status": "alive"})
+
+    async def _readiness(self, request: web.Request) -> web.Response:
+        """200 when a healthy prefill+decode pair exists and the router is not draining; otherwise
+        503 with what is missing (for a load balancer or a Kubernetes readiness probe)."""
+        ready, body = readiness(self.registry)
+        if self.shutdown.draining:
+            return json_response({"status": "draining", "message": "the router is shutting down",
+                                  "in_flight": self.shutdown.in_flight, **body}, 503)
+        if not ready:
+            return json_response({"status": "not_ready", "message": describe_missing(body), **body}, 503)
+        return json_response({"status": "ready", **body})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -217,7 +256,48 @@ class Router:
         except RouterError as err:
             return error_response(err)
         await self.health.check(worker, first=True)
+        if not worker.healthy:
+            self.health.watch(worker, first=True)
         log.info("added %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
+        return json_response(worker.to_json())
+
+    async def _worker_from_body(self, request: web.Request) -> tuple[dict, Worker]:
+        """The JSON body of a /workers/drain or /workers/undrain call and the worker its url names."""
+        self._check_auth(request)
+        try:
+            body = _decode(await self._read_body(request))
+        except msgspec.DecodeError as e:
+            raise bad_request(f"invalid JSON body: {e}") from None
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            raise bad_request("expected a JSON object with 'url'", "url")
+        worker = self.registry.get(body["url"])
+        if worker is None:
+            raise RouterError(404, f"no worker {body['url']}", "not_found", "url")
+        return body, worker
+
+    async def _drain_worker(self, request: web.Request) -> web.Response:
+        """Body: {"url", "wait_secs" (optional, default 0)}. No new requests go to the worker; the
+        answer comes once it is drained or ``wait_secs`` passed, and says which ("drained")."""
+        try:
+            body, worker = await self._worker_from_body(request)
+            wait = body.get("wait_secs", 0)
+            if not isinstance(wait, (int, float)) or wait < 0:
+                raise bad_request("wait_secs must be a number >= 0", "wait_secs")
+        except RouterError as err:
+            return error_response(err)
+        log.info("draining %s worker %s (%d requests in flight)", worker.role, worker.url, worker.load)
+        return json_response(await drain_worker(self.registry, worker, float(wait)))
+
+    async def _undrain_worker(self, request: web.Request) -> web.Response:
+        """Body: {"url"}. A drained worker (restarted, say) takes new requests again."""
+        try:
+            _, worker = await self._worker_from_body(request)
+        except RouterError as err:
+            return error_response(err)
+        self.registry.set_draining(worker, False)
+        if not worker.healthy:
+            self.health.watch(worker)
+        log.info("%s worker %s takes requests again", worker.role, worker.url)
         return json_response(worker.to_json())
 
     async def _remove_worker(self, request: web.Request) -> web.Response:
@@ -260,10 +340,17 @@ def serve(config: RouterConfig) -> None:
                  [w.url for w in router.registry.workers("prefill")],
                  [w.url for w in router.registry.workers("decode")])
         stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, stop.set)
         try:
             await stop.wait()
+            for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal cuts the drain short
+                loop.add_signal_handler(sig, router.shutdown.hurry)
+            await router.shutdown.drain()
+            left = await router.proxy.finish_background(CUT_OFF_GRACE_S)
+            if left:
+                log.warning("%d prefill leg(s) still answering at exit are cut", left)
         finally:
             await runner.cleanup()
 

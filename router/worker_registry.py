@@ -2,11 +2,15 @@
 
 Pure bookkeeping: no sockets. The health checker and the ``/workers`` API call
 into it; the request path reads ``healthy_endpoints(role)``, a list rebuilt only
-when membership, health or DP size change, so choosing a worker is cheap.
+when membership, health, draining or DP size change, so choosing a worker is
+cheap. A draining worker (``POST /workers/drain``) stays registered and probed
+but gets no new requests; listeners added with ``on_change`` hear of every
+rebuild (the readiness gate wakes the requests waiting for a pair).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from pdserve.router.config import WorkerSpec
@@ -46,6 +50,7 @@ class Worker:
         self.info_known = False  # /get_server_info answered at least once
         self.consecutive_failures = 0
         self.consecutive_successes = 0
+        self.draining = False
         self.endpoints: list[Endpoint] = [Endpoint(self, None)]
 
     @property
@@ -58,6 +63,9 @@ class Worker:
             "role": self.role,
             "bootstrap_port": self.bootstrap_port,
             "healthy": self.healthy,
+            "draining": self.draining,
+            # drained: draining and nothing of it is in flight any more (safe to stop)
+            "drained": self.draining and self.load == 0,
             "dp_size": self.dp_size,
             "model_id": self.model_id,
             "in_flight": self.load,
@@ -70,6 +78,11 @@ class WorkerRegistry:
         self.dp_aware = dp_aware
         self._workers: dict[str, Worker] = {}
         self._healthy: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after every change of the healthy endpoints."""
+        self._listeners.append(listener)
 
     # membership --------------------------------------------------------
     def add(self, spec: WorkerSpec, healthy: bool = False) -> Worker:
@@ -111,6 +124,12 @@ class WorkerRegistry:
             worker.endpoints = [old.get(r) or Endpoint(worker, r) for r in ranks]
             self._rebuild()
 
+    def set_draining(self, worker: Worker, draining: bool) -> None:
+        """Take a worker out of rotation without removing it (or put it back)."""
+        if worker.draining != draining:
+            worker.draining = draining
+            self._rebuild()
+
     def record_health(self, worker: Worker, ok: bool, failure_threshold: int,
                       success_threshold: int) -> bool:
         """Count one health probe; returns True when the worker's healthy flag changed."""
@@ -131,6 +150,8 @@ class WorkerRegistry:
     def _rebuild(self) -> None:
         healthy: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
         for w in self._workers.values():
-            if w.healthy:
+            if w.healthy and not w.draining:
                 healthy[w.role].extend(w.endpoints)
         self._healthy = healthy
+        for listener in self._listeners:
+            listener()

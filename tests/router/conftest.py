@@ -11,9 +11,11 @@ from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
 from standin_worker import Behavior, StandinWorker
 
-# small backoff and health intervals keep the failure tests fast
+# small backoff and health intervals keep the failure tests fast; a request that finds no healthy
+# pair waits 0.2 s for one (test_router_readiness.py tests the wait itself)
 FAST = dict(retry_initial_backoff_ms=1.0, retry_max_backoff_ms=5.0, health_check_interval_secs=3600.0,
-            health_check_timeout_secs=1.0, request_timeout_secs=10.0, host="127.0.0.1", port=0)
+            health_check_timeout_secs=1.0, request_timeout_secs=10.0, request_queue_timeout_secs=0.2,
+            host="127.0.0.1", port=0)
 
 
 class Cluster:

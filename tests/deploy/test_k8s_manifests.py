@@ -1,0 +1,160 @@
+"""The Kubernetes manifests (deploy/k8s): every document validates against the Kubernetes schema
+(kubernetes-validate's own offline copy, strict: an unknown or misspelled field fails), the
+kustomization lists every manifest, the containers' args parse with pdserve's own CLIs, the
+router's worker URLs name the pods the StatefulSets make, and each pod's grace period covers its
+drain."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+# a version whose schema kubernetes-validate ships (>= 1.30 does); the manifests use no field newer
+K8S_VERSION = "1.30.0"
+
+
+def manifests() -> dict[str, list[dict]]:
+    return {p.name: [d for d in yaml.safe_load_all(p.read_text()) if d]
+            for p in sorted(K8S.glob("*.yaml")) if p.name != "kustomization.yaml"}
+
+
+def resources() -> list[dict]:
+    return [doc for docs in manifests().values() for doc in docs]
+
+
+def find(kind: str, name: str) -> dict:
+    (doc,) = [d for d in resources() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return doc
+
+
+def container(doc: dict) -> dict:
+    (c,) = doc["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network while validating: CI reaches package registries only."""
+
+    def refuse(*args, **kwargs):
+        raise OSError("network access during schema validation")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+
+
+def test_every_manifest_validates_against_the_kubernetes_schema(offline):
+    docs = resources()
+    assert {d["kind"] for d in docs} >= {"Namespace", "Secret", "Service", "StatefulSet", "Deployment"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("breakage", ["misspelled field", "wrong type", "unknown probe field"])
+def test_a_broken_manifest_fails_validation(offline, breakage):
+    doc = find("StatefulSet", "pdserve-decode")
+    spec = doc["spec"]["template"]["spec"]
+    if breakage == "misspelled field":
+        spec["terminationGracePeriodSecond"] = spec.pop("terminationGracePeriodSeconds")
+    elif breakage == "wrong type":
+        doc["spec"]["replicas"] = "two"
+    else:
+        container(doc)["readinessProbe"]["httpGet"]["paht"] = "/health"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_the_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization"
+    assert sorted(kust["resources"]) == sorted(manifests())
+    images = {i["name"] for i in kust["images"]}
+    for doc in resources():
+        if doc["kind"] in ("StatefulSet", "Deployment"):
+            assert container(doc)["image"] in images
+
+
+def _expand(args: list[str]) -> list[str]:
+    return [re.sub(r"\$\((\w+)\)", "10.0.0.7", a) for a in args]  # $(POD_IP) as the kubelet would
+
+
+def test_container_args_parse_with_pdserve_clis():
+    from pdserve.engine.cli import parse_serve_args
+    from pdserve.router.cli import build_parser, config_from_args
+
+    for name, mode in (("pdserve-prefill", "prefill"), ("pdserve-decode", "decode")):
+        args = container(find("StatefulSet", name))["args"]
+        assert args[0] == "serve"
+        config = parse_serve_args(_expand(args[1:]))
+        assert config.disaggregation_mode == mode and config.host == "10.0.0.7"
+    args = container(find("Deployment", "pdserve-router"))["args"]
+    assert args[0] == "router"
+    config_from_args(build_parser().parse_args(args[1:]))
+
+
+def test_router_names_every_worker_pod_and_probes_readiness():
+    from pdserve.router.cli import build_parser, config_from_args
+
+    router = find("Deployment", "pdserve-router")
+    config = config_from_args(build_parser().parse_args(container(router)["args"][1:]))
+    for role, specs in (("prefill", config.prefill), ("decode", config.decode)):
+        sts = find("StatefulSet", f"pdserve-{role}")
+        svc = find("Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"]
+        port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "http")
+        want = [f"http://pdserve-{role}-{i}.{svc['metadata']['name']}:{port}"
+                for i in range(sts["spec"]["replicas"])]
+        assert [s.url for s in specs] == want
+        if role == "prefill":
+            bootstrap = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "bootstrap")
+            assert {s.bootstrap_port for s in specs} == {bootstrap}
+    c = container(router)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readiness"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/liveness"
+
+
+def _flag(args: list[str], name: str) -> float:
+    for a in args:
+        if a.startswith(name + "="):
+            return float(a.split("=", 1)[1])
+    raise AssertionError(f"no {name} in {args}")
+
+
+def test_grace_periods_cover_the_drains():
+    router = find("Deployment", "pdserve-router")
+    c = container(router)
+    pre_stop = float(c["lifecycle"]["preStop"]["exec"]["command"][-1])  # sleep N
+    drain = _flag(c["args"], "--graceful-shutdown-timeout")
+    assert router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= pre_stop + drain + 5
+    for name in ("pdserve-prefill", "pdserve-decode"):
+        sts = find("StatefulSet", name)
+        c = container(sts)
+        hook = c["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert "pdserve.router.worker_hook drain" in hook and f"{name}:30000" in hook
+        assert "worker_hook undrain" in c["lifecycle"]["postStart"]["exec"]["command"][-1]
+        wait = float(re.search(r"--wait-secs (\d+)", hook).group(1))
+        assert sts["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= wait + 20
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["kv-auth"]["readOnly"]
+        assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"]
+        assert _flag(c["args"], "--num-threads") == float(c["resources"]["requests"]["cpu"])
+    assert find("Secret", "pdserve-kv-auth")["stringData"]["key"]
+    # the decode drain (long streams) fits in the router's
+    decode_hook = container(find("StatefulSet", "pdserve-decode"))["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert float(re.search(r"--wait-secs (\d+)", decode_hook).group(1)) <= drain
+
+
+def test_dockerfile_runs_setup_sh_on_python_slim():
+    text = (K8S.parents[1] / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim-bookworm$", text, re.M)
+    assert "bash scripts/setup.sh" in text and 'ENTRYPOINT ["pdserve"]' in text
+    ignored = (K8S.parents[1] / ".dockerignore").read_text().split()
+    assert ".venv" in ignored and ".git" in ignored
