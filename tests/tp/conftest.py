@@ -1,0 +1,24 @@
+"""TP tests: tiny random checkpoints made once per session, and the server tests' ServerProcess."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# ServerProcess lives with the server tests; the TP server tests run the very same stand
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{"llama": dir, "qwen3": dir}: 4 query heads, 2 KV heads, random weights, fp32."""
+    from model_util import make_tiny_checkpoint
+
+    out = {}
+    for kind in ("llama", "qwen3"):
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        make_tiny_checkpoint(kind, str(path))
+        out[kind] = str(path)
+    return out
