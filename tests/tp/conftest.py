@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-# ServerProcess lives with the server tests; the TP server tests run the very same stand
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+# ServerProcess lives with the server tests, the attention reference with the kernel tests: the TP
+# tests run the very same stand and reference
+for folder in ("server", "kernels"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / folder))
 
 
 @pytest.fixture(scope="session")
