@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from dataclasses import dataclass
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -171,8 +171,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         logger.error("DP rank %d TP rank %d failed:\n%s", dp_rank, rank.tp_rank, traceback.format_exc())
         if config.tp_size > 1:
             time.sleep(PEER_FAILURE_GRACE)
-        where = f"DP rank {dp_rank}" if config.tp_size == 1 else f"DP rank {dp_rank} TP rank {rank.tp_rank}"
-        send([SchedulerError(dp_rank=dp_rank, message=f"{where}: {type(e).__name__}: {e}")])
+        where = "" if config.tp_size == 1 else f"TP rank {rank.tp_rank}: "
+        send([SchedulerError(dp_rank=dp_rank, message=f"{where}{type(e).__name__}: {e}")])
         if push is not None:
             push.close(linger=2000)
         ctx.term()

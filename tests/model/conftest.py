@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_util import greedy_generate, hf_greedy, make_tiny_checkpoint  # noqa: F401  (test_hf_parity imports them from here)
+from model_util import greedy_generate
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 # ServerProcess lives with the server tests, the attention reference with the kernel tests: the TP
 # tests run the very same stand and reference
 for folder in ("server", "kernels"):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / folder))
+    sys.path.append(str(Path(__file__).resolve().parents[1] / folder))  # appended: never shadows a conftest
 
 
 @pytest.fixture(scope="session")
