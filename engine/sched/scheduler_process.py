@@ -173,9 +173,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
             time.sleep(PEER_FAILURE_GRACE)
         where = "" if config.tp_size == 1 else f"TP rank {rank.tp_rank}: "
         send([SchedulerError(dp_rank=dp_rank, message=f"{where}{type(e).__name__}: {e}")])
-        if push is not None:
-            push.close(linger=2000)
-        ctx.term()
+        ctx.destroy(linger=2000)  # closes every socket first: term() alone waits forever on an open one
         sys.exit(1)
     parallel.close_tp()
 

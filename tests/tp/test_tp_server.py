@@ -98,3 +98,40 @@ def test_killed_tp_process_takes_the_dp_rank_down(tp2_server):
         while is_running(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not is_running(pid), f"rank process {pid} left behind"
+
+
+def test_hung_tp_process_fails_the_collective_within_the_timeout(tiny_checkpoints):
+    """A TP process that stops answering (SIGSTOP) is not dead: its peer's collective times out
+    after --dist-timeout and the DP rank goes down as for a death; nothing waits forever."""
+    server = ServerProcess("--model-path", tiny_checkpoints["llama"], "--dtype", "float32", "--tp-size", "2",
+                           "--dist-timeout", "2").wait_ready()
+    pids = rank_pids(server.proc.pid)
+    try:
+        result = {}
+
+        def long_request() -> None:
+            result["r"] = server.post("/generate", {
+                "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 400, "temperature": 0,
+                                                             "ignore_eos": True}})
+
+        t = threading.Thread(target=long_request)
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(pids["pdserve-dp0-tp1"], signal.SIGSTOP)
+        t.join(30)
+        r = result["r"]
+        assert r.status_code == 503, r.text
+        assert "DP rank 0" in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t0 < 15  # 2 s timeout + the failing rank's grace + the monitor's poll
+        assert server.proc.wait(30) == 1
+        for pid in pids.values():  # the stopped one too (SIGKILL reaches a stopped process)
+            deadline = time.monotonic() + 10
+            while is_running(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not is_running(pid), f"rank process {pid} left behind"
+    finally:
+        server.stop()
+        for pid in pids.values():
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
