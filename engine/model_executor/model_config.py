@@ -13,6 +13,26 @@ from dataclasses import dataclass
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
+def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
+    """Raise ValueError naming the numbers when the heads cannot be split ``tp_size`` ways (SGLang's
+    rule: query heads divide evenly; KV heads are split when tp_size divides them, replicated when
+    they divide tp_size)."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    problems = []
+    if num_heads % tp_size:
+        problems.append(f"tp_size {tp_size} does not divide the {num_heads} attention heads")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        problems.append(f"tp_size {tp_size} does not divide the {num_kv_heads} KV heads, nor do they divide it")
+    if problems:
+        raise ValueError(
+            f"tp_size {tp_size} cannot split this model's {num_heads} attention heads and {num_kv_heads} KV heads: "
+            + "; ".join(problems)
+            + " (attention heads must divide evenly; KV heads are split when tp_size divides them, "
+            "replicated when they divide tp_size)"
+        )
+
+
 @dataclass(frozen=True)
 class ModelArch:
     arch: str  # one of SUPPORTED_ARCHS
@@ -40,6 +60,14 @@ class ModelArch:
             raise ValueError(f"architecture {self.arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise ValueError, naming the numbers, when this model cannot be split over ``tp_size`` ranks."""
+        check_tp_heads(tp_size, self.num_heads, self.num_kv_heads)
+        if self.intermediate_size % tp_size:
+            raise ValueError(
+                f"tp_size {tp_size} does not divide the model's intermediate size {self.intermediate_size}"
+            )
 
     @property
     def q_size(self) -> int:

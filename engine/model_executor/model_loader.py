@@ -84,6 +84,16 @@ def load_model(model_path: str | None) -> tuple[ModelArch, dict[str, torch.Tenso
     return arch, weights, source
 
 
+def load_arch(model_path: str | None) -> ModelArch:
+    """The model's shape alone (config.json, or the GGUF header without its tensors): fast, so a
+    server checks its parallel layout against the real model before any rank loads weights."""
+    source = resolve_model_path(model_path)
+    if source.format == "gguf":
+        meta, infos, _, _ = read_gguf_header(source.path)
+        return ModelArch.from_gguf_metadata(meta, {t.name for t in infos})
+    return _read_hf_config(source.path)
+
+
 def save_hf_checkpoint(arch: ModelArch, weights: dict[str, torch.Tensor], out_dir: str) -> None:
     """Write weights + config.json as a directory transformers (and ``load_model``) can load.
 
@@ -101,16 +111,20 @@ def save_hf_checkpoint(arch: ModelArch, weights: dict[str, torch.Tensor], out_di
 
 
 # ---------------------------------------------------------------- HF dirs
-def _load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def _read_hf_config(path: str) -> ModelArch:
     with open(os.path.join(path, "config.json")) as f:
         cfg = json.load(f)
     gen_cfg = None
     if os.path.isfile(os.path.join(path, "generation_config.json")):
         with open(os.path.join(path, "generation_config.json")) as f:
             gen_cfg = json.load(f)
-    arch = ModelArch.from_hf_config(cfg, gen_cfg)
+    return ModelArch.from_hf_config(cfg, gen_cfg)
+
+
+def _load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    arch = _read_hf_config(path)
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model_path {path!r} has a config.json but no *.safetensors files")

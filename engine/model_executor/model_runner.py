@@ -2,6 +2,11 @@
 
 The scheduler side builds a ForwardBatch (pages allocated from ``page_pool``)
 and calls ``forward``; it gets float32 logits for the rows it asked for.
+
+Under tensor parallelism (this process in a TP group, see ``parallel``) the runner holds
+its rank's shard of the model and a page pool of its KV heads only; every rank has the
+same number of pages (the smallest any rank could afford), so identical scheduling on
+every rank means identical page allocations, and ``forward`` returns the full logits.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import load_model
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.engine.model_executor.tokenizer import load_tokenizer_from_source
 from pdserve.kernels.attention_backend import create_attention_backend
@@ -62,13 +68,16 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
-def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> int:
+def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                   num_kv_heads: int | None = None) -> int:
     """Pages for ``max_total_tokens``, else for ``mem_fraction`` of free memory, capped at what
-    ``max_running_requests`` full-context sequences could ever hold."""
+    ``max_running_requests`` full-context sequences could ever hold. ``num_kv_heads``: the heads
+    this pool holds (a TP rank's share; default all of the model's)."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
-        per_token = PagePool.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, dtype)
+        kv_heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+        per_token = PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
         tokens = int(available_memory_bytes(device) * config.mem_fraction) // per_token
         tokens = min(tokens, config.max_running_requests * arch.max_context_len)
     num_pages = tokens // config.page_size + 1  # + the reserved scratch page 0
@@ -89,19 +98,22 @@ class ModelRunner:
         arch, weights, source = load_model(config.model_path)
         self.arch: ModelArch = arch
         self.model_source = source
+        arch.check_tp_size(tp_size())
+        self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
-        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack)
+        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack, tp=tp)
         del weights
         self.tokenizer = load_tokenizer_from_source(source)
-        num_pages = pool_num_pages(config, arch, self.dtype, self.device)
-        self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, arch.num_kv_heads,
+        num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads))
+        self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
                                   arch.head_dim, self.dtype, self.device)
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.page_pool, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            config.attention_backend, self.page_pool, tp.num_heads, tp.num_kv_heads, arch.head_dim,
             arch.head_dim ** -0.5,
         )
-        logger.info("loaded %s (%s) as %s in %.1fs; KV pool %d pages of %d tokens", source.path, arch.arch,
-                    self.dtype, time.perf_counter() - t0, num_pages - 1, config.page_size)
+        logger.info("loaded %s (%s) as %s in %.1fs (TP rank %d of %d: %d heads, %d KV heads); KV pool %d pages "
+                    "of %d tokens", source.path, arch.arch, self.dtype, time.perf_counter() - t0, tp.rank, tp.size,
+                    tp.num_heads, tp.num_kv_heads, num_pages - 1, config.page_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

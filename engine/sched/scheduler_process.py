@@ -1,4 +1,4 @@
-"""Entry function of one DP-rank scheduler process.
+"""Entry function of one scheduler process: a DP rank, or one TP rank of it.
 
 ``run_scheduler_process`` builds the rank's loop (``SchedulerLoop`` in
 colocated mode; the prefill and decode loops register themselves in
@@ -8,6 +8,13 @@ send the ``TokenOutput``s of each step (one message per step) and a
 ``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it changes.
 The process dies with its parent (PR_SET_PDEATHSIG), so no rank outlives a
 killed server.
+
+Tensor parallel (SGLang's design): every TP rank of a DP rank runs the same loop over
+its own shard of the model and of the KV pool. TP rank 0 alone talks to the HTTP
+process; each iteration it broadcasts the raw messages it received (and whether to
+stop) to the other TP ranks, which apply them in the same order, so every rank makes
+the same scheduling decisions, page allocations and samples (the logits are the full
+vocabulary on every rank), and only rank 0 sends outputs.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -41,6 +49,26 @@ logger = logging.getLogger(__name__)
 
 STATS_INTERVAL = 0.05  # seconds between stats while busy
 IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
+# A TP rank whose step fails (a dead peer surfaces as a collective error within a
+# second) waits this long before exiting, so that the server's monitor, polling every
+# 0.2 s, names the process that died first rather than the survivor.
+PEER_FAILURE_GRACE = 3.0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Where one scheduler process sits and what it runs on."""
+
+    dp_rank: int
+    tp_rank: int = 0
+    num_threads: int = 1
+    cpus: tuple[int, ...] | None = None  # CPU affinity of this process; None: inherit the server's
+    dist_init_addr: str = ""  # host:port of this DP rank's TP group (TP rank 0 listens); unused at TP 1
+    device: str = "cpu"  # this rank's device (cuda:N on CUDA)
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp_rank}-tp{self.tp_rank}"
 
 
 def _build_null_loop(config: ServerConfig, dp_rank: int):
@@ -79,10 +107,13 @@ LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int], object]] = {
 }
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(name: str) -> None:
     if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        # shows in ps/top and /proc/PID/comm, so an operator (or a test) can tell the ranks apart
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"pdserve-{name}".encode()[:15]))
 
 
 def _ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
@@ -98,41 +129,57 @@ def _ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
     )
 
 
-def run_scheduler_process(
-    config: ServerConfig, dp_rank: int, in_addr: str, out_addr: str, parent_pid: int, num_threads: int
-) -> None:
-    _die_with_parent()
+def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | None, out_addr: str | None,
+                          parent_pid: int) -> None:
+    """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets, for TP rank 0 only."""
+    _die_with_parent(rank.name)
     # Ctrl-C reaches the whole process group; the parent alone decides when ranks stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    tag = f"dp{rank.dp_rank}" if config.tp_size == 1 else f"dp{rank.dp_rank} tp{rank.tp_rank}"
     logging.basicConfig(
-        level=config.log_level.upper(), format=f"%(asctime)s [dp{dp_rank}] %(levelname)s %(name)s: %(message)s"
+        level=config.log_level.upper(), format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s"
     )
+    if rank.cpus is not None:
+        os.sched_setaffinity(0, rank.cpus)
     import torch
 
-    torch.set_num_threads(num_threads)
-    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, num_threads=num_threads))
+    from pdserve.engine.model_executor import parallel
 
+    torch.set_num_threads(rank.num_threads)
+    config = dataclasses.replace(
+        config, engine=dataclasses.replace(config.engine, num_threads=rank.num_threads, device=rank.device)
+    )
+    dp_rank = rank.dp_rank
+    leader = rank.tp_rank == 0
     ctx = zmq.Context()
-    pull = ctx.socket(zmq.PULL)
-    pull.connect(in_addr)
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 2000)
-    push.connect(out_addr)
+    pull = push = None
     enc = msgspec.msgpack.Encoder()
+    if leader:
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(in_addr)
+        push = ctx.socket(zmq.PUSH)
+        push.setsockopt(zmq.LINGER, 2000)
+        push.connect(out_addr)
 
     def send(msgs: list) -> None:
-        push.send(enc.encode(msgs), copy=False)
+        if push is not None:
+            push.send(enc.encode(msgs), copy=False)
 
     try:
+        parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
+                         torch.device(rank.device))
         loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
-        send([_ready_info(loop, dp_rank, num_threads)])
-        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), num_threads)
+        send([_ready_info(loop, dp_rank, rank.num_threads)])
+        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), rank.num_threads)
     except Exception as e:
-        logger.error("DP rank %d failed:\n%s", dp_rank, traceback.format_exc())
-        send([SchedulerError(dp_rank=dp_rank, message=f"{type(e).__name__}: {e}")])
-        push.close(linger=2000)
-        ctx.term()
+        logger.error("DP rank %d TP rank %d failed:\n%s", dp_rank, rank.tp_rank, traceback.format_exc())
+        if config.tp_size > 1:
+            time.sleep(PEER_FAILURE_GRACE)
+        where = "" if config.tp_size == 1 else f"TP rank {rank.tp_rank}: "
+        send([SchedulerError(dp_rank=dp_rank, message=f"{where}{type(e).__name__}: {e}")])
+        ctx.destroy(linger=2000)  # closes every socket first: term() alone waits forever on an open one
         sys.exit(1)
+    parallel.close_tp()
 
 
 def _run_in_worker_thread(fn, num_threads: int) -> None:
@@ -173,23 +220,51 @@ def _handle(loop, msg) -> None:
         loop.flush_cache()
 
 
-def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
+def _receive(pull: zmq.Socket, poller: zmq.Poller, busy: bool) -> list[bytes]:
+    """The raw messages waiting (blocking up to IDLE_POLL_MS when there is nothing to do)."""
+    raws: list[bytes] = []
+    if poller.poll(0 if busy else IDLE_POLL_MS):
+        while True:
+            try:
+                raws.append(pull.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return raws
+    return raws
+
+
+def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int) -> None:
+    """Rank 0 (``pull`` set) reads the HTTP process's messages; at TP > 1 it broadcasts them each
+    iteration, with whether to stop, and the other ranks follow, so all step in lockstep.
+
+    PD modes under TP (next step): a decision that depends on rank-local state, such as
+    whether a KV transfer has landed, must be agreed before acting on it: all-reduce the
+    poll states across the TP ranks (SGLang's ``poll_and_all_reduce``), here, before ``step``.
+    """
+    from pdserve.engine.model_executor.parallel import broadcast_objects, tp_size
+
+    leader = pull is not None
+    tp = tp_size()
     dec = msgspec.msgpack.Decoder(SchedulerInput)
     poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
+    if leader:
+        poller.register(pull, zmq.POLLIN)
     last_stats = _stats(loop, dp_rank)
     send([last_stats])
     last_stats_time = time.monotonic()
     while True:
         busy = loop.has_work()
-        if poller.poll(0 if busy else IDLE_POLL_MS):
-            while True:
-                try:
-                    raw = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                _handle(loop, dec.decode(raw))
+        raws = _receive(pull, poller, busy) if leader else []
+        # orphaned (the parent died without killing us): nothing left to serve
+        stop = leader and not busy and os.getppid() != parent_pid
+        if tp > 1:
+            raws, stop = broadcast_objects([raws, stop] if leader else None)
+        for raw in raws:
+            _handle(loop, dec.decode(raw))
+        if stop:
+            return
         outs = loop.step() if loop.has_work() else []
+        if not leader:
+            continue
         now = time.monotonic()
         msgs: list = list(outs)
         if now - last_stats_time >= STATS_INTERVAL:
@@ -200,5 +275,3 @@ def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
             last_stats_time = now
         if msgs:
             send(msgs)
-        if not busy and os.getppid() != parent_pid:
-            return  # orphaned (the parent died without killing us): nothing left to serve

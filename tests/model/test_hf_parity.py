@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_util import greedy_generate, hf_greedy, make_tiny_checkpoint
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_executor.model_runner import ModelRunner
-
-from conftest import greedy_generate, hf_greedy, make_tiny_checkpoint  # noqa: E402  (tests/model has no package)
 
 pytestmark = pytest.mark.timeout(240)
 torch.set_num_threads(1)  # robust when other jobs share the 2 cores (OpenMP spin-waits)

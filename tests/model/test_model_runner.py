@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_util import make_tiny_checkpoint
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
-
-from conftest import make_tiny_checkpoint  # noqa: E402
 
 torch.set_num_threads(1)
 PAGE = 4

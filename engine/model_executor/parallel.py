@@ -1,0 +1,112 @@
+"""Tensor parallelism: the process group of one DP rank's TP processes, and the few collectives
+the sharded model and the scheduler need.
+
+Each DP rank is its own ``torch.distributed`` world of ``tp_size`` processes (so the default
+group IS the TP group; there is no other group, and no state of our own beyond torch's).
+Gloo on CPU; on CUDA one group with two backends, NCCL for CUDA tensors and gloo for the
+scheduler's CPU-side broadcast of each step's inputs. Every collective waits at most the
+group's timeout, so a rank whose peer died raises instead of hanging.
+
+With TP 1 nothing is initialised and every helper returns its input: zero collectives.
+
+Head split (as SGLang's): rank ``r`` of ``tp`` holds query heads ``[r * H/tp, (r + 1) * H/tp)``;
+KV heads are split the same way when ``kv_heads % tp == 0``, and replicated when ``tp % kv_heads
+== 0`` (each rank then holds the one KV head its query heads read: ``r // (tp / kv_heads)``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.model_executor.model_config import check_tp_heads
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The heads TP rank ``rank`` of ``size`` holds: ``[q_start, q_start + num_heads)`` query heads and
+    ``[kv_start, kv_start + num_kv_heads)`` KV heads."""
+
+    rank: int
+    size: int
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+
+def head_shard(tp_rank: int, tp_size: int, num_heads: int, num_kv_heads: int) -> HeadShard:
+    check_tp_heads(tp_size, num_heads, num_kv_heads)
+    local_heads = num_heads // tp_size
+    if num_kv_heads % tp_size == 0:
+        local_kv = num_kv_heads // tp_size
+        kv_start = tp_rank * local_kv
+    else:  # replicated: tp_size / num_kv_heads consecutive ranks share one KV head
+        local_kv = 1
+        kv_start = tp_rank // (tp_size // num_kv_heads)
+    return HeadShard(tp_rank, tp_size, local_heads, local_kv, tp_rank * local_heads, kv_start)
+
+
+def init_tp(tp_rank: int, tp_size: int, init_addr: str, timeout_s: float, device: torch.device) -> None:
+    """Join this DP rank's TP group at ``init_addr`` (``host:port``; rank 0 listens there). No-op at TP 1."""
+    if tp_size == 1:
+        return
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend, init_method=f"tcp://{init_addr}", rank=tp_rank, world_size=tp_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def close_tp() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def tp_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the TP ranks in place (every rank gets the same bits); returns it."""
+    if tp_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] on each rank -> [..., tp * n], rank 0's columns first."""
+    size = tp_size()
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over the TP ranks (so that every rank sizes its page pool the same)."""
+    if tp_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_objects(objs: list | None) -> list:
+    """Rank 0's picklable ``objs`` on every rank (CPU, over gloo). Others pass None."""
+    if tp_size() == 1:
+        return objs or []
+    box = [objs]
+    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    return box[0]

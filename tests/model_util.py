@@ -1,0 +1,108 @@
+"""Model helpers shared by test folders: a greedy loop over ModelRunner that allocates pages itself,
+as the scheduler would, transformers' greedy generate, and tiny random checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.model_executor.forward_batch import ForwardBatch
+
+
+def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list[list[int]] | None = None):
+    """Prefill all prompts in one ragged batch, then decode them together.
+
+    Returns (tokens, logits): tokens[i] are sequence i's argmax picks, logits[i] its
+    [max_new, vocab] logits. With ``forced``, sequence i is fed forced[i][t] at step t
+    instead of its own pick (teacher forcing), so its logits follow another model's path.
+    """
+    pool = runner.page_pool
+    ps = pool.page_size
+    bs = len(prompts)
+    pages = [pool.alloc(pool.pages_for(len(p) + max_new)) for p in prompts]
+    width = max(len(p) for p in pages)
+    page_table = torch.zeros(bs, width, dtype=torch.int32)
+    for i, p in enumerate(pages):
+        page_table[i, : len(p)] = torch.tensor(p)
+
+    def slot(i: int, pos: int) -> int:
+        return pages[i][pos // ps] * ps + pos % ps
+
+    tokens = [[] for _ in range(bs)]
+    logits = [[] for _ in range(bs)]
+    try:
+        lens = [len(p) for p in prompts]
+        ends = torch.tensor(lens).cumsum(0) - 1
+        batch = ForwardBatch(
+            input_ids=torch.tensor([t for p in prompts for t in p]),
+            positions=torch.cat([torch.arange(n) for n in lens]),
+            out_cache_loc=torch.tensor([slot(i, j) for i, n in enumerate(lens) for j in range(n)]),
+            page_table=page_table,
+            logits_indices=ends,
+            extend_lens=list(lens),
+            seq_lens=list(lens),
+        )
+        for step in range(max_new):
+            out = runner.forward(batch)
+            assert out.shape == (bs, runner.arch.vocab_size) and out.dtype == torch.float32
+            feed = []
+            for i in range(bs):
+                tokens[i].append(int(out[i].argmax()))
+                logits[i].append(out[i])
+                feed.append(forced[i][step] if forced else tokens[i][-1])
+            positions = [n + step for n in lens]
+            batch = ForwardBatch(
+                input_ids=torch.tensor(feed),
+                positions=torch.tensor(positions),
+                out_cache_loc=torch.tensor([slot(i, p) for i, p in enumerate(positions)]),
+                page_table=page_table,
+                logits_indices=torch.arange(bs),
+                extend_lens=[1] * bs,
+                seq_lens=[p + 1 for p in positions],
+            )
+    finally:
+        for p in pages:
+            pool.free(p)
+        pool.check_integrity()
+    return tokens, [torch.stack(x) for x in logits]
+
+
+def hf_greedy(model, prompt: list[int], max_new: int):
+    """transformers greedy generate, never stopping early: (tokens, [max_new, vocab] logits)."""
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float()
+
+
+def make_tiny_checkpoint(kind: str, path: str) -> None:
+    """A small random transformers checkpoint (qwen2, qwen3 or llama) with a word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  tie_word_embeddings=False, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
+    torch.manual_seed(0)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
+    elif kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, rope_theta=1000000.0, **common))
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0.0, 0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    if kind == "qwen2":
+        assert model.model.layers[0].self_attn.q_proj.bias is not None
+    elif kind == "qwen3":
+        assert hasattr(model.model.layers[0].self_attn, "q_norm")
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(512)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)

@@ -1,0 +1,26 @@
+"""TP tests: tiny random checkpoints made once per session, and the server tests' ServerProcess."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# ServerProcess lives with the server tests, the attention reference with the kernel tests: the TP
+# tests run the very same stand and reference
+for folder in ("server", "kernels"):
+    sys.path.append(str(Path(__file__).resolve().parents[1] / folder))  # appended: never shadows a conftest
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """{"llama": dir, "qwen3": dir}: 4 query heads, 2 KV heads, random weights, fp32."""
+    from model_util import make_tiny_checkpoint
+
+    out = {}
+    for kind in ("llama", "qwen3"):
+        path = tmp_path_factory.mktemp(f"tiny-{kind}")
+        make_tiny_checkpoint(kind, str(path))
+        out[kind] = str(path)
+    return out

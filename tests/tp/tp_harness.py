@@ -1,0 +1,71 @@
+"""Run a model at tensor parallel ``tp`` in ``tp`` real processes joined by gloo, greedy, without a server.
+
+Each rank builds the real ModelRunner (its shard, its KV pool of its heads) and runs
+``greedy_generate``; the caller gets rank 0's tokens and logits and every rank's pool shape.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import torch
+
+from pdserve.engine.cluster import free_port
+
+RANK_TIMEOUT_S = 60.0  # collective timeout of the harness's group
+MAX_TOTAL_TOKENS = 2048
+
+
+def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out) -> None:
+    from model_util import greedy_generate
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from pdserve.engine.model_executor.parallel import close_tp, init_tp
+
+    torch.set_num_threads(1)
+    try:
+        init_tp(rank, tp, addr, RANK_TIMEOUT_S, torch.device("cpu"))
+        runner = ModelRunner(EngineConfig(model_path=model_path, dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS,
+                                          num_threads=1))
+        tokens, logits = greedy_generate(runner, prompts, max_new)
+        out.put((rank, tokens, [x.numpy() for x in logits] if rank == 0 else None, tuple(runner.page_pool.k[0].shape), runner.tp))
+        close_tp()
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((rank, None, None, None, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def run_tp(model_path: str | None, tp: int, prompts: list[list[int]], max_new: int, timeout: float = 300.0):
+    """``(tokens, logits, {rank: (pool k shape, HeadShard)})`` of a greedy run at TP ``tp``."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, addr, model_path, prompts, max_new, out), daemon=True)
+             for r in range(tp)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < tp:
+            try:
+                rank, tokens, logits, shape, shard = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"TP ranks {dead} died" if dead else f"no result within {timeout} s") from None
+                continue
+            if tokens is None:
+                raise RuntimeError(f"TP rank {rank} failed: {shard}")
+            results[rank] = (tokens, logits, shape, shard)
+        for p in procs:
+            p.join(30)
+        return results[0][0], results[0][1], {r: (v[2], v[3]) for r, v in results.items()}
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
