@@ -118,7 +118,8 @@ class PDPair:
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
                  d_engine: dict | None = None, **kv):
         self.clock = FakeClock()
-        self.bootstrap = BootstrapServer("127.0.0.1", 0).start_in_thread()
+        bootstrap_auth = KVTransferConfig(backend="local", auth_key_file=kv.get("auth_key_file", "")).frame_auth("bootstrap")
+        self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
         cfg = KVTransferConfig(backend="local", bootstrap_port=self.bootstrap.port, **{**KV_DEFAULTS, **kv})
         self.kv_config = cfg
         p_runner, d_runner = EchoRunner(p_pages), EchoRunner(d_pages)
