@@ -86,6 +86,14 @@ class NixlTransferEngine(TransferEngine):
         except Exception as e:  # noqa: BLE001
             logger.warning("nixl remove_remote_agent(%s): %s", peer, e)
 
+    def retire_peer(self, peer_info: bytes) -> bool:
+        # removing the remote agent invalidates its metadata and closes this agent's UCX endpoints
+        # to it; a peer that is not known here (never connected back) has no endpoint to close
+        name = self._peers.get(peer_info)
+        if name is not None:
+            self.disconnect(name)
+        return True
+
     def write_batch(
         self,
         peer: str,
