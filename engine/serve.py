@@ -21,6 +21,7 @@ import uvloop
 from aiohttp import web
 
 from pdserve.engine import env
+from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.sched.scheduler_process import run_scheduler_process
@@ -82,7 +83,15 @@ async def serve(config: ServerConfig) -> int:
     stop = asyncio.Event()
     exit_code = 0
 
+    drain: Drain | None = None  # set once serving: SIGTERM then drains (engine/frontend/drain.py)
+    drain_tasks: list[asyncio.Task] = []  # the loop keeps only weak references to tasks
+
     def on_signal(signame: str) -> None:
+        if signame == "SIGTERM" and drain is not None and drain.begin():
+            logger.info("SIGTERM received: draining (up to %gs), then shutting down", drain.timeout)
+            drain_tasks.append(loop.create_task(drain.run(tm.fail_all)))
+            drain_tasks[-1].add_done_callback(lambda _: stop.set())
+            return
         logger.info("%s received: shutting down", signame)
         stop.set()
 
@@ -120,7 +129,8 @@ async def serve(config: ServerConfig) -> int:
         stopped.cancel()
         ready.result()  # raises RankFailed
 
-        app = build_app(tm, config, metrics)
+        drain = Drain(config.graceful_shutdown_timeout, lambda: sum(tm.inflight))
+        app = build_app(tm, config, metrics, drain)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
