@@ -28,7 +28,8 @@ class KVTransferConfig:
     waiting_timeout: float = 300.0  # receiver with no result this long after sending its metadata fails
     # a room failed after its destination went to the prefill keeps its pages (and aux slot) out of
     # the free list until the prefill's RoomClosed says no write of it is left, or this long; longer
-    # than waiting_timeout's default, since a write can sit in a stalled link's TCP buffers that long
+    # than waiting_timeout's default, since a write can sit in a stalled link's TCP buffers that long;
+    # a prefill known dead (bootstrap registration gone) releases them sooner (DecodeKVManager)
     quarantine_timeout: float = 600.0
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead

@@ -119,7 +119,6 @@ def test_decode_drain_finishes_streams_in_flight(mooncake, reference):
             status, out, finish = fut.result(timeout=300)
             assert status == 200 and out == reference(ids, max_new), (finish, d.log())
     assert d.proc.wait(60) == 0, d.log()
-    assert "drained: every request finished" in d.log(20000)
     d.start()  # back for the prefill's drain test
     d.wait_ready()
 
