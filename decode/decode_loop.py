@@ -23,7 +23,10 @@ import logging
 from pdserve.decode.prealloc_queue import PreallocQueue
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.decode.quarantine import Quarantine
+import msgspec
+
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -152,6 +155,10 @@ class DecodeLoop(SchedulerLoop):
         if receiver.aux_slot is not None:
             self.kv.aux_pool.free(receiver.aux_slot)
             receiver.aux_slot = None
+
+    def stats(self) -> SchedulerStats:
+        # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
 
     def check_integrity(self) -> None:
         super().check_integrity()

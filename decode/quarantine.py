@@ -4,6 +4,9 @@ A room that fails (heartbeat, waiting timeout, abort) after its destination went
 can still have KV writes queued or in flight there; they land whenever the link lets them, so
 its pages must not go to another request before the prefill says the room is closed
 (``RoomClosed``, or the ``RoomStatus`` of a room that completed anyway) or ``timeout`` passed.
+A prefill that died cannot say it: once it is known dead (heartbeat failed, bootstrap registration
+gone) and the transfer engine tore its connection down, ``DecodeKVManager`` closes its rooms
+(``peer_closed``) itself; the timeout stays for a prefill that is merely silent.
 """
 
 from __future__ import annotations

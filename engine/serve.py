@@ -28,6 +28,7 @@ from aiohttp import web
 
 from pdserve.engine import env
 from pdserve.engine.cluster import free_port, split_cpus
+from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
@@ -131,7 +132,15 @@ async def serve(config: ServerConfig) -> int:
     stop = asyncio.Event()
     exit_code = 0
 
+    drain: Drain | None = None  # set once serving: SIGTERM then drains (engine/frontend/drain.py)
+    drain_tasks: list[asyncio.Task] = []  # the loop keeps only weak references to tasks
+
     def on_signal(signame: str) -> None:
+        if signame == "SIGTERM" and drain is not None and drain.begin():
+            logger.info("SIGTERM received: draining (up to %gs), then shutting down", drain.timeout)
+            drain_tasks.append(loop.create_task(drain.run(tm.fail_all)))
+            drain_tasks[-1].add_done_callback(lambda _: stop.set())
+            return
         logger.info("%s received: shutting down", signame)
         stop.set()
 
@@ -155,7 +164,11 @@ async def serve(config: ServerConfig) -> int:
             # decode ranks find this server's prefill ranks here; the ranks register as they start
             from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
-            bootstrap = BootstrapServer(config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size)
+            bootstrap = BootstrapServer(
+                config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size,
+                auth=config.kv_transfer.frame_auth("bootstrap"),
+                on_refused=metrics.bootstrap_auth_refused.inc,
+            )
             await bootstrap.start()
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
         procs = spawn_ranks(config, tm)
@@ -170,7 +183,8 @@ async def serve(config: ServerConfig) -> int:
         stopped.cancel()
         ready.result()  # raises RankFailed
 
-        app = build_app(tm, config, metrics)
+        drain = Drain(config.graceful_shutdown_timeout, lambda: sum(tm.inflight))
+        app = build_app(tm, config, metrics, drain)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)

@@ -44,6 +44,9 @@ class ServerConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # seconds the launcher waits for every rank to load its model
     startup_timeout: float = 600.0
+    # SIGTERM drains: new requests get 503 + Retry-After, /health 503, requests in flight get this
+    # long to finish before the rest end with an error (SGLang's flag); 0 stops at once
+    graceful_shutdown_timeout: float = 60.0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -55,6 +58,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.graceful_shutdown_timeout < 0:
+            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

@@ -30,6 +30,9 @@ One room, step by step:
    per-room notification, and the decode side waits for both.
 5. ``AbortRoom`` either way fails the room on both sides; heartbeats from decode to each
    known prefill rank fail every open room of a peer that stops answering.
+
+With ``KVTransferConfig.auth_key_file`` every control frame and bootstrap ``PUT /route`` is
+authenticated with the shared secret (``auth.py``); refused frames are counted, never decoded.
 """
 
 import importlib

@@ -12,6 +12,7 @@ import urllib.request
 
 import msgspec
 
+from pdserve.kvtransfer.auth import AUTH_HEADER, FrameAuth
 from pdserve.kvtransfer.messages import RankRegistration, Topology
 
 TIMEOUT_S = 5.0
@@ -21,10 +22,13 @@ def route_url(host: str, port: int) -> str:
     return f"http://{host}:{port}/route"
 
 
-def register_rank(host: str, port: int, reg: RankRegistration) -> None:
-    """``PUT /route``: announce a prefill rank."""
-    req = urllib.request.Request(route_url(host, port), data=msgspec.json.encode(reg), method="PUT")
+def register_rank(host: str, port: int, reg: RankRegistration, auth: FrameAuth | None = None) -> None:
+    """``PUT /route``: announce a prefill rank (signed with ``auth``, the ``bootstrap`` FrameAuth, if given)."""
+    body = msgspec.json.encode(reg)
+    req = urllib.request.Request(route_url(host, port), data=body, method="PUT")
     req.add_header("Content-Type", "application/json")
+    if auth is not None:
+        req.add_header(AUTH_HEADER, auth.http_header("PUT", "/route", body))
     with urllib.request.urlopen(req, timeout=TIMEOUT_S):
         pass
 

@@ -2,7 +2,10 @@
 
 ``PUT /route`` (a prefill rank registers), ``GET /route`` (whole topology, or one
 rank with ``?dp_rank=&tp_rank=``; 503 until every expected rank registered),
-``GET /health``. Bad or conflicting registrations get 400 with a JSON message.
+``GET /health``. Bad or conflicting registrations get 400 with a JSON message. With an
+``auth`` (the shared secret's ``FrameAuth`` for ``bootstrap``), a ``PUT`` without a valid
+``X-PDServe-KV-Auth`` header gets 401, is logged and counted (``refused``, ``on_refused``)
+and registers nothing.
 Run it with ``await server.start()`` inside a process's event loop, or with
 ``server.start_in_thread()`` in a process that has none.
 """
@@ -12,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
 
+from pdserve.kvtransfer.auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.kvtransfer.config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import RankRegistration, Topology
 
@@ -29,13 +34,25 @@ def _error(status: int, message: str) -> web.Response:
 
 
 class BootstrapServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_BOOTSTRAP_PORT, dp_size: int = 1, tp_size: int = 1):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_BOOTSTRAP_PORT,
+        dp_size: int = 1,
+        tp_size: int = 1,
+        *,
+        auth: FrameAuth | None = None,
+        on_refused: Callable[[], None] | None = None,
+    ):
         if dp_size < 1 or tp_size < 1:
             raise ValueError(f"dp_size and tp_size must be >= 1, got {dp_size}, {tp_size}")
         self.host = host
         self.port = port  # 0 picks a free port; the bound one replaces it after start
         self.dp_size = dp_size
         self.tp_size = tp_size
+        self.auth = auth
+        self.refused = 0  # PUT /route refused by authentication
+        self._on_refused = on_refused  # e.g. the server's /metrics counter
         self._ranks: dict[tuple[int, int], RankRegistration] = {}
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -58,6 +75,15 @@ class BootstrapServer:
 
     async def _put_route(self, request: web.Request) -> web.Response:
         body = await request.read()
+        if self.auth is not None:
+            try:
+                self.auth.verify_http(request.headers.get(AUTH_HEADER), request.method, request.path, body)
+            except AuthError as e:
+                self.refused += 1
+                if self._on_refused is not None:
+                    self._on_refused()
+                logger.warning("bootstrap: refused PUT /route from %s: %s", request.remote, e)
+                return _error(401, f"authentication failed: {e}")
         try:
             reg = msgspec.json.decode(body, type=RankRegistration)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdserve.kvtransfer.auth import FrameAuth, load_secret
 from pdserve.kvtransfer.transfer_engine import check_transfer_backend
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -27,13 +28,17 @@ class KVTransferConfig:
     waiting_timeout: float = 300.0  # receiver with no result this long after sending its metadata fails
     # a room failed after its destination went to the prefill keeps its pages (and aux slot) out of
     # the free list until the prefill's RoomClosed says no write of it is left, or this long; longer
-    # than waiting_timeout's default, since a write can sit in a stalled link's TCP buffers that long
+    # than waiting_timeout's default, since a write can sit in a stalled link's TCP buffers that long;
+    # a prefill known dead (bootstrap registration gone) releases them sooner (DecodeKVManager)
     quarantine_timeout: float = 600.0
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = 20
+    # a file holding the shared secret of the KV control plane (ZMQ frames and bootstrap PUT /route
+    # carry an HMAC made with it: kvtransfer/auth.py); "" leaves the control plane unauthenticated
+    auth_key_file: str = ""
 
     def __post_init__(self):
         check_transfer_backend(self.backend)
@@ -48,6 +53,8 @@ class KVTransferConfig:
         for name in ("heartbeat_max_failures", "num_transfer_threads", "aux_num_slots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.auth_key_file:
+            load_secret(self.auth_key_file)  # an unreadable or short key fails before any rank starts
         if self.aux_max_top_logprobs < 0:
             raise ValueError(f"aux_max_top_logprobs must be >= 0, got {self.aux_max_top_logprobs}")
 
@@ -60,6 +67,11 @@ class KVTransferConfig:
     def heartbeat_window(self) -> float:
         """Seconds without a heartbeat reply after which a prefill peer counts as dead."""
         return self.heartbeat_interval * self.heartbeat_max_failures
+
+    def frame_auth(self, purpose: str) -> FrameAuth | None:
+        """The authenticator of one channel (``control``: ZMQ frames, ``bootstrap``: PUT /route)
+        from ``auth_key_file``; None when no key is configured."""
+        return FrameAuth.from_file(self.auth_key_file, purpose) if self.auth_key_file else None
 
     @classmethod
     def field_names(cls) -> set[str]:

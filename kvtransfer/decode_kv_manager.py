@@ -45,6 +45,7 @@ class PrefillPeer:
     last_ack: float = 0.0
     last_beat: float = 0.0
     seq: int = 0
+    engine_info: bytes = b""  # the prefill's transfer-engine peer info (RegisterAck), to retire it when dead
 
     @property
     def endpoint(self) -> str | None:
@@ -53,6 +54,19 @@ class PrefillPeer:
     def describe(self) -> str:
         host, port, dp = self.key
         return f"prefill dp {dp} (bootstrap {host}:{port}{', ' + self.endpoint if self.endpoint else ''})"
+
+
+@dataclass
+class DeadCheck:
+    """A prefill peer that stopped answering heartbeats. Probed at its bootstrap server until it is
+    known dead (then its connection is torn down and its failed rooms closed) or the quarantine
+    timeout covers its rooms anyway (a peer that is merely silent)."""
+
+    peer: PrefillPeer
+    since: float
+    next_probe: float = 0.0
+    probing: bool = False
+    release_at: float | None = None  # set once dead: when its rooms count as closed
 
 
 class DecodeKVManager(KVManager):
@@ -74,6 +88,7 @@ class DecodeKVManager(KVManager):
         self.peers: dict[PeerKey, PrefillPeer] = {}
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap-lookup")
         self._awaiting_notify: set[int] = set()
+        self.dead_checks: list[DeadCheck] = []
 
     # ---------------------------------------------------------- scheduler API
     def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:
@@ -276,6 +291,7 @@ class DecodeKVManager(KVManager):
             if not ack.ok:
                 self._fail_peer(peer, f"{peer.describe()} rejected this decode pool: {ack.reason}")
                 continue
+            peer.engine_info = ack.peer_info
             if self.engine.supports_notifications and ack.peer_info:
                 try:
                     peer.engine_peer = self.engine.connect(ack.peer_info)
@@ -329,6 +345,7 @@ class DecodeKVManager(KVManager):
             if peer.state not in ("registering", "ready"):
                 continue
             if now - peer.last_ack > cfg.heartbeat_window:
+                self.dead_checks.append(DeadCheck(peer, now))
                 self._fail_peer(
                     peer,
                     f"{peer.describe()} unreachable: no heartbeat reply for {now - peer.last_ack:.1f}s "
@@ -339,9 +356,75 @@ class DecodeKVManager(KVManager):
                 peer.last_beat = now
                 peer.seq += 1
                 self.send_msg(peer.endpoint, m.Heartbeat(self.id, self.endpoint, peer.seq))
+        self._check_dead(now)
         # a failed peer (layout mismatch, rejected pool) is retried for new rooms later
         for key in [k for k, p in self.peers.items() if p.state == "failed" and not p.receivers]:
             del self.peers[key]
+
+    # ------------------------------------------------- dead peers' quarantined rooms
+    def _check_dead(self, now: float) -> None:
+        """Control thread: probe each silent peer; close the rooms of a dead one once it is torn down."""
+        cfg = self.config
+        for check in list(self.dead_checks):
+            if check.release_at is not None and now >= check.release_at:
+                self.dead_checks.remove(check)
+                self._close_rooms_of(check.peer)
+            elif now - check.since > cfg.quarantine_timeout:
+                self.dead_checks.remove(check)  # merely silent all along: the quarantine timer freed its rooms
+            elif check.release_at is None and not check.probing and now >= check.next_probe:
+                check.probing = True
+                fut = self._lookups.submit(self._probe_dead, check.peer)
+                fut.add_done_callback(lambda f, c=check: self.call_soon(lambda: self._on_probe(c, f)))
+
+    def _probe_dead(self, peer: PrefillPeer) -> tuple[bool, bool]:
+        """Lookup thread: (dead, torn_down). Dead: its bootstrap server refuses connections (the prefill
+        server process, which owns its ranks, is gone) or no longer lists it at the same endpoint
+        (restarted). Then its transfer-engine connection is torn down here before anything is released."""
+        host, port, dp = peer.key
+        try:
+            route = fetch_rank(host, port, dp)
+        except urllib.error.HTTPError as e:
+            dead = e.code in (404, 503)
+        except urllib.error.URLError as e:
+            dead = isinstance(e.reason, ConnectionRefusedError)
+        except ConnectionRefusedError:
+            dead = True
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError):
+            dead = False  # unreachable or garbled is not gone: a partitioned prefill may still write
+        else:
+            dead = route.endpoint != peer.endpoint
+        if not dead:
+            return False, False
+        return True, bool(peer.engine_info) and self.engine.retire_peer(peer.engine_info)
+
+    def _on_probe(self, check: DeadCheck, fut) -> None:
+        check.probing = False
+        try:
+            dead, torn_down = fut.result()
+        except Exception as e:  # noqa: BLE001 - a failed teardown is retried, never taken as done
+            logger.warning("kv decode: probing %s: %r", check.peer.describe(), e)
+            dead = torn_down = False
+        now = self.clock()
+        if not dead:
+            check.next_probe = now + self.config.heartbeat_interval
+            return
+        # a backend that cannot tear the peer down: its process exit closed the connections; what
+        # the kernel still buffered for them lands within a heartbeat interval
+        check.release_at = now if torn_down else now + self.config.heartbeat_interval
+        logger.warning("kv decode: %s is gone (bootstrap registration gone%s)", check.peer.describe(),
+                       ", engine connection torn down" if torn_down else "")
+        if torn_down:
+            self.dead_checks.remove(check)
+            self._close_rooms_of(check.peer)
+
+    def _close_rooms_of(self, peer: PrefillPeer) -> None:
+        """Control thread: no write of ``peer`` can land any more: its failed rooms are closed (the
+        decode loop's quarantine releases their pages)."""
+        with self.lock:
+            rooms = [r for r in self.receivers.values() if r.peer is peer and r.state.done and not r.peer_closed]
+            for receiver in rooms:
+                receiver.peer_closed = True
+        logger.info("kv decode: %d failed rooms of dead %s closed", len(rooms), peer.describe())
 
     def _close_extra(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)

@@ -23,6 +23,7 @@ import zmq
 
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
+from pdserve.kvtransfer.auth import AuthError
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 _ROOM_RETENTION_S = 60.0
 _TIMER_PERIOD_S = 0.05
 _DROP_LINGER_MS = 1000
+_REFUSAL_LOG_PERIOD_S = 5.0  # a flood of unauthenticated frames logs once per period, with its count
 
 
 def room_notification(room: int) -> bytes:
@@ -69,6 +71,10 @@ class KVManager(ABC):
         for b in infos:
             self._register(b.base_addr, b.nbytes)
         self.lock = threading.Lock()  # guards room state transitions and room tables
+        # None: no key configured, frames travel unsealed (the decoder still drops garbage)
+        self.auth = config.frame_auth("control")
+        self.auth_refused = 0  # control frames refused by authentication (SchedulerStats -> /metrics)
+        self._refusal_logged_at = float("-inf")
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
@@ -116,9 +122,14 @@ class KVManager(ABC):
             sock.connect(f"tcp://{endpoint}")
             self._push[endpoint] = sock
         try:
-            sock.send(m.encode(msg), zmq.NOBLOCK)
+            sock.send(self.frame(msg), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("kv %s: control queue to %s full, dropped %s", self.role, endpoint, type(msg).__name__)
+
+    def frame(self, msg: m.ControlMessage) -> bytes:
+        """``msg`` as it goes on the wire: encoded, and sealed when a key is configured (any thread)."""
+        payload = m.encode(msg)
+        return payload if self.auth is None else self.auth.seal(payload)
 
     def drop_endpoint(self, endpoint: str) -> None:
         sock = self._push.pop(endpoint, None)
@@ -164,6 +175,12 @@ class KVManager(ABC):
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if self.auth is not None:
+                try:
+                    frame = self.auth.open(frame)
+                except AuthError as e:
+                    self._refuse(len(frame), str(e))
+                    continue
             try:
                 msg = m.decode(frame)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -171,6 +188,14 @@ class KVManager(ABC):
                 logger.warning("kv %s: rejected bad control frame (%d bytes): %s", self.role, len(frame), e)
                 continue
             self._guard(lambda: self._on_message(msg))
+
+    def _refuse(self, nbytes: int, reason: str) -> None:
+        """Count and log a frame that failed authentication; it is dropped undecoded."""
+        self.auth_refused += 1
+        if time.monotonic() - self._refusal_logged_at >= _REFUSAL_LOG_PERIOD_S:
+            logger.warning("kv %s: refused unauthenticated control frame (%d bytes): %s; %d refused in all",
+                           self.role, nbytes, reason, self.auth_refused)
+            self._refusal_logged_at = time.monotonic()
 
     def _guard(self, fn: Callable[[], None]) -> None:
         try:

@@ -10,6 +10,7 @@ decode loops testable in one process in milliseconds (``tests/prefill``, ``tests
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import uuid
@@ -32,6 +33,10 @@ class LocalTransferEngine(TransferEngine):
         self._regions: dict[int, int] = {}  # base address -> bytes
         self._notes: list[bytes] = []
         self._lock = threading.Lock()  # transfer threads write while the control thread reads notes
+        # held by a peer's write while it copies into this engine's memory; retire_peer takes it, so
+        # once a peer is retired none of its copies is running or can start
+        self._inbound = threading.Lock()
+        self._retired: set[str] = set()
         self.closed = False
         _ENGINES[self.peer_name] = self
 
@@ -60,6 +65,11 @@ class LocalTransferEngine(TransferEngine):
     def disconnect(self, peer: str) -> None:
         pass  # nothing is cached per peer; a later write looks the peer up again
 
+    def retire_peer(self, peer_info: bytes) -> bool:
+        with self._inbound:
+            self._retired.add(peer_info.decode(errors="replace"))
+        return True
+
     def covers(self, addr: int, nbytes: int) -> bool:
         """Whether ``[addr, addr + nbytes)`` lies inside one registered region."""
         return any(base <= addr and addr + nbytes <= base + size for base, size in self._regions.items())
@@ -73,12 +83,15 @@ class LocalTransferEngine(TransferEngine):
         notify: bytes | None = None,
     ) -> TransferHandle:
         handle = TransferHandle(None, int(sum(lengths)))
-        error = self._check(peer, src, dst, lengths)
+        target = _ENGINES.get(peer)
+        with target._inbound if target is not None else contextlib.nullcontext():
+            error = self._check(peer, src, dst, lengths)
+            if error is None:
+                for s, d, n in zip(src, dst, lengths):
+                    ctypes.memmove(d, s, n)
         if error is None:
-            for s, d, n in zip(src, dst, lengths):
-                ctypes.memmove(d, s, n)
             if notify is not None:
-                _ENGINES[peer].deliver(notify)
+                target.deliver(notify)
             handle.state = TransferState.DONE
         else:
             handle.error, handle.state = TransferFailedError(self.name, "batch write", -1, error), TransferState.FAILED
@@ -90,6 +103,8 @@ class LocalTransferEngine(TransferEngine):
         target = _ENGINES.get(peer)
         if target is None or target.closed:
             return f"peer {peer} is gone"
+        if self.peer_name in target._retired:
+            return f"peer {peer} retired this engine's connection"
         if not len(src) == len(dst) == len(lengths):
             return f"{len(src)} sources, {len(dst)} destinations, {len(lengths)} lengths"
         for s, d, n in zip(src, dst, lengths):

@@ -76,6 +76,11 @@ class MooncakeTransferEngine(TransferEngine):
         # mooncake caches the segment handle per session; nothing to release from Python
         pass
 
+    def retire_peer(self, peer_info: bytes) -> bool:
+        # Mooncake's Python API has no per-peer teardown (no call closes the inbound TCP session or
+        # the RDMA QPs of one peer); the dead peer's process exit closed them, so the caller lingers
+        return False
+
     def write_batch(
         self,
         peer: str,

@@ -10,12 +10,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.engine import env
 from pdserve.kvtransfer.errors import (
     ConnectError,
     EngineInitError,
     RegistrationError,
     TransferFailedError,
 )
+from pdserve.kvtransfer.netdev import interface_of
 from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,12 @@ class NixlTransferEngine(TransferEngine):
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:  # pragma: no cover - depends on the install
             raise EngineInitError(self.name, "import", None, f"nixl is not installed: {e}") from e
+        # UCX opens a listener on every network interface unless told otherwise: bind it to the
+        # interface of ``host`` (TCP only: with RDMA, UCX_NET_DEVICES must name the HCA port too,
+        # so the operator sets it)
+        device = None if ib_device or env.UCX_NET_DEVICES else interface_of(host)
+        if device is not None:
+            os.environ["UCX_NET_DEVICES"] = device
         # agent names must be unique among all peers that ever meet
         self.agent_name = f"pdserve-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
@@ -85,6 +93,14 @@ class NixlTransferEngine(TransferEngine):
                 self._agent.remove_remote_agent(peer)
         except Exception as e:  # noqa: BLE001
             logger.warning("nixl remove_remote_agent(%s): %s", peer, e)
+
+    def retire_peer(self, peer_info: bytes) -> bool:
+        # removing the remote agent invalidates its metadata and closes this agent's UCX endpoints
+        # to it; a peer that is not known here (never connected back) has no endpoint to close
+        name = self._peers.get(peer_info)
+        if name is not None:
+            self.disconnect(name)
+        return True
 
     def write_batch(
         self,

@@ -87,6 +87,7 @@ class PrefillKVManager(KVManager):
             threading.Thread(target=self._transfer_loop, args=(i,), name=f"kv-transfer-{i}", daemon=True)
             for i in range(config.num_transfer_threads)
         ]
+        self._bootstrap_auth = config.frame_auth("bootstrap")
         self._reg_thread = threading.Thread(target=self._register_with_bootstrap, name="kv-bootstrap-reg", daemon=True)
 
     def start(self) -> "PrefillKVManager":
@@ -246,7 +247,7 @@ class PrefillKVManager(KVManager):
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{endpoint}")
         try:
-            sock.send(m.encode(msg), zmq.NOBLOCK)
+            sock.send(self.frame(msg), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("kv prefill: control queue to %s full, dropped %s", endpoint, type(msg).__name__)
 
@@ -267,7 +268,7 @@ class PrefillKVManager(KVManager):
         where = f"{self.bootstrap_host}:{self.bootstrap_port}"
         while not self._stop.is_set():
             try:
-                register_rank(self.bootstrap_host, self.bootstrap_port, reg)
+                register_rank(self.bootstrap_host, self.bootstrap_port, reg, self._bootstrap_auth)
                 self.registered.set()
                 return
             except urllib.error.HTTPError as e:

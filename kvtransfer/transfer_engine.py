@@ -70,6 +70,13 @@ class TransferEngine(ABC):
     def disconnect(self, peer: str) -> None:
         """Forget a peer (e.g. it died); a later ``connect`` may bring it back."""
 
+    def retire_peer(self, peer_info: bytes) -> bool:
+        """Tear down every connection with the (dead) peer that ``peer_info`` names, so that no write
+        of it can land in this engine's memory after this returns; True when the backend can promise
+        that. The default cannot (False): the caller then relies on the peer's process exit, which
+        closes its connections, plus a linger (``DecodeKVManager``)."""
+        return False
+
     @abstractmethod
     def write_batch(
         self,

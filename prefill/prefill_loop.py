@@ -19,7 +19,10 @@ tell a room that succeeded from one that failed.
 
 from __future__ import annotations
 
+import msgspec
+
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.messages import SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.aux_pool import AuxData
@@ -140,6 +143,10 @@ class PrefillLoop(SchedulerLoop):
         start = sender.pages_sent
         if end > start or is_last:
             sender.send(req.pages[start:end], is_last, aux)
+
+    def stats(self) -> SchedulerStats:
+        # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -116,14 +116,16 @@ class PDPair:
     """One prefill loop and one decode loop, stepped in turn by ``run``."""
 
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
-                 d_engine: dict | None = None, **kv):
+                 d_engine: dict | None = None, d_transfer_engine=None, **kv):
+        """``d_transfer_engine``: the decode's transfer engine (default: one of ``kv``'s backend)."""
         self.clock = FakeClock()
-        self.bootstrap = BootstrapServer("127.0.0.1", 0).start_in_thread()
+        bootstrap_auth = KVTransferConfig(backend="local", auth_key_file=kv.get("auth_key_file", "")).frame_auth("bootstrap")
+        self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
         cfg = KVTransferConfig(backend="local", bootstrap_port=self.bootstrap.port, **{**KV_DEFAULTS, **kv})
         self.kv_config = cfg
         p_runner, d_runner = EchoRunner(p_pages), EchoRunner(d_pages)
         p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
-        d_kv = DecodeKVManager(cfg, d_runner.page_pool, clock=self.clock).start()
+        d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()
         self.prefill = PrefillLoop(EngineConfig(page_size=PS, **(p_engine or {})), p_kv, runner=p_runner)
         self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner)
         assert p_kv.registered.wait(10) and p_kv.registration_error is None

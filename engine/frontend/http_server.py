@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.frontend import openai_api as api
+from pdserve.engine.frontend.drain import DRAIN_KEY, Drain, drain_middleware
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import (
     ChatCompletionRequest,
@@ -365,9 +366,10 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(text="Cache flushed.\n")
 
 
-def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics) -> web.Application:
+def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics, drain: Drain) -> web.Application:
     # the body limit is enforced in read_body with a clear error; aiohttp's own limit sits above it
-    app = web.Application(middlewares=[api_middleware], client_max_size=config.max_request_bytes + 1)
+    app = web.Application(middlewares=[api_middleware, drain_middleware], client_max_size=config.max_request_bytes + 1)
+    app[DRAIN_KEY] = drain
     app[TM_KEY] = tm
     app[CONFIG_KEY] = config
     app[METRICS_KEY] = metrics

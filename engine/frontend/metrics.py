@@ -10,7 +10,7 @@ tests in one process do not share counts.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.engine.frontend.prometheus_text import exposition
 from pdserve.engine.messages import SchedulerStats
@@ -45,6 +45,11 @@ class ServerMetrics:
                               buckets=TPOT_BUCKETS, registry=reg)
         self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "End-to-end request latency.",
                              buckets=E2E_BUCKETS, registry=reg)
+        # a bootstrap PUT /route refused by authentication (prefill servers); the ranks' own
+        # refusals of control frames come with their stats (pdserve_kv_auth_refused_total)
+        self.bootstrap_auth_refused = Counter("pdserve_bootstrap_auth_refused_total",
+                                              "Bootstrap registrations refused by KV control-plane authentication.",
+                                              registry=reg)
         self._by_rank = [self.requests.labels(model_name, str(r)) for r in range(dp_size)]
         self._gauges = _RankGauges(model_name, dp_size)
         reg.register(self._gauges)
@@ -96,5 +101,10 @@ class _RankGauges:
         yield inflight
         yield per_rank("pdserve_kv_free_pages", "Free KV pages per DP rank.", lambda s: s.num_free_pages)
         yield per_rank("pdserve_kv_total_pages", "KV pages per DP rank.", lambda s: s.num_total_pages)
+        refused = CounterMetricFamily("pdserve_kv_auth_refused",
+                                      "KV control frames refused by authentication per DP rank.", labels=labels)
+        for rank, s in ranks:
+            refused.add_metric((self.model_name, rank), s.kv_auth_refused)
+        yield refused
         yield per_rank("pdserve_kv_usage", "Fraction of KV pages in use per DP rank.",
                        lambda s: round(1.0 - s.num_free_pages / max(s.num_total_pages, 1), 6))

@@ -63,6 +63,9 @@ class FaultInjectingEngine(TransferEngine):
     def disconnect(self, peer: str) -> None:
         self.inner.disconnect(peer)
 
+    def retire_peer(self, peer_info: bytes) -> bool:
+        return self.inner.retire_peer(peer_info)
+
     def write_batch(self, peer: str, src: Sequence[int], dst: Sequence[int], lengths: Sequence[int],
                     notify: bytes | None = None) -> TransferHandle:
         error = self._draw(peer, len(src))
