@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -35,6 +36,8 @@ class ServerConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # seconds the launcher waits for every rank to load its model
     startup_timeout: float = 600.0
+    # KV cache events, SGLang's/vLLM's JSON flag (see kv_events_config.py); None: none published
+    kv_events_config: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -51,8 +54,13 @@ class ServerConfig:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
+        KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.kv_transfer.bootstrap_port}")
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.from_json(self.kv_events_config)
 
     @property
     def advertise_host(self) -> str:

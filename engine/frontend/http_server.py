@@ -36,6 +36,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
+from pdserve.engine.kv_events_config import advertised_endpoints
 from pdserve.engine.version import VERSION
 
 logger = logging.getLogger(__name__)
@@ -300,6 +301,7 @@ async def model_info(request: web.Request) -> web.Response:
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "max_context_len": tm.model_info.max_context_len,
+            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
             "vocab_size": tm.model_info.vocab_size,
         }
     )

@@ -125,14 +125,27 @@ def run_scheduler_process(
 
     try:
         loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
+        publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx)
         send([_ready_info(loop, dp_rank, num_threads)])
-        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), num_threads)
+        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid, publish), num_threads)
     except Exception as e:
         logger.error("DP rank %d failed:\n%s", dp_rank, traceback.format_exc())
         send([SchedulerError(dp_rank=dp_rank, message=f"{type(e).__name__}: {e}")])
         push.close(linger=2000)
         ctx.term()
         sys.exit(1)
+
+
+def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Context):
+    """With ``--kv-events-config``: a publisher of the cache's events; returns what ``_serve``
+    calls once per iteration (None without)."""
+    if not config.kv_events.enabled:
+        return None
+    from pdserve.engine.kv_event_publisher import ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(config.kv_events, dp_rank, ctx)
+    cache.enable_events()
+    return lambda: publisher.publish(cache.drain_events())
 
 
 def _run_in_worker_thread(fn, num_threads: int) -> None:
@@ -173,7 +186,7 @@ def _handle(loop, msg) -> None:
         loop.flush_cache()
 
 
-def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
+def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int, publish=None) -> None:
     dec = msgspec.msgpack.Decoder(SchedulerInput)
     poller = zmq.Poller()
     poller.register(pull, zmq.POLLIN)
@@ -190,6 +203,8 @@ def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
                     break
                 _handle(loop, dec.decode(raw))
         outs = loop.step() if loop.has_work() else []
+        if publish is not None:
+            publish()
         now = time.monotonic()
         msgs: list = list(outs)
         if now - last_stats_time >= STATS_INTERVAL:
