@@ -48,6 +48,12 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26  # characters per worker in the approximate prefix tree
     dp_aware: bool = False
+    # kv_aware (router/kv_aware_policy.py): Dynamo's --kv-overlap-score-weight; seconds without
+    # events (and no replay answer) before a worker's blocks leave the index; tokenizer of the
+    # workers' model (None: their /server_info model_path, else the default model)
+    kv_overlap_score_weight: float = 1.0
+    kv_events_timeout_secs: float = 60.0
+    tokenizer_path: str | None = None
     # security and limits
     api_key: str | None = None
     max_concurrent_requests: int = -1  # -1: unlimited
@@ -85,9 +91,11 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",
-                     "health_check_timeout_secs"):
+                     "health_check_timeout_secs", "kv_events_timeout_secs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.kv_overlap_score_weight < 0:
+            raise ValueError(f"kv_overlap_score_weight must be >= 0, got {self.kv_overlap_score_weight}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_rel_threshold < 1.0:

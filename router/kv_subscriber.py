@@ -84,10 +84,6 @@ class KVEventSubscriber:
         """Unsubscribe ``key``'s streams and drop its entries."""
         self._commands.put(("remove", key))
 
-    def call(self, fn) -> None:
-        """Run ``fn()`` on the subscriber's thread (setup work that must not block the caller)."""
-        self._commands.put(("call", fn))
-
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2.0)
@@ -125,13 +121,8 @@ class KVEventSubscriber:
                 poller.register(sub, zmq.POLLIN)
                 self._streams[sub] = _Stream(arg, sub)
                 log.info("subscribed to KV events of %s at %s", arg.key, arg.endpoint)
-            elif op == "remove":
-                self._drop_key(arg, poller)
             else:
-                try:
-                    arg()
-                except Exception:  # noqa: BLE001 - setup work of one worker; the thread goes on
-                    log.exception("kv events setup step failed")
+                self._drop_key(arg, poller)
 
     def _drop_key(self, key: str, poller: zmq.Poller) -> None:
         for sock, stream in list(self._streams.items()):

@@ -85,8 +85,8 @@ class Pairing:
         prefills = self._candidates("prefill", exclude)
         decodes = self._candidates("decode", exclude)
         text = prompt_text(body) if self.needs_text else None
-        p = self.prefill_policy.select(prefills, text)
-        d = self.decode_policy.select(decodes, text)
+        p = self.prefill_policy.select_request(prefills, body, text)
+        d = self.decode_policy.select_request(decodes, body, text)
         n = batch_size(body)
         room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
         return Pair(p, d, room)
