@@ -301,7 +301,6 @@ async def model_info(request: web.Request) -> web.Response:
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "max_context_len": tm.model_info.max_context_len,
-            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
             "vocab_size": tm.model_info.vocab_size,
         }
     )
@@ -320,6 +319,7 @@ async def server_info(request: web.Request) -> web.Response:
             "page_size": c.engine.page_size,
             "max_total_num_tokens": tm.max_total_num_tokens,
             "max_context_len": tm.model_info.max_context_len,
+            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
             "internal_states": [
                 {
                     "dp_rank": r,
