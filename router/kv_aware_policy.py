@@ -46,6 +46,10 @@ log = logging.getLogger("pdserve.router.kv_aware")
 _DEFAULTS = RouterConfig()
 DISCOVERY_RETRY_S = 5.0  # a worker whose /server_info did not answer is asked again after this
 _EMA = 0.1  # weight of the newest request in the mean uncached blocks
+# how long a routed prompt's blocks count as on its worker before its stored event confirms them:
+# longer than a long prefill queued on a loaded CPU worker (seconds), short enough that a request
+# that failed before caching anything stops attracting its group soon
+PREDICTION_TTL_S = 30.0
 
 
 def kv_cost(uncached_blocks: int, load: int, avg_uncached_blocks: float, overlap_weight: float) -> float:
@@ -133,11 +137,13 @@ class KVAwarePolicy(Policy):
             return self.select(endpoints, text)
         hashes = block_hashes(ids, self._page_size)
         keys = [e.key for e in endpoints]
+        now = time.monotonic()
         with self.lock:
-            overlaps = self.index.overlap(hashes, keys)
+            overlaps = self.index.overlap(hashes, keys, now)
             cached = {k: self.index.num_blocks(k) for k in keys}
-        chosen = choose_by_overlap(endpoints, overlaps, len(hashes), self.avg_uncached_blocks,
-                                   self.overlap_weight, cached)
+            chosen = choose_by_overlap(endpoints, overlaps, len(hashes), self.avg_uncached_blocks,
+                                       self.overlap_weight, cached)
+            self.index.predict(chosen.key, hashes, now + PREDICTION_TTL_S)
         uncached = len(hashes) - overlaps[chosen.key]
         self.avg_uncached_blocks += _EMA * (uncached - self.avg_uncached_blocks)
         self.counts["kv_routed"] += 1

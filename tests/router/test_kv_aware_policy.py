@@ -96,3 +96,18 @@ def test_prompt_ids_match_the_servers_tokenization(tokenizer):
     assert prompt_ids(tokenizer, {"text": "Once upon"}) == encode_prompt(tokenizer, "Once upon")
     assert prompt_ids(tokenizer, {"input_ids": [5, 6, 7]}) == [5, 6, 7]
     assert prompt_ids(tokenizer, {"text": ["a", "b"]}) is None  # a batch: the fallback routes it
+
+
+def test_predicted_blocks_count_until_their_deadline_or_a_clear():
+    idx = KVIndex()
+    h = block_hashes(list(range(6)), 2)
+    idx.predict("a", h, until=10.0)
+    assert idx.overlap(h, ["a", "b"], now=5.0) == {"a": 3, "b": 0}
+    assert idx.overlap(h, ["a"], now=11.0) == {"a": 0}  # expired
+    idx.apply("a", [stored(h[:1])])  # the real event confirms the first block; the rest still predicted
+    assert idx.overlap(h, ["a"], now=5.0) == {"a": 3} and idx.overlap(h, ["a"], now=11.0) == {"a": 1}
+    idx.apply("a", [BlockRemoved(block_hashes=[h[1]], medium="GPU")])
+    assert idx.overlap(h, ["a"], now=5.0) == {"a": 1}
+    idx.predict("a", h, until=10.0)
+    idx.apply("a", [AllBlocksCleared()])
+    assert idx.overlap(h, ["a"], now=5.0) == {"a": 0}
