@@ -38,6 +38,9 @@ class ServerConfig:
     startup_timeout: float = 600.0
     # KV cache events, SGLang's/vLLM's JSON flag (see kv_events_config.py); None: none published
     kv_events_config: str | None = None
+    # decode mode: a prompt of at most this many tokens may come without bootstrap fields and is
+    # prefilled here, in the running batch (issue 18's conditional disaggregation); 0: never
+    max_local_prefill_tokens: int = 0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -48,6 +51,8 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

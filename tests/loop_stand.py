@@ -116,7 +116,7 @@ class PDPair:
     """One prefill loop and one decode loop, stepped in turn by ``run``."""
 
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
-                 d_engine: dict | None = None, **kv):
+                 d_engine: dict | None = None, d_max_local_prefill_tokens: int = 0, **kv):
         self.clock = FakeClock()
         self.bootstrap = BootstrapServer("127.0.0.1", 0).start_in_thread()
         cfg = KVTransferConfig(backend="local", bootstrap_port=self.bootstrap.port, **{**KV_DEFAULTS, **kv})
@@ -125,7 +125,8 @@ class PDPair:
         p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
         d_kv = DecodeKVManager(cfg, d_runner.page_pool, clock=self.clock).start()
         self.prefill = PrefillLoop(EngineConfig(page_size=PS, **(p_engine or {})), p_kv, runner=p_runner)
-        self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner)
+        self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner,
+                                 max_local_prefill_tokens=d_max_local_prefill_tokens)
         assert p_kv.registered.wait(10) and p_kv.registration_error is None
         self.outputs: dict[str, list[TokenOutput]] = {}  # "P:rid" / "D:rid" -> outputs in order
         self.steps = 0

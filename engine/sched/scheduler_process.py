@@ -68,7 +68,8 @@ def _build_decode_loop(config: ServerConfig, dp_rank: int):
 
     runner = ModelRunner(config.engine)
     kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool).start()
-    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
+    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
+                      max_local_prefill_tokens=config.max_local_prefill_tokens)
 
 
 # disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
