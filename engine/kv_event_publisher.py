@@ -63,8 +63,11 @@ class ZmqEventPublisher:
             logger.warning("kv events queue full: dropped a batch (%d so far)", self.dropped)
 
     def close(self, timeout: float = 1.0) -> None:
-        """Send what is queued, then close the sockets."""
-        self._queue.put(None)
+        """Send what is queued (within ``timeout``), then close the sockets."""
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return  # the daemon thread dies with the process
         self._thread.join(timeout)
 
     # ------------------------------------------------------------ the thread

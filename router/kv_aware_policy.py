@@ -111,6 +111,7 @@ class KVAwarePolicy(Policy):
         self.avg_uncached_blocks = 1.0
         self.counts = {"kv_routed": 0, "fallback": 0}
         self._tokenizer = None
+        self._last_ids: tuple[dict | None, list[int] | None] = (None, None)
         self._tokenizer_lock = threading.Lock()  # discovery threads of several workers race to load it
         self._page_size: int | None = None
         self._asked: dict[str, float] = {}  # worker url -> when its /server_info was last asked
@@ -125,14 +126,28 @@ class KVAwarePolicy(Policy):
         self.counts["fallback"] += 1
         return self.fallback.select(endpoints, text)
 
+    def prompt_tokens(self, body):
+        ids = self._prompt_ids(body)
+        return None if ids is None else len(ids)
+
+    def _prompt_ids(self, body: dict) -> list[int] | None:
+        """The prompt's ids (None before the tokenizer is known, or for a batch); the last body's
+        are kept, since the router asks for them twice (local-prefill check, then ``select``)."""
+        if self._tokenizer is None or self._page_size is None:
+            return None
+        if self._last_ids[0] is body:
+            return self._last_ids[1]
+        try:
+            ids = prompt_ids(self._tokenizer, body)
+        except Exception as e:  # noqa: BLE001 - a template error: the worker will say so, route anyway
+            log.debug("cannot tokenize the prompt for kv routing: %s", e)
+            ids = None
+        self._last_ids = (body, ids)
+        return ids
+
     def select_request(self, endpoints, body, text):
         self._discover(endpoints)
-        ids = None
-        if self._tokenizer is not None and self._page_size is not None:
-            try:
-                ids = prompt_ids(self._tokenizer, body)
-            except Exception as e:  # noqa: BLE001 - a template error: the worker will say so, route anyway
-                log.debug("cannot tokenize the prompt for kv routing: %s", e)
+        ids = self._prompt_ids(body)
         if ids is None or not any(e.worker.url in self._subscribed for e in endpoints):
             return self.select(endpoints, text)
         hashes = block_hashes(ids, self._page_size)

@@ -32,6 +32,10 @@ class RouterMetrics:
         self.leg_retries = _Labelled(Counter("pdserve_router_worker_retries_total",
                                              "Retries caused by a failed leg, by the worker and leg that failed.",
                                              ("worker", "leg"), registry=reg))
+        self.prefills = _Labelled(Counter("pdserve_router_prefills_total",
+                                          "Prefills by where they ran: remote (a prefill worker), local "
+                                          "(the decode worker), local_refused (sent back to remote).",
+                                          ("mode",), registry=reg))
         self.retries = Counter("pdserve_router_retries_total", "Retries of client requests on a new pair.",
                                registry=reg)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to the first byte sent to the client.",

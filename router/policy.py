@@ -46,6 +46,10 @@ class Policy(ABC):
         itself (kv_aware tokenizes the prompt) overrides this."""
         return self.select(endpoints, text)
 
+    def prompt_tokens(self, body: dict) -> int | None:
+        """The prompt's length in tokens when this policy tokenizes prompts (kv_aware), else None."""
+        return None
+
     def forget(self, key: str) -> None:
         """Drop any state kept for the endpoint ``key`` (its worker was removed)."""
 

@@ -9,27 +9,17 @@ to the one that still has it.
 
 from __future__ import annotations
 
-import asyncio
 import re
-import threading
-import time
 
 import pytest
 import requests
-from pd_stand import Server, pd_post
+from pd_stand import InProcessRouter, Server, events_flag, pd_post, wait_for
 
-from pdserve.engine.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.server import start_router
 
 pytestmark = pytest.mark.timeout(600)
 GROUPS = 4
 REPEATS = 3
-
-
-def events_flag() -> str:
-    return (f'{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{free_port()}",'
-            f' "replay_endpoint": "tcp://127.0.0.1:{free_port()}", "topic": "kv"}}')
 
 
 def cached_tokens(server: Server) -> float:
@@ -42,40 +32,6 @@ def chat(group: int, i: int) -> dict:
     system = f"You are assistant number {group}. " + " ".join(f"rule {group}.{k}: be brief." for k in range(20))
     return {"model": "default", "max_tokens": 2, "temperature": 0,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Question {i}?"}]}
-
-
-class InProcessRouter:
-    """The router on an event loop of its own thread, so the test can read its policy's index."""
-
-    def __init__(self, config: RouterConfig):
-        self.port = free_port()
-        started = threading.Event()
-
-        async def main():
-            self.loop = asyncio.get_running_loop()
-            self.stopped = asyncio.Event()
-            self.router, runner, _ = await start_router(config, "127.0.0.1", self.port)
-            started.set()
-            await self.stopped.wait()
-            await runner.cleanup()
-
-        self.thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-        self.thread.start()
-        assert started.wait(60)
-
-    def post(self, body: dict) -> requests.Response:
-        return requests.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=120)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.stopped.set)
-        self.thread.join(30)
-
-
-def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
