@@ -109,7 +109,7 @@ class KVAwarePolicy(Policy):
         self.index = KVIndex()
         self.subscriber = KVEventSubscriber(self.index, self.lock, config.kv_events_timeout_secs)
         self.avg_uncached_blocks = 1.0
-        self.counts = {"kv_routed": 0, "fallback": 0}
+        self.routed = {"kv_routed": 0, "fallback": 0}
         self._tokenizer = None
         self._last_ids: tuple[dict | None, list[int] | None] = (None, None)
         self._tokenizer_lock = threading.Lock()  # discovery threads of several workers race to load it
@@ -123,7 +123,7 @@ class KVAwarePolicy(Policy):
 
     # ----------------------------------------------------------------- choice
     def select(self, endpoints, text):
-        self.counts["fallback"] += 1
+        self.routed["fallback"] += 1
         return self.fallback.select(endpoints, text)
 
     def prompt_tokens(self, body):
@@ -161,11 +161,14 @@ class KVAwarePolicy(Policy):
             self.index.predict(chosen.key, hashes, now + PREDICTION_TTL_S)
         uncached = len(hashes) - overlaps[chosen.key]
         self.avg_uncached_blocks += _EMA * (uncached - self.avg_uncached_blocks)
-        self.counts["kv_routed"] += 1
+        self.routed["kv_routed"] += 1
         log.debug("kv_aware: %d blocks, overlap %s -> %s", len(hashes), overlaps, chosen.key)
         if text:
             self.fallback.tree.insert(text, chosen.key)  # the fallback stays warm
         return chosen
+
+    def counts(self):
+        return {**self.routed, **self.subscriber.counts}
 
     def forget(self, key):
         self.fallback.forget(key)

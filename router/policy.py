@@ -50,6 +50,11 @@ class Policy(ABC):
         """The prompt's length in tokens when this policy tokenizes prompts (kv_aware), else None."""
         return None
 
+    def counts(self) -> dict[str, int]:
+        """Events worth a metric (kv_aware: routed by KV, fallbacks, event stream faults); the
+        router's /metrics shows them as ``pdserve_router_policy_events_total``."""
+        return {}
+
     def forget(self, key: str) -> None:
         """Drop any state kept for the endpoint ``key`` (its worker was removed)."""
 

@@ -64,7 +64,7 @@ def test_kv_aware_sends_each_prefix_group_to_its_holder(stand):
         # the first request makes the policy discover the workers' event endpoints and tokenizer
         def warm() -> bool:
             assert r.post(chat(99, 0)).status_code == 200
-            return policy.counts["kv_routed"] > 0
+            return policy.routed["kv_routed"] > 0
 
         wait_for(warm, 120, "the policy to route by KV events")
         by_url = {PA.url: PA, PB.url: PB}

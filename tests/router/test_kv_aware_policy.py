@@ -111,3 +111,20 @@ def test_predicted_blocks_count_until_their_deadline_or_a_clear():
     idx.predict("a", h, until=10.0)
     idx.apply("a", [AllBlocksCleared()])
     assert idx.overlap(h, ["a"], now=5.0) == {"a": 0}
+
+
+def test_policy_counts_reach_the_router_metrics():
+    from pdserve.router.metrics import RouterMetrics
+    from pdserve.router.policy import Policy
+    from pdserve.router.worker_registry import WorkerRegistry
+
+    class Counting(Policy):
+        def select(self, endpoints, text):
+            return endpoints[0]
+
+        def counts(self):
+            return {"gaps": 2, "malformed": 1}
+
+    text = RouterMetrics(WorkerRegistry(), {"prefill": Counting()}).render().decode()
+    assert 'pdserve_router_policy_events_total{role="prefill",event="gaps"} 2.0' in text
+    assert 'pdserve_router_policy_events_total{role="prefill",event="malformed"} 1.0' in text
