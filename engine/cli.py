@@ -45,6 +45,10 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
+    "kv_events_config": 'publish KV cache events (SGLang/vLLM JSON: {"publisher": "zmq", "endpoint": '
+                        '"tcp://*:5557", "topic": "kv", "replay_endpoint": "tcp://*:5558"}); docs/KV_EVENTS.md',
+    "max_local_prefill_tokens": "decode mode: prefill prompts up to this many tokens here when they come "
+                                "without bootstrap fields (0: never)",
     "num_threads": "torch threads per DP rank; default: the CPU cores split between ranks",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
