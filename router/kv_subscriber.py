@@ -16,6 +16,10 @@ Faults never stop the thread; each is logged and counted in ``counts``:
 - ``stale``: an already applied sequence number: ignored.
 - ``restarts``: a stream counting from 0 again (the worker restarted): its
   entries are dropped first.
+- ``bad_endpoint``: an endpoint ZMQ cannot connect to (from a worker's
+  ``/server_info``): that rank is not subscribed.
+- ``errors``: anything else that went wrong handling one rank's messages: its
+  entries are dropped and the thread goes on.
 - ``silent``: no batch for ``silence_timeout`` seconds. A publisher only sends
   when its cache changes, so silence is probed with a replay request (which
   also fetches anything missed); no answer, or no replay endpoint, drops the
@@ -98,8 +102,15 @@ class KVEventSubscriber:
                 time.sleep(_POLL_MS / 1000)
             for sock in ready:
                 stream = self._streams.get(sock)
-                if stream is not None:
+                if stream is None:
+                    continue
+                try:
                     self._drain(stream)
+                except Exception:  # noqa: BLE001 - one rank's trouble must not stop the others' events
+                    self.counts["errors"] += 1
+                    log.exception("handling KV events of %s failed: dropping its entries", stream.source.key)
+                    with self.lock:
+                        self.index.clear(stream.source.key)
             self._check_silence()
         for stream in self._streams.values():
             self._close_stream(stream)
@@ -117,7 +128,13 @@ class KVEventSubscriber:
                 sub = self._ctx.socket(zmq.SUB)
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.SUBSCRIBE, arg.topic.encode())
-                sub.connect(arg.endpoint)
+                try:
+                    sub.connect(arg.endpoint)
+                except zmq.ZMQError as e:
+                    sub.close(0)
+                    self.counts["bad_endpoint"] += 1
+                    log.warning("cannot subscribe to KV events of %s at %r: %s", arg.key, arg.endpoint, e)
+                    continue
                 poller.register(sub, zmq.POLLIN)
                 self._streams[sub] = _Stream(arg, sub)
                 log.info("subscribed to KV events of %s at %s", arg.key, arg.endpoint)

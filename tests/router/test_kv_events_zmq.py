@@ -80,8 +80,10 @@ def test_gap_without_replay_drops_entries_and_bad_batches_are_counted(ctx):
         raw.send_multipart(frames or [b"", seq.to_bytes(8, "big"), body])
 
     try:
+        sub.add(EventSource("w0", "tcp://no-port-here"))  # a worker advertising nonsense: counted, skipped
         sub.add(EventSource("w1", f"tcp://127.0.0.1:{port}"))
         wait_for(lambda: index.holders(10), tick=lambda: send(0, [stored(10)]))
+        assert sub.counts["bad_endpoint"] == 1
         sub.counts.clear()  # the probes above repeated seq 0: stale, not of interest
         send(1, [stored(11)])
         wait_for(lambda: index.holders(11))
