@@ -8,6 +8,10 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 4 and 6):
    aux slot and sends them to prefill (``receiver.init``).
 2. ``TransferQueue``: the request holds its pages until the room succeeds or
    fails.
+A request without bootstrap fields (``max_local_prefill_tokens`` > 0, a prompt
+at most that long: the router's conditional disaggregation) skips 1-2: the
+scheduler prefills it here like a colocated request, in the running batch.
+
 3. On Success its first token (and logprobs) come from the aux slot; it joins
    the running decode batch with ``scheduler.add_prefilled`` and streams from
    there like any colocated request (retraction and recompute included).
@@ -27,6 +31,7 @@ import msgspec
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.frontend.protocol import local_prefill_refusal
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -38,10 +43,13 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeLoop(SchedulerLoop):
-    def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None):
+    def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None,
+                 max_local_prefill_tokens: int = 0):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
-        Timeouts run on ``kv.clock``, so a test can move time for both."""
+        Timeouts run on ``kv.clock``, so a test can move time for both. ``max_local_prefill_tokens``:
+        the longest prompt prefilled here when it comes without bootstrap fields (0: none)."""
         super().__init__(config, dp_rank, runner)
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         if kv.pool is not self.pool:
             raise ValueError("the KV manager must serve this rank's page pool")
         self.kv = kv
@@ -53,8 +61,8 @@ class DecodeLoop(SchedulerLoop):
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
         error = super().validate(req)
-        if error is None and req.bootstrap is None:
-            error = "a decode server needs bootstrap_host, bootstrap_port and bootstrap_room"
+        if error is None and req.bootstrap is None and len(req.input_ids) > self.max_local_prefill_tokens:
+            error = local_prefill_refusal(len(req.input_ids), self.max_local_prefill_tokens)
         if error is None and req.rid in self.prealloc:
             error = f"rid {req.rid!r} is already in flight"
         return error
@@ -62,6 +70,8 @@ class DecodeLoop(SchedulerLoop):
     def admit(self, req: Req) -> FinishReason | None:
         if self.pool.pages_for(req.seq_len + 1) > self.pool.capacity:
             return FinishReason("error", message=f"prompt of {req.seq_len} tokens exceeds the KV pool")
+        if req.bootstrap is None:  # a local prefill: the colocated path
+            return super().admit(req)
         self.prealloc.add(req)
         self._dirty = True
         return None

@@ -55,6 +55,10 @@ _HELP = {
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
     "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",
+    "kv_events_config": 'publish KV cache events (SGLang/vLLM JSON: {"publisher": "zmq", "endpoint": '
+                        '"tcp://*:5557", "topic": "kv", "replay_endpoint": "tcp://*:5558"}); docs/KV_EVENTS.md',
+    "max_local_prefill_tokens": "decode mode: prefill prompts up to this many tokens here when they come "
+                                "without bootstrap fields (0: never)",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -47,6 +48,11 @@ class ServerConfig:
     # SIGTERM drains: new requests get 503 + Retry-After, /health 503, requests in flight get this
     # long to finish before the rest end with an error (SGLang's flag); 0 stops at once
     graceful_shutdown_timeout: float = 60.0
+    # KV cache events, SGLang's/vLLM's JSON flag (see kv_events_config.py); None: none published
+    kv_events_config: str | None = None
+    # decode mode: a prompt of at most this many tokens may come without bootstrap fields and is
+    # prefilled here, in the running batch (issue 18's conditional disaggregation); 0: never
+    max_local_prefill_tokens: int = 0
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -60,12 +66,15 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.graceful_shutdown_timeout < 0:
             raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
+        KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.kv_transfer.bootstrap_port}")
 
@@ -106,6 +115,10 @@ class ServerConfig:
         """The TP ranks of every DP rank that run on this node (all of them on one node)."""
         per_node = self.tp_size // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    @property
+    def kv_events(self) -> KVEventsConfig:
+        return KVEventsConfig.from_json(self.kv_events_config)
 
     @property
     def advertise_host(self) -> str:

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-rel-threshold", type=float, default=_D["balance_rel_threshold"])
     p.add_argument("--max-tree-size", type=int, default=_D["max_tree_size"])
     p.add_argument("--dp-aware", action="store_true", default=_D["dp_aware"])
+    p.add_argument("--kv-overlap-score-weight", type=float, default=_D["kv_overlap_score_weight"])
+    p.add_argument("--kv-events-timeout-secs", type=float, default=_D["kv_events_timeout_secs"])
+    p.add_argument("--tokenizer-path", default=_D["tokenizer_path"])
+    p.add_argument("--local-prefill-max-tokens", type=int, default=_D["local_prefill_max_tokens"],
+                   help="prompts up to this many tokens are prefilled by the decode worker (0: off)")
     p.add_argument("--api-key", default=_D["api_key"])
     p.add_argument("--max-concurrent-requests", type=int, default=_D["max_concurrent_requests"])
     p.add_argument("--queue-size", type=int, default=_D["queue_size"])

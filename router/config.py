@@ -48,6 +48,15 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26  # characters per worker in the approximate prefix tree
     dp_aware: bool = False
+    # kv_aware (router/kv_aware_policy.py): Dynamo's --kv-overlap-score-weight; seconds without
+    # events (and no replay answer) before a worker's blocks leave the index; tokenizer of the
+    # workers' model (None: their /server_info model_path, else the default model)
+    kv_overlap_score_weight: float = 1.0
+    kv_events_timeout_secs: float = 60.0
+    tokenizer_path: str | None = None
+    # conditional disaggregation: a prompt of at most this many tokens goes to a decode worker
+    # alone (it prefills it itself); needs a tokenizing prefill policy (kv_aware); 0: never
+    local_prefill_max_tokens: int = 0
     # security and limits
     api_key: str | None = None
     max_concurrent_requests: int = -1  # -1: unlimited
@@ -85,7 +94,7 @@ class RouterConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
             raise ValueError("max_concurrent_requests must be -1 (unlimited) or >= 1")
-        for name in ("queue_size", "balance_abs_threshold"):
+        for name in ("queue_size", "balance_abs_threshold", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("retry_max_retries", "health_failure_threshold", "health_success_threshold",
@@ -93,12 +102,14 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",
-                     "health_check_timeout_secs", "worker_startup_timeout_secs"):
+                     "health_check_timeout_secs", "worker_startup_timeout_secs", "kv_events_timeout_secs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("request_queue_timeout_secs", "graceful_shutdown_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_overlap_score_weight < 0:
+            raise ValueError(f"kv_overlap_score_weight must be >= 0, got {self.kv_overlap_score_weight}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_rel_threshold < 1.0:

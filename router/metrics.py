@@ -9,9 +9,10 @@ global one), so routers and tests in one process do not share counts.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.engine.frontend.prometheus_text import exposition
+from pdserve.router.policy import Policy
 from pdserve.router.worker_registry import WorkerRegistry
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -19,7 +20,8 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry):
+    def __init__(self, workers: WorkerRegistry, policies: dict[str, Policy] | None = None):
+        """``policies``: role -> the role's policy, whose ``counts()`` are scraped."""
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = _Labelled(Counter("pdserve_router_requests_total",
@@ -32,6 +34,10 @@ class RouterMetrics:
         self.leg_retries = _Labelled(Counter("pdserve_router_worker_retries_total",
                                              "Retries caused by a failed leg, by the worker and leg that failed.",
                                              ("worker", "leg"), registry=reg))
+        self.prefills = _Labelled(Counter("pdserve_router_prefills_total",
+                                          "Prefills by where they ran: remote (a prefill worker), local "
+                                          "(the decode worker), local_refused (sent back to remote).",
+                                          ("mode",), registry=reg))
         self.retries = Counter("pdserve_router_retries_total", "Retries of client requests on a new pair.",
                                registry=reg)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to the first byte sent to the client.",
@@ -39,6 +45,7 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve_router_e2e_seconds", "End-to-end request latency at the router.",
                              buckets=LATENCY_BUCKETS, registry=reg)
         reg.register(_WorkerGauges(workers))
+        reg.register(_PolicyCounts(policies or {}))
 
     def render(self) -> bytes:
         """The text exposition format of every metric (labels in declared order)."""
@@ -80,3 +87,20 @@ class _WorkerGauges:
             healthy.add_metric((w.url, w.role), int(w.healthy))
         yield in_flight
         yield healthy
+
+
+class _PolicyCounts:
+    """The policies' own counts (``Policy.counts``), read at scrape time."""
+
+    def __init__(self, policies: dict[str, Policy]):
+        self.policies = policies
+
+    def collect(self):
+        family = CounterMetricFamily("pdserve_router_policy_events",
+                                     "Routing policy events (kv_aware: kv_routed, fallback, and KV event "
+                                     "stream faults: malformed, gaps, replays, dropped, stale, restarts, silent).",
+                                     labels=("role", "event"))
+        for role, policy in self.policies.items():
+            for event, n in sorted(policy.counts().items()):
+                family.add_metric((role, event), n)
+        yield family

@@ -85,11 +85,21 @@ class Pairing:
         prefills = self._candidates("prefill", exclude)
         decodes = self._candidates("decode", exclude)
         text = prompt_text(body) if self.needs_text else None
-        p = self.prefill_policy.select(prefills, text)
-        d = self.decode_policy.select(decodes, text)
+        p = self.prefill_policy.select_request(prefills, body, text)
+        d = self.decode_policy.select_request(decodes, body, text)
         n = batch_size(body)
         room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
         return Pair(p, d, room)
+
+    def choose_decode(self, body: dict) -> Endpoint:
+        """A decode endpoint alone, for a request it prefills itself (503 RouterError if none)."""
+        text = prompt_text(body) if self.decode_policy.needs_text else None
+        return self.decode_policy.select_request(self._candidates("decode", ()), body, text)
+
+    @staticmethod
+    def local_body(body: dict) -> bytes:
+        """The JSON body of a local prefill: the client's, without any PD routing field."""
+        return _encode({k: v for k, v in body.items() if k not in ROUTER_FIELDS})
 
     def _candidates(self, role: str, exclude) -> list[Endpoint]:
         endpoints = self.registry.healthy_endpoints(role)

@@ -7,6 +7,15 @@ last failure becomes a 502 JSON error. After streaming has begun, a failed
 decode stream ends with an SSE error event. A client that goes away cancels
 both legs (closing their connections, which is what servers watch for to
 abort the room).
+
+Conditional disaggregation (``--local-prefill-max-tokens N``): a single
+prompt of at most N tokens (counted by the prefill policy's tokenizer, so with
+``kv_aware``) goes to a decode worker alone, without bootstrap fields, and that
+worker prefills it itself (``--max-local-prefill-tokens`` there). A worker that
+refuses (too long for it, full, down) costs one attempt: the request then takes
+the prefill/decode path. Every answer names its route in the headers
+``x-pdserve-prefill`` (the prefill endpoint, or ``local``) and
+``x-pdserve-decode``.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from aiohttp import web
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import Pair, Pairing
+from pdserve.router.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from pdserve.router.worker_registry import Endpoint
 
@@ -62,6 +71,16 @@ async def _drain(resp) -> None:
         resp.close()
 
 
+LOCAL = "local"  # x-pdserve-prefill of a request the decode worker prefilled itself
+
+
+def route_headers(pair: Pair | None, decode: Endpoint | None = None) -> dict[str, str]:
+    """The response headers naming a request's route (``pair`` None: a local prefill on ``decode``)."""
+    if pair is None:
+        return {"x-pdserve-prefill": LOCAL, "x-pdserve-decode": decode.key}
+    return {"x-pdserve-prefill": pair.prefill.key, "x-pdserve-decode": pair.decode.key}
+
+
 def _consume(task: asyncio.Task) -> None:
     if not task.cancelled():
         task.exception()  # mark retrieved: the failure was handled through another path
@@ -84,12 +103,21 @@ class PDProxy:
         attempts = self.config.retry_max_retries
         exclude: set[str] = set()
         last: LegFailure | None = None
+        if self._goes_local(body):
+            try:
+                return await self._attempt_local(request, path, body, stream, t0)
+            except LegFailure as failure:
+                # refused (too long for it, full) or failed: the prefill/decode path serves it
+                self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
+                self.metrics.prefills.inc("local_refused")
+                log.info("local prefill refused, via a prefill worker: %s", failure.describe())
         for attempt in range(attempts):
             if attempt:
                 self.metrics.retries.inc()
                 self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
             pair = self.pairing.choose(body, exclude)
+            log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
             try:
                 if stream:
                     return await self._attempt_stream(request, path, body, pair, t0)
@@ -102,6 +130,45 @@ class PDProxy:
                 exclude.add(failure.endpoint.key)
                 last = failure
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
+
+    # a local prefill ------------------------------------------------------
+    def _goes_local(self, body: dict) -> bool:
+        limit = self.config.local_prefill_max_tokens
+        if not limit or batch_size(body) is not None:
+            return False
+        n = self.pairing.prefill_policy.prompt_tokens(body)
+        return n is not None and n <= limit
+
+    async def _attempt_local(self, request: web.Request, path: str, body: dict, stream: bool,
+                             t0: float) -> web.StreamResponse:
+        """The request on one decode worker, prefilled there; raises LegFailure."""
+        d_ep = self.pairing.choose_decode(body)
+        log.debug("route: local prefill on decode %s", d_ep.key)
+        data = Pairing.local_body(body)
+        headers = route_headers(None, d_ep)
+        if stream:
+            d_ep.load += 1
+            resp = None
+            try:
+                resp, chunk = await self._open_stream(d_ep, path, data)
+                self.metrics.prefills.inc(LOCAL)
+                out, draining = await self._relay(request, resp, chunk, d_ep, t0, headers)
+                if not draining:
+                    resp.close()
+                return out
+            except BaseException:
+                if resp is not None:
+                    resp.close()
+                raise
+            finally:
+                d_ep.load -= 1
+        status, ctype, payload = await self._leg("decode", d_ep, path, data)
+        if _has_error(payload):
+            raise LegFailure("decode", d_ep, f"error in answer: {_short(payload)}", 500)
+        self.metrics.prefills.inc(LOCAL)
+        self.metrics.ttft.observe(time.perf_counter() - t0)
+        return web.Response(body=payload, status=status, content_type=ctype or "application/json",
+                            headers=headers)
 
     # one attempt, JSON answer ---------------------------------------------
     async def _attempt_json(self, path: str, body: dict, pair: Pair, t0: float) -> web.Response:
@@ -134,7 +201,9 @@ class PDProxy:
         if body.get("return_logprob") and path == "/generate":
             d_data = merge_input_logprobs(p_data, d_data)
         self.metrics.ttft.observe(time.perf_counter() - t0)  # a JSON answer's first byte is all of it
-        return web.Response(body=d_data, status=status, content_type=ctype or "application/json")
+        self.metrics.prefills.inc("remote")
+        return web.Response(body=d_data, status=status, content_type=ctype or "application/json",
+                            headers=route_headers(pair))
 
     async def _leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
         """POST one leg and read its whole answer; raises LegFailure."""
@@ -176,43 +245,8 @@ class PDProxy:
                 if p_task in done and p_task.exception() is not None:
                     raise p_task.exception()
             resp, chunk = d_task.result()
-            out = web.StreamResponse(status=resp.status, headers={
-                "Content-Type": resp.content_type or "text/event-stream", "Cache-Control": "no-cache"})
-            await out.prepare(request)  # the head goes out with the first chunk
-            first = True
-            try:
-                while True:
-                    if resp.at_eof():  # the last chunk goes out with the stream's end
-                        await out.write_eof(chunk)
-                        break
-                    if chunk.endswith(_DONE):
-                        # the stream is complete: end it now, so a client that closes on [DONE] has
-                        # been answered in full (was: counted as a 499 disconnect in /metrics); the
-                        # upstream's end is drained in the background (keeps its connection), where
-                        # the client's close cannot cancel it
-                        await out.write_eof(chunk)
-                        drain = asyncio.ensure_future(_drain(resp))
-                        self._background.add(drain)
-                        drain.add_done_callback(self._background.discard)
-                        draining = True
-                        break
-                    await out.write(chunk)
-                    if first:
-                        self.metrics.ttft.observe(time.perf_counter() - t0)
-                        first = False
-                    chunk = await resp.readany()
-                    if not chunk:
-                        await out.write_eof()
-                        break
-            except UpstreamError as e:
-                self.metrics.leg_errors.inc(d_ep.worker.url, "decode")
-                msg = f"decode worker {d_ep.key} failed mid-stream: {e}"
-                log.warning(msg)
-                await out.write_eof(b"data: " + _encode({"error": {
-                    "message": msg, "type": "upstream_error", "param": None, "code": 502}})
-                    + b"\n\n" + _DONE)
-            if first:
-                self.metrics.ttft.observe(time.perf_counter() - t0)
+            self.metrics.prefills.inc("remote")
+            out, draining = await self._relay(request, resp, chunk, d_ep, t0, route_headers(pair))
             finished = True
             return out
         finally:
@@ -238,6 +272,50 @@ class PDProxy:
         if self._background:
             await asyncio.wait(set(self._background), timeout=timeout)
         return len(self._background)
+
+    async def _relay(self, request: web.Request, resp: UpstreamResponse, chunk: bytes, d_ep: Endpoint,
+                     t0: float, headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
+        """Stream the decode leg's answer (from its first ``chunk``) to the client; returns the
+        response and whether the upstream's end is being drained in the background."""
+        out = web.StreamResponse(status=resp.status, headers={
+            "Content-Type": resp.content_type or "text/event-stream", "Cache-Control": "no-cache", **headers})
+        await out.prepare(request)  # the head goes out with the first chunk
+        first = True
+        draining = False
+        try:
+            while True:
+                if resp.at_eof():  # the last chunk goes out with the stream's end
+                    await out.write_eof(chunk)
+                    break
+                if chunk.endswith(_DONE):
+                    # the stream is complete: end it now, so a client that closes on [DONE] has
+                    # been answered in full (was: counted as a 499 disconnect in /metrics); the
+                    # upstream's end is drained in the background (keeps its connection), where
+                    # the client's close cannot cancel it
+                    await out.write_eof(chunk)
+                    drain = asyncio.ensure_future(_drain(resp))
+                    self._background.add(drain)
+                    drain.add_done_callback(self._background.discard)
+                    draining = True
+                    break
+                await out.write(chunk)
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - t0)
+                    first = False
+                chunk = await resp.readany()
+                if not chunk:
+                    await out.write_eof()
+                    break
+        except UpstreamError as e:
+            self.metrics.leg_errors.inc(d_ep.worker.url, "decode")
+            msg = f"decode worker {d_ep.key} failed mid-stream: {e}"
+            log.warning(msg)
+            await out.write_eof(b"data: " + _encode({"error": {
+                "message": msg, "type": "upstream_error", "param": None, "code": 502}})
+                + b"\n\n" + _DONE)
+        if first:
+            self.metrics.ttft.observe(time.perf_counter() - t0)
+        return out, draining
 
     async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""

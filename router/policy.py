@@ -41,6 +41,20 @@ class Policy(ABC):
         """Choose one of ``endpoints`` (never empty) for a request whose prompt text is ``text``
         (None unless ``needs_text``); may record the choice (cache-aware trees)."""
 
+    def select_request(self, endpoints: Sequence[C], body: dict, text: str | None) -> C:
+        """``select`` for the request whose JSON body is ``body``; a policy that reads the body
+        itself (kv_aware tokenizes the prompt) overrides this."""
+        return self.select(endpoints, text)
+
+    def prompt_tokens(self, body: dict) -> int | None:
+        """The prompt's length in tokens when this policy tokenizes prompts (kv_aware), else None."""
+        return None
+
+    def counts(self) -> dict[str, int]:
+        """Events worth a metric (kv_aware: routed by KV, fallbacks, event stream faults); the
+        router's /metrics shows them as ``pdserve_router_policy_events_total``."""
+        return {}
+
     def forget(self, key: str) -> None:
         """Drop any state kept for the endpoint ``key`` (its worker was removed)."""
 
@@ -51,6 +65,7 @@ POLICIES: dict[str, str] = {
     "round_robin": "pdserve.router.simple_policies:RoundRobinPolicy",
     "power_of_two": "pdserve.router.simple_policies:PowerOfTwoPolicy",
     "cache_aware": "pdserve.router.cache_aware_policy:CacheAwarePolicy",
+    "kv_aware": "pdserve.router.kv_aware_policy:KVAwarePolicy",
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -116,7 +116,7 @@ class PDPair:
     """One prefill loop and one decode loop, stepped in turn by ``run``."""
 
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
-                 d_engine: dict | None = None, d_transfer_engine=None, **kv):
+                 d_engine: dict | None = None, d_transfer_engine=None, d_max_local_prefill_tokens: int = 0, **kv):
         """``d_transfer_engine``: the decode's transfer engine (default: one of ``kv``'s backend)."""
         self.clock = FakeClock()
         bootstrap_auth = KVTransferConfig(backend="local", auth_key_file=kv.get("auth_key_file", "")).frame_auth("bootstrap")
@@ -127,7 +127,8 @@ class PDPair:
         p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
         d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()
         self.prefill = PrefillLoop(EngineConfig(page_size=PS, **(p_engine or {})), p_kv, runner=p_runner)
-        self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner)
+        self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner,
+                                 max_local_prefill_tokens=d_max_local_prefill_tokens)
         assert p_kv.registered.wait(10) and p_kv.registration_error is None
         self.outputs: dict[str, list[TokenOutput]] = {}  # "P:rid" / "D:rid" -> outputs in order
         self.steps = 0

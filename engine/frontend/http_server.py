@@ -37,6 +37,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
+from pdserve.engine.kv_events_config import advertised_endpoints
 from pdserve.engine.version import VERSION
 
 logger = logging.getLogger(__name__)
@@ -319,6 +320,7 @@ async def server_info(request: web.Request) -> web.Response:
             "page_size": c.engine.page_size,
             "max_total_num_tokens": tm.max_total_num_tokens,
             "max_context_len": tm.model_info.max_context_len,
+            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
             "internal_states": [
                 {
                     "dp_rank": r,

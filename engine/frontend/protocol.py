@@ -289,6 +289,7 @@ class RequestLimits:
     dp_size: int
     vocab_size: int
     disaggregation_mode: str = "null"
+    max_local_prefill_tokens: int = 0  # decode mode: prompts this short may come without bootstrap fields
 
 
 def new_rid() -> str:
@@ -345,10 +346,20 @@ def _pick(x, i: int):
     return x[i] if isinstance(x, list) else x
 
 
+def local_prefill_refusal(num_tokens: int, limit: int) -> str:
+    """Why a decode server refuses a prompt without bootstrap fields (the HTTP layer answers 400 with it;
+    the decode loop checks again)."""
+    if limit == 0:
+        return "a decode server needs bootstrap_host, bootstrap_port and bootstrap_room"
+    return (f"a decode server prefills at most {limit} prompt tokens itself (--max-local-prefill-tokens); "
+            f"this prompt has {num_tokens}: send it with bootstrap_host, bootstrap_port and bootstrap_room")
+
+
 def _bootstraps(req, num_prompts: int, limits: RequestLimits, prefill_rank: int | None) -> list[BootstrapInfo | None]:
     fields_ = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if all(f is None for f in fields_):
-        if limits.disaggregation_mode != "null":
+        local_ok = limits.disaggregation_mode == "decode" and limits.max_local_prefill_tokens > 0
+        if limits.disaggregation_mode != "null" and not local_ok:
             raise RequestError(
                 f"a {limits.disaggregation_mode} server needs bootstrap_host, bootstrap_port and bootstrap_room",
                 param="bootstrap_room",

@@ -32,7 +32,13 @@ from pdserve.engine.messages import (
     TokenOutput,
 )
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import ChatPrompt, RequestError, RequestLimits, SequenceSpec
+from pdserve.engine.frontend.protocol import (
+    ChatPrompt,
+    RequestError,
+    RequestLimits,
+    SequenceSpec,
+    local_prefill_refusal,
+)
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 
@@ -141,6 +147,7 @@ class TokenizerManager:
             dp_size=self.dp_size,
             vocab_size=self.model_info.vocab_size,
             disaggregation_mode=c.disaggregation_mode,
+            max_local_prefill_tokens=c.max_local_prefill_tokens if c.disaggregation_mode == "decode" else 0,
         )
 
     def token_str(self, token_id: int) -> str:
@@ -212,6 +219,10 @@ class TokenizerManager:
         for spec in seqs:
             if spec.prompt_index not in ids_by_prompt:
                 ids_by_prompt[spec.prompt_index] = encode_prompt(self.tokenizer, spec.prompt)
+                n = len(ids_by_prompt[spec.prompt_index])
+                limit = self.config.max_local_prefill_tokens
+                if spec.bootstrap is None and self.config.disaggregation_mode == "decode" and n > limit:
+                    raise RequestError(local_prefill_refusal(n, limit), param="bootstrap_room")
             states.append(self._prepare(spec, ids_by_prompt[spec.prompt_index]))
         for st in states:
             if st.rid in self._seqs:

@@ -12,6 +12,13 @@ goes through it); only unlocked leaves are evicted, least recently used first.
 
 ``NoPrefixCache`` has the same interface and caches nothing; it is what
 ``disable_radix_cache`` selects.
+
+Events: after ``enable_events()``, the cache records what it stores, evicts and
+flushes as KV events (``kv_events``: one ``BlockStored`` per insert with new
+pages, one ``BlockRemoved`` per eviction, ``AllBlocksCleared`` when a flush
+empties it) in ``events``, which the scheduler process drains and publishes.
+Each node keeps its block's chained hash, so a subscriber replaying the events
+rebuilds exactly this tree.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import heapq
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+from pdserve.engine.sched.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
 from pdserve.engine.sched.page_pool import PagePool
 
 
@@ -29,6 +37,17 @@ class PrefixCache(ABC):
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.page_size = pool.page_size
+        self.record_events = False
+        self.events: list[KVEvent] = []
+
+    def enable_events(self) -> None:
+        """Record KV events from now on (a server that publishes them calls this before serving)."""
+        self.record_events = True
+
+    def drain_events(self) -> list[KVEvent]:
+        """The events recorded since the last drain, oldest first."""
+        out, self.events = self.events, []
+        return out
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], object]:
@@ -106,12 +125,14 @@ class NoPrefixCache(PrefixCache):
 
 
 class _Node:
-    __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access")
+    __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access", "hash")
 
     def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None"):
         self.key = key
         self.page = page
         self.parent = parent
+        # chained block hash, what KV events name this block by (None for the root)
+        self.hash = None if parent is None else block_hash(parent.hash, key)
         self.children: dict[tuple[int, ...], _Node] = {}
         self.lock_ref = 0
         self.last_access = 0
@@ -175,12 +196,14 @@ class RadixCache(PrefixCache):
         num_full = min(len(token_ids) // self.page_size, len(pages))
         node = self.root
         to_free: list[int] = []
+        stored: list[_Node] = []  # new nodes: a chain, since once one is new so are its descendants here
         for i, key in enumerate(self._keys(token_ids, num_full)):
             child = node.children.get(key)
             if child is None:
                 if i < num_cache_pages:
                     raise AssertionError("a locked cache page vanished from the tree")
                 child = _Node(key, pages[i], node)
+                stored.append(child)
                 node.children[key] = child
                 self._num_nodes += 1
                 self._evictable += 1
@@ -194,6 +217,15 @@ class RadixCache(PrefixCache):
             node = child
         to_free.extend(pages[max(num_full, num_cache_pages) :])
         self.pool.free(to_free)
+        if stored and self.record_events:
+            self.events.append(BlockStored(
+                block_hashes=[n.hash for n in stored],
+                parent_block_hash=stored[0].parent.hash,
+                token_ids=[t for n in stored for t in n.key],
+                block_size=self.page_size,
+                lora_id=None,
+                medium=MEDIUM,
+            ))
         return node
 
     # --------------------------------------------------------------- eviction
@@ -208,20 +240,38 @@ class RadixCache(PrefixCache):
         return out
 
     def evict(self, num_pages):
+        removed = self._evict(num_pages)
+        if removed and self.record_events:
+            self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        return len(removed)
+
+    def flush(self):
+        removed = self._evict(self.evictable_pages)
+        if self.record_events:
+            if self._num_nodes == 0:
+                self.events.append(AllBlocksCleared())
+            elif removed:  # locked pages stayed (a flush while busy): only some went
+                self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        return len(removed)
+
+    def _evict(self, num_pages: int) -> list[int]:
+        """Evict up to ``num_pages`` unlocked leaves, LRU first; returns their block hashes."""
         heap = [n for n in self._leaves() if n.lock_ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
+        removed: list[int] = []
         while heap and len(freed) < num_pages:
             n = heapq.heappop(heap)
             parent = n.parent
             del parent.children[n.key]
             freed.append(n.page)
+            removed.append(n.hash)
             self._num_nodes -= 1
             self._evictable -= 1
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         self.pool.free(freed)
-        return len(freed)
+        return removed
 
     @property
     def evictable_pages(self):

@@ -96,7 +96,8 @@ def _build_decode_loop(config: ServerConfig, dp_rank: int):
 
     runner = ModelRunner(config.engine)
     kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool).start()
-    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
+    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
+                      max_local_prefill_tokens=config.max_local_prefill_tokens)
 
 
 # disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
@@ -169,8 +170,10 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
         loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
+        # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks
+        publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx) if leader else None
         send([_ready_info(loop, dp_rank, rank.num_threads)])
-        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), rank.num_threads)
+        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid, publish), rank.num_threads)
     except Exception as e:
         logger.error("DP rank %d TP rank %d failed:\n%s", dp_rank, rank.tp_rank, traceback.format_exc())
         if config.tp_size > 1:
@@ -180,6 +183,18 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         ctx.destroy(linger=2000)  # closes every socket first: term() alone waits forever on an open one
         sys.exit(1)
     parallel.close_tp()
+
+
+def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Context):
+    """With ``--kv-events-config``: a publisher of the cache's events; returns what ``_serve``
+    calls once per iteration (None without)."""
+    if not config.kv_events.enabled:
+        return None
+    from pdserve.engine.kv_event_publisher import ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(config.kv_events, dp_rank, ctx)
+    cache.enable_events()
+    return lambda: publisher.publish(cache.drain_events())
 
 
 def _run_in_worker_thread(fn, num_threads: int) -> None:
@@ -232,7 +247,7 @@ def _receive(pull: zmq.Socket, poller: zmq.Poller, busy: bool) -> list[bytes]:
     return raws
 
 
-def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int) -> None:
+def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int, publish=None) -> None:
     """Rank 0 (``pull`` set) reads the HTTP process's messages; at TP > 1 it broadcasts them each
     iteration, with whether to stop, and the other ranks follow, so all step in lockstep.
 
@@ -265,6 +280,8 @@ def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int) -
         outs = loop.step() if loop.has_work() else []
         if not leader:
             continue
+        if publish is not None:
+            publish()
         now = time.monotonic()
         msgs: list = list(outs)
         if now - last_stats_time >= STATS_INTERVAL:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -14,6 +15,8 @@ from pathlib import Path
 import requests
 
 from pdserve.engine.procs import free_port, signal_group, spawn, stop_group, wait_healthy
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import start_router
 
 REPO = Path(__file__).resolve().parents[2]
 # exactness is asserted: fp32; small pools and chunks so chunking and exhaustion are exercised cheaply
@@ -145,3 +148,42 @@ def prompt_ids(n: int, seed: int) -> list[int]:
 
 def greedy_body(ids: list[int], max_new: int) -> dict:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+
+
+def events_flag() -> str:
+    return (f'{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{free_port()}",'
+            f' "replay_endpoint": "tcp://127.0.0.1:{free_port()}", "topic": "kv"}}')
+
+
+def wait_for(cond, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+class InProcessRouter:
+    """The router on an event loop of its own thread, so the test can read its policy's index."""
+
+    def __init__(self, config: RouterConfig):
+        self.port = free_port()
+        started = threading.Event()
+
+        async def main():
+            self.loop = asyncio.get_running_loop()
+            self.stopped = asyncio.Event()
+            self.router, runner, _ = await start_router(config, "127.0.0.1", self.port)
+            started.set()
+            await self.stopped.wait()
+            await runner.cleanup()
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+        self.thread.start()
+        assert started.wait(60)
+
+    def post(self, body: dict) -> requests.Response:
+        return requests.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=120)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stopped.set)
+        self.thread.join(30)

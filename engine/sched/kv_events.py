@@ -1,0 +1,92 @@
+"""KV cache events: what a rank's prefix cache stored, removed or cleared.
+
+The types and their msgpack layout are those of vLLM's
+``vllm/distributed/kv_events.py`` (SGLang publishes the same), so a consumer
+written for either (NVIDIA Dynamo's KV router, vLLM's example subscriber) reads
+pdserve's events: msgspec structs encoded as arrays, each event tagged with its
+class name (``["BlockStored", [hashes], parent, [tokens], block_size, lora_id,
+medium]``), a batch being ``[ts, [events...], data_parallel_rank]``.
+
+A block is one page (``page_size`` tokens). Its hash is chained: it covers the
+block's tokens and its parent's hash, so one hash names a whole prefix, and the
+router computes the same hashes from a prompt with ``block_hashes``.
+
+Pure: no sockets. The radix cache appends events to a list; the scheduler
+process drains it into a publisher (``pdserve.engine.kv_event_publisher``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Sequence, Union
+
+import msgspec
+
+# vLLM's name of the primary (device) KV tier; consumers (Dynamo) route on it and read
+# "CPU" as an offload tier, which pdserve's one pool on a CPU machine is not
+MEDIUM = "GPU"
+# hashes are kept below 2**63 so that both signed and unsigned 64-bit consumers decode them
+_HASH_MASK = (1 << 63) - 1
+_ROOT_SEED = b"pdserve-kv-root\0"
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the events; the tag is the class name, as vLLM writes it."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None  # None: the first block hangs off the root
+    token_ids: list[int]  # len(block_hashes) * block_size tokens
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float  # time.time() when the batch was made
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
+    """The chained hash of one block: its tokens and its parent's hash (None at the root)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_ROOT_SEED if parent is None else parent.to_bytes(8, "big"))
+    h.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    return int.from_bytes(h.digest(), "big") & _HASH_MASK
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of ``token_ids`` (the partial tail has none)."""
+    out: list[int] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        out.append(parent)
+    return out
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return msgspec.msgpack.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Raises ``msgspec.DecodeError`` (or ``ValidationError``) on a malformed payload."""
+    return _DECODER.decode(payload)
+
+
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)

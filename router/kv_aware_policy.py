@@ -1,0 +1,224 @@
+"""``kv_aware``: prefill routing on the workers' own KV events.
+
+The policy subscribes to every prefill worker's KV events (the endpoints come
+from the worker's ``/server_info``, ``kv_events_endpoints``), keeps one
+``KVIndex`` of block hash -> endpoints, tokenizes each prompt as the workers do
+(the same tokenizer and chat template, loaded from the model's files: the
+``--tokenizer-path`` flag, else the workers' ``model_path``, else the default
+model) and hashes its full pages the way the workers' radix caches do.
+
+Choice, after NVIDIA Dynamo's KV router cost (lower wins)::
+
+    cost(e) = overlap_weight * uncached_blocks(e) + load(e) * avg_uncached_blocks
+
+``uncached_blocks(e)`` is this prompt's blocks that ``e`` does not hold;
+``load(e) * avg_uncached_blocks`` estimates the prefill work queued on ``e``
+(requests in flight times the mean uncached blocks of routed requests). Dynamo
+adds the worker's active decode blocks (memory pressure); a prefill worker
+holds none once its KV has left, so that term is absent here. The weight is
+1.0, Dynamo's default, and here it has a reason: both terms count blocks of
+prefill compute ahead of this request's first token, so their sum estimates
+its TTFT in one unit. Ties go to the endpoint with less load, then fewer cached
+blocks (the most room), so new prefix groups spread across workers.
+
+Until a worker's events and the tokenizer are known, or for a prompt it cannot
+tokenize (a batch), the policy falls back to ``cache_aware`` (text only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.request
+from typing import Sequence
+
+from pdserve.engine.sched.kv_events import block_hashes
+from pdserve.router.cache_aware_policy import CacheAwarePolicy
+from pdserve.router.config import RouterConfig
+from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_subscriber import EventSource, KVEventSubscriber
+from pdserve.router.policy import C, Policy
+
+log = logging.getLogger("pdserve.router.kv_aware")
+
+_DEFAULTS = RouterConfig()
+DISCOVERY_RETRY_S = 5.0  # a worker whose /server_info did not answer is asked again after this
+_EMA = 0.1  # weight of the newest request in the mean uncached blocks
+# how long a routed prompt's blocks count as on its worker before its stored event confirms them:
+# longer than a long prefill queued on a loaded CPU worker (seconds), short enough that a request
+# that failed before caching anything stops attracting its group soon
+PREDICTION_TTL_S = 30.0
+
+
+def kv_cost(uncached_blocks: int, load: int, avg_uncached_blocks: float, overlap_weight: float) -> float:
+    return overlap_weight * uncached_blocks + load * avg_uncached_blocks
+
+
+def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, int], num_blocks: int,
+                      avg_uncached_blocks: float, overlap_weight: float, cached: dict[str, int]) -> C:
+    """The endpoint of lowest ``kv_cost``; ties: less load, then fewer cached blocks, then order."""
+    def rank(ie):
+        i, e = ie
+        cost = kv_cost(num_blocks - overlaps.get(e.key, 0), e.load, avg_uncached_blocks, overlap_weight)
+        return cost, e.load, cached.get(e.key, 0), i
+
+    return min(enumerate(endpoints), key=rank)[1]
+
+
+def prompt_ids(tokenizer, body: dict) -> list[int] | None:
+    """The prompt's token ids as the worker computes them; None for a batch or an unknown shape."""
+    from pdserve.engine.frontend.protocol import ChatPrompt
+    from pdserve.engine.frontend.tokenizer_manager import encode_prompt
+
+    ids = body.get("input_ids")
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        return ids
+    for name in ("text", "prompt"):
+        value = body.get(name)
+        if isinstance(value, str):
+            return encode_prompt(tokenizer, value)
+        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
+            return value
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        return None
+    rendered = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # text parts are joined, as the server does
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        d = {"role": "system" if m.get("role") == "developer" else m.get("role"), "content": content or ""}
+        if m.get("name") is not None:
+            d["name"] = m["name"]
+        rendered.append(d)
+    prompt = ChatPrompt(rendered, bool(body.get("continue_final_message")),
+                        dict(body.get("chat_template_kwargs") or {}))
+    return encode_prompt(tokenizer, prompt)
+
+
+class KVAwarePolicy(Policy):
+    needs_text = True  # for the cache_aware fallback
+
+    def __init__(self, config: RouterConfig = _DEFAULTS):
+        self.config = config
+        self.overlap_weight = config.kv_overlap_score_weight
+        self.fallback = CacheAwarePolicy.from_config(config)
+        self.lock = threading.Lock()
+        self.index = KVIndex()
+        self.subscriber = KVEventSubscriber(self.index, self.lock, config.kv_events_timeout_secs)
+        self.avg_uncached_blocks = 1.0
+        self.routed = {"kv_routed": 0, "fallback": 0}
+        self._tokenizer = None
+        self._last_ids: tuple[dict | None, list[int] | None] = (None, None)
+        self._tokenizer_lock = threading.Lock()  # discovery threads of several workers race to load it
+        self._page_size: int | None = None
+        self._asked: dict[str, float] = {}  # worker url -> when its /server_info was last asked
+        self._subscribed: set[str] = set()  # worker urls whose event endpoints are known
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> KVAwarePolicy:
+        return cls(config)
+
+    # ----------------------------------------------------------------- choice
+    def select(self, endpoints, text):
+        self.routed["fallback"] += 1
+        return self.fallback.select(endpoints, text)
+
+    def prompt_tokens(self, body):
+        ids = self._prompt_ids(body)
+        return None if ids is None else len(ids)
+
+    def _prompt_ids(self, body: dict) -> list[int] | None:
+        """The prompt's ids (None before the tokenizer is known, or for a batch); the last body's
+        are kept, since the router asks for them twice (local-prefill check, then ``select``)."""
+        if self._tokenizer is None or self._page_size is None:
+            return None
+        if self._last_ids[0] is body:
+            return self._last_ids[1]
+        try:
+            ids = prompt_ids(self._tokenizer, body)
+        except Exception as e:  # noqa: BLE001 - a template error: the worker will say so, route anyway
+            log.debug("cannot tokenize the prompt for kv routing: %s", e)
+            ids = None
+        self._last_ids = (body, ids)
+        return ids
+
+    def select_request(self, endpoints, body, text):
+        self._discover(endpoints)
+        ids = self._prompt_ids(body)
+        if ids is None or not any(e.worker.url in self._subscribed for e in endpoints):
+            return self.select(endpoints, text)
+        hashes = block_hashes(ids, self._page_size)
+        keys = [e.key for e in endpoints]
+        now = time.monotonic()
+        with self.lock:
+            overlaps = self.index.overlap(hashes, keys, now)
+            cached = {k: self.index.num_blocks(k) for k in keys}
+            chosen = choose_by_overlap(endpoints, overlaps, len(hashes), self.avg_uncached_blocks,
+                                       self.overlap_weight, cached)
+            self.index.predict(chosen.key, hashes, now + PREDICTION_TTL_S)
+        uncached = len(hashes) - overlaps[chosen.key]
+        self.avg_uncached_blocks += _EMA * (uncached - self.avg_uncached_blocks)
+        self.routed["kv_routed"] += 1
+        log.debug("kv_aware: %d blocks, overlap %s -> %s", len(hashes), overlaps, chosen.key)
+        if text:
+            self.fallback.tree.insert(text, chosen.key)  # the fallback stays warm
+        return chosen
+
+    def counts(self):
+        return {**self.routed, **self.subscriber.counts}
+
+    def forget(self, key):
+        self.fallback.forget(key)
+        self.subscriber.remove(key)
+        url = key.split("@")[0]
+        self._subscribed.discard(url)
+        self._asked.pop(url, None)
+
+    # -------------------------------------------------------------- discovery
+    def _discover(self, endpoints) -> None:
+        now = time.monotonic()
+        for e in endpoints:
+            w = e.worker
+            if w.url in self._subscribed or now - self._asked.get(w.url, -DISCOVERY_RETRY_S) < DISCOVERY_RETRY_S:
+                continue
+            self._asked[w.url] = now
+            keys = {(ep.dp_rank or 0): ep.key for ep in w.endpoints}
+            threading.Thread(target=self._fetch_info, args=(w.url, keys), daemon=True,
+                             name="pdserve-kv-discovery").start()
+
+    def _fetch_info(self, url: str, keys: dict[int, str]) -> None:
+        """On a thread of its own: the worker's event endpoints (and, once, the tokenizer)."""
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        try:
+            req = urllib.request.Request(url + "/server_info", headers=headers)
+            with urllib.request.urlopen(req, timeout=self.config.health_check_timeout_secs) as resp:
+                info = json.loads(resp.read())
+        except (OSError, ValueError) as e:
+            log.info("kv_aware: %s/server_info: %s (asked again later)", url, e)
+            return
+        sources = info.get("kv_events_endpoints") or []
+        if not sources:
+            log.warning("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
+                        "routing to it by cache_aware", url)
+            return
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._load_tokenizer(self.config.tokenizer_path or info.get("model_path"))
+        self._page_size = int(info.get("page_size") or 1)
+        for src in sources:
+            key = keys.get(int(src.get("dp_rank", 0)))
+            if key is not None:
+                self.subscriber.add(EventSource(key, src["endpoint"], src.get("replay_endpoint"),
+                                                src.get("topic") or ""))
+        self._subscribed.add(url)
+
+    def _load_tokenizer(self, model_path: str | None) -> None:
+        from pdserve.engine.model_executor.tokenizer import load_tokenizer
+
+        t0 = time.monotonic()
+        self._tokenizer = load_tokenizer(model_path)
+        log.info("kv_aware: tokenizer of %s loaded in %.1f s", model_path or "the default model",
+                 time.monotonic() - t0)
