@@ -20,9 +20,10 @@ import time
 import uvloop
 from aiohttp import web
 
-from pdserve.engine import env
+import pdserve.engine.env as env
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.sched.scheduler_process import run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
@@ -46,14 +47,14 @@ def threads_per_rank(config: ServerConfig) -> int:
     return max(1, cpu_count() // config.dp_size)
 
 
-def spawn_ranks(config: ServerConfig, tm: TokenizerManager) -> list[mp.Process]:
+def spawn_ranks(config: ServerConfig, transport: ZmqTransport) -> list[mp.Process]:
     ctx = mp.get_context("spawn")
     n = threads_per_rank(config)
     procs = []
     for r in range(config.dp_size):
         p = ctx.Process(
             target=run_scheduler_process,
-            args=(config, r, tm.rank_in_addrs[r], tm.out_addr, os.getpid(), n),
+            args=(config, r, transport.rank_in_addrs[r], transport.out_addr, os.getpid(), n),
             name=f"pdserve-dp{r}",
             daemon=True,
         )
@@ -97,7 +98,8 @@ async def serve(config: ServerConfig) -> int:
     try:
         tokenizer = None
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
-        tm = TokenizerManager(config, None, metrics)
+        transport = ZmqTransport(config.dp_size)
+        tm = TokenizerManager(config, None, metrics, transport)
         if config.disaggregation_mode == "prefill":
             # decode ranks find this server's prefill ranks here; the ranks register as they start
             from pdserve.kvtransfer.bootstrap_server import BootstrapServer
@@ -105,7 +107,7 @@ async def serve(config: ServerConfig) -> int:
             bootstrap = BootstrapServer(config.host, config.disaggregation_bootstrap_port, dp_size=config.dp_size)
             await bootstrap.start()
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
-        procs = spawn_ranks(config, tm)
+        procs = spawn_ranks(config, transport)
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
         ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, lambda: all(p.is_alive() for p in procs)))
         stopped = asyncio.ensure_future(stop.wait())

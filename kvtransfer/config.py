@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
+
 TRANSFER_BACKENDS = ("mooncake", "nixl")
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -28,7 +30,7 @@ class KVTransferConfig:
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
-    aux_max_top_logprobs: int = 20
+    aux_max_top_logprobs: int = MAX_TOP_LOGPROBS  # a slot holds any output's top logprobs
     # test-only: fail this fraction of KV writes at the adapter boundary (kvtransfer/fault_injection.py)
     fault_injection_rate: float = 0.0
     fault_injection_seed: int = 0

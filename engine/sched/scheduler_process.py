@@ -2,10 +2,11 @@
 
 ``run_scheduler_process`` builds the rank's loop (``SchedulerLoop`` in
 colocated mode; the prefill and decode loops register themselves in
-``LOOP_BUILDERS``), announces itself with ``SchedulerReady``, then loops:
-receive ``SchedulerInput``s from the HTTP process, step while there is work,
-send the ``TokenOutput``s of each step (one message per step) and a
-``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it changes.
+``LOOP_BUILDERS``), announces itself with ``SchedulerReady``, then runs
+``serve_rank``: receive ``SchedulerInput``s from the HTTP process, step while
+there is work, send the ``TokenOutput``s of each step (one message per step)
+and a ``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it
+changes. The offline Engine runs the same ``serve_rank`` on a thread.
 The process dies with its parent (PR_SET_PDEATHSIG), so no rank outlives a
 killed server.
 """
@@ -21,7 +22,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import msgspec
 import zmq
@@ -81,7 +82,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
+def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
     arch, pool = loop.arch, loop.pool
     return SchedulerReady(
         dp_rank=dp_rank,
@@ -115,14 +116,30 @@ def run_scheduler_process(
     push.setsockopt(zmq.LINGER, 2000)
     push.connect(out_addr)
     enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(SchedulerInput)
+    poller = zmq.Poller()
+    poller.register(pull, zmq.POLLIN)
 
     def send(msgs: list) -> None:
         push.send(enc.encode(msgs), copy=False)
 
+    def recv(timeout_ms: int) -> Iterator[SchedulerInput]:
+        if poller.poll(timeout_ms):
+            while True:
+                try:
+                    raw = pull.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                yield dec.decode(raw)
+
     try:
         loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
-        send([_ready_info(loop, dp_rank, num_threads)])
-        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), num_threads)
+        send([ready_info(loop, dp_rank, num_threads)])
+
+        def orphaned() -> bool:  # the parent died without killing us: nothing left to serve
+            return not loop.has_work() and os.getppid() != parent_pid
+
+        _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, orphaned), num_threads)
     except Exception as e:
         logger.error("DP rank %d failed:\n%s", dp_rank, traceback.format_exc())
         send([SchedulerError(dp_rank=dp_rank, message=f"{type(e).__name__}: {e}")])
@@ -169,22 +186,24 @@ def _handle(loop, msg) -> None:
         loop.flush_cache()
 
 
-def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
-    dec = msgspec.msgpack.Decoder(SchedulerInput)
-    poller = zmq.Poller()
-    poller.register(pull, zmq.POLLIN)
+def serve_rank(
+    loop,
+    dp_rank: int,
+    recv: Callable[[int], Iterable[SchedulerInput]],
+    send: Callable[[list], None],
+    should_stop: Callable[[], bool],
+) -> None:
+    """The rank's loop, whatever carries its messages: take the inputs ``recv(timeout_ms)`` yields
+    (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
+    outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
+    feeds it from ZMQ; the offline Engine's ``LocalRank`` from a queue."""
     last_stats = _stats(loop, dp_rank)
     send([last_stats])
     last_stats_time = time.monotonic()
-    while True:
+    while not should_stop():
         busy = loop.has_work()
-        if poller.poll(0 if busy else IDLE_POLL_MS):
-            while True:
-                try:
-                    raw = pull.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                _handle(loop, dec.decode(raw))
+        for msg in recv(0 if busy else IDLE_POLL_MS):
+            _handle(loop, msg)
         outs = loop.step() if loop.has_work() else []
         now = time.monotonic()
         msgs: list = list(outs)
@@ -196,5 +215,3 @@ def _serve(loop, dp_rank: int, pull: zmq.Socket, send, parent_pid: int) -> None:
             last_stats_time = now
         if msgs:
             send(msgs)
-        if not busy and os.getppid() != parent_pid:
-            return  # orphaned (the parent died without killing us): nothing left to serve
