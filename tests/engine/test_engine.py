@@ -10,6 +10,8 @@ import asyncio
 import pytest
 
 from pdserve.engine import Engine
+from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,6 +164,46 @@ def test_async_generate_and_stream(engine):
 def test_bad_parameters_raise_value_error(engine, kwargs, name):
     with pytest.raises(ValueError, match=name):
         engine.generate(**kwargs)
+
+
+def test_engine_validates_as_the_server_does(engine):
+    # the server's checks (protocol and tokenizer manager), raised as RequestErrors naming the field
+    with pytest.raises(RequestError) as e:
+        engine.generate("hi", {"max_new_tokens": 4}, return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS + 1)
+    assert e.value.param == "top_logprobs_num"
+    with pytest.raises(RequestError) as e:
+        engine.generate(input_ids=[1] * 8000, sampling_params={"max_new_tokens": 500})
+    assert e.value.code == "context_length_exceeded" and e.value.param == "sampling_params.max_new_tokens"
+    with pytest.raises(RequestError) as e:
+        engine.generate(["a", "b"], rid="same")
+    assert e.value.param == "rid"
+    engine.check_integrity()
+
+
+def test_a_dead_loop_fails_calls_in_flight_and_later_ones():
+    with Engine(dtype="float32", max_total_tokens=2048, num_threads=2) as dying:
+        stream = dying.generate("Count: 1, 2,", {"max_new_tokens": 100, "ignore_eos": True}, stream=True)
+        next(stream)
+
+        def broken_step():
+            raise MemoryError("injected")
+
+        dying.loop.step = broken_step
+        with pytest.raises(RuntimeError, match="injected"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="injected"):
+            dying.generate("hi")
+
+
+def test_shutdown_ends_streams_in_flight_and_refuses_new_calls():
+    with Engine(dtype="float32", max_total_tokens=2048, num_threads=2) as closing:
+        stream = closing.generate("Count: 1, 2,", {"max_new_tokens": 100, "ignore_eos": True}, stream=True)
+        next(stream)
+        closing.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="shut down"):
+            closing.generate("hi")
 
 
 def test_bad_engine_arguments():
