@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import os
 import threading
 from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
@@ -221,7 +222,7 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """End request ``rid`` (its pages are freed); its caller gets finish_reason ``abort``."""
-        self._post(lambda: self._tm.abort(rid, "aborted by Engine.abort"))
+        self._post(functools.partial(self._tm.abort, rid, "aborted by Engine.abort"))
 
     # -------------------------------------------------------------------- state
     def call(self, fn: Callable[[], Any]) -> Any:
