@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import os
 import threading
 from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
@@ -221,8 +220,13 @@ class Engine:
             self._post(run.close)
 
     def abort(self, rid: str) -> None:
-        """End request ``rid`` (its pages are freed); its caller gets finish_reason ``abort``."""
-        self._post(functools.partial(self._tm.abort, rid, "aborted by Engine.abort"))
+        """End request ``rid`` (its pages are freed); its caller gets finish_reason ``abort``.
+        Returns once the abort is on its way to the rank, so a ``call`` after it sees it done."""
+        if not self._closed:
+            self._wait(self._abort(rid))
+
+    async def _abort(self, rid: str) -> None:
+        self._tm.abort(rid, "aborted by Engine.abort")
 
     # -------------------------------------------------------------------- state
     def call(self, fn: Callable[[], Any]) -> Any:

@@ -100,6 +100,17 @@ def test_abort_frees_pages(engine):
     assert engine.stats().num_free_pages == total
 
 
+def test_abort_reaches_the_loop_before_a_later_call(engine):
+    stream = engine.generate(
+        "Count: 1, 2, 3,", {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}, stream=True, rid="ordered"
+    )
+    next(stream)
+    engine.abort("ordered")
+    assert engine.call(lambda: "ordered" not in engine.loop.scheduler.reqs)
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_integrity()
+
+
 def test_stop_string_trimmed_and_logprobs(engine):
     full = engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     assert full["text"].startswith(" 5, 6")
