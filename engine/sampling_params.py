@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import msgspec
 
+# most top logprobs one output token may carry: the API's limit, and the size of a PD aux slot's list
+MAX_TOP_LOGPROBS = 20
+
 
 class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     max_new_tokens: int = 128

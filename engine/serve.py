@@ -26,11 +26,12 @@ import time
 import uvloop
 from aiohttp import web
 
-from pdserve.engine import env
+import pdserve.engine.env as env
 from pdserve.engine.cluster import free_port, split_cpus
 from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
@@ -81,15 +82,15 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
     return specs
 
 
-def spawn_ranks(config: ServerConfig, tm: TokenizerManager | None) -> dict[tuple[int, int], mp.Process]:
-    """Start this node's scheduler processes, keyed by (dp_rank, tp_rank). ``tm`` None: a node > 0."""
+def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tuple[int, int], mp.Process]:
+    """Start this node's scheduler processes, keyed by (dp_rank, tp_rank). ``transport`` None: a node > 0."""
     ctx = mp.get_context("spawn")
     procs = {}
     for spec in plan_ranks(config):
-        leader = spec.tp_rank == 0 and tm is not None
+        leader = spec.tp_rank == 0 and transport is not None
         p = ctx.Process(
             target=run_scheduler_process,
-            args=(config, spec, tm.rank_in_addrs[spec.dp_rank] if leader else None, tm.out_addr if leader else None,
+            args=(config, spec, transport.rank_in_addrs[spec.dp_rank] if leader else None, transport.out_addr if leader else None,
                   os.getpid()),
             name=f"pdserve-{spec.name}",
             daemon=True,
@@ -159,7 +160,8 @@ async def serve(config: ServerConfig) -> int:
             return await serve_node(config, stop)
         tokenizer = None
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
-        tm = TokenizerManager(config, None, metrics)
+        transport = ZmqTransport(config.dp_size)
+        tm = TokenizerManager(config, None, metrics, transport)
         if config.disaggregation_mode == "prefill":
             # decode ranks find this server's prefill ranks here; the ranks register as they start
             from pdserve.kvtransfer.bootstrap_server import BootstrapServer
@@ -171,7 +173,7 @@ async def serve(config: ServerConfig) -> int:
             )
             await bootstrap.start()
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
-        procs = spawn_ranks(config, tm)
+        procs = spawn_ranks(config, transport)
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
         alive = lambda: all(p.is_alive() for p in procs.values())  # noqa: E731
         ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, alive))

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
+
 _HEADER = struct.Struct("<IifI")
 _VALID = 0x5044_4158  # "PDAX": a slot never written reads as invalid
 
@@ -26,7 +28,7 @@ class AuxData:
 
 
 class AuxPool:
-    def __init__(self, num_slots: int, max_top_logprobs: int = 20):
+    def __init__(self, num_slots: int, max_top_logprobs: int = MAX_TOP_LOGPROBS):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.num_slots = num_slots

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from pdserve.kvtransfer.auth import FrameAuth, load_secret
 from pdserve.kvtransfer.transfer_engine import check_transfer_backend
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -35,7 +36,7 @@ class KVTransferConfig:
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
-    aux_max_top_logprobs: int = 20
+    aux_max_top_logprobs: int = MAX_TOP_LOGPROBS  # a slot holds any output's top logprobs
     # a file holding the shared secret of the KV control plane (ZMQ frames and bootstrap PUT /route
     # carry an HMAC made with it: kvtransfer/auth.py); "" leaves the control plane unauthenticated
     auth_key_file: str = ""

@@ -51,13 +51,13 @@ def openai_finish_reason(st: SeqState) -> str | None:
 # --- SGLang /generate ------------------------------------------------------------------------
 
 
-def _sgl_finish(st: SeqState) -> dict | None:
+def _sgl_finish(st: SeqState, length_detail: bool) -> dict | None:
     if st.finish_reason is None:
         return None
     d: dict[str, Any] = {"type": st.finish_reason}
     if st.finish_reason == "stop" and st.matched_stop is not None:
         d["matched"] = st.matched_stop
-    elif st.finish_reason == "length":
+    elif st.finish_reason == "length" and length_detail:
         d["length"] = st.completion_tokens
     if st.error:
         d["message"] = st.error
@@ -69,28 +69,36 @@ def _sgl_logprob_entries(entries, tok_str: TokStr | None) -> list:
     return [[lp, tid, tok_str(tid) if tok_str else None] for tid, lp in entries]
 
 
-def generate_object(st: SeqState, tok_str: TokStr | None = None) -> dict:
-    """One /generate output (non-streamed, or one streamed event): text and ids so far."""
+def generate_object(
+    st: SeqState, tok_str: TokStr | None = None, delta: Delta | None = None, length_detail: bool = True
+) -> dict:
+    """One /generate output: text, ids and logprobs so far (a response, or an event of an HTTP
+    stream), or with ``delta`` only what it added (the offline Engine's stream chunks).
+
+    ``length_detail``: SGLang's ``finish_reason`` of a length stop carries the length; the offline
+    Engine's has the type alone."""
     meta: dict[str, Any] = {
         "id": st.rid,
-        "finish_reason": _sgl_finish(st),
+        "finish_reason": _sgl_finish(st, length_detail),
         "prompt_tokens": st.prompt_tokens,
         "completion_tokens": st.completion_tokens,
         "cached_tokens": st.cached_tokens,
         "e2e_latency": st.e2e_latency(),
     }
     if st.spec.return_logprob:
-        meta["output_token_logprobs"] = _sgl_logprob_entries(
-            [(t.token_id, t.logprob) for t in st.logprobs], tok_str
-        )
+        logprobs = st.logprobs if delta is None else delta.logprobs
+        meta["output_token_logprobs"] = _sgl_logprob_entries([(t.token_id, t.logprob) for t in logprobs], tok_str)
         if st.spec.top_logprobs_num:
-            meta["output_top_logprobs"] = [_sgl_logprob_entries(t.top, tok_str) for t in st.logprobs]
+            meta["output_top_logprobs"] = [_sgl_logprob_entries(t.top, tok_str) for t in logprobs]
         if st.input_logprobs:
             ids = st.input_ids[len(st.input_ids) - len(st.input_logprobs) :]
             meta["input_token_logprobs"] = _sgl_logprob_entries(list(zip(ids, st.input_logprobs)), tok_str)
     if st.dp_rank is not None:
         meta["dp_rank"] = st.dp_rank
-    out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+    if delta is None:
+        out = {"text": st.text, "output_ids": list(st.output_ids), "meta_info": meta}
+    else:
+        out = {"text": delta.text, "output_ids": list(delta.token_ids), "meta_info": meta}
     if st.num_prompts_in_batch:
         out["index"] = st.spec.index
     return out

@@ -5,12 +5,15 @@ Three endpoints share one path: the body is decoded into a msgspec Struct
 forbids unknown fields, so a typo such as ``max_token`` is a 400 naming it,
 while every field of OpenAI's or SGLang's request schema is accepted (and
 ignored where pdserve has no such feature, see docs/ARCHITECTURE.md "SGLang wire
-compatibility"). ``to_sequences`` then validates the values and expands the
-body into ``SequenceSpec``s: one per prompt and choice, each becoming one
-``TokenizedGenerateReq`` once the tokenizer manager has tokenized it.
+compatibility"). ``generate_sequences``, ``completion_sequences`` and
+``chat_sequences`` then validate the values and expand the body into
+``SequenceSpec``s: one per prompt and choice, each becoming one
+``TokenizedGenerateReq`` once the tokenizer manager has tokenized it. The
+offline ``Engine`` builds a ``GenerateRequest`` from its arguments
+(``convert_body``) and takes the same path.
 
-Every failure is a ``RequestError`` carrying the HTTP status and the OpenAI
-error object's fields.
+Every failure is a ``RequestError`` (a ``ValueError``) carrying the HTTP status
+and the OpenAI error object's fields.
 """
 
 from __future__ import annotations
@@ -23,13 +26,11 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.messages import BootstrapInfo
-from pdserve.engine.sampling_params import SamplingParams
-
-MAX_TOP_LOGPROBS = 20
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
 
-class RequestError(Exception):
-    """A bad request, answered with OpenAI's error object."""
+class RequestError(ValueError):
+    """A bad request, answered with OpenAI's error object (the offline Engine raises it as it is)."""
 
     def __init__(
         self,
@@ -229,21 +230,36 @@ _PATH_RE = re.compile(r" - at `\$\.?(.*)`$")
 _UNKNOWN_RE = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$\.?(.*)`)?")
 
 
+def _invalid_body(e: msgspec.ValidationError) -> RequestError:
+    """msgspec's validation error as a RequestError naming the field."""
+    msg = str(e)
+    m = _UNKNOWN_RE.match(msg)
+    if m:
+        name = m.group(1) if not m.group(2) else f"{m.group(2)}.{m.group(1)}"
+        return RequestError(f"Unknown field `{name}` in the request body", param=name, code="unknown_field")
+    m = _PATH_RE.search(msg)
+    param = m.group(1) if m else None
+    return RequestError(f"Invalid request body: {msg}", param=param, code="invalid_type")
+
+
 def decode_body(body: bytes, type_: type[msgspec.Struct]) -> msgspec.Struct:
     """Decode a JSON body, turning msgspec's errors into RequestErrors naming the field."""
     try:
         return msgspec.json.decode(body, type=type_)
     except msgspec.ValidationError as e:
-        msg = str(e)
-        m = _UNKNOWN_RE.match(msg)
-        if m:
-            name = m.group(1) if not m.group(2) else f"{m.group(2)}.{m.group(1)}"
-            raise RequestError(f"Unknown field `{name}` in the request body", param=name, code="unknown_field") from None
-        m = _PATH_RE.search(msg)
-        param = m.group(1) if m else None
-        raise RequestError(f"Invalid request body: {msg}", param=param, code="invalid_type") from None
+        raise _invalid_body(e) from None
     except msgspec.DecodeError as e:
         raise RequestError(f"Invalid JSON body: {e}", code="invalid_json") from None
+
+
+def convert_body(obj: dict[str, Any], type_: type[msgspec.Struct]) -> msgspec.Struct:
+    """A body given as Python objects (the offline Engine's arguments), checked as ``decode_body`` checks JSON."""
+    try:
+        return msgspec.convert(msgspec.to_builtins(obj), type_)
+    except msgspec.ValidationError as e:
+        raise _invalid_body(e) from None
+    except TypeError as e:  # an object with no JSON form
+        raise RequestError(f"Invalid request body: {e}", code="invalid_type") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,17 +466,21 @@ def _check_max_tokens(value: int | None, param: str, minimum: int) -> None:
 # --- /generate -------------------------------------------------------------------------------
 
 
-def generate_sequences(req: GenerateRequest, limits: RequestLimits) -> tuple[list[SequenceSpec], bool]:
-    """Expand a /generate body; returns the sequences and whether the body was a batch."""
+def generate_sequences(
+    req: GenerateRequest, limits: RequestLimits, text_param: str = "text"
+) -> tuple[list[SequenceSpec], bool]:
+    """Expand a /generate body; returns the sequences and whether the body was a batch.
+
+    ``text_param``: the name errors give the ``text`` field (the offline Engine calls it ``prompt``)."""
     _unsupported(req, ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob"))
     _check_model(req.model, limits)
     if (req.text is None) == (req.input_ids is None):
-        raise RequestError("exactly one of `text` and `input_ids` must be given", param="text")
+        raise RequestError(f"exactly one of `{text_param}` and `input_ids` must be given", param=text_param)
     prompts: list[str | list[int]]
     if req.text is not None:
         is_batch = isinstance(req.text, list)
         prompts = list(req.text) if is_batch else [req.text]
-        prompt_param = "text"
+        prompt_param = text_param
     else:
         ids = req.input_ids
         if _is_int_list(ids):

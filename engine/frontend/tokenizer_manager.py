@@ -1,24 +1,22 @@
 """The main process's side of the engine: tokenize, dispatch, collect, detokenize.
 
-``TokenizerManager`` owns the ZMQ sockets to the scheduler ranks (one PUSH per
-rank, one PULL for all their outputs), the per-sequence states, and the choice
-of DP rank. ``generate(seqs)`` tokenizes and validates every sequence of a
-request before sending any, then yields ``(SeqState, Delta)`` as outputs
-arrive; leaving the iteration early (a client that disconnects cancels its
-handler) aborts the unfinished sequences in their schedulers.
+``TokenizerManager`` owns the per-sequence states and the choice of DP rank,
+and reaches the scheduler ranks through a ``RankTransport`` (ZMQ to scheduler
+processes in ``pdserve serve``, a thread in the offline ``Engine``: both front
+ends are this class). ``submit(seqs)`` tokenizes and validates every sequence
+of a request before sending any and returns a ``RequestHandle`` that yields
+``(SeqState, Delta)`` as outputs arrive; closing the handle early (a client
+that disconnects cancels its handler) aborts the unfinished sequences in
+their schedulers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from pdserve.engine.frontend.detokenizer import Detokenizer
 from pdserve.engine.messages import (
@@ -39,6 +37,7 @@ from pdserve.engine.frontend.protocol import (
     SequenceSpec,
     local_prefill_refusal,
 )
+from pdserve.engine.frontend.rank_transport import RankTransport
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 
@@ -66,65 +65,46 @@ def encode_prompt(tokenizer, prompt: str | list[int] | ChatPrompt) -> list[int]:
 
 
 class TokenizerManager:
-    def __init__(self, config: ServerConfig, tokenizer, metrics: ServerMetrics):
+    def __init__(self, config: ServerConfig, tokenizer, metrics: ServerMetrics, transport: RankTransport):
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.dp_size = config.dp_size
-        self._ipc_dir = tempfile.mkdtemp(prefix="pdserve-")
-        self.rank_in_addrs = [f"ipc://{self._ipc_dir}/rank{r}" for r in range(self.dp_size)]
-        self.out_addr = f"ipc://{self._ipc_dir}/out"
-        self._ctx = zmq.asyncio.Context()
-        self._push = []
-        for addr in self.rank_in_addrs:
-            s = self._ctx.socket(zmq.PUSH)
-            s.setsockopt(zmq.LINGER, 0)
-            s.bind(addr)
-            self._push.append(s)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self.out_addr)
-        self._enc = msgspec.msgpack.Encoder()
-        self._dec = msgspec.msgpack.Decoder(list[SchedulerOutput])
-
+        self.transport = transport
         self.ready: list[SchedulerReady | None] = [None] * self.dp_size
         self.stats: list[SchedulerStats | None] = [None] * self.dp_size
         self.inflight = [0] * self.dp_size
         self._rr = 0
         self._seqs: dict[str, tuple[SeqState, asyncio.Queue]] = {}
         self._rooms: dict[int, str] = {}  # bootstrap_room -> rid, while in flight (PD modes)
-        self._recv_task: asyncio.Task | None = None
+        self._start_failure: str | None = None
+        self._ready_changed = asyncio.Event()
         self.dead_reason: str | None = None
         self._tok_cache: dict[int, str] = {}
 
     # --- start and stop --------------------------------------------------------------------
 
     async def wait_ready(self, timeout: float, alive) -> None:
-        """Wait for every rank's SchedulerReady; ``alive()`` False (a rank died) aborts the wait."""
+        """Start receiving, then wait for every rank's SchedulerReady; ``alive()`` False (a rank
+        died) aborts the wait."""
+        self.transport.start(self.on_messages)
         deadline = time.monotonic() + timeout
         while not all(self.ready):
+            if self._start_failure is not None:
+                raise RankFailed(self._start_failure)
             if not alive():
                 raise RankFailed("a scheduler process exited during start-up")
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RankFailed(f"scheduler ranks not ready within {timeout:.0f} s")
-            if await self._pull.poll(timeout=min(500, int(left * 1000) + 1)):
-                for msg in self._dec.decode(await self._pull.recv()):
-                    if isinstance(msg, SchedulerReady):
-                        self.ready[msg.dp_rank] = msg
-                    elif isinstance(msg, SchedulerError):
-                        raise RankFailed(f"DP rank {msg.dp_rank} failed to start: {msg.message}")
-                    elif isinstance(msg, SchedulerStats):
-                        self.stats[msg.dp_rank] = msg
-        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+            self._ready_changed.clear()
+            try:
+                await asyncio.wait_for(self._ready_changed.wait(), min(0.5, left))
+            except asyncio.TimeoutError:
+                pass
 
     def close(self) -> None:
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-        for s in self._push + [self._pull]:
-            s.close(linger=0)
-        self._ctx.term()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self.transport.close()
 
     # --- model facts -----------------------------------------------------------------------
 
@@ -256,23 +236,23 @@ class TokenizerManager:
                 logprob_start_len=spec.logprob_start_len,
                 bootstrap=spec.bootstrap,
             )
-            self._push[st.dp_rank].send(self._enc.encode(req), copy=False)
+            self.transport.send(st.dp_rank, req)
         return handle
 
     def _abort_state(self, st: SeqState, reason: str) -> None:
         if self._seqs.pop(st.rid, None) is None:
             return
         if self.dead_reason is None:
-            self._push[st.dp_rank].send(self._enc.encode(AbortReq(rid=st.rid, reason=reason)))
+            self.transport.send(st.dp_rank, AbortReq(rid=st.rid, reason=reason))
         self._finish(st, "abort", None, reason)
 
-    def abort(self, rid: str) -> int:
+    def abort(self, rid: str, reason: str = "aborted by /abort_request") -> int:
         """Abort a request by rid (its choices too); returns how many sequences it ended."""
         hits = [
             entry for key, entry in list(self._seqs.items()) if key == rid or key.startswith(rid + "-")
         ]
         for st, queue in hits:
-            self._abort_state(st, "aborted by /abort_request")
+            self._abort_state(st, reason)
             queue.put_nowait((st, Delta("", [], [], True)))
         return len(hits)
 
@@ -281,8 +261,8 @@ class TokenizerManager:
         return sum(self.abort(rid) for rid in rids if rid in self._seqs)
 
     def flush_cache(self) -> None:
-        for s in self._push:
-            s.send(self._enc.encode(FlushCacheReq()))
+        for rank in range(self.dp_size):
+            self.transport.send(rank, FlushCacheReq())
 
     def fail_all(self, reason: str) -> None:
         """A rank died: end every sequence with a 503 error and refuse new ones."""
@@ -295,17 +275,23 @@ class TokenizerManager:
 
     # --- outputs ---------------------------------------------------------------------------
 
-    async def _recv_loop(self) -> None:
-        while True:
-            msgs = self._dec.decode(await self._pull.recv())
-            for msg in msgs:
-                if isinstance(msg, TokenOutput):
-                    self._on_output(msg)
-                elif isinstance(msg, SchedulerStats):
-                    self.stats[msg.dp_rank] = msg
-                elif isinstance(msg, SchedulerError):
-                    logger.error("DP rank %d failed: %s", msg.dp_rank, msg.message)
-                    self.fail_all(f"DP rank {msg.dp_rank} failed: {msg.message}")
+    def on_messages(self, msgs: list[SchedulerOutput]) -> None:
+        """What the ranks sent (the transport calls this on the event loop)."""
+        for msg in msgs:
+            if isinstance(msg, TokenOutput):
+                self._on_output(msg)
+            elif isinstance(msg, SchedulerStats):
+                self.stats[msg.dp_rank] = msg
+            elif isinstance(msg, SchedulerReady):
+                self.ready[msg.dp_rank] = msg
+                self._ready_changed.set()
+            elif isinstance(msg, SchedulerError):
+                if not all(self.ready):
+                    self._start_failure = f"DP rank {msg.dp_rank} failed to start: {msg.message}"
+                    self._ready_changed.set()
+                    continue
+                logger.error("DP rank %d failed: %s", msg.dp_rank, msg.message)
+                self.fail_all(f"DP rank {msg.dp_rank} failed: {msg.message}")
 
     def _on_output(self, o: TokenOutput) -> None:
         entry = self._seqs.get(o.rid)

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pdserve.engine import env
+import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch

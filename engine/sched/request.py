@@ -39,14 +39,6 @@ class FinishReason:
     matched: int | str | None = None  # stop token id or stop string that ended it
     message: str | None = None  # for "abort" / "error"
 
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.type}
-        if self.matched is not None:
-            d["matched"] = self.matched
-        if self.message is not None:
-            d["message"] = self.message
-        return d
-
 
 @dataclass(eq=False)
 class Req:

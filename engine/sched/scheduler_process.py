@@ -2,10 +2,11 @@
 
 ``run_scheduler_process`` builds the rank's loop (``SchedulerLoop`` in
 colocated mode; the prefill and decode loops register themselves in
-``LOOP_BUILDERS``), announces itself with ``SchedulerReady``, then loops:
-receive ``SchedulerInput``s from the HTTP process, step while there is work,
-send the ``TokenOutput``s of each step (one message per step) and a
-``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it changes.
+``LOOP_BUILDERS``), announces itself with ``SchedulerReady``, then runs
+``serve_rank``: receive ``SchedulerInput``s from the HTTP process, step while
+there is work, send the ``TokenOutput``s of each step (one message per step)
+and a ``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it
+changes. The offline Engine runs the same ``serve_rank`` on a thread.
 The process dies with its parent (PR_SET_PDEATHSIG), so no rank outlives a
 killed server.
 
@@ -29,7 +30,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import msgspec
 import zmq
@@ -117,7 +118,7 @@ def _die_with_parent(name: str) -> None:
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"pdserve-{name}".encode()[:15]))
 
 
-def _ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
+def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
     arch, pool = loop.arch, loop.pool
     return SchedulerReady(
         dp_rank=dp_rank,
@@ -172,8 +173,13 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
         # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks
         publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx) if leader else None
-        send([_ready_info(loop, dp_rank, rank.num_threads)])
-        _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid, publish), rank.num_threads)
+        send([ready_info(loop, dp_rank, rank.num_threads)])
+
+        def orphaned() -> bool:  # the parent died without killing us: nothing left to serve
+            return not loop.has_work() and os.getppid() != parent_pid
+
+        recv, should_stop = _inputs(pull, orphaned)
+        _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, should_stop, publish), rank.num_threads)
     except Exception as e:
         logger.error("DP rank %d TP rank %d failed:\n%s", dp_rank, rank.tp_rank, traceback.format_exc())
         if config.tp_size > 1:
@@ -186,8 +192,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
 
 
 def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Context):
-    """With ``--kv-events-config``: a publisher of the cache's events; returns what ``_serve``
-    calls once per iteration (None without)."""
+    """With ``--kv-events-config``: a publisher of the cache's events; returns what ``serve_rank``
+    calls after each iteration (None without)."""
     if not config.kv_events.enabled:
         return None
     from pdserve.engine.kv_event_publisher import ZmqEventPublisher
@@ -235,10 +241,10 @@ def _handle(loop, msg) -> None:
         loop.flush_cache()
 
 
-def _receive(pull: zmq.Socket, poller: zmq.Poller, busy: bool) -> list[bytes]:
-    """The raw messages waiting (blocking up to IDLE_POLL_MS when there is nothing to do)."""
+def _receive(pull: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:
+    """The raw messages waiting (blocking up to ``timeout_ms`` for the first)."""
     raws: list[bytes] = []
-    if poller.poll(0 if busy else IDLE_POLL_MS):
+    if poller.poll(timeout_ms):
         while True:
             try:
                 raws.append(pull.recv(zmq.NOBLOCK))
@@ -247,41 +253,59 @@ def _receive(pull: zmq.Socket, poller: zmq.Poller, busy: bool) -> list[bytes]:
     return raws
 
 
-def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int, publish=None) -> None:
-    """Rank 0 (``pull`` set) reads the HTTP process's messages; at TP > 1 it broadcasts them each
-    iteration, with whether to stop, and the other ranks follow, so all step in lockstep.
+def _inputs(pull: zmq.Socket | None, orphaned: Callable[[], bool]):
+    """``(recv, should_stop)`` for ``serve_rank`` in a scheduler process.
 
-    PD modes under TP (next step): a decision that depends on rank-local state, such as
-    whether a KV transfer has landed, must be agreed before acting on it: all-reduce the
-    poll states across the TP ranks (SGLang's ``poll_and_all_reduce``), here, before ``step``.
+    TP rank 0 (``pull`` set) reads the HTTP process's messages. At TP > 1 it broadcasts them each
+    iteration, with whether to stop, and the other ranks follow, so all step in lockstep: every
+    rank's ``should_stop`` answers what rank 0 broadcast in the previous iteration.
+
+    PD modes under TP: a decision that depends on rank-local state, such as whether a KV
+    transfer has landed, must be agreed before acting on it: all-reduce the poll states across
+    the TP ranks (SGLang's ``poll_and_all_reduce``) before ``step``.
     """
     from pdserve.engine.model_executor.parallel import broadcast_objects, tp_size
 
-    leader = pull is not None
-    tp = tp_size()
     dec = msgspec.msgpack.Decoder(SchedulerInput)
     poller = zmq.Poller()
-    if leader:
+    if pull is not None:
         poller.register(pull, zmq.POLLIN)
+    if tp_size() == 1:
+        return (lambda timeout_ms: [dec.decode(raw) for raw in _receive(pull, poller, timeout_ms)]), orphaned
+    stop = [False]
+
+    def recv(timeout_ms: int) -> list[SchedulerInput]:
+        mine = [_receive(pull, poller, timeout_ms), orphaned()] if pull is not None else None
+        raws, stop[0] = broadcast_objects(mine)
+        return [dec.decode(raw) for raw in raws]
+
+    return recv, lambda: stop[0]
+
+
+def serve_rank(
+    loop,
+    dp_rank: int,
+    recv: Callable[[int], Iterable[SchedulerInput]],
+    send: Callable[[list], None],
+    should_stop: Callable[[], bool],
+    after_step: Callable[[], None] | None = None,
+) -> None:
+    """The rank's loop, whatever carries its messages: take the inputs ``recv(timeout_ms)`` yields
+    (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
+    outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
+    feeds it from ZMQ (``_inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
+    drops everything); the offline Engine's ``LocalRank`` from a queue. ``after_step``: run
+    after each iteration (the KV event publisher)."""
     last_stats = _stats(loop, dp_rank)
     send([last_stats])
     last_stats_time = time.monotonic()
-    while True:
+    while not should_stop():
         busy = loop.has_work()
-        raws = _receive(pull, poller, busy) if leader else []
-        # orphaned (the parent died without killing us): nothing left to serve
-        stop = leader and not busy and os.getppid() != parent_pid
-        if tp > 1:
-            raws, stop = broadcast_objects([raws, stop] if leader else None)
-        for raw in raws:
-            _handle(loop, dec.decode(raw))
-        if stop:
-            return
+        for msg in recv(0 if busy else IDLE_POLL_MS):
+            _handle(loop, msg)
         outs = loop.step() if loop.has_work() else []
-        if not leader:
-            continue
-        if publish is not None:
-            publish()
+        if after_step is not None:
+            after_step()
         now = time.monotonic()
         msgs: list = list(outs)
         if now - last_stats_time >= STATS_INTERVAL:

@@ -10,6 +10,8 @@ import asyncio
 import pytest
 
 from pdserve.engine import Engine
+from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,6 +100,17 @@ def test_abort_frees_pages(engine):
     assert engine.stats().num_free_pages == total
 
 
+def test_abort_reaches_the_loop_before_a_later_call(engine):
+    stream = engine.generate(
+        "Count: 1, 2, 3,", {"max_new_tokens": 200, "ignore_eos": True, "temperature": 0}, stream=True, rid="ordered"
+    )
+    next(stream)
+    engine.abort("ordered")
+    assert engine.call(lambda: "ordered" not in engine.loop.scheduler.reqs)
+    assert list(stream)[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    engine.check_integrity()
+
+
 def test_stop_string_trimmed_and_logprobs(engine):
     full = engine.generate("1, 2, 3, 4,", {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
     assert full["text"].startswith(" 5, 6")
@@ -162,6 +175,46 @@ def test_async_generate_and_stream(engine):
 def test_bad_parameters_raise_value_error(engine, kwargs, name):
     with pytest.raises(ValueError, match=name):
         engine.generate(**kwargs)
+
+
+def test_engine_validates_as_the_server_does(engine):
+    # the server's checks (protocol and tokenizer manager), raised as RequestErrors naming the field
+    with pytest.raises(RequestError) as e:
+        engine.generate("hi", {"max_new_tokens": 4}, return_logprob=True, top_logprobs_num=MAX_TOP_LOGPROBS + 1)
+    assert e.value.param == "top_logprobs_num"
+    with pytest.raises(RequestError) as e:
+        engine.generate(input_ids=[1] * 8000, sampling_params={"max_new_tokens": 500})
+    assert e.value.code == "context_length_exceeded" and e.value.param == "sampling_params.max_new_tokens"
+    with pytest.raises(RequestError) as e:
+        engine.generate(["a", "b"], rid="same")
+    assert e.value.param == "rid"
+    engine.check_integrity()
+
+
+def test_a_dead_loop_fails_calls_in_flight_and_later_ones():
+    with Engine(dtype="float32", max_total_tokens=2048, num_threads=2) as dying:
+        stream = dying.generate("Count: 1, 2,", {"max_new_tokens": 100, "ignore_eos": True}, stream=True)
+        next(stream)
+
+        def broken_step():
+            raise MemoryError("injected")
+
+        dying.loop.step = broken_step
+        with pytest.raises(RuntimeError, match="injected"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="injected"):
+            dying.generate("hi")
+
+
+def test_shutdown_ends_streams_in_flight_and_refuses_new_calls():
+    with Engine(dtype="float32", max_total_tokens=2048, num_threads=2) as closing:
+        stream = closing.generate("Count: 1, 2,", {"max_new_tokens": 100, "ignore_eos": True}, stream=True)
+        next(stream)
+        closing.shutdown()
+        with pytest.raises(RuntimeError, match="shut down"):
+            list(stream)
+        with pytest.raises(RuntimeError, match="shut down"):
+            closing.generate("hi")
 
 
 def test_bad_engine_arguments():

@@ -19,7 +19,7 @@ def test_tiny_pool_preempts_and_matches_roomy_pool():
     with Engine(dtype="float32", max_total_tokens=128, num_threads=2, num_reserved_decode_tokens=0) as tiny:
         got = tiny.generate(PROMPTS, SP)
         tiny.check_integrity()
-        retractions = tiny._call(lambda: tiny.loop.scheduler.num_retractions)
+        retractions = tiny.call(lambda: tiny.loop.scheduler.num_retractions)
         roomy_alone = [tiny.generate(p, SP) for p in PROMPTS[:2]]  # one at a time fits
         tiny.check_integrity()
     assert retractions > 0
