@@ -4,8 +4,8 @@
 process per DP rank and TP rank (the cores split between them: each pinned to
 its own share when there are enough, else torch threads split), waits until
 every rank is ready, serves HTTP until SIGTERM/SIGINT, and on the way out stops
-the ranks (SIGTERM, then SIGKILL after a grace period) so no child is left
-behind. If any process of a DP rank dies while serving, /health turns 503, the
+the ranks (SIGKILL: they ignore SIGTERM, see ``stop_ranks``) so no child is
+left behind. If any process of a DP rank dies while serving, /health turns 503, the
 requests in flight end with 503 naming the dead rank (DP and TP), and the
 server exits with status 1, stopping the dead rank's TP siblings too.
 
@@ -38,7 +38,7 @@ from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManag
 
 logger = logging.getLogger("pdserve.server")
 
-RANK_STOP_GRACE = 3.0  # seconds a rank gets after SIGTERM before SIGKILL
+RANK_STOP_GRACE = 3.0  # seconds a rank killed at stop gets to be gone
 MONITOR_INTERVAL = 0.2
 DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
 
@@ -113,17 +113,18 @@ def dead_rank_reason(config: ServerConfig, procs: dict[tuple[int, int], mp.Proce
 
 
 def stop_ranks(procs: list[mp.Process]) -> None:
-    """SIGTERM every process, SIGKILL what is left after RANK_STOP_GRACE."""
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + RANK_STOP_GRACE
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
+    """SIGKILL every process and wait up to RANK_STOP_GRACE for each to be gone.
+
+    Ranks ignore SIGTERM (so that a SIGTERM to the whole process group leaves them serving this
+    process's drain); they hold no state worth a clean exit once this process stops, and SIGTERM's
+    default action killed them just as abruptly before.
+    """
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join(2.0)
+    deadline = time.monotonic() + RANK_STOP_GRACE
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
 
 
 async def serve(config: ServerConfig) -> int:

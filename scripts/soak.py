@@ -20,6 +20,12 @@ Scenarios (``--faults``, comma separated; ``none`` for a plain soak):
   disconnect     (always on with --disconnect-frac) clients that close their stream at random points
 
 Example: ``python scripts/soak.py --prefills 2 --decodes 2 --duration 300 --faults kill_prefill,stop_prefill``
+
+``--rolling-restart`` (instead of the faults): each pool in turn is restarted server by server under
+the load (``rolling_restart``: drained, SIGTERM, exit 0, started again, taken back by the router),
+then the same load runs as long with no restart; the JSON line gives requests per second and p50/p99
+TTFT of both runs per pool, ``failed`` (target 0), ``mismatched_outputs`` (greedy outputs of a prompt
+that differ between runs) and ``pages_leaked``.
 The load functions (``run_load``, ``scrape``, ``pages_free``) are imported by tests/reliability.
 """
 
@@ -28,12 +34,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,6 +61,8 @@ class Outcome:
     expected: int = 0
     status: int = 0
     message: str = ""
+    output_ids: list[int] = field(default_factory=list)  # the last event's (cumulative) output ids
+    ttft: float | None = None  # seconds from sending to the first event with tokens
 
 
 @dataclass
@@ -62,13 +72,23 @@ class LoadStats:
     tokens_completed: int = 0
     bad_token_counts: int = 0  # completed with the wrong number of tokens (a bug)
     errors: dict = field(default_factory=dict)  # message prefix -> count
+    ttfts: list = field(default_factory=list)  # of the completed requests, seconds
+    # (prompt ids, max_new) -> output ids of the completed requests; a greedy request that
+    # completed twice with different outputs is counted in ``mismatched``
+    outputs: dict = field(default_factory=dict)
+    mismatched: int = 0
 
-    def add(self, o: Outcome) -> None:
+    def add(self, o: Outcome, key: tuple | None = None) -> None:
         self.counts[o.kind] += 1
         if o.kind == "completed":
             self.tokens_completed += o.tokens
             if o.tokens != o.expected:
                 self.bad_token_counts += 1
+            if o.ttft is not None:
+                self.ttfts.append(o.ttft)
+            if key is not None:
+                if self.outputs.setdefault(key, o.output_ids) != o.output_ids:
+                    self.mismatched += 1
         elif o.kind == "error":
             key = f"{o.status} {o.message[:70]}"
             self.errors[key] = self.errors.get(key, 0) + 1
@@ -80,6 +100,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], 
     body = {"input_ids": ids, "stream": True,
             "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
     out = Outcome("hung", expected=max_new)
+    t0 = time.monotonic()
 
     async def go():
         async with session.post(url + "/generate", json=body, headers=headers) as resp:
@@ -111,7 +132,10 @@ async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], 
                         out.kind, out.message = "error", str(err.get("message") if isinstance(err, dict) else err)
                         continue
                     meta = obj.get("meta_info") or {}
-                    out.tokens = meta.get("completion_tokens", len(obj.get("output_ids") or []))
+                    out.output_ids = obj.get("output_ids") or []
+                    out.tokens = meta.get("completion_tokens", len(out.output_ids))
+                    if out.ttft is None and out.tokens:
+                        out.ttft = time.monotonic() - t0
                     events += 1
                     if disconnect_after is not None and events >= disconnect_after:
                         out.kind = "disconnected"
@@ -132,11 +156,15 @@ async def one_request(session: aiohttp.ClientSession, url: str, ids: list[int], 
 async def run_load(url: str, *, n: int | None = None, duration: float | None = None, concurrency: int = 16,
                    deadline: float = 60.0, seed: int = 0, prompt_lens=(1, 300), max_new=(1, 12),
                    disconnect_frac: float = 0.0, headers: dict | None = None, on_tick=None,
-                   stats: LoadStats | None = None) -> LoadStats:
-    """Send ``n`` requests (or for ``duration`` s) at ``concurrency``; every one is accounted for."""
+                   stats: LoadStats | None = None, pool: int | None = None,
+                   stop_when: Callable[[], bool] | None = None) -> LoadStats:
+    """Send ``n`` requests (or for ``duration`` s, or until ``stop_when()``) at ``concurrency``;
+    every one is accounted for. ``pool``: the requests cycle through that many prompts drawn from
+    ``seed`` (the same ones in every run), so two runs' outputs can be compared (``stats.outputs``)."""
     rng = random.Random(seed)
     stats = stats or LoadStats()
     end = None if duration is None else time.monotonic() + duration
+    fixed = [_draw(rng, prompt_lens, max_new) for _ in range(pool)] if pool else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
 
@@ -146,16 +174,30 @@ async def run_load(url: str, *, n: int | None = None, duration: float | None = N
                     return
                 if end is not None and time.monotonic() >= end:
                     return
+                if stop_when is not None and stop_when():
+                    return
+                ids, mn = fixed[stats.sent % len(fixed)] if fixed else _draw(rng, prompt_lens, max_new)
                 stats.sent += 1
-                ids = [rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_lens))]
-                mn = rng.randint(*max_new)
                 disc = rng.randint(1, mn) if rng.random() < disconnect_frac else None
-                stats.add(await one_request(session, url, ids, mn, deadline, disc, headers))
+                stats.add(await one_request(session, url, ids, mn, deadline, disc, headers), (tuple(ids), mn))
                 if on_tick is not None:
                     on_tick(stats)
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
     return stats
+
+
+def _draw(rng: random.Random, prompt_lens, max_new) -> tuple[list[int], int]:
+    """One request's prompt ids and max_new_tokens."""
+    return [rng.randrange(100, 40000) for _ in range(rng.randint(*prompt_lens))], rng.randint(*max_new)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 # ---------------------------------------------------------------------------------- accounting
@@ -338,6 +380,128 @@ async def fault_churn(cluster: Cluster, log) -> None:
     log(f"churn: added {d.name} back ({status})")
 
 
+# ---------------------------------------------------------------------------- rolling restart
+RESTART_EXIT_TIMEOUT_S = 120.0  # a draining server finishes its streams first
+
+
+def router_worker(router_url: str, url: str) -> dict | None:
+    """The router's ``/workers`` entry of the worker at ``url``."""
+    import urllib.request
+
+    with urllib.request.urlopen(router_url + "/workers", timeout=10) as r:
+        listing = json.loads(r.read())
+    return next((w for ws in listing.values() for w in ws if w["url"] == url), None)
+
+
+def busy(url: str) -> int:
+    """Requests a server has in flight, summed over its ranks (0 when it does not answer)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=10) as r:
+            states = json.loads(r.read())["internal_states"]
+    except OSError:
+        return 0
+    return sum(s["inflight"] + s["num_running_reqs"] + s["num_waiting_reqs"] for s in states)
+
+
+def restart_worker(router_url: str, server, *, router_drain: bool, log=print, busy_wait: float = 20.0) -> dict:
+    """One step of a rolling restart of ``server`` (a process with ``url``, ``proc``, ``start()`` and
+    ``send(sig)``, restarted on the same ports), once it has requests in flight.
+
+    ``router_drain``: as Kubernetes does it (deploy/k8s): ``POST /workers/drain`` on the router,
+    then SIGTERM to the server's main process only. Otherwise as systemd or ``pdserve launch`` do
+    it: SIGTERM to the whole process group, with no word to the router, which learns it from the
+    draining server's 503 answers and failing ``/health``. Either way the server drains and exits
+    0, is started again, and the router takes it back (``/workers/undrain``, or its fast probing).
+    Returns {"name", "busy_at_sigterm", "exit_code", "down_s"}.
+    """
+    deadline = time.monotonic() + busy_wait
+    while busy(server.url) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if router_drain:
+        router_call(router_url, "POST", "/workers/drain", {"url": server.url, "wait_secs": 0})
+    n_busy = busy(server.url)
+    t0 = time.monotonic()
+    if router_drain:
+        server.proc.send_signal(signal.SIGTERM)
+    else:
+        server.send(signal.SIGTERM)
+    log(f"restart: SIGTERM to {server.name} ({'main process, after /workers/drain' if router_drain else 'process group'}"
+        f", {n_busy} requests in flight)")
+    code = server.proc.wait(RESTART_EXIT_TIMEOUT_S)
+    log(f"restart: {server.name} exited {code} after {time.monotonic() - t0:.1f}s; starting it again")
+    server.start()
+    wait_healthy(server.url, server.proc, 300, name=server.name)
+    if router_drain:
+        router_call(router_url, "POST", "/workers/undrain", {"url": server.url})
+    deadline = time.monotonic() + 60
+    while True:
+        w = router_worker(router_url, server.url)
+        if w is not None and w["healthy"] and not w["draining"]:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the router did not take {server.name} back: {w}")
+        time.sleep(0.1)
+    down = time.monotonic() - t0
+    log(f"restart: {server.name} back in the router after {down:.1f}s")
+    return {"name": server.name, "busy_at_sigterm": n_busy, "exit_code": code, "down_s": round(down, 1)}
+
+
+def rolling_restart(router_url: str, servers: list, log=print) -> list[dict]:
+    """Restart ``servers`` one after the other, alternating the Kubernetes way (router drain,
+    SIGTERM to the main process) and the systemd way (SIGTERM to the process group)."""
+    return [restart_worker(router_url, s, router_drain=(i % 2 == 0), log=log) for i, s in enumerate(servers)]
+
+
+def run_summary(stats: LoadStats, seconds: float) -> dict:
+    """Requests per second, p50/p99 TTFT (ms) and failures of one load run."""
+    c = stats.counts
+    p50, p99 = percentile(stats.ttfts, 0.50), percentile(stats.ttfts, 0.99)
+    return {"seconds": round(seconds, 1), "sent": stats.sent, "completed": c["completed"],
+            "failed": stats.sent - c["completed"], "req_per_s": round(c["completed"] / seconds, 2),
+            "ttft_p50_ms": None if p50 is None else round(p50 * 1000),
+            "ttft_p99_ms": None if p99 is None else round(p99 * 1000),
+            "errors": dict(sorted(stats.errors.items(), key=lambda kv: -kv[1])[:5])}
+
+
+def rolling_main(args, cluster: Cluster, log) -> dict:
+    """For each pool: a run under load while that pool is restarted server by server, then the
+    same load for as long with no restart. Outputs of the same prompt are compared across all runs."""
+    load = dict(concurrency=args.concurrency, deadline=args.deadline, seed=args.seed,
+                prompt_lens=(1, args.max_prompt), max_new=(1, args.max_new), pool=args.prompt_pool)
+    seen = LoadStats()  # every completed output of every run, to count mismatches
+    report: dict = {}
+    for pool in ("decode", "prefill"):
+        done = asyncio.Event()
+
+        async def restarts(servers=cluster.decodes if pool == "decode" else cluster.prefills, done=done):
+            try:
+                return await asyncio.to_thread(rolling_restart, cluster.router.url, servers, log)
+            finally:
+                done.set()
+
+        async def under_restart(done=done):
+            return await asyncio.gather(run_load(cluster.router.url, stop_when=done.is_set, **load), restarts())
+
+        t0 = time.monotonic()
+        restart_stats, steps = asyncio.run(under_restart())
+        took = time.monotonic() - t0
+        log(f"{pool} pool restarted in {took:.1f}s; the same load with no restart for as long")
+        t1 = time.monotonic()
+        base_stats = asyncio.run(run_load(cluster.router.url, duration=took, **load))
+        report[pool] = {"restart": run_summary(restart_stats, took), "no_restart": run_summary(base_stats, time.monotonic() - t1),
+                        "steps": steps}
+        for st in (restart_stats, base_stats):
+            for key, out in st.outputs.items():
+                if seen.outputs.setdefault(key, out) != out:
+                    seen.mismatched += 1
+        log(f"{pool}: {json.dumps(report[pool])}")
+    report["failed"] = sum(report[p][r]["failed"] for p in ("decode", "prefill") for r in ("restart", "no_restart"))
+    report["mismatched_outputs"] = seen.mismatched
+    return report
+
+
 # -------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -353,7 +517,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--logdir", default="/tmp/pdserve-soak")
     ap.add_argument("--server-arg", action="append", default=[], help="extra flag for every server (repeatable)")
+    ap.add_argument("--rolling-restart", action="store_true",
+                    help="instead of --faults: restart each pool server by server under load (drain, SIGTERM, "
+                         "start again), then the same load with no restart; reports req/s and p99 TTFT of both")
+    ap.add_argument("--prompt-pool", type=int, default=64,
+                    help="--rolling-restart: requests cycle through this many prompts, so outputs are compared")
+    ap.add_argument("--drain-timeout", type=float, default=120.0,
+                    help="--rolling-restart: the servers' --graceful-shutdown-timeout")
     args = ap.parse_args(argv)
+    if args.rolling_restart:
+        return rolling_cli(args)
     faults = [f for f in args.faults.split(",") if f and f != "none"]
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -435,6 +608,30 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
     print(json.dumps(result), flush=True)
     ok = result.get("hung") == 0 and result.get("pages_leaked") == 0 and result.get("bad_token_counts") == 0
+    return 0 if ok else 1
+
+
+def rolling_cli(args) -> int:
+    logdir = Path(args.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+    cluster = Cluster(args.prefills, args.decodes, logdir,
+                      ["--graceful-shutdown-timeout", str(args.drain_timeout), *args.server_arg],
+                      ["--request-queue-timeout-secs", str(args.deadline)])
+    log(f"starting {args.prefills}P{args.decodes}D + router (logs in {logdir})")
+    cluster.start()
+    report: dict = {}
+    try:
+        report = rolling_main(args, cluster, log)
+        report["pages_leaked"] = sum(t - f for f, t, _ in (pages_free(s.url) for s in cluster.servers))
+    finally:
+        cluster.stop()
+    print(json.dumps(report), flush=True)
+    ok = report.get("failed") == 0 and report.get("mismatched_outputs") == 0 and report.get("pages_leaked") == 0
     return 0 if ok else 1
 
 

@@ -135,8 +135,10 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
                           parent_pid: int) -> None:
     """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets, for TP rank 0 only."""
     _die_with_parent(rank.name)
-    # Ctrl-C reaches the whole process group; the parent alone decides when ranks stop
+    # Ctrl-C, and a SIGTERM to the whole group (systemd, `pdserve launch`), reach the ranks too; the
+    # parent alone decides when ranks stop (after its drain), so they keep serving it until then
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     tag = f"dp{rank.dp_rank}" if config.tp_size == 1 else f"dp{rank.dp_rank} tp{rank.tp_rank}"
     logging.basicConfig(
         level=config.log_level.upper(), format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s"
