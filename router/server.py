@@ -238,12 +238,7 @@ class Router:
         """Body: {"url", "role" (or SGLang's "worker_type"): "prefill"|"decode", "bootstrap_port"}."""
         try:
             self._check_auth(request)
-            try:
-                body = _decode(await self._read_body(request))
-            except msgspec.DecodeError as e:
-                raise bad_request(f"invalid JSON body: {e}") from None
-            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-                raise bad_request("expected a JSON object with 'url' and 'role'", "url")
+            body = await self._url_body(request, "expected a JSON object with 'url' and 'role'")
             try:
                 spec = WorkerSpec(body["url"], body.get("role") or body.get("worker_type") or "",
                                   body.get("bootstrap_port"))
@@ -261,15 +256,20 @@ class Router:
         log.info("added %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
         return json_response(worker.to_json())
 
-    async def _worker_from_body(self, request: web.Request) -> tuple[dict, Worker]:
-        """The JSON body of a /workers/drain or /workers/undrain call and the worker its url names."""
-        self._check_auth(request)
+    async def _url_body(self, request: web.Request, expected: str) -> dict:
+        """The JSON object body of a /workers call, which must name a worker ``url``."""
         try:
             body = _decode(await self._read_body(request))
         except msgspec.DecodeError as e:
             raise bad_request(f"invalid JSON body: {e}") from None
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            raise bad_request("expected a JSON object with 'url'", "url")
+            raise bad_request(expected, "url")
+        return body
+
+    async def _worker_from_body(self, request: web.Request) -> tuple[dict, Worker]:
+        """The JSON body of a /workers/drain or /workers/undrain call and the worker its url names."""
+        self._check_auth(request)
+        body = await self._url_body(request, "expected a JSON object with 'url'")
         worker = self.registry.get(body["url"])
         if worker is None:
             raise RouterError(404, f"no worker {body['url']}", "not_found", "url")
