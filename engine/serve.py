@@ -155,7 +155,8 @@ async def serve(config: ServerConfig) -> int:
             # decode ranks find this server's prefill ranks here; the ranks register as they start
             from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
-            bootstrap = BootstrapServer(config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size)
+            bootstrap = BootstrapServer(config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size,
+                                        tp_size=config.tp_size)
             await bootstrap.start()
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
         procs = spawn_ranks(config, tm)

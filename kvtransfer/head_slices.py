@@ -93,3 +93,13 @@ def slices_from(prefill_rank: int, prefill_tp: int, decode_tp: int, kv_heads: in
 def slices_into(decode_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int) -> list[HeadSlice]:
     """What decode rank ``decode_rank`` receives for each room: one or more slices, its sources."""
     return [s for s in head_slices(prefill_tp, decode_tp, kv_heads) if s.dst_rank == decode_rank]
+
+
+def layout_mismatch(mine, my_heads: int, theirs, their_heads: int) -> str | None:
+    """``LayoutInfo.mismatch`` of two TP ranks' pools, comparing the model's KV heads rather than each
+    rank's share (which differs when the two sides' TP sizes do)."""
+    import msgspec
+
+    return msgspec.structs.replace(mine, num_kv_heads=my_heads).mismatch(
+        msgspec.structs.replace(theirs, num_kv_heads=their_heads)
+    )
