@@ -30,6 +30,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.room_queue import RoomQueue
+from pdserve.kvtransfer.tp_agreement import agree, may_be_written
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,17 @@ class DecodeLoop(SchedulerLoop):
         return super().has_work() or bool(self.prealloc) or bool(self.transfer) or bool(self.quarantine)
 
     def poll(self) -> None:
+        # the TP ranks agree on every open room, quarantined room and DP-size lookup before any is read
+        # (kvtransfer/tp_agreement.py)
+        unresolved = self.prealloc.unresolved()
+        known = agree(
+            self.prealloc.receivers() + [r for _, r in self.transfer.entries.values()],
+            closing=[held.receiver for held in self.quarantine.entries],
+            flags=[self.dp_sizes.get(e.req.bootstrap.host, e.req.bootstrap.port) is not None for e in unresolved],
+        )
+        wait = frozenset(e.req.rid for e, k in zip(unresolved, known) if not k)
         self._release_quarantined()
-        for req, reason in self.prealloc.pop_failed():
+        for req, reason in self.prealloc.pop_failed(wait):
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         s = self.scheduler
         promised = s.promised_pages(self.transfer.reqs())
@@ -99,7 +109,7 @@ class DecodeLoop(SchedulerLoop):
 
     def _end_transfer(self, req: Req, receiver: KVReceiver, reason: FinishReason) -> None:
         """Finish a request whose room did not succeed; quarantine its pages if the prefill may write them."""
-        if receiver.poll() is KVPoll.Failed and receiver.requested_at is not None:
+        if receiver.poll() is KVPoll.Failed and may_be_written(receiver):
             held = req.pages[req.num_cache_pages :]
             req.pages = req.pages[: req.num_cache_pages]
             logger.info("decode: room %d failed after the prefill got its destination: %d pages held until "

@@ -18,6 +18,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
+from pdserve.kvtransfer.tp_agreement import hold_new
 
 
 @dataclass
@@ -47,10 +48,20 @@ class PreallocQueue:
     def remove(self, rid: str) -> PreallocEntry | None:
         return self.entries.pop(rid, None)
 
-    def pop_failed(self) -> list[tuple[Req, str]]:
-        """Open receivers where the prefill rank became known; return requests whose room failed."""
+    def unresolved(self) -> list[PreallocEntry]:
+        """Entries whose prefill DP rank is still to be learnt from the prefill server's DP size."""
+        return [e for e in self.entries.values() if e.receiver is None and e.req.bootstrap.prefill_dp_rank is None]
+
+    def receivers(self) -> list[KVReceiver]:
+        return [e.receiver for e in self.entries.values() if e.receiver is not None]
+
+    def pop_failed(self, wait: frozenset[str] = frozenset()) -> list[tuple[Req, str]]:
+        """Open receivers where the prefill rank became known (except for the rids in ``wait``, whose DP
+        size some TP rank does not know yet); return requests whose room failed."""
         failed = []
         for rid, e in list(self.entries.items()):
+            if e.receiver is None and rid in wait:
+                continue
             if e.receiver is None:
                 boot = e.req.bootstrap
                 rank = boot.prefill_dp_rank
@@ -69,6 +80,7 @@ class PreallocQueue:
                     del self.entries[rid]
                     failed.append((e.req, str(exc)))
                     continue
+                hold_new(e.receiver)
             if e.receiver.poll() is KVPoll.Failed:
                 del self.entries[rid]
                 failed.append((e.req, f"KV transfer failed: {e.receiver.failure_reason}"))

@@ -362,7 +362,7 @@ class PrefillKVManager(KVManager):
                     self._maybe_closed(sender, msg.endpoint)
                     return
             if msg.endpoint:  # a room never started here (or long purged): nothing of it can be in flight
-                self.send_msg(msg.endpoint, m.RoomClosed(msg.room))
+                self.send_msg(msg.endpoint, m.RoomClosed(msg.room, tp_rank=self.tp.rank))
         elif isinstance(msg, m.Heartbeat):
             self.send_msg(msg.endpoint, m.HeartbeatAck(self.id, self.endpoint, msg.seq))
         else:
