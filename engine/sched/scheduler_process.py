@@ -71,36 +71,44 @@ class RankSpec:
         return f"dp{self.dp_rank}-tp{self.tp_rank}"
 
 
-def _build_null_loop(config: ServerConfig, dp_rank: int):
+def _build_null_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 
     return SchedulerLoop(config.engine, dp_rank=dp_rank)
 
 
-def _build_prefill_loop(config: ServerConfig, dp_rank: int):
+def _tp_place(config: ServerConfig, tp_rank: int, runner):
+    """This TP rank's place for its KV manager: its pool holds its share of the model's KV heads."""
+    from pdserve.kvtransfer.head_slices import TPPlace
+
+    return TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
+
+
+def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
     from pdserve.prefill.prefill_loop import PrefillLoop
 
     runner = ModelRunner(config.engine)
     kv = PrefillKVManager(
-        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, bootstrap_host=config.advertise_host
+        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
+        bootstrap_host=config.advertise_host,
     ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
-def _build_decode_loop(config: ServerConfig, dp_rank: int):
+def _build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.decode.decode_loop import DecodeLoop
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 
     runner = ModelRunner(config.engine)
-    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool).start()
+    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
     return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
-# disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
-LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int], object]] = {
+# disaggregation mode -> builder of one (DP, TP) rank's loop (add_request, abort, step, has_work, stats)
+LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int, int], object]] = {
     "null": _build_null_loop,
     "prefill": _build_prefill_loop,
     "decode": _build_decode_loop,
@@ -168,7 +176,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     try:
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
-        loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
+        loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank, rank.tp_rank)
         send([_ready_info(loop, dp_rank, rank.num_threads)])
         _run_in_worker_thread(lambda: _serve(loop, dp_rank, pull, send, parent_pid), rank.num_threads)
     except Exception as e:
@@ -236,9 +244,9 @@ def _serve(loop, dp_rank: int, pull: zmq.Socket | None, send, parent_pid: int) -
     """Rank 0 (``pull`` set) reads the HTTP process's messages; at TP > 1 it broadcasts them each
     iteration, with whether to stop, and the other ranks follow, so all step in lockstep.
 
-    PD modes under TP (next step): a decision that depends on rank-local state, such as
-    whether a KV transfer has landed, must be agreed before acting on it: all-reduce the
-    poll states across the TP ranks (SGLang's ``poll_and_all_reduce``), here, before ``step``.
+    PD modes under TP: each TP rank's KV manager moves its own heads; a decision that depends
+    on rank-local state, such as whether a KV transfer has landed, is agreed inside the loops'
+    ``poll`` (``kvtransfer/tp_agreement.py``), so every rank still takes the same steps.
     """
     from pdserve.engine.model_executor.parallel import broadcast_objects, tp_size
 
