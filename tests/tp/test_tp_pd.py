@@ -12,9 +12,12 @@ health check sees). The faults run last and end the stand.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
+import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -76,6 +79,17 @@ def _reference(stand, ids):
     return r.json()["output_ids"]
 
 
+def _topology(prefill: Server, timeout: float = 60.0) -> dict:
+    """The prefill server's bootstrap topology, once every TP rank registered (503 until then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = requests.get(f"http://{prefill.host}:{prefill.bootstrap_port}/route", timeout=5)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return r.json()
+        time.sleep(0.2)
+
+
 def _unleaked(stand, names=("P1", "P2", "D1", "D2")):
     for name in names:
         stand[name].wait_unleaked()
@@ -98,7 +112,7 @@ def test_mismatched_and_matched_tp_pairs_equal_colocated(stand):
 
 def test_decode_tp2_finds_both_prefill_tp_ranks(stand):
     P2 = stand["P2"]
-    topo = requests.get(f"http://{P2.host}:{P2.bootstrap_port}/route", timeout=5).json()
+    topo = _topology(P2)
     assert topo["tp_size"] == 2 and [r["tp_rank"] for r in topo["ranks"]] == [0, 1]
     assert topo["ranks"][0]["kv_heads"] == 2 and topo["ranks"][0]["num_kv_heads"] == 1
     assert len({r["endpoint"] for r in topo["ranks"]}) == 2
@@ -107,13 +121,11 @@ def test_decode_tp2_finds_both_prefill_tp_ranks(stand):
 def test_prefill_with_a_missing_tp_rank_fails_rooms_naming_it(stand):
     """A prefill server whose TP rank 1 never registered: the decode's rooms wait, then fail after
     bootstrap_timeout (4 s on this stand) with a message naming the missing rank."""
-    real = requests.get(f"http://{stand['P2'].host}:{stand['P2'].bootstrap_port}/route", timeout=5).json()["ranks"][0]
+    real = _topology(stand["P2"])["ranks"][0]
     fake = BootstrapServer("127.0.0.1", 0, dp_size=1, tp_size=2).start_in_thread()
     try:
-        import urllib.request
-
         body = dict(real, endpoint="127.0.0.1:9")  # rank 0 only, at an endpoint nobody answers
-        req = urllib.request.Request(f"http://127.0.0.1:{fake.port}/route", data=__import__("json").dumps(body).encode(),
+        req = urllib.request.Request(f"http://127.0.0.1:{fake.port}/route", data=json.dumps(body).encode(),
                                      method="PUT", headers={"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=5).close()
         t0 = time.monotonic()
@@ -169,8 +181,6 @@ def test_sigkill_of_a_tp_process_mid_transfer_frees_every_surviving_pool(stand):
         pid = rank_pids(victim)["pdserve-dp0-tp1"]
         ex, futs = _flood(stand[prefill], stand[decode])
         time.sleep(1.5)
-        import os
-
         os.kill(pid, signal.SIGKILL)
         results = [f.result() for f in futs]
         ex.shutdown()
