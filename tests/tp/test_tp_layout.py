@@ -92,3 +92,7 @@ def test_launch_passes_tp_sizes():
     specs = plan(LaunchConfig(prefill_tp_size=2, decode_tp_size=3, port=0))
     tp = {s.name: s.argv[s.argv.index("--tp-size") + 1] for s in specs[:2]}
     assert tp == {"prefill-0": "2", "decode-0": "3"}
+    # each server accepts what launch gives it (TP under PD was refused before issue 13)
+    for s in specs[:2]:
+        config = parse_serve_args(list(s.argv[3:]))
+        assert (config.disaggregation_mode, config.tp_size) == (s.name.split("-")[0], int(tp[s.name]))
