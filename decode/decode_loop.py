@@ -30,7 +30,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.room_queue import RoomQueue
-from pdserve.kvtransfer.tp_agreement import agree, may_be_written
+from pdserve.kvtransfer.tp_agreement import agree, agreed_clock, may_be_written
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,7 @@ class DecodeLoop(SchedulerLoop):
         self.prealloc = PreallocQueue(kv, self.scheduler, self.dp_sizes)
         self.transfer: RoomQueue[Req, KVReceiver] = RoomQueue()  # destination sent, pages held
         self.quarantine = Quarantine(kv.config.quarantine_timeout, self.scheduler.held_pages)
+        self._now = kv.clock()  # the TP ranks' agreed clock at the last poll (quarantine times)
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -93,6 +94,7 @@ class DecodeLoop(SchedulerLoop):
             flags=[self.dp_sizes.get(e.req.bootstrap.host, e.req.bootstrap.port) is not None for e in unresolved],
         )
         wait = frozenset(e.req.rid for e, k in zip(unresolved, known) if not k)
+        self._now = agreed_clock(self.kv.clock())
         self._release_quarantined()
         for req, reason in self.prealloc.pop_failed(wait):
             self.finish_unscheduled(req, FinishReason("error", message=reason))
@@ -114,7 +116,7 @@ class DecodeLoop(SchedulerLoop):
             req.pages = req.pages[: req.num_cache_pages]
             logger.info("decode: room %d failed after the prefill got its destination: %d pages held until "
                         "it closes the room", receiver.room, len(held))
-            self.quarantine.hold(receiver, held, receiver.aux_slot, self.kv.clock())
+            self.quarantine.hold(receiver, held, receiver.aux_slot, self._now)
             receiver.aux_slot = None
         else:
             self._release_aux(receiver)
@@ -123,7 +125,7 @@ class DecodeLoop(SchedulerLoop):
     def _release_quarantined(self) -> None:
         if not self.quarantine:
             return
-        for pages, aux_slot, timed_out in self.quarantine.pop_released(self.kv.clock()):
+        for pages, aux_slot, timed_out in self.quarantine.pop_released(self._now):
             logger.info("decode: %d quarantined pages back in the free list", len(pages))
             if timed_out:
                 logger.warning("decode: %d quarantined pages reused after quarantine_timeout %ss without the "

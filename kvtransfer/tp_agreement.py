@@ -58,3 +58,11 @@ def may_be_written(receiver) -> bool:
     if tp_size() == 1:
         return receiver.requested_at is not None
     return receiver.dst_pages is not None
+
+
+def agreed_clock(now: float) -> float:
+    """The earliest of the TP ranks' clocks: timeouts the loops decide (quarantine) fire on every rank at
+    the same step. Microsecond resolution."""
+    if tp_size() == 1:
+        return now
+    return all_reduce_min_list([int(now * 1e6)])[0] / 1e6
