@@ -30,7 +30,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.room_queue import RoomQueue
-from pdserve.kvtransfer.tp_agreement import agree, agreed_clock, may_be_written
+from pdserve.kvtransfer.tp_agreement import FAILED_ELSEWHERE, agree, agree_values, agreed_clock, may_be_written
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class DecodeLoop(SchedulerLoop):
             raise ValueError("the KV manager must serve this rank's page pool")
         self.kv = kv
         self.dp_sizes = PrefillDPSizes(kv.config.bootstrap_timeout, clock=kv.clock)
-        self.prealloc = PreallocQueue(kv, self.scheduler, self.dp_sizes)
+        self.prealloc = PreallocQueue(kv, self.scheduler)
         self.transfer: RoomQueue[Req, KVReceiver] = RoomQueue()  # destination sent, pages held
         self.quarantine = Quarantine(kv.config.quarantine_timeout, self.scheduler.held_pages)
         self._now = kv.clock()  # the TP ranks' agreed clock at the last poll (quarantine times)
@@ -88,15 +88,11 @@ class DecodeLoop(SchedulerLoop):
         # the TP ranks agree on every open room, quarantined room and DP-size lookup before any is read
         # (kvtransfer/tp_agreement.py)
         unresolved = self.prealloc.unresolved()
-        known = agree(
-            self.prealloc.receivers() + [r for _, r in self.transfer.entries.values()],
-            closing=[held.receiver for held in self.quarantine.entries],
-            flags=[self.dp_sizes.get(e.req.bootstrap.host, e.req.bootstrap.port) is not None for e in unresolved],
-        )
-        wait = frozenset(e.req.rid for e, k in zip(unresolved, known) if not k)
+        agree(self.prealloc.receivers() + [r for _, r in self.transfer.entries.values()],
+              closing=[held.receiver for held in self.quarantine.entries])
         self._now = agreed_clock(self.kv.clock())
         self._release_quarantined()
-        for req, reason in self.prealloc.pop_failed(wait):
+        for req, reason in self.prealloc.pop_failed(self._dp_sizes(unresolved)):
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         s = self.scheduler
         promised = s.promised_pages(self.transfer.reqs())
@@ -108,6 +104,19 @@ class DecodeLoop(SchedulerLoop):
                 self._start_decoding(req, receiver)
             else:
                 self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
+
+    def _dp_sizes(self, entries) -> dict[str, int | str]:
+        """The prefill DP sizes of ``entries`` that every TP rank knows: a size, or why it failed."""
+        sizes = [self.dp_sizes.get(e.req.bootstrap.host, e.req.bootstrap.port) for e in entries]
+        # a size > 0; 0 while unknown on some rank; -1 once failed on some rank
+        codes = agree_values([s if isinstance(s, int) else 0 if s is None else -1 for s in sizes])
+        out: dict[str, int | str] = {}
+        for e, size, code in zip(entries, sizes, codes):
+            if code > 0:
+                out[e.req.rid] = code
+            elif code < 0:
+                out[e.req.rid] = size if isinstance(size, str) else f"prefill DP size lookup: {FAILED_ELSEWHERE}"
+        return out
 
     def _end_transfer(self, req: Req, receiver: KVReceiver, reason: FinishReason) -> None:
         """Finish a request whose room did not succeed; quarantine its pages if the prefill may write them."""

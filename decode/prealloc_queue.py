@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -28,11 +27,10 @@ class PreallocEntry:
 
 
 class PreallocQueue:
-    def __init__(self, kv: DecodeKVManager, scheduler: Scheduler, dp_sizes: PrefillDPSizes):
+    def __init__(self, kv: DecodeKVManager, scheduler: Scheduler):
         self.kv = kv
         self.scheduler = scheduler
         self.pool = scheduler.pool
-        self.dp_sizes = dp_sizes
         self.entries: dict[str, PreallocEntry] = {}  # arrival order
 
     def __len__(self) -> int:
@@ -55,18 +53,18 @@ class PreallocQueue:
     def receivers(self) -> list[KVReceiver]:
         return [e.receiver for e in self.entries.values() if e.receiver is not None]
 
-    def pop_failed(self, wait: frozenset[str] = frozenset()) -> list[tuple[Req, str]]:
-        """Open receivers where the prefill rank became known (except for the rids in ``wait``, whose DP
-        size some TP rank does not know yet); return requests whose room failed."""
+    def pop_failed(self, dp_sizes: dict[str, int | str]) -> list[tuple[Req, str]]:
+        """Open receivers where the prefill rank became known; return requests whose room failed.
+
+        ``dp_sizes``: for ``unresolved`` entries, by rid, their prefill server's DP size or why it is
+        not known (a missing rid: not known yet)."""
         failed = []
         for rid, e in list(self.entries.items()):
-            if e.receiver is None and rid in wait:
-                continue
             if e.receiver is None:
                 boot = e.req.bootstrap
                 rank = boot.prefill_dp_rank
                 if rank is None:
-                    size = self.dp_sizes.get(boot.host, boot.port)
+                    size = dp_sizes.get(rid)
                     if size is None:
                         continue
                     if isinstance(size, str):

@@ -24,25 +24,29 @@ from pdserve.kvtransfer.kv_poll import KVPoll
 FAILED_ELSEWHERE = "failed on another TP rank of this server"
 
 
-def agree(rooms: Sequence, closing: Sequence = (), flags: Sequence[bool] = ()) -> list[bool]:
-    """Agree on ``rooms`` (senders or receivers: their ``agreed`` state), on whether each receiver of
-    ``closing`` is closed by its prefill (``agreed_closed``), and on ``flags`` (true on every rank).
-    Every TP rank must pass the same rooms in the same order; returns the agreed flags."""
+def agree(rooms: Sequence, closing: Sequence = ()) -> None:
+    """Agree on ``rooms`` (senders or receivers: their ``agreed`` state) and on whether each receiver of
+    ``closing`` is closed by its prefill (``agreed_closed``). Every TP rank passes the same rooms in the
+    same order."""
     if tp_size() == 1:
-        return [bool(f) for f in flags]
+        return
     # a receiver whose destination never left this rank has nothing in flight here
     closed = [r.closed_here or r.requested_at is None for r in closing]
-    vec = [int(r.state) for r in rooms] + [int(c) for c in closed] + [int(f) for f in flags]
+    vec = [int(r.state) for r in rooms] + [int(c) for c in closed]
     out = all_reduce_min_list(vec)
-    n, c = len(rooms), len(closing)
+    n = len(rooms)
     for room, state in zip(rooms, out[:n]):
         state = KVPoll(state)
         if state is KVPoll.Failed and not room.state.done:
             room.abort(FAILED_ELSEWHERE)
         room.agreed = state
-    for room, closed in zip(closing, out[n : n + c]):
+    for room, closed in zip(closing, out[n:]):
         room.agreed_closed = bool(closed)
-    return [bool(f) for f in out[n + c :]]
+
+
+def agree_values(values: Sequence[int]) -> list[int]:
+    """The element-wise minimum of ``values`` over the TP ranks (each rank passes as many, in order)."""
+    return all_reduce_min_list(list(values))
 
 
 def hold_new(room) -> None:

@@ -1,5 +1,5 @@
 """``kvtransfer.tp_agreement.agree`` over a real gloo group of two processes: the element-wise minimum of
-the rooms' states, a rank whose copy of a room failed elsewhere aborts it, quarantine closedness and flags."""
+the rooms' states, a rank whose copy of a room failed elsewhere aborts it, quarantine closedness and values."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _rank(rank: int, addr: str, out) -> None:
 
     from pdserve.engine.model_executor import parallel
     from pdserve.kvtransfer.kv_poll import KVPoll as P
-    from pdserve.kvtransfer.tp_agreement import FAILED_ELSEWHERE, agree
+    from pdserve.kvtransfer.tp_agreement import FAILED_ELSEWHERE, agree, agree_values
 
     parallel.init_tp(rank, 2, addr, 30.0, torch.device("cpu"))
     try:
@@ -44,7 +44,8 @@ def _rank(rank: int, addr: str, out) -> None:
         rooms = [Room(s) for s in mine]
         # quarantined rooms: closed on both / on one / never requested on one (counts as closed)
         closing = [Room(P.Failed, True), Room(P.Failed, rank == 0), Room(P.Failed, False, None if rank else 0.0)]
-        flags = agree(rooms, closing, flags=[True, rank == 0])
+        agree(rooms, closing)
+        flags = agree_values([3, 5 if rank else 4, -1 if rank else 0])
         out.put((rank, [r.agreed.name for r in rooms], [r.aborted for r in rooms],
                  [r.agreed_closed for r in closing], flags, FAILED_ELSEWHERE))
     finally:
@@ -65,7 +66,7 @@ def test_two_ranks_agree_on_the_minimum():
         agreed, aborted, closed, flags, failed_elsewhere = got[rank]
         assert agreed == ["Success", "Transferring", "Failed", "Bootstrapping"]
         assert closed == [True, False, False]  # closed only where every rank is (or never asked)
-        assert flags == [True, False]
+        assert flags == [3, 4, -1]
     # rank 1's copy of room 2 was still Transferring: it aborts it (telling its peers, freeing its pages)
     assert got[1][1] == [None, None, got[1][4], None]
     assert got[0][1] == [None, None, None, None]  # rank 0's copy had failed by itself
