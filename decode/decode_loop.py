@@ -38,6 +38,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.room_queue import RoomQueue
+from pdserve.kvtransfer.tp_agreement import FAILED_ELSEWHERE, agree, agree_values, agreed_clock, may_be_written
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,10 @@ class DecodeLoop(SchedulerLoop):
             raise ValueError("the KV manager must serve this rank's page pool")
         self.kv = kv
         self.dp_sizes = PrefillDPSizes(kv.config.bootstrap_timeout, clock=kv.clock)
-        self.prealloc = PreallocQueue(kv, self.scheduler, self.dp_sizes)
+        self.prealloc = PreallocQueue(kv, self.scheduler)
         self.transfer: RoomQueue[Req, KVReceiver] = RoomQueue()  # destination sent, pages held
         self.quarantine = Quarantine(kv.config.quarantine_timeout, self.scheduler.held_pages)
+        self._now = kv.clock()  # the TP ranks' agreed clock at the last poll (quarantine times)
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -96,8 +98,14 @@ class DecodeLoop(SchedulerLoop):
         return super().has_work() or bool(self.prealloc) or bool(self.transfer) or bool(self.quarantine)
 
     def poll(self) -> None:
+        # the TP ranks agree on every open room, quarantined room and DP-size lookup before any is read
+        # (kvtransfer/tp_agreement.py)
+        unresolved = self.prealloc.unresolved()
+        agree(self.prealloc.receivers() + [r for _, r in self.transfer.entries.values()],
+              closing=[held.receiver for held in self.quarantine.entries])
+        self._now = agreed_clock(self.kv.clock())
         self._release_quarantined()
-        for req, reason in self.prealloc.pop_failed():
+        for req, reason in self.prealloc.pop_failed(self._dp_sizes(unresolved)):
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         s = self.scheduler
         promised = s.promised_pages(self.transfer.reqs())
@@ -110,14 +118,27 @@ class DecodeLoop(SchedulerLoop):
             else:
                 self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
 
+    def _dp_sizes(self, entries) -> dict[str, int | str]:
+        """The prefill DP sizes of ``entries`` that every TP rank knows: a size, or why it failed."""
+        sizes = [self.dp_sizes.get(e.req.bootstrap.host, e.req.bootstrap.port) for e in entries]
+        # a size > 0; 0 while unknown on some rank; -1 once failed on some rank
+        codes = agree_values([s if isinstance(s, int) else 0 if s is None else -1 for s in sizes])
+        out: dict[str, int | str] = {}
+        for e, size, code in zip(entries, sizes, codes):
+            if code > 0:
+                out[e.req.rid] = code
+            elif code < 0:
+                out[e.req.rid] = size if isinstance(size, str) else f"prefill DP size lookup: {FAILED_ELSEWHERE}"
+        return out
+
     def _end_transfer(self, req: Req, receiver: KVReceiver, reason: FinishReason) -> None:
         """Finish a request whose room did not succeed; quarantine its pages if the prefill may write them."""
-        if receiver.poll() is KVPoll.Failed and receiver.requested_at is not None:
+        if receiver.poll() is KVPoll.Failed and may_be_written(receiver):
             held = req.pages[req.num_cache_pages :]
             req.pages = req.pages[: req.num_cache_pages]
             logger.info("decode: room %d failed after the prefill got its destination: %d pages held until "
                         "it closes the room", receiver.room, len(held))
-            self.quarantine.hold(receiver, held, receiver.aux_slot, self.kv.clock())
+            self.quarantine.hold(receiver, held, receiver.aux_slot, self._now)
             receiver.aux_slot = None
         else:
             self._release_aux(receiver)
@@ -126,7 +147,7 @@ class DecodeLoop(SchedulerLoop):
     def _release_quarantined(self) -> None:
         if not self.quarantine:
             return
-        for pages, aux_slot, timed_out in self.quarantine.pop_released(self.kv.clock()):
+        for pages, aux_slot, timed_out in self.quarantine.pop_released(self._now):
             logger.info("decode: %d quarantined pages back in the free list", len(pages))
             if timed_out:
                 logger.warning("decode: %d quarantined pages reused after quarantine_timeout %ss without the "

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
 from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
+from pdserve.kvtransfer.tp_agreement import hold_new
 
 
 @dataclass
@@ -27,11 +27,10 @@ class PreallocEntry:
 
 
 class PreallocQueue:
-    def __init__(self, kv: DecodeKVManager, scheduler: Scheduler, dp_sizes: PrefillDPSizes):
+    def __init__(self, kv: DecodeKVManager, scheduler: Scheduler):
         self.kv = kv
         self.scheduler = scheduler
         self.pool = scheduler.pool
-        self.dp_sizes = dp_sizes
         self.entries: dict[str, PreallocEntry] = {}  # arrival order
 
     def __len__(self) -> int:
@@ -47,15 +46,25 @@ class PreallocQueue:
     def remove(self, rid: str) -> PreallocEntry | None:
         return self.entries.pop(rid, None)
 
-    def pop_failed(self) -> list[tuple[Req, str]]:
-        """Open receivers where the prefill rank became known; return requests whose room failed."""
+    def unresolved(self) -> list[PreallocEntry]:
+        """Entries whose prefill DP rank is still to be learnt from the prefill server's DP size."""
+        return [e for e in self.entries.values() if e.receiver is None and e.req.bootstrap.prefill_dp_rank is None]
+
+    def receivers(self) -> list[KVReceiver]:
+        return [e.receiver for e in self.entries.values() if e.receiver is not None]
+
+    def pop_failed(self, dp_sizes: dict[str, int | str]) -> list[tuple[Req, str]]:
+        """Open receivers where the prefill rank became known; return requests whose room failed.
+
+        ``dp_sizes``: for ``unresolved`` entries, by rid, their prefill server's DP size or why it is
+        not known (a missing rid: not known yet)."""
         failed = []
         for rid, e in list(self.entries.items()):
             if e.receiver is None:
                 boot = e.req.bootstrap
                 rank = boot.prefill_dp_rank
                 if rank is None:
-                    size = self.dp_sizes.get(boot.host, boot.port)
+                    size = dp_sizes.get(rid)
                     if size is None:
                         continue
                     if isinstance(size, str):
@@ -69,6 +78,7 @@ class PreallocQueue:
                     del self.entries[rid]
                     failed.append((e.req, str(exc)))
                     continue
+                hold_new(e.receiver)
             if e.receiver.poll() is KVPoll.Failed:
                 del self.entries[rid]
                 failed.append((e.req, f"KV transfer failed: {e.receiver.failure_reason}"))

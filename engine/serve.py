@@ -168,7 +168,7 @@ async def serve(config: ServerConfig) -> int:
             from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
             bootstrap = BootstrapServer(
-                config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size,
+                config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
                 auth=config.kv_transfer.frame_auth("bootstrap"),
                 on_refused=metrics.bootstrap_auth_refused.inc,
             )

@@ -99,11 +99,6 @@ class ServerConfig:
                     f"nnodes > 1 spans one DP rank over the nodes: needs dp_size 1 and tp_size divisible by "
                     f"nnodes, got dp_size {self.dp_size}, tp_size {self.tp_size}, nnodes {self.nnodes}"
                 )
-        if self.tp_size > 1 and self.disaggregation_mode != "null":
-            raise ValueError(
-                f"tp_size {self.tp_size} with disaggregation_mode {self.disaggregation_mode}: tensor parallelism "
-                "is served colocated (null) only in this build"
-            )
 
     def rank_device(self, dp_rank: int, tp_rank: int) -> str:
         """The device of one scheduler process: one CUDA device per TP rank, counted from base_gpu_id."""

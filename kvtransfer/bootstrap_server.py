@@ -101,6 +101,8 @@ class BootstrapServer:
             return f"dp_rank {reg.dp_rank} out of range [0, {self.dp_size})"
         if not 0 <= reg.tp_rank < self.tp_size:
             return f"tp_rank {reg.tp_rank} out of range [0, {self.tp_size})"
+        if reg.tp_size != self.tp_size:
+            return f"rank says tp_size {reg.tp_size} but this prefill server has tp_size {self.tp_size}"
         host, _, port = reg.endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             return f"endpoint must be host:port, got {reg.endpoint!r}"
@@ -124,7 +126,8 @@ class BootstrapServer:
 
     async def _get_route(self, request: web.Request) -> web.Response:
         if len(self._ranks) < self._expected:
-            return _error(503, f"{len(self._ranks)} of {self._expected} prefill ranks registered")
+            return _error(503, f"{len(self._ranks)} of {self._expected} prefill ranks registered; missing: "
+                               f"{self.missing()}")
         q = request.query
         if "dp_rank" not in q and "tp_rank" not in q:
             topo = Topology(self.dp_size, self.tp_size, sorted(self._ranks.values(), key=lambda r: (r.dp_rank, r.tp_rank)))
@@ -137,6 +140,11 @@ class BootstrapServer:
         if reg is None:
             return _error(404, f"no prefill rank dp {key[0]} tp {key[1]}")
         return web.Response(body=_json.encode(reg), content_type="application/json")
+
+    def missing(self) -> str:
+        """The ranks not registered yet, e.g. ``dp 0 tp 1, dp 1 tp 1``."""
+        return ", ".join(f"dp {d} tp {t}" for d in range(self.dp_size) for t in range(self.tp_size)
+                         if (d, t) not in self._ranks)
 
     # -------------------------------------------------------------- running
     async def start(self) -> None:

@@ -1,6 +1,10 @@
 """Decode side: finds prefill ranks through their bootstrap servers, registers this
 rank's pool with each once, sends per-room destinations, heartbeats every known
-prefill rank and turns prefill's status (and engine notifications) into receiver states."""
+prefill rank and turns prefill's status (and engine notifications) into receiver states.
+
+Tensor parallel: a prefill DP rank is a group of TP ranks; this decode TP rank takes its KV
+heads from the ones ``head_slices.slices_into`` names (its sources), registers with each, sends
+each the room's destination, and a room succeeds here once every source reported success."""
 
 from __future__ import annotations
 
@@ -17,9 +21,10 @@ import msgspec
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxPool
-from pdserve.kvtransfer.bootstrap_client import fetch_rank
+from pdserve.kvtransfer.bootstrap_client import fetch_rank, fetch_topology
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
+from pdserve.kvtransfer.head_slices import TPPlace, layout_mismatch, slices_into
 from pdserve.kvtransfer.kv_manager import KVManager, parse_room_notification
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
@@ -34,26 +39,40 @@ PeerKey = tuple[str, int, int]  # (bootstrap_host, bootstrap_port, prefill dp ra
 
 @dataclass
 class PrefillPeer:
+    """A prefill DP rank: the TP ranks of it this decode rank takes heads from (its sources)."""
+
     key: PeerKey
     state: str = "resolving"  # resolving -> registering -> ready | failed
     reason: str | None = None
-    route: m.RankRegistration | None = None
-    engine_peer: str | None = None  # the prefill engine, where the backend needs it known (nixl notifications)
+    routes: dict[int, m.RankRegistration] = field(default_factory=dict)  # source tp rank -> its registration
+    acked: set[int] = field(default_factory=set)  # sources that accepted this pool
+    # the prefill engines, where the backend needs them known (nixl notifications)
+    engine_peers: dict[int, str] = field(default_factory=dict)
     receivers: set[int] = field(default_factory=set)
     next_lookup: float = 0.0
     lookup_inflight: bool = False
-    last_ack: float = 0.0
+    lookup_detail: str = ""  # why the last lookup found no route (the bootstrap server's 503 names missing ranks)
+    last_ack: dict[int, float] = field(default_factory=dict)  # per source
     last_beat: float = 0.0
     seq: int = 0
-    engine_info: bytes = b""  # the prefill's transfer-engine peer info (RegisterAck), to retire it when dead
+    # per source TP rank: its transfer-engine peer info (RegisterAck), to retire it when dead
+    engine_infos: dict[int, bytes] = field(default_factory=dict)
 
     @property
-    def endpoint(self) -> str | None:
-        return None if self.route is None else self.route.endpoint
+    def sources(self) -> frozenset[int]:
+        return frozenset(self.routes)
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [r.endpoint for r in self.routes.values()]
+
+    def source_of(self, endpoint: str) -> int | None:
+        return next((tp for tp, r in self.routes.items() if r.endpoint == endpoint), None)
 
     def describe(self) -> str:
         host, port, dp = self.key
-        return f"prefill dp {dp} (bootstrap {host}:{port}{', ' + self.endpoint if self.endpoint else ''})"
+        eps = ", ".join(f"tp {tp} {r.endpoint}" for tp, r in self.routes.items())
+        return f"prefill dp {dp} (bootstrap {host}:{port}{', ' + eps if eps else ''})"
 
 
 @dataclass
@@ -80,8 +99,11 @@ class DecodeKVManager(KVManager):
         aux_pool: AuxPool | None = None,
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tp: TPPlace = TPPlace(),
     ):
         super().__init__(config, pool, engine, clock)
+        self.tp = tp
+        self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
         self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs)
         self._register(self.aux_pool.base_addr, self.aux_pool.nbytes)
         self.receivers: dict[int, KVReceiver] = {}
@@ -129,9 +151,20 @@ class DecodeKVManager(KVManager):
             return
         self._awaiting_notify.discard(receiver.room)
         peer = receiver.peer
-        if tell_peer and peer is not None and peer.endpoint is not None:
-            endpoint, msg = peer.endpoint, m.AbortRoom(receiver.room, reason, self.endpoint)
-            self.call_soon(lambda: self.send_msg(endpoint, msg))
+        if tell_peer and peer is not None:
+            msg = m.AbortRoom(receiver.room, reason, self.endpoint)
+            for endpoint in peer.endpoints:
+                self.call_soon(lambda e=endpoint: self.send_msg(e, msg))
+
+    def _maybe_succeed(self, receiver: KVReceiver) -> None:
+        """Call with ``lock`` held: Success once every source reported success and every notification
+        one of them announced arrived."""
+        if receiver.sources <= receiver.ok_from and receiver.notify_from <= receiver.notified_from:
+            self._finish(receiver, KVPoll.Success)
+            self._awaiting_notify.discard(receiver.room)
+        elif receiver.notify_from - receiver.notified_from:
+            self._awaiting_notify.add(receiver.room)
+            self._fast_poll = True
 
     def _attach(self, receiver: KVReceiver) -> None:
         """Control thread: bind the receiver to its peer, starting the lookup if new."""
@@ -164,7 +197,10 @@ class DecodeKVManager(KVManager):
                 return
             receiver.state = KVPoll.Transferring
             receiver.requested_at = self.clock()
-        self.send_msg(peer.endpoint, m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot))
+            receiver.sources = peer.sources
+        msg = m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot)
+        for endpoint in peer.endpoints:
+            self.send_msg(endpoint, msg)
 
     # ------------------------------------------------------- bootstrap lookup
     def _maybe_lookup(self, peer: PrefillPeer) -> None:
@@ -175,9 +211,9 @@ class DecodeKVManager(KVManager):
         fut.add_done_callback(lambda f: self.call_soon(lambda: self._on_route(peer, f)))
 
     @staticmethod
-    def _fetch_route(key: PeerKey) -> m.RankRegistration:
-        host, port, dp = key
-        return fetch_rank(host, port, dp)
+    def _fetch_route(key: PeerKey) -> m.Topology:
+        host, port, _ = key
+        return fetch_topology(host, port)
 
     def _on_route(self, peer: PrefillPeer, fut) -> None:
         peer.lookup_inflight = False
@@ -188,6 +224,7 @@ class DecodeKVManager(KVManager):
         except urllib.error.HTTPError as e:
             # 503: not every prefill rank registered yet; retry until the receivers time out
             detail = e.read().decode(errors="replace")
+            peer.lookup_detail = f"bootstrap server answered HTTP {e.code}: {detail}"
             logger.info("kv decode: lookup %s: HTTP %d %s", peer.describe(), e.code, detail)
             if e.code not in (503, 404):
                 self._fail_peer(peer, f"bootstrap lookup of {peer.describe()} failed: HTTP {e.code} {detail}")
@@ -198,18 +235,40 @@ class DecodeKVManager(KVManager):
             logger.info("kv decode: lookup %s: %s", peer.describe(), e)
             peer.next_lookup = time.monotonic() + _LOOKUP_RETRY_S  # pacing, not a timeout: real time
             return
-        peer.route = route
-        diff = route.layout().mismatch(self.layout)
+        dp = peer.key[2]
+        ranks = {r.tp_rank: r for r in route.ranks if r.dp_rank == dp}
+        if not ranks:
+            self._fail_peer(peer, f"{peer.describe()}: no such DP rank (prefill dp_size {route.dp_size})")
+            return
+        first = ranks[min(ranks)]
+        their_heads = first.kv_heads or first.num_kv_heads
+        try:
+            sources = {s.src_rank for s in slices_into(self.tp.rank, route.tp_size, self.tp.size, self.kv_heads)}
+        except ValueError as e:
+            sources, split_error = {min(ranks)}, str(e)
+        else:
+            split_error = ""
+        # known before any check fails, so that a failed room's abort reaches the prefill ranks too
+        peer.routes = {tp: ranks[tp] for tp in sorted(sources)}
+        diff = layout_mismatch(first.layout(), their_heads, self.layout, self.kv_heads)
         if diff:
             self._fail_peer(peer, f"KV layout mismatch (prefill vs decode): {diff}")
             return
-        if route.backend != self.engine.name:
-            self._fail_peer(peer, f"transfer backend mismatch: prefill {route.backend} vs decode {self.engine.name}")
+        if first.backend != self.engine.name:
+            self._fail_peer(peer, f"transfer backend mismatch: prefill {first.backend} vs decode {self.engine.name}")
+            return
+        if split_error:
+            self._fail_peer(peer, f"{peer.describe()} TP {route.tp_size} vs decode TP {self.tp.size}: {split_error}")
             return
         peer.state = "registering"
-        peer.last_ack = self.clock()  # the heartbeat window starts now
+        now = self.clock()  # the heartbeat window starts now
+        peer.last_ack = dict.fromkeys(peer.routes, now)
+        for endpoint in peer.endpoints:
+            self._register_pool(endpoint)
+
+    def _register_pool(self, endpoint: str) -> None:
         self.send_msg(
-            route.endpoint,
+            endpoint,
             m.RegisterPool(
                 decode_id=self.id,
                 endpoint=self.endpoint,
@@ -223,6 +282,9 @@ class DecodeKVManager(KVManager):
                 aux_addr=self.aux_pool.base_addr,
                 aux_slot_bytes=self.aux_pool.slot_bytes,
                 aux_num_slots=self.aux_pool.num_slots,
+                tp_rank=self.tp.rank,
+                tp_size=self.tp.size,
+                kv_heads=self.kv_heads,
             ),
         )
 
@@ -241,10 +303,10 @@ class DecodeKVManager(KVManager):
             peer.receivers.clear()
         if drop:
             self.peers.pop(peer.key, None)
-            if peer.engine_peer is not None:
-                self.engine.disconnect(peer.engine_peer)
-            if peer.endpoint:
-                self.call_soon(lambda: self.drop_endpoint(peer.endpoint))
+            for engine_peer in peer.engine_peers.values():
+                self.engine.disconnect(engine_peer)
+            for endpoint in peer.endpoints:
+                self.call_soon(lambda e=endpoint: self.drop_endpoint(e))
 
     # ---------------------------------------------------------- control thread
     def _on_message(self, msg: m.ControlMessage) -> None:
@@ -255,50 +317,63 @@ class DecodeKVManager(KVManager):
                     return
                 if receiver.state.done:
                     # a room failed here that completed there anyway: all its writes have returned
-                    receiver.peer_closed = receiver.peer_closed or msg.success
+                    if msg.success:
+                        self._closed_from(receiver, msg.tp_rank)
                     return
                 if not msg.success:
-                    self._fail_receiver(receiver, f"prefill failed: {msg.reason}", tell_peer=False)
-                elif msg.notified and not receiver.notified:
-                    receiver.status_ok = True
-                    self._awaiting_notify.add(receiver.room)
-                    self._fast_poll = True
-                else:
-                    self._finish(receiver, KVPoll.Success)
+                    self._fail_receiver(receiver, f"prefill failed: {msg.reason}")
+                    return
+                receiver.ok_from.add(msg.tp_rank)
+                if msg.notified:
+                    receiver.notify_from.add(msg.tp_rank)
+                self._maybe_succeed(receiver)
         elif isinstance(msg, m.RoomClosed):
             with self.lock:
                 receiver = self.receivers.get(msg.room)
                 if receiver is not None:
-                    receiver.peer_closed = True
+                    self._closed_from(receiver, msg.tp_rank)
         elif isinstance(msg, m.AbortRoom):
             with self.lock:
                 receiver = self.receivers.get(msg.room)
                 if receiver is not None:
-                    self._fail_receiver(receiver, f"aborted by prefill: {msg.reason}", tell_peer=False)
+                    # the other sources (TP ranks) of the room must stop too
+                    self._fail_receiver(receiver, f"aborted by prefill: {msg.reason}")
         elif isinstance(msg, m.RegisterAck):
             self._on_register_ack(msg)
         elif isinstance(msg, m.HeartbeatAck):
             for peer in self.peers.values():
-                if peer.state in ("registering", "ready") and peer.endpoint == msg.endpoint:
-                    peer.last_ack = self.clock()
+                tp = peer.source_of(msg.endpoint)
+                if peer.state in ("registering", "ready") and tp is not None:
+                    peer.last_ack[tp] = self.clock()
         else:
             logger.warning("kv decode: unexpected %s", type(msg).__name__)
 
+    def _closed_from(self, receiver: KVReceiver, tp_rank: int) -> None:
+        """Call with ``lock`` held: source ``tp_rank`` has no write of the room left; the room's pages
+        are safe once every source said so."""
+        receiver.closed_from.add(tp_rank)
+        if receiver.sources <= receiver.closed_from:
+            receiver.peer_closed = True
+
     def _on_register_ack(self, ack: m.RegisterAck) -> None:
         for peer in [p for p in self.peers.values() if p.state == "registering"]:
-            if ack.endpoint != peer.endpoint:
+            tp = peer.source_of(ack.endpoint)
+            if tp is None:
                 continue
             if not ack.ok:
                 self._fail_peer(peer, f"{peer.describe()} rejected this decode pool: {ack.reason}")
                 continue
-            peer.engine_info = ack.peer_info
+            peer.engine_infos[tp] = ack.peer_info
             if self.engine.supports_notifications and ack.peer_info:
                 try:
-                    peer.engine_peer = self.engine.connect(ack.peer_info)
+                    peer.engine_peers[tp] = self.engine.connect(ack.peer_info)
                 except TransferEngineError as e:
                     logger.warning("kv decode: connect back to %s: %s", peer.describe(), e)
+            peer.acked.add(tp)
+            peer.last_ack[tp] = self.clock()
+            if peer.acked < peer.sources:
+                continue
             peer.state = "ready"
-            peer.last_ack = self.clock()
             with self.lock:
                 ready = [self.receivers[r] for r in peer.receivers if r in self.receivers]
                 for receiver in ready:
@@ -315,14 +390,13 @@ class DecodeKVManager(KVManager):
             return
         with self.lock:
             for note in notes:
-                room = parse_room_notification(note)
-                receiver = self.receivers.get(room) if room is not None else None
+                parsed = parse_room_notification(note)
+                receiver = self.receivers.get(parsed[0]) if parsed is not None else None
                 if receiver is None or receiver.state.done:
                     continue
-                receiver.notified = True
-                if receiver.status_ok:
-                    self._finish(receiver, KVPoll.Success)
-                    self._awaiting_notify.discard(room)
+                receiver.notified_from.add(parsed[1])
+                if receiver.ok_from:
+                    self._maybe_succeed(receiver)
             self._fast_poll = bool(self._awaiting_notify)
 
     def _on_timer(self, now: float) -> None:
@@ -330,7 +404,9 @@ class DecodeKVManager(KVManager):
         with self.lock:
             for receiver in self.receivers.values():
                 if receiver.state is KVPoll.Bootstrapping and now - receiver.created > cfg.bootstrap_timeout:
-                    self._fail_receiver(receiver, f"prefill not reachable within bootstrap_timeout {cfg.bootstrap_timeout}s")
+                    detail = receiver.peer.lookup_detail if receiver.peer is not None else ""
+                    self._fail_receiver(receiver, f"prefill not reachable within bootstrap_timeout "
+                                                  f"{cfg.bootstrap_timeout}s{' (' + detail + ')' if detail else ''}")
                 elif (
                     receiver.state is KVPoll.Transferring
                     and receiver.requested_at is not None
@@ -344,18 +420,20 @@ class DecodeKVManager(KVManager):
             self._maybe_lookup(peer)
             if peer.state not in ("registering", "ready"):
                 continue
-            if now - peer.last_ack > cfg.heartbeat_window:
+            tp, last = min(peer.last_ack.items(), key=lambda kv: kv[1])
+            if now - last > cfg.heartbeat_window:
                 self.dead_checks.append(DeadCheck(peer, now))
                 self._fail_peer(
                     peer,
-                    f"{peer.describe()} unreachable: no heartbeat reply for {now - peer.last_ack:.1f}s "
+                    f"{peer.describe()} unreachable: no heartbeat reply from TP rank {tp} for {now - last:.1f}s "
                     f"({cfg.heartbeat_max_failures} x {cfg.heartbeat_interval}s)",
                     drop=True,
                 )
             elif now - peer.last_beat >= cfg.heartbeat_interval:
                 peer.last_beat = now
                 peer.seq += 1
-                self.send_msg(peer.endpoint, m.Heartbeat(self.id, self.endpoint, peer.seq))
+                for endpoint in peer.endpoints:
+                    self.send_msg(endpoint, m.Heartbeat(self.id, self.endpoint, peer.seq))
         self._check_dead(now)
         # a failed peer (layout mismatch, rejected pool) is retried for new rooms later
         for key in [k for k, p in self.peers.items() if p.state == "failed" and not p.receivers]:
@@ -382,7 +460,7 @@ class DecodeKVManager(KVManager):
         (restarted). Then its transfer-engine connection is torn down here before anything is released."""
         host, port, dp = peer.key
         try:
-            route = fetch_rank(host, port, dp)
+            routes = {tp: fetch_rank(host, port, dp, tp) for tp in peer.routes}
         except urllib.error.HTTPError as e:
             dead = e.code in (404, 503)
         except urllib.error.URLError as e:
@@ -392,10 +470,11 @@ class DecodeKVManager(KVManager):
         except (OSError, msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError):
             dead = False  # unreachable or garbled is not gone: a partitioned prefill may still write
         else:
-            dead = route.endpoint != peer.endpoint
+            dead = any(routes[tp].endpoint != route.endpoint for tp, route in peer.routes.items())
         if not dead:
             return False, False
-        return True, bool(peer.engine_info) and self.engine.retire_peer(peer.engine_info)
+        infos = [info for info in peer.engine_infos.values() if info]
+        return True, bool(infos) and all([self.engine.retire_peer(info) for info in infos])
 
     def _on_probe(self, check: DeadCheck, fut) -> None:
         check.probing = False

@@ -37,13 +37,18 @@ _DROP_LINGER_MS = 1000
 _REFUSAL_LOG_PERIOD_S = 5.0  # a flood of unauthenticated frames logs once per period, with its count
 
 
-def room_notification(room: int) -> bytes:
-    return b"pdserve-room:%d" % room
+def room_notification(room: int, tp_rank: int = 0) -> bytes:
+    """The engine notification a prefill TP rank's last write of a room carries."""
+    return b"pdserve-room:%d:%d" % (room, tp_rank)
 
 
-def parse_room_notification(msg: bytes) -> int | None:
-    prefix, _, room = msg.partition(b":")
-    return int(room) if prefix == b"pdserve-room" and room.isdigit() else None
+def parse_room_notification(msg: bytes) -> tuple[int, int] | None:
+    """(room, prefill tp rank) of a ``room_notification``; None for anything else."""
+    prefix, _, rest = msg.partition(b":")
+    room, _, tp = rest.partition(b":")
+    if prefix != b"pdserve-room" or not room.isdigit() or not tp.isdigit():
+        return None
+    return int(room), int(tp)
 
 
 class KVManager(ABC):

@@ -35,15 +35,29 @@ class KVReceiver:
         self.dst_pages: list[int] | None = None
         self.aux_slot: int | None = None
         self.requested_at: float | None = None
-        self.status_ok = False  # prefill said success
-        self.notified = False  # the engine's per-room notification arrived (nixl)
-        self.need_notify = False
         # the prefill has no write of this room queued or in flight any more (RoomClosed, or its RoomStatus)
-        self.peer_closed = False
+        self.closed_here = False
+        # tensor parallel: the prefill TP ranks this rank's heads come from, and what each reported
+        self.sources: frozenset[int] = frozenset({0})
+        self.ok_from: set[int] = set()  # RoomStatus success
+        self.notify_from: set[int] = set()  # said an engine notification follows
+        self.notified_from: set[int] = set()  # whose notification arrived
+        self.closed_from: set[int] = set()  # RoomClosed (or success after this room failed here)
+        # what the TP ranks agreed on this step (see ``tp_agreement``); None: this rank's own view
+        self.agreed: KVPoll | None = None
+        self.agreed_closed: bool | None = None
+
+    @property
+    def peer_closed(self) -> bool:
+        return self.closed_here if self.agreed_closed is None else self.agreed_closed
+
+    @peer_closed.setter
+    def peer_closed(self, value: bool) -> None:
+        self.closed_here = value
 
     def poll(self) -> KVPoll:
-        """Current state; cheap, call every scheduler step."""
-        return self.state
+        """Current state (the TP ranks' agreed one, once the loop agreed); cheap, call every scheduler step."""
+        return self.state if self.agreed is None else self.agreed
 
     def init(self, dst_page_indices: Sequence[int], aux_slot: int) -> None:
         """Give the pages (and aux slot) preallocated for this room; sent once the peer is ready."""
@@ -51,7 +65,7 @@ class KVReceiver:
 
     def aux(self) -> AuxData | None:
         """The first output token and logprobs, once ``poll()`` is Success."""
-        if self.state is not KVPoll.Success or self.aux_slot is None:
+        if self.poll() is not KVPoll.Success or self.aux_slot is None:
             return None
         return self._mgr.aux_pool.read(self.aux_slot)
 

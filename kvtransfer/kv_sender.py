@@ -29,8 +29,12 @@ class KVSender:
         self.failure_reason: str | None = None
         self.created = created  # on the manager's clock
         self.done_at: float | None = None
-        self.peer: Any = None  # the manager's record of the decode peer, once known
-        self.request: RoomRequest | None = None
+        self.peer: Any = None  # the manager's record of the (first) decode peer, once known
+        self.request: RoomRequest | None = None  # the first destination (every decode TP rank's has the same pages)
+        # decode TP rank -> its destination; the room starts once every rank expected here sent one
+        self.dests: dict[int, Any] = {}
+        self.expected: frozenset[int] | None = None
+        self.agreed: KVPoll | None = None  # the state the TP ranks agreed on this step (see ``tp_agreement``)
         self.pages_sent = 0
         self.last_sent = False
         self.inflight = 0  # chunks queued or being written on a transfer thread
@@ -38,8 +42,8 @@ class KVSender:
         self.close_sent = False
 
     def poll(self) -> KVPoll:
-        """Current state; cheap, call every scheduler step."""
-        return self.state
+        """Current state (the TP ranks' agreed one, once the loop agreed); cheap, call every scheduler step."""
+        return self.state if self.agreed is None else self.agreed
 
     @property
     def num_dst_pages(self) -> int | None:

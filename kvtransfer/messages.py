@@ -54,6 +54,11 @@ class RegisterPool(msgspec.Struct, frozen=True, tag=True):
     aux_addr: int
     aux_slot_bytes: int
     aux_num_slots: int
+    # tensor parallel: this decode pool is TP rank tp_rank of tp_size over a model of kv_heads KV heads
+    # (0: the layout's own count, TP 1); the prefill cuts its page runs by head range when sizes differ
+    tp_rank: int = 0
+    tp_size: int = 1
+    kv_heads: int = 0
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag=True):
@@ -82,6 +87,7 @@ class RoomStatus(msgspec.Struct, frozen=True, tag=True):
     success: bool
     reason: str = ""
     notified: bool = False  # an engine notification for the room follows the data (nixl)
+    tp_rank: int = 0  # the prefill TP rank whose slices these are (a decode rank may have several sources)
 
 
 class AbortRoom(msgspec.Struct, frozen=True, tag=True):
@@ -90,6 +96,7 @@ class AbortRoom(msgspec.Struct, frozen=True, tag=True):
     room: int
     reason: str
     endpoint: str = ""  # the sender's control endpoint (decode -> prefill: where RoomClosed goes)
+    tp_rank: int = 0  # prefill -> decode: the prefill TP rank that aborted
 
 
 class RoomClosed(msgspec.Struct, frozen=True, tag=True):
@@ -100,6 +107,7 @@ class RoomClosed(msgspec.Struct, frozen=True, tag=True):
     pages out of its free list (a write still in flight would land in them)."""
 
     room: int
+    tp_rank: int = 0  # the prefill TP rank that closed it
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag=True):
@@ -146,6 +154,8 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_kv_heads: int
     head_dim: int
     backend: str = "mooncake"
+    tp_size: int = 1  # the prefill server's TP size
+    kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, TP 1); num_kv_heads is this rank's share
 
     def layout(self) -> LayoutInfo:
         return LayoutInfo(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.kv_dtype)

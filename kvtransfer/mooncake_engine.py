@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 # Mooncake's TCP lanes reject requests past a bounded queue ("queue-full
 # rejection", seen at ~2k small descriptors in flight), failing the whole batch;
 # so batches go in pieces, with at most _MAX_IN_FLIGHT pieces engine-wide.
-_MAX_DESCS_PER_BATCH = 512
+MAX_DESCS_PER_BATCH = 512
 _MAX_IN_FLIGHT = 2
 
 
@@ -113,8 +113,8 @@ class MooncakeTransferEngine(TransferEngine):
         """Blocking: submit in sub-batches the TCP lanes' queues can hold; (rc, message)."""
         if not src:
             return 0, ""
-        for i in range(0, len(src), _MAX_DESCS_PER_BATCH):
-            j = i + _MAX_DESCS_PER_BATCH
+        for i in range(0, len(src), MAX_DESCS_PER_BATCH):
+            j = i + MAX_DESCS_PER_BATCH
             with self._credits:
                 batch_id = self._engine.batch_transfer_async_write(peer, src[i:j], dst[i:j], lengths[i:j])
                 if batch_id <= 0:  # 0 when the peer's segment cannot be opened

@@ -44,3 +44,39 @@ def run_descriptors(
     dst = (db + d0[None, :] * page_bytes).ravel()
     lengths = np.broadcast_to(n[None, :] * page_bytes, (len(src_bases), n.size)).ravel()
     return src.tolist(), dst.tolist(), lengths.tolist()
+
+
+def slice_descriptors(
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+    src_bases: Sequence[int],
+    dst_bases: Sequence[int],
+    page_size: int,
+    src_token_bytes: int,
+    dst_token_bytes: int,
+    src_offset: int,
+    dst_offset: int,
+    nbytes: int,
+) -> tuple[list[int], list[int], list[int]]:
+    """A head slice of each page run: one descriptor per token per run per buffer.
+
+    With the token-major page ``[page_size, kv_heads, head_dim]`` a run of heads is ``nbytes``
+    at ``src_offset`` inside each token's ``src_token_bytes`` (and at ``dst_offset`` of
+    ``dst_token_bytes`` on the other side). When the slice is every head of both sides the
+    pages are contiguous and the runs coalesce as in ``run_descriptors``.
+    """
+    if nbytes == src_token_bytes == dst_token_bytes:
+        return run_descriptors(src_pages, dst_pages, src_bases, dst_bases, page_size * nbytes)
+    if len(src_bases) != len(dst_bases):
+        raise ValueError(f"{len(src_bases)} local buffers but {len(dst_bases)} remote buffers")
+    s0, d0, n = page_runs(src_pages, dst_pages)
+    # token slots of every run, [tokens]: a run of n pages is n * page_size consecutive token slots
+    run_of = np.repeat(np.arange(n.size), n * page_size)
+    within = np.arange(run_of.size) - np.repeat(np.cumsum(n * page_size) - n * page_size, n * page_size)
+    src_tok = s0[run_of] * page_size + within
+    dst_tok = d0[run_of] * page_size + within
+    sb = np.asarray(src_bases, dtype=np.int64)[:, None]  # [buffers, 1]
+    db = np.asarray(dst_bases, dtype=np.int64)[:, None]
+    src = (sb + src_tok[None, :] * src_token_bytes + src_offset).ravel()  # [buffers * tokens]
+    dst = (db + dst_tok[None, :] * dst_token_bytes + dst_offset).ravel()
+    return src.tolist(), dst.tolist(), [nbytes] * src.size

@@ -19,10 +19,11 @@ from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
 from pdserve.kvtransfer.bootstrap_client import register_rank
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
+from pdserve.kvtransfer.head_slices import HeadSlice, TPPlace, kv_head_range, layout_mismatch, slices_from
 from pdserve.kvtransfer.kv_manager import KVManager, room_notification
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
-from pdserve.kvtransfer.page_runs import run_descriptors
+from pdserve.kvtransfer.page_runs import slice_descriptors
 from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -42,10 +43,20 @@ class DecodePeer:
 
 
 @dataclass
+class _Dest:
+    """One decode TP rank's destination of a room, and the head slices this rank writes there."""
+
+    peer: DecodePeer
+    request: m.RoomRequest
+    slices: list[HeadSlice]
+
+
+@dataclass
 class _Chunk:
     sender: KVSender
     src_pages: list[int]
-    dst_pages: list[int]
+    start: int  # the chunk's pages are the destinations' dst_pages[start:end]
+    end: int
     is_last: bool
     aux: AuxData | None
 
@@ -60,14 +71,19 @@ class PrefillKVManager(KVManager):
         bootstrap_port: int | None = None,
         *,
         dp_rank: int = 0,
-        tp_rank: int = 0,
+        tp: TPPlace = TPPlace(),
         bootstrap_host: str | None = None,
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         super().__init__(config, pool, engine, clock)
         self.dp_rank = dp_rank
-        self.tp_rank = tp_rank
+        self.tp = tp
+        self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
+        # a replica of KV heads a lower TP rank also holds sends nothing (see head_slices)
+        self.silent = not slices_from(tp.rank, tp.size, 1, self.kv_heads)
+        self.token_bytes = self.page_bytes // self.layout.page_size
+        self.head_bytes = self.token_bytes // self.layout.num_kv_heads
         # the bootstrap server of this prefill server; None: the configured port
         self.bootstrap_host = bootstrap_host or config.host
         self.bootstrap_port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
@@ -76,7 +92,7 @@ class PrefillKVManager(KVManager):
         self._aux_staging = AuxPool(config.num_transfer_threads, config.aux_max_top_logprobs)
         self._register(self._aux_staging.base_addr, self._aux_staging.nbytes)
         self.senders: dict[int, KVSender] = {}
-        self._pending: dict[int, tuple[m.RoomRequest, float]] = {}  # destinations that came before the sender
+        self._pending: dict[int, list[tuple[m.RoomRequest, float]]] = {}  # destinations that came before the sender
         self.decode_peers: dict[str, DecodePeer] = {}
         self.registered = threading.Event()  # set once the bootstrap server accepted this rank
         self.registration_error: str | None = None
@@ -105,9 +121,10 @@ class PrefillKVManager(KVManager):
             if room in self.senders and not self.senders[room].state.done:
                 raise KVTransferError(f"room {room} already has an open sender")
             self.senders[room] = sender
-            pending = self._pending.pop(room, None)
-            if pending is not None:
-                self._attach(sender, pending[0])
+            if self.silent:
+                sender.state = KVPoll.WaitingForInput  # nothing to wait for: it follows the others
+            for req, _ in self._pending.pop(room, []):
+                self._attach(sender, req)
         return sender
 
     def send_chunk(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None) -> None:
@@ -122,63 +139,90 @@ class PrefillKVManager(KVManager):
             bad = [p for p in src_pages if not 0 < p < self.pool.num_pages]
             if bad:
                 raise KVTransferError(f"room {sender.room}: local pages {bad[:4]} outside [1, {self.pool.num_pages})")
-            dst_all = sender.request.dst_pages
             start, end = sender.pages_sent, sender.pages_sent + len(src_pages)
-            if end > len(dst_all) or (is_last and end != len(dst_all)):
-                self._fail_sender(sender, f"prefill sent {end} pages but decode preallocated {len(dst_all)}")
-                return
+            for dest in sender.dests.values():
+                got = len(dest.request.dst_pages)
+                if end > got or (is_last and end != got):
+                    self._fail_sender(sender, f"prefill sent {end} pages but decode preallocated {got}")
+                    return
             sender.pages_sent = end
             sender.last_sent = is_last
             sender.state = KVPoll.Transferring
+            if self.silent:
+                if is_last:
+                    self._finish(sender, KVPoll.Success)
+                return
             sender.inflight += 1
-            chunk = _Chunk(sender, src_pages, dst_all[start:end], is_last, aux)
+            chunk = _Chunk(sender, src_pages, start, end, is_last, aux)
         # shard by room so one room's chunks stay in order on one thread
         self._queues[sender.room % len(self._queues)].put(chunk)
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         with self.lock:
             sender = self.senders.get(room)
-            pending = self._pending.pop(room, None)
+            pending = self._pending.pop(room, [])
             if sender is not None:
                 self._fail_sender(sender, reason)
                 return
-        peer = None if pending is None else self.decode_peers.get(pending[0].decode_id)
-        if peer is not None:  # the decode side already waits for this room: tell it
-            msg = m.AbortRoom(room, reason)
-            self.call_soon(lambda: self.send_msg(peer.reg.endpoint, msg))
+        msg = m.AbortRoom(room, reason, tp_rank=self.tp.rank)
+        for req, _ in pending:  # the decode side already waits for this room: tell it
+            peer = self.decode_peers.get(req.decode_id)
+            if peer is not None:
+                self.call_soon(lambda e=peer.reg.endpoint: self.send_msg(e, msg))
 
     # ------------------------------------------------------------ room state
     def _attach(self, sender: KVSender, req: m.RoomRequest) -> None:
-        """Give a Bootstrapping sender its destination; call with ``lock`` held."""
+        """Give a Bootstrapping sender one decode TP rank's destination; it starts once every decode
+        rank that takes heads from this rank sent its own. Call with ``lock`` held."""
         peer = self.decode_peers.get(req.decode_id)
-        sender.peer = peer
-        sender.request = req
+        if sender.peer is None:
+            sender.peer, sender.request = peer, req
         if peer is None:
             self._fail_sender(sender, f"destination from unregistered decode {req.decode_id}")
-        elif peer.reject_reason:
+            return
+        if peer.reject_reason:
             self._fail_sender(sender, peer.reject_reason)
-        elif sender.state is KVPoll.Bootstrapping:
+            return
+        reg = peer.reg
+        mine = slices_from(self.tp.rank, self.tp.size, reg.tp_size, self.kv_heads)
+        slices = [s for s in mine if s.dst_rank == reg.tp_rank]
+        if not slices:
+            self._fail_sender(sender, f"decode TP rank {reg.tp_rank} of {reg.tp_size} takes no KV heads from "
+                                      f"prefill TP rank {self.tp.rank} of {self.tp.size}")
+            return
+        sender.dests[reg.tp_rank] = _Dest(peer, req, slices)
+        if sender.expected is None:
+            sender.expected = frozenset(s.dst_rank for s in mine)
+        if set(sender.dests) >= sender.expected and sender.state is KVPoll.Bootstrapping:
             sender.state = KVPoll.WaitingForInput
 
-    def _fail_sender(self, sender: KVSender, reason: str, tell_peer: bool = True) -> None:
-        """Call with ``lock`` held."""
-        if self._finish(sender, KVPoll.Failed, reason) and tell_peer and sender.peer is not None:
-            endpoint = sender.peer.reg.endpoint
-            msg = m.AbortRoom(sender.room, reason, self.endpoint)
-            self.call_soon(lambda: self.send_msg(endpoint, msg))
+    def _endpoints(self, sender: KVSender) -> list[str]:
+        eps = [d.peer.reg.endpoint for d in sender.dests.values()]
+        if not eps and sender.peer is not None:
+            eps = [sender.peer.reg.endpoint]
+        return eps
+
+    def _fail_sender(self, sender: KVSender, reason: str, tell_peer: bool = True, skip: str = "") -> None:
+        """Call with ``lock`` held. ``skip``: a decode endpoint that already knows (it aborted the room)."""
+        if self._finish(sender, KVPoll.Failed, reason) and tell_peer:
+            msg = m.AbortRoom(sender.room, reason, self.endpoint, tp_rank=self.tp.rank)
+            for endpoint in self._endpoints(sender):
+                if endpoint != skip:
+                    self.call_soon(lambda e=endpoint: self.send_msg(e, msg))
         self._maybe_closed(sender)
 
     def _maybe_closed(self, sender: KVSender, endpoint: str = "") -> None:
         """Call with ``lock`` held: once a failed (or decode-aborted) room has no write queued or in
-        flight, tell its decode, which holds the room's pages until then (after any AbortRoom: same queue)."""
+        flight, tell its decode ranks, which hold the room's pages until then (after any AbortRoom: same queue)."""
         if not (sender.state is KVPoll.Failed or sender.close_wanted) or sender.inflight or sender.close_sent:
             return
-        endpoint = sender.peer.reg.endpoint if sender.peer is not None else endpoint
-        if not endpoint:
+        endpoints = set(self._endpoints(sender)) | ({endpoint} if endpoint else set())
+        if not endpoints:
             return
         sender.close_sent = True
-        msg = m.RoomClosed(sender.room)
-        self.call_soon(lambda: self.send_msg(endpoint, msg))
+        msg = m.RoomClosed(sender.room, tp_rank=self.tp.rank)
+        for e in endpoints:
+            self.call_soon(lambda e=e: self.send_msg(e, msg))
 
     # --------------------------------------------------------- transfer threads
     def _transfer_loop(self, idx: int) -> None:
@@ -206,38 +250,54 @@ class PrefillKVManager(KVManager):
                     chunk.sender.inflight -= 1
                     self._maybe_closed(chunk.sender)
 
+    def _descriptors(self, chunk: _Chunk, dest: _Dest) -> tuple[list[int], list[int], list[int]]:
+        """This rank's heads of the chunk's page runs, into one decode TP rank (cut by head range if needed)."""
+        peer, src, dst, lengths = dest.peer, [], [], []
+        dst_pages = dest.request.dst_pages[chunk.start : chunk.end]
+        dst_token_bytes = peer.reg.page_bytes // self.layout.page_size
+        hb = self.head_bytes
+        for s in dest.slices:
+            a, b, c = slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases,
+                                        self.layout.page_size, self.token_bytes, dst_token_bytes,
+                                        s.src_head * hb, s.dst_head * hb, s.num_heads * hb)
+            src += a
+            dst += b
+            lengths += c
+        return src, dst, lengths
+
     def _transfer(self, idx: int, chunk: _Chunk) -> None:
         sender = chunk.sender
         if sender.state.done:
             return  # aborted while queued
-        peer = sender.peer
-        src, dst, lengths = run_descriptors(
-            chunk.src_pages, chunk.dst_pages, self.src_bases, peer.dst_bases, self.page_bytes
-        )
-        notify = None
-        if chunk.is_last:
-            if chunk.aux is not None:
-                self._aux_staging.write(idx, chunk.aux)
-                src.append(self._aux_staging.slot_addr(idx))
-                dst.append(peer.reg.aux_addr + sender.request.aux_slot * peer.reg.aux_slot_bytes)
-                lengths.append(self._aux_staging.slot_bytes)
-            if self.engine.supports_notifications and src:
-                notify = room_notification(sender.room)
-        try:
-            if src:  # an empty non-last chunk has nothing to write
-                self.engine.write(peer.engine_peer, src, dst, lengths, notify)
-            error = None
-        except TransferEngineError as e:
-            error = e
-        with self.lock:
-            if error is not None:
-                self._fail_sender(sender, f"KV write of room {sender.room} failed: {error}")
+        if chunk.is_last and chunk.aux is not None:
+            self._aux_staging.write(idx, chunk.aux)
+        notified: dict[str, bool] = {}
+        for dest in list(sender.dests.values()):
+            peer = dest.peer
+            src, dst, lengths = self._descriptors(chunk, dest)
+            notify = None
+            if chunk.is_last:
+                if chunk.aux is not None and any(s.aux for s in dest.slices):
+                    src.append(self._aux_staging.slot_addr(idx))
+                    dst.append(peer.reg.aux_addr + dest.request.aux_slot * peer.reg.aux_slot_bytes)
+                    lengths.append(self._aux_staging.slot_bytes)
+                if self.engine.supports_notifications and src:
+                    notify = room_notification(sender.room, self.tp.rank)
+            try:
+                if src:  # an empty non-last chunk has nothing to write
+                    self.engine.write(peer.engine_peer, src, dst, lengths, notify)
+            except TransferEngineError as e:
+                with self.lock:
+                    self._fail_sender(sender, f"KV write of room {sender.room} failed: {e}")
                 return
+            notified[peer.reg.endpoint] = notify is not None
+        with self.lock:
             if not chunk.is_last or sender.state.done:
                 return
             self._finish(sender, KVPoll.Success)
         # straight from this thread (its own socket): one hop less than via the control thread
-        self._push_from_worker(idx, peer.reg.endpoint, m.RoomStatus(sender.room, True, notified=notify is not None))
+        for endpoint, notify in notified.items():
+            self._push_from_worker(idx, endpoint, m.RoomStatus(sender.room, True, notified=notify, tp_rank=self.tp.rank))
 
     def _push_from_worker(self, idx: int, endpoint: str, msg: m.ControlMessage) -> None:
         socks = self._worker_push[idx]
@@ -255,7 +315,7 @@ class PrefillKVManager(KVManager):
     def _register_with_bootstrap(self) -> None:
         reg = m.RankRegistration(
             dp_rank=self.dp_rank,
-            tp_rank=self.tp_rank,
+            tp_rank=self.tp.rank,
             endpoint=self.endpoint,
             page_size=self.layout.page_size,
             kv_dtype=self.layout.dtype,
@@ -263,6 +323,8 @@ class PrefillKVManager(KVManager):
             num_kv_heads=self.layout.num_kv_heads,
             head_dim=self.layout.head_dim,
             backend=self.engine.name,
+            tp_size=self.tp.size,
+            kv_heads=self.kv_heads,
         )
         deadline = time.monotonic() + max(self.config.bootstrap_timeout, _REGISTER_DEADLINE_S)
         where = f"{self.bootstrap_host}:{self.bootstrap_port}"
@@ -296,26 +358,34 @@ class PrefillKVManager(KVManager):
                 sender = self.senders.get(msg.room)
                 if sender is not None:
                     sender.close_wanted = True
-                    self._fail_sender(sender, f"aborted by decode: {msg.reason}", tell_peer=False)
+                    # the other decode TP ranks of the room learn it here (and from their own TP group)
+                    self._fail_sender(sender, f"aborted by decode: {msg.reason}", skip=msg.endpoint)
                     self._maybe_closed(sender, msg.endpoint)
                     return
             if msg.endpoint:  # a room never started here (or long purged): nothing of it can be in flight
-                self.send_msg(msg.endpoint, m.RoomClosed(msg.room))
+                self.send_msg(msg.endpoint, m.RoomClosed(msg.room, tp_rank=self.tp.rank))
         elif isinstance(msg, m.Heartbeat):
             self.send_msg(msg.endpoint, m.HeartbeatAck(self.id, self.endpoint, msg.seq))
         else:
             logger.warning("kv prefill: unexpected %s", type(msg).__name__)
 
     def _check_pool(self, reg: m.RegisterPool) -> str | None:
-        diff = self.layout.mismatch(reg.layout)
+        their_heads = reg.kv_heads or reg.layout.num_kv_heads
+        diff = layout_mismatch(self.layout, self.kv_heads, reg.layout, their_heads)
         if diff:
             return f"KV layout mismatch (prefill vs decode): {diff}"
         if reg.backend != self.engine.name:
             return f"transfer backend mismatch: prefill {self.engine.name} vs decode {reg.backend}"
+        try:
+            share = len(kv_head_range(reg.tp_rank, reg.tp_size, their_heads))
+        except ValueError as e:
+            return f"decode TP rank {reg.tp_rank} of {reg.tp_size}: {e}"
+        if share != reg.layout.num_kv_heads:
+            return f"decode TP rank {reg.tp_rank} of {reg.tp_size} holds {reg.layout.num_kv_heads} KV heads, not {share}"
         if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != self.layout.num_layers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
-        if reg.page_bytes != self.page_bytes:
-            return f"page bytes mismatch: prefill {self.page_bytes} vs decode {reg.page_bytes}"
+        if reg.page_bytes != self.head_bytes * self.layout.page_size * share:
+            return f"page bytes mismatch: prefill {self.page_bytes} for {self.layout.num_kv_heads} heads vs decode {reg.page_bytes} for {share}"
         if reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_slot_bytes != self._aux_staging.slot_bytes:
             return f"bad decode pool: {reg.num_pages} pages, {reg.aux_num_slots} aux slots of {reg.aux_slot_bytes} bytes"
         return None
@@ -356,7 +426,7 @@ class PrefillKVManager(KVManager):
                 self.send_msg(peer.reg.endpoint, m.AbortRoom(req.room, problem))
                 return
             if sender is None:
-                self._pending[req.room] = (req, self.clock())
+                self._pending.setdefault(req.room, []).append((req, self.clock()))
             elif sender.state is KVPoll.Bootstrapping:
                 self._attach(sender, req)
             else:
@@ -368,7 +438,7 @@ class PrefillKVManager(KVManager):
             for sender in self.senders.values():
                 if sender.state is KVPoll.Bootstrapping and now - sender.created > timeout:
                     self._fail_sender(sender, f"no destination from decode within bootstrap_timeout {timeout}s")
-            for room in [r for r, (_, t) in self._pending.items() if now - t > timeout]:
+            for room in [r for r, reqs in self._pending.items() if now - reqs[0][1] > timeout]:
                 del self._pending[room]
             self._purge(self.senders, now)
 

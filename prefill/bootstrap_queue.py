@@ -35,6 +35,19 @@ class BootstrapQueue:
         self.entries[req.rid] = (req, sender)
         return None
 
+    def abort_mismatched(self) -> None:
+        """Abort rooms whose decode preallocated the wrong number of pages (before the TP ranks agree,
+        so a rank that has no destination to check, a silent replica, fails the room with the others)."""
+        for req, sender in self.entries.values():
+            got = sender.num_dst_pages
+            if sender.state is KVPoll.WaitingForInput and got is not None:
+                want = self.pool.pages_for(req.prompt_len)
+                if got != want:
+                    sender.abort(f"decode preallocated {got} pages for a {req.prompt_len}-token prompt that needs {want}")
+
+    def senders(self) -> list[KVSender]:
+        return [sender for _, sender in self.entries.values()]
+
     def pop_ready(self) -> tuple[list[tuple[Req, KVSender]], list[tuple[Req, str]]]:
         """Requests whose destination arrived (to prefill), and requests whose room failed."""
         ready, failed = [], []
@@ -45,12 +58,6 @@ class BootstrapQueue:
             del self.entries[rid]
             if state is KVPoll.Failed:
                 failed.append((req, f"KV transfer failed: {sender.failure_reason}"))
-                continue
-            want, got = self.pool.pages_for(req.prompt_len), sender.num_dst_pages
-            if got != want:
-                reason = f"decode preallocated {got} pages for a {req.prompt_len}-token prompt that needs {want}"
-                sender.abort(reason)
-                failed.append((req, f"KV transfer failed: {reason}"))
                 continue
             ready.append((req, sender))
         return ready, failed

@@ -30,6 +30,7 @@ from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
 from pdserve.kvtransfer.room_queue import RoomQueue
+from pdserve.kvtransfer.tp_agreement import agree
 from pdserve.prefill.bootstrap_queue import BootstrapQueue
 
 
@@ -84,6 +85,9 @@ class PrefillLoop(SchedulerLoop):
         return super().has_work() or bool(self.bootstrap_queue) or bool(self.inflight)
 
     def poll(self) -> None:
+        self.bootstrap_queue.abort_mismatched()
+        # the TP ranks agree on every open room before any is read (kvtransfer/tp_agreement.py)
+        agree(self.bootstrap_queue.senders() + list(self.senders.values()) + [s for _, s in self.inflight.entries.values()])
         ready, failed = self.bootstrap_queue.pop_ready()
         for req, reason in failed:
             self.finish_unscheduled(req, FinishReason("error", message=reason))

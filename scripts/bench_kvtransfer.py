@@ -10,6 +10,13 @@ The baseline is the raw engine (mooncake ``batch_transfer_async_write`` +
 from the same process to the same decode pool. Median (and best) of ``--iters``
 runs, alternating which of the two goes first. Ends with one JSON line.
 
+``--cases mismatched`` (issue 13): prefill TP 2 -> decode TP 1 with the same bytes per token
+(2 KV heads x 96 dims, so 192 values a token a layer as above): two prefill managers in this
+process, each holding one head, each write their half of every token into the one decode pool
+(a strided head slice: one descriptor per token per layer). The raw baseline is the two engines
+writing the same sliced descriptors at once. Against the matched case at the same bytes it
+also says what the strided slices cost.
+
 Each side is pinned to its own CPU (prefill CPU 0, decode CPU 1), as if on two
 hosts: unpinned on a 2-CPU machine, where the kernel happens to put the sender's
 poller, the two UCX progress threads and the decode poller decides a run's
@@ -43,15 +50,18 @@ from pdserve.kvtransfer import (
     KVTransferConfig,
     PrefillKVManager,
 )
-from pdserve.kvtransfer.page_runs import run_descriptors
+from pdserve.kvtransfer.head_slices import TPPlace, slices_from
+from pdserve.kvtransfer.page_runs import run_descriptors, slice_descriptors
 
 NUM_LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 30, 3, 64, 16
+# the mismatched case: 2 KV heads of 96 dims, the same 192 values a token a layer
+TP_KV_HEADS, TP_HEAD_DIM = 2, 96
 TARGET_RATIO_4K = 0.8
 POLL_S = 0.001  # the decode child's loop period
 
 
-def make_pool(num_pages: int) -> PagePool:
-    return PagePool(num_pages, PAGE_SIZE, NUM_LAYERS, KV_HEADS, HEAD_DIM, torch.bfloat16)
+def make_pool(num_pages: int, heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> PagePool:
+    return PagePool(num_pages, PAGE_SIZE, NUM_LAYERS, heads, head_dim, torch.bfloat16)
 
 
 def pin_to(cpu: int | None) -> None:
@@ -60,11 +70,16 @@ def pin_to(cpu: int | None) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def decode_main(conn, backend: str, num_pages: int, cpu: int | None) -> None:
-    """Child: a decode manager that receives rooms on command and reports when each succeeded."""
+def decode_main(conn, backend: str, num_pages: int, cpu: int | None, mismatched: bool = False) -> None:
+    """Child: a decode manager that receives rooms on command and reports when each succeeded.
+    ``mismatched``: TP 1 over the model of ``TP_KV_HEADS`` heads (its sources: two prefill TP ranks)."""
     torch.set_num_threads(1)
     pin_to(cpu)
-    mgr = DecodeKVManager(KVTransferConfig(backend=backend), make_pool(num_pages)).start()
+    if mismatched:
+        pool, tp = make_pool(num_pages, TP_KV_HEADS, TP_HEAD_DIM), TPPlace(0, 1, TP_KV_HEADS)
+    else:
+        pool, tp = make_pool(num_pages), TPPlace()
+    mgr = DecodeKVManager(KVTransferConfig(backend=backend), pool, tp=tp).start()
     conn.send("up")
     while True:
         while not conn.poll():  # a scheduler loop never blocks: poll between rooms too
@@ -94,11 +109,16 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
     raw = mgr.engine.raw
     t0 = time.monotonic()
     if mgr.engine.name == "mooncake":
-        # the same primitive the adapter uses, so the difference is the manager's own cost
-        batch_id = raw.batch_transfer_async_write(peer_name, src, dst, lengths)
-        rc = raw.get_batch_transfer_status([batch_id]) if batch_id > 0 else -1
-        if rc != 0:
-            raise RuntimeError(f"raw mooncake write failed: {rc}")
+        # the same primitive the adapter uses, so the difference is the manager's own cost; in batches
+        # of the adapter's size (one batch of a strided slice's many descriptors overflows the TCP lanes)
+        from pdserve.kvtransfer.mooncake_engine import MAX_DESCS_PER_BATCH as step
+
+        for i in range(0, len(src), step):
+            batch_id = raw.batch_transfer_async_write(peer_name, src[i : i + step], dst[i : i + step],
+                                                      lengths[i : i + step])
+            rc = raw.get_batch_transfer_status([batch_id]) if batch_id > 0 else -1
+            if rc != 0:
+                raise RuntimeError(f"raw mooncake write failed: {rc}")
     else:
         n = len(src)
         local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
@@ -111,6 +131,118 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
         if s != "DONE":
             raise RuntimeError(f"raw nixl write: {s}")
     return time.monotonic() - t0
+
+
+def _row(backend: str, case: str, tokens: int, nbytes: int, mgr_times: list, raw_times: list, iters: int) -> dict:
+    m, r = statistics.median(mgr_times), statistics.median(raw_times)
+    row = {
+        "backend": backend,
+        "case": case,
+        "tokens": tokens,
+        "bytes": nbytes,
+        "manager_s": round(m, 6),
+        "raw_s": round(r, 6),
+        "manager_gbps": round(nbytes / m / 1e9, 3),
+        "raw_gbps": round(nbytes / r / 1e9, 3),
+        "ratio": round(r / m, 3),  # manager bandwidth / raw bandwidth, medians
+        "ratio_best": round(min(raw_times) / min(mgr_times), 3),  # best runs, less load noise
+        "iters": iters,
+    }
+    print(
+        f"{backend:9s} {case:10s} {tokens:6d} tok {nbytes / 1e6:8.1f} MB  manager {m * 1e3:8.2f} ms "
+        f"{row['manager_gbps']:6.2f} GB/s  raw {r * 1e3:8.2f} ms {row['raw_gbps']:6.2f} GB/s  ratio {row['ratio']:.2f} "
+        f"(best {row['ratio_best']:.2f})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
+
+
+def bench_mismatched(backend: str, token_counts: list[int], iters: int, decode_cpu: int | None) -> list[dict]:
+    """Prefill TP 2 (two managers here, one head each) -> decode TP 1 (the child)."""
+    import threading
+
+    num_pages = max(token_counts) // PAGE_SIZE + 2
+    server = BootstrapServer("127.0.0.1", 0, tp_size=2).start_in_thread()
+    pools = [make_pool(num_pages, TP_KV_HEADS // 2, TP_HEAD_DIM) for _ in range(2)]
+    for pool in pools:
+        for t in (*pool.k, *pool.v):
+            t.normal_()
+    mgrs = [PrefillKVManager(KVTransferConfig(backend=backend), pool, server.port, tp=TPPlace(i, 2, TP_KV_HEADS)).start()
+            for i, pool in enumerate(pools)]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=decode_main, args=(child, backend, num_pages, decode_cpu, True), daemon=True)
+    proc.start()
+    assert parent.recv() == "up"
+    room = 10**6
+    results = []
+
+    def raw_both(descs) -> float:
+        times = [0.0, 0.0]
+
+        def one(i):
+            times[i] = raw_write(mgrs[i], descs[i][0], *descs[i][1:])
+
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.monotonic() - t0
+
+    try:
+        for tokens in token_counts:
+            n = tokens // PAGE_SIZE
+            pages = list(range(1, n + 1))
+            nbytes = n * PAGE_SIZE * TP_KV_HEADS * TP_HEAD_DIM * 2 * 2 * NUM_LAYERS  # bf16, K and V
+            mgr_times, raw_times, descs = [], [], None
+            for it in range(iters + 1):
+                raw_first = it % 2 == 1 and descs is not None
+                if raw_first:
+                    raw_t = raw_both(descs)
+                room += 1
+                senders = [m.create_sender(room) for m in mgrs]
+                parent.send((room, server.port, pages))
+                assert parent.recv() == "ready"
+                while any(s.poll() is KVPoll.Bootstrapping for s in senders):
+                    time.sleep(0.0005)
+                t0 = time.monotonic()
+                for s in senders:
+                    s.send(pages, True, AuxData(1, -0.5, [1], [-0.5]))
+                done, ok, reason = parent.recv()
+                if not ok:
+                    raise RuntimeError(f"room {room} failed: {reason}")
+                if descs is None:
+                    descs = []
+                    for i, m in enumerate(mgrs):
+                        peer = next(iter(m.decode_peers.values()))
+                        (sl,) = slices_from(i, 2, 1, TP_KV_HEADS)
+                        hb = m.head_bytes
+                        src, dst, lengths = slice_descriptors(
+                            pages, pages, m.src_bases, peer.dst_bases, PAGE_SIZE, m.token_bytes,
+                            peer.reg.page_bytes // PAGE_SIZE, sl.src_head * hb, sl.dst_head * hb, sl.num_heads * hb)
+                        descs.append((peer.engine_peer, src, dst, lengths))
+                if not raw_first:
+                    raw_t = raw_both(descs)
+                if it:
+                    mgr_times.append(done - t0)
+                    raw_times.append(raw_t)
+            results.append(_row(backend, "mismatched", tokens, nbytes, mgr_times, raw_times, iters))
+    finally:
+        parent.send(None)
+        try:
+            parent.recv()
+        except EOFError:
+            pass
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+        for m in mgrs:
+            m.close()
+        server.stop_thread()
+    return results
 
 
 def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu: int | None) -> list[dict]:
@@ -162,26 +294,7 @@ def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu:
                 if it:
                     mgr_times.append(done - t0)
                     raw_times.append(raw_t)
-            m, r = statistics.median(mgr_times), statistics.median(raw_times)
-            row = {
-                "backend": backend,
-                "tokens": tokens,
-                "bytes": nbytes,
-                "manager_s": round(m, 6),
-                "raw_s": round(r, 6),
-                "manager_gbps": round(nbytes / m / 1e9, 3),
-                "raw_gbps": round(nbytes / r / 1e9, 3),
-                "ratio": round(r / m, 3),  # manager bandwidth / raw bandwidth, medians
-                "ratio_best": round(min(raw_times) / min(mgr_times), 3),  # best runs, less load noise
-                "iters": iters,
-            }
-            print(
-                f"{backend:9s} {tokens:6d} tok {nbytes / 1e6:8.1f} MB  manager {m * 1e3:8.2f} ms "
-                f"{row['manager_gbps']:6.2f} GB/s  raw {r * 1e3:8.2f} ms {row['raw_gbps']:6.2f} GB/s  ratio {row['ratio']:.2f} (best {row['ratio_best']:.2f})",
-                file=sys.stderr,
-                flush=True,
-            )
-            results.append(row)
+            results.append(_row(backend, "matched", tokens, nbytes, mgr_times, raw_times, iters))
     finally:
         parent.send(None)
         try:
@@ -202,6 +315,8 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-pin", action="store_true", help="share every CPU between the two sides")
+    ap.add_argument("--cases", nargs="+", default=["matched", "mismatched"], choices=["matched", "mismatched"],
+                    help="matched: TP 1 -> TP 1; mismatched: prefill TP 2 -> decode TP 1, same bytes")
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -213,11 +328,15 @@ def main() -> None:
         decode_cpu = None
     results = []
     for backend in args.backends:
-        results += bench_backend(backend, args.tokens, args.iters, decode_cpu)
-    at_4k = {r["backend"]: r["ratio"] for r in results if r["tokens"] == 4096}
+        if "matched" in args.cases:
+            results += bench_backend(backend, args.tokens, args.iters, decode_cpu)
+        if "mismatched" in args.cases:
+            results += bench_mismatched(backend, args.tokens, args.iters, decode_cpu)
+    at_4k = {f"{r['backend']} {r['case']}": r["ratio"] for r in results if r["tokens"] == 4096}
     summary = {
         "bench": "kvtransfer",
-        "model_kv": "SmolLM2-135M bf16 (30 layers, 3 kv heads, head dim 64, page 16)",
+        "model_kv": "SmolLM2-135M bf16 (30 layers, 3 kv heads, head dim 64, page 16); mismatched: 2 kv heads of "
+                    "96 dims (same bytes), prefill TP 2 -> decode TP 1",
         "pinned": pinned,
         "results": results,
         "ratio_at_4k": at_4k,

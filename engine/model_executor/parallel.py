@@ -103,6 +103,15 @@ def all_reduce_min(value: int) -> int:
     return int(t.item())
 
 
+def all_reduce_min_list(values: list[int]) -> list[int]:
+    """Element-wise smallest of ``values`` over the TP ranks (every rank passes as many, in the same order)."""
+    if tp_size() == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
+
+
 def broadcast_objects(objs: list | None) -> list:
     """Rank 0's picklable ``objs`` on every rank (CPU, over gloo). Others pass None."""
     if tp_size() == 1:

@@ -72,37 +72,45 @@ class RankSpec:
         return f"dp{self.dp_rank}-tp{self.tp_rank}"
 
 
-def _build_null_loop(config: ServerConfig, dp_rank: int):
+def _build_null_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 
     return SchedulerLoop(config.engine, dp_rank=dp_rank)
 
 
-def _build_prefill_loop(config: ServerConfig, dp_rank: int):
+def _tp_place(config: ServerConfig, tp_rank: int, runner):
+    """This TP rank's place for its KV manager: its pool holds its share of the model's KV heads."""
+    from pdserve.kvtransfer.head_slices import TPPlace
+
+    return TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
+
+
+def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
     from pdserve.prefill.prefill_loop import PrefillLoop
 
     runner = ModelRunner(config.engine)
     kv = PrefillKVManager(
-        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, bootstrap_host=config.advertise_host
+        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
+        bootstrap_host=config.advertise_host,
     ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
-def _build_decode_loop(config: ServerConfig, dp_rank: int):
+def _build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.decode.decode_loop import DecodeLoop
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 
     runner = ModelRunner(config.engine)
-    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool).start()
+    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
     return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
                       max_local_prefill_tokens=config.max_local_prefill_tokens)
 
 
-# disaggregation mode -> builder of the rank's loop (add_request, abort, step, has_work, stats)
-LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int], object]] = {
+# disaggregation mode -> builder of one (DP, TP) rank's loop (add_request, abort, step, has_work, stats)
+LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int, int], object]] = {
     "null": _build_null_loop,
     "prefill": _build_prefill_loop,
     "decode": _build_decode_loop,
@@ -172,7 +180,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     try:
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
-        loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank)
+        loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank, rank.tp_rank)
         # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks
         publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx) if leader else None
         send([ready_info(loop, dp_rank, rank.num_threads)])
@@ -262,9 +270,9 @@ def _inputs(pull: zmq.Socket | None, orphaned: Callable[[], bool]):
     iteration, with whether to stop, and the other ranks follow, so all step in lockstep: every
     rank's ``should_stop`` answers what rank 0 broadcast in the previous iteration.
 
-    PD modes under TP: a decision that depends on rank-local state, such as whether a KV
-    transfer has landed, must be agreed before acting on it: all-reduce the poll states across
-    the TP ranks (SGLang's ``poll_and_all_reduce``) before ``step``.
+    PD modes under TP: each TP rank's KV manager moves its own heads; a decision that depends
+    on rank-local state, such as whether a KV transfer has landed, is agreed inside the loops'
+    ``poll`` (``kvtransfer/tp_agreement.py``), so every rank still takes the same steps.
     """
     from pdserve.engine.model_executor.parallel import broadcast_objects, tp_size
 

@@ -111,3 +111,21 @@ def test_the_bootstrap_client(server):
     with pytest.raises(urllib.error.HTTPError) as e:
         bc.register_rank("127.0.0.1", server.port, msgspec.convert(reg(5), RankRegistration))
     assert e.value.code == 400
+
+
+def test_tp_ranks_all_needed_and_missing_ones_named():
+    """A prefill server of TP 2: GET /route answers 503 naming the missing TP rank until both registered."""
+    s = BootstrapServer("127.0.0.1", 0, dp_size=1, tp_size=2).start_in_thread()
+    try:
+        assert call(s, "PUT", "/route", reg(0, 0, tp_size=2, num_kv_heads=2, kv_heads=4))[0] == 200
+        status, body = call(s, "GET", "/route")
+        assert status == 503 and "missing: dp 0 tp 1" in body["error"], body
+        # a rank of another TP size is refused
+        status, body = call(s, "PUT", "/route", reg(0, 1, endpoint="127.0.0.1:7001", num_kv_heads=2, kv_heads=4))
+        assert status == 400 and "tp_size 1" in body["error"], body
+        assert call(s, "PUT", "/route", reg(0, 1, endpoint="127.0.0.1:7001", tp_size=2, num_kv_heads=2,
+                                            kv_heads=4))[0] == 200
+        status, topo = call(s, "GET", "/route")
+        assert status == 200 and topo["tp_size"] == 2 and [r["tp_rank"] for r in topo["ranks"]] == [0, 1]
+    finally:
+        s.stop_thread()

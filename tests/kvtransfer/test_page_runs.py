@@ -39,3 +39,30 @@ def test_descriptors_cover_exactly_the_page_pairs(pairs):
     assert moved == expected
     assert len(src) <= 2 * len(pairs)
     assert np.all(np.asarray(lengths) > 0)
+
+
+@pytest.mark.parametrize("src_heads,dst_heads,src_head,dst_head,num", [(2, 1, 1, 0, 1), (1, 2, 0, 1, 1), (4, 4, 0, 0, 4),
+                                                                     (4, 2, 2, 0, 2), (3, 6, 0, 3, 3)])
+def test_slice_descriptors_copy_exactly_the_head_slice(src_heads, dst_heads, src_head, dst_head, num):
+    """Applied to two byte pools [pages, page_size, heads, head_dim], the descriptors move exactly the slice."""
+    from pdserve.kvtransfer.page_runs import slice_descriptors
+
+    pages, page_size, head_dim, item = 12, 4, 3, 2
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 255, (2, pages, page_size, src_heads, head_dim * item), dtype=np.uint8)  # 2 buffers
+    dst = np.zeros((2, pages, page_size, dst_heads, head_dim * item), dtype=np.uint8)
+    src_pages, dst_pages = [1, 2, 3, 7, 9], [4, 5, 8, 9, 2]
+    sb, db = [0, src[0].nbytes], [0, dst[0].nbytes]
+    s, d, n = slice_descriptors(src_pages, dst_pages, sb, db, page_size, src_heads * head_dim * item,
+                                dst_heads * head_dim * item, src_head * head_dim * item, dst_head * head_dim * item,
+                                num * head_dim * item)
+    flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
+    for a, b, k in zip(s, d, n):
+        flat_dst[b : b + k] = flat_src[a : a + k]
+    want = np.zeros_like(dst)
+    want[:, dst_pages, :, dst_head : dst_head + num] = src[:, src_pages, :, src_head : src_head + num]
+    assert np.array_equal(dst, want)
+    if src_heads == dst_heads == num:
+        assert len(s) == 2 * 4  # whole pages: coalesced runs (1-3 -> 4-5 breaks: 4 runs per buffer)
+    else:
+        assert len(s) == 2 * len(src_pages) * page_size  # a strided slice: one descriptor per token

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-# ServerProcess lives with the server tests, the attention reference with the kernel tests: the TP
-# tests run the very same stand and reference
-for folder in ("server", "kernels"):
+# ServerProcess lives with the server tests, the attention reference with the kernel tests, the PD
+# servers with the PD tests: the TP tests run the very same stands and reference
+for folder in ("server", "kernels", "pd"):
     sys.path.append(str(Path(__file__).resolve().parents[1] / folder))  # appended: never shadows a conftest
 
 

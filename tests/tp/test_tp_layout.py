@@ -55,12 +55,18 @@ def test_serve_tp2_on_default_model_refused_at_start():
     (["--nnodes", "2", "--tp-size", "3", "--dist-init-addr", "10.0.0.1:5000"], "tp_size divisible by nnodes"),
     (["--node-rank", "1"], "node_rank must be in [0, nnodes)"),
     (["--tp-size", "2", "--dist-init-addr", "nohost"], "dist_init_addr must be host:port"),
-    (["--tp-size", "2", "--disaggregation-mode", "prefill"], "served colocated (null) only"),
 ])
 def test_bad_parallel_flags(args, message):
     with pytest.raises(ValueError) as e:
         parse_serve_args(args)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_tp_serves_both_disaggregated_modes(mode):
+    """TP under PD (issue 13): the refusal of earlier builds is gone; the TP size reaches the config."""
+    config = parse_serve_args(["--tp-size", "2", "--disaggregation-mode", mode])
+    assert config.tp_size == 2 and config.disaggregation_mode == mode
 
 
 def test_rank_plan_devices_addresses_and_cores():
@@ -86,3 +92,7 @@ def test_launch_passes_tp_sizes():
     specs = plan(LaunchConfig(prefill_tp_size=2, decode_tp_size=3, port=0))
     tp = {s.name: s.argv[s.argv.index("--tp-size") + 1] for s in specs[:2]}
     assert tp == {"prefill-0": "2", "decode-0": "3"}
+    # each server accepts what launch gives it (TP under PD was refused before issue 13)
+    for s in specs[:2]:
+        config = parse_serve_args(list(s.argv[3:]))
+        assert (config.disaggregation_mode, config.tp_size) == (s.name.split("-")[0], int(tp[s.name]))
