@@ -23,6 +23,12 @@ a running engine server's HTTP API (``/generate`` with ``input_ids``; each
 decode sequence its own streamed request, so ``--batch`` concurrent streams),
 so the API's own overhead shows as ``server_*_vs_engine`` ratios. ``--no-hf``
 leaves the transformers side out.
+
+Each figure is also given as a fraction of its hardware limit, measured in the
+same run (``benchlib.hw_limits``): decode at 1 sequence against weight bytes /
+read bandwidth (a 512 MB bf16 sum), prefill and decode at ``--batch`` against
+the bf16 GEMM peak / the step's FLOPs. These ``*_frac`` figures, unlike tok/s,
+compare across CPUs and survive a loaded machine (the limits see the same load).
 """
 
 from __future__ import annotations
@@ -37,7 +43,11 @@ import time
 
 import torch
 
-from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
+
+from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
+
+from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -209,6 +219,27 @@ def match_fraction(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+def hardware_limits(args, arch) -> dict[str, float]:
+    """Limits in tok/s for each figure, from this run's measured bandwidth and GEMM peak: the best of
+    several short measurements, since on a shared machine any one of them may be a loaded moment."""
+    bw = read_bandwidth_gbs(repeats=10)
+    peak = gemm_rate(2048, repeats=10)
+    weight_bytes = linear_params(arch) * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    prefill_flops = step_flops(arch, args.prompt_len, 0, 1)  # per prompt
+    # decode at --batch: the mean context over the run
+    decode_flops = step_flops(arch, 1, args.decode_prompt_len + args.new_tokens // 2, 1)  # per token
+    print(f"limits: read {bw:.1f} GB/s, bf16 GEMM {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights "
+          f"per decode step, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    return {
+        "read_gbs": bw,
+        "gemm_gflops": peak,
+        "weight_mb": weight_bytes / 1e6,
+        "limit_prefill_tok_s": peak * 1e9 * args.prompt_len / prefill_flops,
+        "limit_decode1_tok_s": bw * 1e9 / weight_bytes,
+        f"limit_decode{args.batch}_tok_s": peak * 1e9 / decode_flops,
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -216,7 +247,7 @@ def main(argv=None) -> dict:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as hf_dir:
         t0 = time.perf_counter()
-        vocab, _ = export_hf(args.model_path, hf_dir)
+        vocab, arch = export_hf(args.model_path, hf_dir)
         print(f"exported dequantized weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         prefill_prompts = random_prompts(args.num_prompts, args.prompt_len, rng, vocab)
         decode_prompts = random_prompts(args.batch, args.decode_prompt_len, rng, vocab)
@@ -246,6 +277,7 @@ def main(argv=None) -> dict:
                 print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
         for side in sides.values():
             side.close()
+        limits = hardware_limits(args, arch)  # after the sides are closed: nothing else running
     result = {
         "bench": "engine",
         "dtype": args.dtype,
@@ -256,8 +288,13 @@ def main(argv=None) -> dict:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         **{k: round(v, 1) for k, v in figures.items()},
+        **{k: round(v, 1) for k, v in limits.items()},
+        "load_avg": round(os.getloadavg()[0], 1),
     }
     figs = ("prefill", "decode1", f"decode{args.batch}")
+    for name in sides:
+        for fig in figs:
+            result[f"{name}_{fig}_frac"] = round(figures[f"{name}_{fig}_tok_s"] / limits[f"limit_{fig}_tok_s"], 3)
     rows = []
     for other, suffix in (("hf", "ratio"), ("server", "vs_engine")):
         if other not in sides:
@@ -279,6 +316,10 @@ def main(argv=None) -> dict:
     for fig, num, den, key in rows:
         print(f"{fig:24s} {num:>8s} {result[f'{num}_{fig}_tok_s']:10.1f} {den:>8s} "
               f"{result[f'{den}_{fig}_tok_s']:10.1f} {result[key]:7.2f}", file=sys.stderr)
+    for name in sides:
+        print(f"{name:8s} fraction of limit: " + ", ".join(
+            f"{fig} {result[f'{name}_{fig}_frac']:.2f} of {limits[f'limit_{fig}_tok_s']:.0f} tok/s" for fig in figs),
+            file=sys.stderr)
     print(json.dumps(result))
     return result
 
