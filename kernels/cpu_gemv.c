@@ -4,7 +4,7 @@
 
    At M = 1 a decode step is a stream over the weights, and a product's only job is to keep
    up with memory. oneDNN's prepacked bf16 linear reads W at about 13 GB/s on one Zen 4 core
-   where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py);
+   where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py, lm_head_*);
    these loops stream each W row once through AVX-512 BF16 dot products (vdpbf16ps) with
    every x row held in L1, and reach the sum's rate. torch's ``_weight_int8pack_mm`` reads
    int8 at ~6 GB/s here, so int8 gets the same loop with int8 -> float32 FMAs.

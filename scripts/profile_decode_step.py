@@ -85,7 +85,7 @@ def main() -> None:
         "bench": "decode_step", "threads": args.threads, "batch": bs, "context": ctx,
         "load_avg": round(os.getloadavg()[0], 1), "read_gbs": round(bw, 1),
         **{f"{n}_step_ms": round(t * 1e3, 2) for n, t in times.items()},
-        **{f"{n}_frac_of_floor": round(floors[n] / t, 3) for n, t in times.items()} if bs == 1 else {},
+        **({f"{n}_frac_of_floor": round(floors[n] / t, 3) for n, t in times.items()} if bs == 1 else {}),
         "gemv_vs_onednn": round(times["onednn"] / times["gemv"], 2),
         "w8a16_vs_gemv": round(times["gemv"] / times["w8a16"], 2),
     }

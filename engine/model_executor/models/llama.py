@@ -48,8 +48,10 @@ from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import native_kernels
 
 # Steps of at most this many tokens run their linears through native gemv. Measured on one
-# Zen 4 core against the prepacked oneDNN linear on the default model's shapes: gemv ahead
-# ~2x at 1 row, ~1.2x at 4, behind from ~8 (oneDNN's blocking reuses W across rows better).
+# Zen 4 core (loaded machine, best of 15) on the default model's LM head against the prepacked
+# oneDNN linear: gemv 1.2-1.7x ahead at 1-4 rows, 1.3x at 6 and 8; whole decode steps at one
+# row 2.2x (scripts/profile_decode_step.py). Kept at 4 until measured on a quiet machine;
+# past a few rows a step is no longer a pure weight stream and oneDNN's blocking catches up.
 GEMV_MAX_ROWS = 4
 
 Weight = torch.Tensor | Int8Weight
