@@ -93,3 +93,16 @@ def test_w8a16_gemv_and_dequantized_paths_agree(ckpt):
     for g, w in zip(forced_logits(a, prompts, path), want):
         # gemv scales in float32, the dense path rounds each dequantized weight to bf16 first
         assert (g - w).abs().max() <= 0.1 * w.std()
+
+
+def test_w8a16_portable_torch_path_in_float32(ckpt):
+    # float32: no native kernels at all (norms, rope and products in torch), the path any CPU has
+    f32 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4))
+    w8 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4,
+                                  quantization="w8a16"))
+    assert w8.model.native is None and w8.model.gemv_rows == 0
+    prompts = prompts_of([7, 23, 1], seed=7)
+    path, want = greedy_generate(f32, prompts, NEW)
+    for g, w in zip(forced_logits(w8, prompts, path), want):
+        err = (g - w).abs().max() / w.std()
+        assert 0 < err <= W8_LOGIT_ERROR, err
