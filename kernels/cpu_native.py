@@ -101,7 +101,7 @@ class NativeKernels:
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
         self.has_gemv = bool(self.lib.gemv_supported())
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
-        self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
+        self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
 
     def _bind(self, name: str, argtypes: list) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, name)
@@ -181,9 +181,8 @@ class NativeKernels:
         res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
         if weight.dtype == torch.int8:
             assert scale is not None and scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == N
-            xf = torch.empty(M, K, dtype=torch.float32)
-            rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), xf.data_ptr(),
-                               out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode)
+            rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                               out.stride(0), res_ptr, res_stride, M, N, K, mode)
         else:
             assert weight.dtype == torch.bfloat16 and scale is None
             rc = self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
