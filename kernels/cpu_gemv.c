@@ -6,7 +6,8 @@
    up with memory. oneDNN's prepacked bf16 linear reads W at about 13 GB/s on one Zen 4 core
    where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py, lm_head_*);
    these loops stream each W row once through AVX-512 BF16 dot products (vdpbf16ps) with
-   every x row held in L1, and reach the sum's rate. torch's ``_weight_int8pack_mm`` reads
+   every x row held in L1, at 55-90% of the sum's rate (the LM head, one core, shared machine:
+   14-24 GB/s against 26-30). torch's ``_weight_int8pack_mm`` reads
    int8 at ~6 GB/s here, so int8 gets the same loop, widening int8 to bf16 in registers.
 
    Rows of W are split across OpenMP threads in blocks of 4; each block runs over every x

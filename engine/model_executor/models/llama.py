@@ -16,7 +16,7 @@ rope then run as the native kernels' one-pass versions (same roundings).
 Decode steps of up to ``GEMV_MAX_ROWS`` tokens take the native ``gemv`` kernels instead
 (``kernels/cpu_gemv.c``): at one token a step is a stream over the weights, and oneDNN's
 prepacked linear streams them at about half the rate a plain read reaches on this CPU, the
-gemv loop at ~90% of it. They read the weights in the checkpoint's row-major layout, so a
+gemv loop at 55-90% of it (scripts/profile_decode_step.py). They read the weights in the checkpoint's row-major layout, so a
 bf16 model keeps that copy beside the prepacked one (the default model: 270 MB more).
 With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
 (``quantization.Int8Weight``), multiplied in place by gemv and dequantized per matrix for
