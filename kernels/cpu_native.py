@@ -4,7 +4,8 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_decode_attn.c``, paged decode attention read in place from the pages;
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
-rope; ``cpu_common.h``, their bf16 conversions and exp.
+rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
+(``has_gemv``, AVX-512 BF16); ``cpu_common.h``, their bf16 conversions and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -31,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c")
+_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -98,6 +99,9 @@ class NativeKernels:
         self.has_prefill = bool(self.lib.prefill_attn_supported())
         self._rms_norm = self._bind("rms_norm_bf16", [_P, _I64, _P, _P, _I64, _I32, _I32, _F])
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
+        self.has_gemv = bool(self.lib.gemv_supported())
+        self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
+        self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
 
     def _bind(self, name: str, argtypes: list) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, name)
@@ -155,6 +159,36 @@ class NativeKernels:
         out = torch.empty(T, heads, dim, dtype=x.dtype)
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), out.data_ptr(),
                    T, heads, dim)
+        return out
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+        """``x @ W.T`` for a few rows ``x`` [M, K] bf16 (row stride free): a new [M, N] bf16.
+
+        weight: [N, K] contiguous, bf16, or int8 with ``scale`` [N] float32 (row n is
+        ``weight[n] * scale[n]``). ``residual`` [M, N]: returns ``residual + x @ W.T`` (one rounding).
+        ``swiglu``: weight is gate | up, [2 I, K]; returns ``silu(x @ gate.T) * (x @ up.T)``, [M, I].
+        Requires ``has_gemv``.
+        """
+        M, K = x.shape
+        N = weight.shape[0]
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == K
+        assert not (swiglu and residual is not None)
+        out = torch.empty(M, N // 2 if swiglu else N, dtype=torch.bfloat16)
+        mode = 2 if swiglu else 1 if residual is not None else 0
+        if residual is not None:
+            assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
+        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        if weight.dtype == torch.int8:
+            assert scale is not None and scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == N
+            rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), out.data_ptr(),
+                               out.stride(0), res_ptr, res_stride, M, N, K, mode)
+        else:
+            assert weight.dtype == torch.bfloat16 and scale is None
+            rc = self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
+                            res_stride, M, N, K, mode)
+        if rc != 0:
+            raise RuntimeError(f"native gemv failed with code {rc}")
         return out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -23,6 +23,12 @@ a running engine server's HTTP API (``/generate`` with ``input_ids``; each
 decode sequence its own streamed request, so ``--batch`` concurrent streams),
 so the API's own overhead shows as ``server_*_vs_engine`` ratios. ``--no-hf``
 leaves the transformers side out.
+
+Each figure is also given as a fraction of its hardware limit, measured in the
+same run (``benchlib.hw_limits``): decode at 1 sequence against weight bytes /
+read bandwidth (a 512 MB bf16 sum), prefill and decode at ``--batch`` against
+the bf16 GEMM peak / the step's FLOPs. These ``*_frac`` figures, unlike tok/s,
+compare across CPUs and survive a loaded machine (the limits see the same load).
 """
 
 from __future__ import annotations
@@ -37,7 +43,12 @@ import time
 
 import torch
 
-from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
+
+from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
+
+from pdserve.engine.model_executor.quantization import QUANTIZATIONS  # noqa: E402
+from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -55,6 +66,10 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="small settings for a smoke run")
     p.add_argument("--server", default=None, help="engine server URL to measure through HTTP, or 'auto' to launch one")
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers side")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights (EngineConfig)")
+    p.add_argument("--baseline", action="store_true",
+                   help="add a side 'eager': pdserve with --disable-decode-gemv (and bf16 weights), the step "
+                        "before issue 17, so the speedup shows as a ratio in the same run")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
@@ -78,12 +93,14 @@ def timed(fn, repeats: int = 1):
 
 
 class PdserveSide:
-    def __init__(self, args, max_tokens: int):
+    def __init__(self, args, max_tokens: int, baseline: bool = False):
         from pdserve.engine import Engine
 
         self.engine = Engine(
             model_path=args.model_path,
             dtype=args.dtype,
+            quantization="none" if baseline else args.quantization,
+            disable_decode_gemv=baseline,
             num_threads=args.threads,
             max_total_tokens=max_tokens,
             max_running_requests=max(args.batch, 1),
@@ -209,6 +226,31 @@ def match_fraction(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(total, 1)
 
 
+def hardware_limits(args, arch) -> dict[str, float]:
+    """Limits in tok/s for each figure, from this run's measured bandwidth and GEMM peak: the best of
+    several short measurements, since on a shared machine any one of them may be a loaded moment."""
+    bw = read_bandwidth_gbs(repeats=10)
+    peak = gemm_rate(2048, repeats=10)
+    # the pdserve side's weights: w8a16 reads one byte per weight (its float32 scales, one per row,
+    # are < 1% more)
+    dense_bytes = linear_params(arch) * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    weight_bytes = linear_params(arch) if args.quantization == "w8a16" else dense_bytes
+    prefill_flops = step_flops(arch, args.prompt_len, 0, 1)  # per prompt
+    # decode at --batch: the mean context over the run
+    decode_flops = step_flops(arch, 1, args.decode_prompt_len + args.new_tokens // 2, 1)  # per token
+    print(f"limits: read {bw:.1f} GB/s, bf16 GEMM {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights "
+          f"per decode step, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    return {
+        "read_gbs": bw,
+        "gemm_gflops": peak,
+        "weight_mb": weight_bytes / 1e6,
+        "limit_prefill_tok_s": peak * 1e9 * args.prompt_len / prefill_flops,
+        "limit_decode1_tok_s": bw * 1e9 / weight_bytes,
+        "limit_decode1_dense_tok_s": bw * 1e9 / dense_bytes,  # the sides with weights in dtype
+        f"limit_decode{args.batch}_tok_s": peak * 1e9 / decode_flops,
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -216,7 +258,7 @@ def main(argv=None) -> dict:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as hf_dir:
         t0 = time.perf_counter()
-        vocab, _ = export_hf(args.model_path, hf_dir)
+        vocab, arch = export_hf(args.model_path, hf_dir)
         print(f"exported dequantized weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         prefill_prompts = random_prompts(args.num_prompts, args.prompt_len, rng, vocab)
         decode_prompts = random_prompts(args.batch, args.decode_prompt_len, rng, vocab)
@@ -226,6 +268,8 @@ def main(argv=None) -> dict:
             args.batch * (args.decode_prompt_len + args.new_tokens + 16),
         )
         sides = {"pdserve": PdserveSide(args, max_tokens)}
+        if args.baseline:
+            sides["eager"] = PdserveSide(args, max_tokens, baseline=True)
         if not args.no_hf:
             sides["hf"] = HFSide(args, hf_dir)
         if args.server:
@@ -246,6 +290,7 @@ def main(argv=None) -> dict:
                 print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
         for side in sides.values():
             side.close()
+        limits = hardware_limits(args, arch)  # after the sides are closed: nothing else running
     result = {
         "bench": "engine",
         "dtype": args.dtype,
@@ -255,17 +300,28 @@ def main(argv=None) -> dict:
         "batch": args.batch,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "quantization": args.quantization,
         **{k: round(v, 1) for k, v in figures.items()},
+        **{k: round(v, 1) for k, v in limits.items()},
+        "load_avg": round(os.getloadavg()[0], 1),
     }
     figs = ("prefill", "decode1", f"decode{args.batch}")
+    def limit(name: str, fig: str) -> float:
+        dense = fig == "decode1" and name != "pdserve"
+        return limits["limit_decode1_dense_tok_s" if dense else f"limit_{fig}_tok_s"]
+
+    for name in sides:
+        for fig in figs:
+            result[f"{name}_{fig}_frac"] = round(figures[f"{name}_{fig}_tok_s"] / limit(name, fig), 3)
     rows = []
-    for other, suffix in (("hf", "ratio"), ("server", "vs_engine")):
+    for other in ("hf", "server", "eager"):
         if other not in sides:
             continue
         for fig in figs:
-            # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead)
-            num, den = ("pdserve", "hf") if other == "hf" else ("server", "pdserve")
-            key = f"{fig}_ratio" if other == "hf" else f"server_{fig}_vs_engine"
+            # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
+            # eager: pdserve / pdserve before issue 17 (the speedup)
+            num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)
+            key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine", "eager": f"{fig}_vs_eager"}[other]
             result[key] = round(figures[f"{num}_{fig}_tok_s"] / figures[f"{den}_{fig}_tok_s"], 3)
             rows.append((fig, num, den, key))
     if "hf" in sides:
@@ -279,6 +335,10 @@ def main(argv=None) -> dict:
     for fig, num, den, key in rows:
         print(f"{fig:24s} {num:>8s} {result[f'{num}_{fig}_tok_s']:10.1f} {den:>8s} "
               f"{result[f'{den}_{fig}_tok_s']:10.1f} {result[key]:7.2f}", file=sys.stderr)
+    for name in sides:
+        print(f"{name:8s} fraction of limit: " + ", ".join(
+            f"{fig} {result[f'{name}_{fig}_frac']:.2f} of {limit(name, fig):.0f} tok/s" for fig in figs),
+            file=sys.stderr)
     print(json.dumps(result))
     return result
 

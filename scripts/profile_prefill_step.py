@@ -27,27 +27,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 from bench_model import prefill_batch  # noqa: E402
+from benchlib.hw_limits import gemm_rate  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
-
-
-def gemm_rate(n: int = 4096) -> float:
-    """Best bf16 GFLOP/s of an n^3 product, plain ``torch.mm`` or a prepacked oneDNN linear (what
-    pdserve's linears use; transformers' go through the same oneDNN)."""
-    a, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
-    calls = [lambda: torch.mm(a, w)]
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
-        calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-    best = float("inf")
-    for call in calls:
-        call()
-        for _ in range(3):
-            t = time.perf_counter()
-            call()
-            best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
 
 
 def attention_vs_sdpa(native, heads: int, kv_heads: int, dim: int, length: int) -> tuple[float, float]:

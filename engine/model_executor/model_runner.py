@@ -101,7 +101,8 @@ class ModelRunner:
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
-        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack, tp=tp)
+        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack, tp=tp,
+                                      quantization=config.quantization, gemv=not config.disable_decode_gemv)
         del weights
         self.tokenizer = load_tokenizer_from_source(source)
         num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads))
@@ -111,9 +112,10 @@ class ModelRunner:
             config.attention_backend, self.page_pool, tp.num_heads, tp.num_kv_heads, arch.head_dim,
             arch.head_dim ** -0.5,
         )
-        logger.info("loaded %s (%s) as %s in %.1fs (TP rank %d of %d: %d heads, %d KV heads); KV pool %d pages "
-                    "of %d tokens", source.path, arch.arch, self.dtype, time.perf_counter() - t0, tp.rank, tp.size,
-                    tp.num_heads, tp.num_kv_heads, num_pages - 1, config.page_size)
+        logger.info("loaded %s (%s) as %s, weights %s, in %.1fs (TP rank %d of %d: %d heads, %d KV heads); "
+                    "decode steps of <= %d tokens through native gemv; KV pool %d pages of %d tokens", source.path,
+                    arch.arch, self.dtype, config.quantization, time.perf_counter() - t0, tp.rank, tp.size,
+                    tp.num_heads, tp.num_kv_heads, self.model.gemv_rows, num_pages - 1, config.page_size)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

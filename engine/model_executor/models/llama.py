@@ -13,6 +13,15 @@ about 2x faster at one token, ~20% at 64, bit-identical products. Its post-ops
 also fuse the residual adds and SiLU(gate) * up into the matmuls. RMSNorm and
 rope then run as the native kernels' one-pass versions (same roundings).
 
+Decode steps of up to ``GEMV_MAX_ROWS`` tokens take the native ``gemv`` kernels instead
+(``kernels/cpu_gemv.c``): at one token a step is a stream over the weights, and oneDNN's
+prepacked linear streams them at about half the rate a plain read reaches on this CPU, the
+gemv loop at 55-90% of it (scripts/profile_decode_step.py). They read the weights in the checkpoint's row-major layout, so a
+bf16 model keeps that copy beside the prepacked one (the default model: 270 MB more).
+With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
+(``quantization.Int8Weight``), multiplied in place by gemv and dequantized per matrix for
+larger steps; the embedding lookup stays in the model dtype.
+
 Tensor parallel (``tp`` a HeadShard of size > 1): each rank keeps its query and KV heads' rows
 of q|k|v and the matching columns of o (column-parallel, then row-parallel), its 1/tp of the
 intermediate rows of gate|up and columns of down, so a layer needs one all-reduce after o and
@@ -34,8 +43,18 @@ import torch.nn.functional as F
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
+from pdserve.engine.model_executor.quantization import Int8Weight, check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import native_kernels
+
+# Steps of at most this many tokens run their linears through native gemv. Measured on one
+# Zen 4 core (loaded machine, best of 15) on the default model's LM head against the prepacked
+# oneDNN linear: gemv 1.2-1.7x ahead at 1-4 rows, 1.3x at 6 and 8; whole decode steps at one
+# row 2.2x (scripts/profile_decode_step.py). Kept at 4 until measured on a quiet machine;
+# past a few rows a step is no longer a pure weight stream and oneDNN's blocking catches up.
+GEMV_MAX_ROWS = 4
+
+Weight = torch.Tensor | Int8Weight
 
 
 @dataclass
@@ -51,6 +70,11 @@ class _Layer:
     down_w: torch.Tensor  # [hidden, inter]
     gate_w: torch.Tensor | None = None  # packed [inter, hidden]
     up_w: torch.Tensor | None = None  # packed [inter, hidden]
+    # the same matrices row-major, bf16 or int8, for native gemv (None where it is off)
+    qkv_g: Weight | None = None
+    o_g: Weight | None = None
+    gate_up_g: Weight | None = None  # [2 * inter, hidden]: gate | up
+    down_g: Weight | None = None
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,18 +114,39 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 64)
 
 
+def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype) if isinstance(w, Int8Weight) else w
+
+
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, prepack: bool = False, tp: HeadShard | None = None):
+                 device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
+                 quantization: str = "none", gemv: bool = True):
+        """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
+        norm/rope kernels. ``gemv``: small steps through native gemv where it is available
+        (bf16 and AVX-512 BF16). ``quantization``: ``none`` or ``w8a16``."""
+        check_quantization(quantization)
         arch.check_tp_size(1 if tp is None else tp.size)
         tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
         self.arch = arch
         self.tp = tp
         self.dtype = dtype
         self.device = device
-        self.packed = prepack
-        # fused bf16 RMSNorm and rope where the model runs prepacked (CPU, bf16)
+        self.quantization = quantization
+        quant = quantization == "w8a16"
+        # w8a16 keeps int8 only: the large steps dequantize rather than use prepacked copies
+        self.packed = prepack and not quant
+        # fused bf16 RMSNorm and rope where the model could run prepacked (CPU, bf16)
         self.native = native_kernels() if prepack else None
+        use_gemv = gemv and self.native is not None and self.native.has_gemv
+        self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
+        packed = self.packed
+
+        def small_form(t: torch.Tensor) -> Weight | None:
+            """The row-major form gemv reads (None where gemv is off and the weight is bf16)."""
+            if quant:
+                return Int8Weight.quantize(t)
+            return t.contiguous() if use_gemv else None
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
@@ -138,24 +183,36 @@ class LlamaForCausalLM:
                 qk_norm = torch.cat([w(a + "q_norm.weight").expand(H, D), w(a + "k_norm.weight").expand(KVH, D)])
             qkv_w = torch.cat([w(a + "q_proj.weight", q_rows), w(a + "k_proj.weight", kv_rows),
                                w(a + "v_proj.weight", kv_rows)])
+            o_w = w(a + "o_proj.weight", slice(None), q_rows)
+            down_w = w(p + "mlp.down_proj.weight", slice(None), i_rows)
+            gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight", i_rows), w(p + "mlp.up_proj.weight", i_rows)])
             layer = _Layer(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv_w=qkv_w,
                 qkv_b=qkv_b,
                 qk_norm=qk_norm,
-                o_w=w(a + "o_proj.weight", slice(None), q_rows),
+                o_w=o_w,
                 post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up_w=None,
-                down_w=w(p + "mlp.down_proj.weight", slice(None), i_rows),
+                gate_up_w=gate_up_w,
+                down_w=down_w,
+                qkv_g=small_form(qkv_w),
+                o_g=small_form(o_w),
+                gate_up_g=small_form(gate_up_w),
+                down_g=small_form(down_w),
             )
-            if prepack:
-                layer.qkv_w, layer.o_w, layer.down_w = _pack(qkv_w), _pack(layer.o_w), _pack(layer.down_w)
-                layer.gate_w = _pack(w(p + "mlp.gate_proj.weight", i_rows))
-                layer.up_w = _pack(w(p + "mlp.up_proj.weight", i_rows))
-            else:
-                layer.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight", i_rows), w(p + "mlp.up_proj.weight", i_rows)])
+            if quant:  # one int8 copy serves both paths
+                layer.qkv_w, layer.o_w = layer.qkv_g, layer.o_g
+                layer.gate_up_w, layer.down_w = layer.gate_up_g, layer.down_g
+            elif packed:
+                layer.qkv_w, layer.o_w, layer.down_w = _pack(qkv_w), _pack(o_w), _pack(down_w)
+                layer.gate_w = _pack(gate_up_w[: self.inter])
+                layer.up_w = _pack(gate_up_w[self.inter :])
+                layer.gate_up_w = None
             self.layers.append(layer)
-        if prepack:
+        self.lm_head_g = small_form(self.lm_head)
+        if quant:
+            self.lm_head = self.lm_head_g
+        elif packed:
             self.lm_head = _pack(self.lm_head)
         # rope tables as transformers builds them: float32 angles, cast to the model dtype
         positions = torch.arange(arch.max_context_len, dtype=torch.float32)
@@ -180,15 +237,27 @@ class LlamaForCausalLM:
             cos = self.cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, D]
             sin = self.sin.index_select(0, batch.positions)[:, None, :]
         half = D // 2
-        packed = self.packed
+        # a small step: every linear through native gemv (the whole step, so one path per step)
+        small = T <= self.gemv_rows
+        packed = self.packed and not small
         lp = torch.ops.mkldnn._linear_pointwise if packed else None
+        dtype = self.dtype
+
+        def gemv(x: torch.Tensor, w: Weight, **kw) -> torch.Tensor:
+            if isinstance(w, Int8Weight):
+                return native.gemv(x, w.q, w.scale, **kw)
+            return native.gemv(x, w, **kw)
+
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             x = norm(h, layer.input_norm)
-            if packed:
+            if small:
+                qkv = gemv(x, layer.qkv_g)
+                qkv = qkv if layer.qkv_b is None else qkv + layer.qkv_b
+            elif packed:
                 qkv = lp(x, layer.qkv_w, layer.qkv_b, "none", [], "")
             else:
-                qkv = F.linear(x, layer.qkv_w, layer.qkv_b)  # [T, (H + 2 KVH) * D]
+                qkv = F.linear(x, _dense(layer.qkv_w, dtype), layer.qkv_b)  # [T, (H + 2 KVH) * D]
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, eps)
@@ -205,7 +274,15 @@ class LlamaForCausalLM:
                     return torch.empty(0, arch.vocab_size, dtype=torch.float32, device=self.device)
                 o = o.index_select(0, batch.logits_indices)  # [num_sampled, H * D]
                 h = h.index_select(0, batch.logits_indices)
-            if packed and fuse_residual:
+            if small and fuse_residual:
+                h = gemv(o, layer.o_g, residual=h)  # h + o @ o_w.T, one rounding as oneDNN's post-op
+                x = norm(h, layer.post_norm)
+                h = gemv(gemv(x, layer.gate_up_g, swiglu=True), layer.down_g, residual=h)
+            elif small:
+                h = h + all_reduce(gemv(o, layer.o_g))
+                x = norm(h, layer.post_norm)
+                h = h + all_reduce(gemv(gemv(x, layer.gate_up_g, swiglu=True), layer.down_g))
+            elif packed and fuse_residual:
                 h = lp.binary(o, h, layer.o_w, None, "add")  # h + o @ o_w.T
                 x = norm(h, layer.post_norm)
                 act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
@@ -216,13 +293,18 @@ class LlamaForCausalLM:
                 act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
                 h = h + all_reduce(lp(act, layer.down_w, None, "none", [], ""))
             else:
-                h = h + all_reduce(F.linear(o, layer.o_w))  # TP 1: no collective
+                h = h + all_reduce(F.linear(o, _dense(layer.o_w, dtype)))  # TP 1: no collective
                 x = norm(h, layer.post_norm)
-                gu = F.linear(x, layer.gate_up_w)  # [T, 2 * inter]
-                h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w))
+                gu = F.linear(x, _dense(layer.gate_up_w, dtype))  # [T, 2 * inter]
+                h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], _dense(layer.down_w, dtype)))
         # h: [num_sampled, hidden]
         x = norm(h, self.final_norm)
-        logits = lp(x, self.lm_head, None, "none", [], "") if packed else F.linear(x, self.lm_head)
+        if small:
+            logits = gemv(x, self.lm_head_g)
+        elif packed:
+            logits = lp(x, self.lm_head, None, "none", [], "")
+        else:
+            logits = F.linear(x, _dense(self.lm_head, dtype))
         # [num_sampled, vocab_shard] per rank -> the whole vocabulary on every rank, for identical sampling
         logits = all_gather_last_dim(logits.float())
         return logits[:, : arch.vocab_size] if logits.shape[1] != arch.vocab_size else logits

@@ -1,0 +1,46 @@
+"""Weight-only int8 (``w8a16``): int8 weights with one float32 scale per output channel.
+
+A decode step at batch 1 streams every weight once, so its time is the weights' bytes over
+memory bandwidth; int8 halves the bytes of bf16. Activations stay in the model dtype. The
+same int8 weights serve prefill and decode: small steps multiply them in place (the native
+``gemv`` kernel converts int8 to float32 in registers), larger ones dequantize one matrix
+at a time to the model dtype and run the dense product, whose cost the FLOPs dominate.
+
+Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
+so the largest weight of each row is exact and the error of any weight is at most half a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QUANTIZATIONS = ("none", "w8a16")
+
+
+def check_quantization(name: str) -> None:
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {name!r}")
+
+
+@dataclass
+class Int8Weight:
+    q: torch.Tensor  # [N, K] int8, contiguous
+    scale: torch.Tensor  # [N] float32
+
+    @classmethod
+    def quantize(cls, w: torch.Tensor) -> "Int8Weight":
+        """Per-output-channel symmetric int8 of ``w`` [N, K] (any float dtype)."""
+        w32 = w.float()
+        scale = w32.abs().amax(dim=1).clamp_min(1e-12) / 127.0  # an all-zero row stays zero
+        q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.contiguous(), scale.contiguous())
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in ``dtype``: each product rounded once from float32."""
+        return (self.q.float() * self.scale[:, None]).to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.numel() * 4

@@ -1,0 +1,59 @@
+"""Native gemv (kernels/cpu_gemv.c) against float32 products of the same bf16/int8 operands:
+every epilogue, row counts across the 4-row passes, K not a multiple of the vector width,
+N not a multiple of the 4-row blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.kernels.cpu_native import native_kernels
+
+torch.set_num_threads(1)
+native = native_kernels()
+pytestmark = pytest.mark.skipif(native is None or not native.has_gemv, reason="needs AVX-512 BF16 and a C compiler")
+
+SHAPES = [(960, 576), (77, 50), (6, 33)]  # (N, K): a model's, and ragged tails of both
+
+
+def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # float32 sums in another order, then one bf16 rounding: within 2 bf16 ulps of the reference
+    tol = 2 * 2.0**-8 * ref.abs() + 1e-3 * ref.abs().max()
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bf16_plain_residual_swiglu(rows, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    full = torch.randn(rows + 3, k, generator=g).bfloat16()
+    x = full[1 : rows + 1]  # a row stride of its own
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    res = torch.randn(rows, n, generator=g).bfloat16()
+    ref = x.float() @ w.float().T
+    _bf16_close(native.gemv(x, w), ref)
+    _bf16_close(native.gemv(x, w, residual=res), ref + res.float())
+    half = n // 2
+    gate = ref[:, :half]
+    # as the oneDNN post-ops round: silu(gate) to bf16, then times up
+    swiglu = torch.nn.functional.silu(gate).bfloat16().float() * ref[:, half : 2 * half]
+    _bf16_close(native.gemv(x, w[: 2 * half].contiguous(), swiglu=True), swiglu)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_weights_with_scales(rows, shape):
+    n, k = shape
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, generator=g) / 100
+    ref = x.float() @ (q.float() * scale[:, None]).T
+    _bf16_close(native.gemv(x, q, scale), ref)
+    res = torch.randn(rows, n, generator=g).bfloat16()
+    _bf16_close(native.gemv(x, q, scale, residual=res), ref + res.float())
+    half = n // 2
+    swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
+    _bf16_close(native.gemv(x, q[: 2 * half].contiguous(), scale[: 2 * half].contiguous(), swiglu=True), swiglu)
