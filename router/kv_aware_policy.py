@@ -145,6 +145,29 @@ class KVAwarePolicy(Policy):
         self._last_ids = (body, ids)
         return ids
 
+    def uncached_tokens(self, body, endpoint):
+        """The prompt less the leading blocks ``endpoint`` holds (or was sent), by its own KV
+        events; the whole prompt while its events are unknown (a decode worker started without
+        ``--kv-events-config``)."""
+        self._discover([endpoint])
+        ids = self._prompt_ids(body)
+        if ids is None:
+            return None
+        if endpoint.worker.url not in self._subscribed:
+            return len(ids)
+        hashes = block_hashes(ids, self._page_size)
+        with self.lock:
+            held = self.index.overlap(hashes, [endpoint.key], time.monotonic())[endpoint.key]
+        return len(ids) - held * self._page_size
+
+    def routed_locally(self, body, endpoint):
+        ids = self._prompt_ids(body)
+        if ids is None or endpoint.worker.url not in self._subscribed:
+            return
+        with self.lock:
+            self.index.predict(endpoint.key, block_hashes(ids, self._page_size),
+                               time.monotonic() + PREDICTION_TTL_S)
+
     def select_request(self, endpoints, body, text):
         self._discover(endpoints)
         ids = self._prompt_ids(body)
@@ -169,6 +192,9 @@ class KVAwarePolicy(Policy):
 
     def counts(self):
         return {**self.routed, **self.subscriber.counts}
+
+    def close(self):
+        self.subscriber.close()
 
     def forget(self, key):
         self.fallback.forget(key)
@@ -202,7 +228,8 @@ class KVAwarePolicy(Policy):
         sources = info.get("kv_events_endpoints") or []
         if not sources:
             log.warning("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
-                        "routing to it by cache_aware", url)
+                        "routing to it by cache_aware, or counting its whole prompt for a local prefill",
+                        url)
             return
         with self._tokenizer_lock:
             if self._tokenizer is None:
