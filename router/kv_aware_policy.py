@@ -116,6 +116,7 @@ class KVAwarePolicy(Policy):
         self._page_size: int | None = None
         self._asked: dict[str, float] = {}  # worker url -> when its /server_info was last asked
         self._subscribed: set[str] = set()  # worker urls whose event endpoints are known
+        self._silent: set[str] = set()  # worker urls that said they publish no events
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> KVAwarePolicy:
@@ -201,6 +202,7 @@ class KVAwarePolicy(Policy):
         self.subscriber.remove(key)
         url = key.split("@")[0]
         self._subscribed.discard(url)
+        self._silent.discard(url)
         self._asked.pop(url, None)
 
     # -------------------------------------------------------------- discovery
@@ -225,16 +227,19 @@ class KVAwarePolicy(Policy):
         except (OSError, ValueError) as e:
             log.info("kv_aware: %s/server_info: %s (asked again later)", url, e)
             return
-        sources = info.get("kv_events_endpoints") or []
-        if not sources:
-            log.warning("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
-                        "routing to it by cache_aware, or counting its whole prompt for a local prefill",
-                        url)
-            return
+        # the tokenizer even without events: local prefill decisions count the prompt's tokens
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._load_tokenizer(self.config.tokenizer_path or info.get("model_path"))
         self._page_size = int(info.get("page_size") or 1)
+        sources = info.get("kv_events_endpoints") or []
+        if not sources:
+            # asked again every DISCOVERY_RETRY_S (it may restart with events): warned once
+            (log.debug if url in self._silent else log.warning)("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
+                        "routing to it by cache_aware, or counting its whole prompt for a local prefill",
+                        url)
+            self._silent.add(url)
+            return
         for src in sources:
             key = keys.get(int(src.get("dp_rank", 0)))
             if key is not None:

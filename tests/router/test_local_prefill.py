@@ -36,3 +36,28 @@ def test_prefill_queue_threshold_flag():
     cfg = config_from_args(build_parser().parse_args(
         ["--prefill", "http://p:1", "--decode", "http://d:2", "--prefill-queue-threshold", "3"]))
     assert cfg.prefill_queue_threshold == 3 and RouterConfig().prefill_queue_threshold == 0
+
+
+async def test_full_prefill_queues_send_a_request_to_the_decode_worker_alone(cluster):
+    """The router's path, on stand-in workers: two slow prefills fill the queue (threshold 1),
+    so the third request goes local; once they are answered, requests go remote again."""
+    import asyncio
+
+    from standin_worker import Behavior
+
+    await cluster.start(1, 1, prefill_behavior=Behavior(delay_s=1.0), policy="round_robin",
+                        prefill_queue_threshold=1)
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    slow = [asyncio.ensure_future(cluster.post("/generate", body)) for _ in range(2)]
+    prefill, decode = cluster.prefills[0], cluster.decodes[0]
+    while len(prefill.requests) < 2:
+        await asyncio.sleep(0.01)
+    status, _ = await cluster.post("/generate", body)
+    assert status == 200 and len(prefill.requests) == 2
+    assert "bootstrap_room" not in decode.requests[-1].body  # a local prefill: no PD fields
+    assert [s for s, _ in await asyncio.gather(*slow)] == [200, 200]
+    await cluster.post("/generate", body)
+    assert len(prefill.requests) == 3  # the queue is empty again: the prefill path
+    metrics = cluster.router.metrics.render().decode()
+    assert 'pdserve_router_local_prefill_decisions_total{reason="queue"} 1.0' in metrics
+    assert 'pdserve_router_prefills_total{mode="local"} 1.0' in metrics
