@@ -45,3 +45,12 @@ def test_interference_compares_at_the_rate_where_1p1d_short_ttft_doubled():
     del results["colocated"]  # a subset of setups: only the ratio it can give
     _, ratios = cd.ratio_table(results, "interference", 3)
     assert set(ratios) == {"local/1p1d"}
+
+
+def test_kv_routing_ideal_hit_rate_is_every_group_on_one_worker():
+    import bench_kv_routing as kr
+
+    args = kr.build_parser().parse_args(["--sp-prompts-per-group", "4", "--sp-system-prompt-len", "100",
+                                         "--sp-question-len", "28"])
+    # 3 of 4 prompts find the system prompt's 6 full pages (96 tokens); each prompt is 128 tokens
+    assert kr.ideal_hit_rate(args) == pytest.approx(3 * 96 / (4 * 128))
