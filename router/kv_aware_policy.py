@@ -235,9 +235,9 @@ class KVAwarePolicy(Policy):
         sources = info.get("kv_events_endpoints") or []
         if not sources:
             # asked again every DISCOVERY_RETRY_S (it may restart with events): warned once
-            (log.debug if url in self._silent else log.warning)("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
-                        "routing to it by cache_aware, or counting its whole prompt for a local prefill",
-                        url)
+            say = log.debug if url in self._silent else log.warning
+            say("kv_aware: %s publishes no KV events (start it with --kv-events-config); routing to "
+                "it by cache_aware, or counting its whole prompt for a local prefill", url)
             self._silent.add(url)
             return
         for src in sources:

@@ -61,3 +61,16 @@ async def test_full_prefill_queues_send_a_request_to_the_decode_worker_alone(clu
     metrics = cluster.router.metrics.render().decode()
     assert 'pdserve_router_local_prefill_decisions_total{reason="queue"} 1.0' in metrics
     assert 'pdserve_router_prefills_total{mode="local"} 1.0' in metrics
+
+
+async def test_router_shutdown_stops_the_kv_event_subscriber(cluster):
+    import threading
+
+    def subscribers() -> int:
+        return sum(t.name == "pdserve-kv-subscriber" and t.is_alive() for t in threading.enumerate())
+
+    before = subscribers()
+    await cluster.start(1, 1, prefill_policy="kv_aware")
+    assert subscribers() == before + 1
+    await cluster.close()
+    assert subscribers() == before
