@@ -10,7 +10,10 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 4 and 6):
    fails.
 A request without bootstrap fields (``max_local_prefill_tokens`` > 0, a prompt
 at most that long: the router's conditional disaggregation) skips 1-2: the
-scheduler prefills it here like a colocated request, in the running batch.
+scheduler prefills it here like a colocated request, in the running batch:
+as a mixed chunk (``local_prefill_config``), so each step carries the running
+decodes plus at most ``max_local_prefill_tokens`` prompt tokens, and a long
+local prefill never stalls the decodes for more than that many tokens a step.
 
 3. On Success its first token (and logprobs) come from the aux slot; it joins
    the running decode batch with ``scheduler.add_prefilled`` and streams from
@@ -22,6 +25,7 @@ scheduler prefills it here like a colocated request, in the running batch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from pdserve.decode.prealloc_queue import PreallocQueue
@@ -43,13 +47,24 @@ from pdserve.kvtransfer.tp_agreement import FAILED_ELSEWHERE, agree, agree_value
 logger = logging.getLogger(__name__)
 
 
+def local_prefill_config(config: EngineConfig, max_local_prefill_tokens: int) -> EngineConfig:
+    """The decode rank's scheduling: with local prefill, ``max_local_prefill_tokens`` is also the
+    per-step prefill budget and running decodes ride along (mixed chunks), which bounds what a
+    local prefill adds to the TPOT of the requests decoding here. A retracted request's recompute
+    is chunked within the same budget."""
+    if not max_local_prefill_tokens:
+        return config
+    return dataclasses.replace(config, enable_mixed_chunk=True,
+                               chunked_prefill_size=min(config.chunked_prefill_size, max_local_prefill_tokens))
+
+
 class DecodeLoop(SchedulerLoop):
     def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None,
                  max_local_prefill_tokens: int = 0):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
         Timeouts run on ``kv.clock``, so a test can move time for both. ``max_local_prefill_tokens``:
         the longest prompt prefilled here when it comes without bootstrap fields (0: none)."""
-        super().__init__(config, dp_rank, runner)
+        super().__init__(local_prefill_config(config, max_local_prefill_tokens), dp_rank, runner)
         self.max_local_prefill_tokens = max_local_prefill_tokens
         if kv.pool is not self.pool:
             raise ValueError("the KV manager must serve this rank's page pool")

@@ -37,7 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-events-timeout-secs", type=float, default=_D["kv_events_timeout_secs"])
     p.add_argument("--tokenizer-path", default=_D["tokenizer_path"])
     p.add_argument("--local-prefill-max-tokens", type=int, default=_D["local_prefill_max_tokens"],
-                   help="prompts up to this many tokens are prefilled by the decode worker (0: off)")
+                   help="prompts whose part uncached on the decode worker is up to this many tokens are "
+                   "prefilled by the decode worker (0: off)")
+    p.add_argument("--prefill-queue-threshold", type=int, default=_D["prefill_queue_threshold"],
+                   help="also prefill on the decode worker when every prefill worker has more than this "
+                   "many requests in flight (0: off)")
     p.add_argument("--api-key", default=_D["api_key"])
     p.add_argument("--max-concurrent-requests", type=int, default=_D["max_concurrent_requests"])
     p.add_argument("--queue-size", type=int, default=_D["queue_size"])

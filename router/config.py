@@ -57,6 +57,9 @@ class RouterConfig:
     # conditional disaggregation: a prompt of at most this many tokens goes to a decode worker
     # alone (it prefills it itself); needs a tokenizing prefill policy (kv_aware); 0: never
     local_prefill_max_tokens: int = 0
+    # ... and any request when every prefill endpoint has more than this many requests in flight
+    # and the decode endpoint fewer local prefills (router/local_prefill.py); 0: never
+    prefill_queue_threshold: int = 0
     # security and limits
     api_key: str | None = None
     max_concurrent_requests: int = -1  # -1: unlimited
@@ -94,7 +97,8 @@ class RouterConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
             raise ValueError("max_concurrent_requests must be -1 (unlimited) or >= 1")
-        for name in ("queue_size", "balance_abs_threshold", "local_prefill_max_tokens"):
+        for name in ("queue_size", "balance_abs_threshold", "local_prefill_max_tokens",
+                     "prefill_queue_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("retry_max_retries", "health_failure_threshold", "health_success_threshold",

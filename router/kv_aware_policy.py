@@ -116,6 +116,7 @@ class KVAwarePolicy(Policy):
         self._page_size: int | None = None
         self._asked: dict[str, float] = {}  # worker url -> when its /server_info was last asked
         self._subscribed: set[str] = set()  # worker urls whose event endpoints are known
+        self._silent: set[str] = set()  # worker urls that said they publish no events
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> KVAwarePolicy:
@@ -145,6 +146,29 @@ class KVAwarePolicy(Policy):
         self._last_ids = (body, ids)
         return ids
 
+    def uncached_tokens(self, body, endpoint):
+        """The prompt less the leading blocks ``endpoint`` holds (or was sent), by its own KV
+        events; the whole prompt while its events are unknown (a decode worker started without
+        ``--kv-events-config``)."""
+        self._discover([endpoint])
+        ids = self._prompt_ids(body)
+        if ids is None:
+            return None
+        if endpoint.worker.url not in self._subscribed:
+            return len(ids)
+        hashes = block_hashes(ids, self._page_size)
+        with self.lock:
+            held = self.index.overlap(hashes, [endpoint.key], time.monotonic())[endpoint.key]
+        return len(ids) - held * self._page_size
+
+    def routed_locally(self, body, endpoint):
+        ids = self._prompt_ids(body)
+        if ids is None or endpoint.worker.url not in self._subscribed:
+            return
+        with self.lock:
+            self.index.predict(endpoint.key, block_hashes(ids, self._page_size),
+                               time.monotonic() + PREDICTION_TTL_S)
+
     def select_request(self, endpoints, body, text):
         self._discover(endpoints)
         ids = self._prompt_ids(body)
@@ -170,11 +194,15 @@ class KVAwarePolicy(Policy):
     def counts(self):
         return {**self.routed, **self.subscriber.counts}
 
+    def close(self):
+        self.subscriber.close()
+
     def forget(self, key):
         self.fallback.forget(key)
         self.subscriber.remove(key)
         url = key.split("@")[0]
         self._subscribed.discard(url)
+        self._silent.discard(url)
         self._asked.pop(url, None)
 
     # -------------------------------------------------------------- discovery
@@ -199,15 +227,19 @@ class KVAwarePolicy(Policy):
         except (OSError, ValueError) as e:
             log.info("kv_aware: %s/server_info: %s (asked again later)", url, e)
             return
-        sources = info.get("kv_events_endpoints") or []
-        if not sources:
-            log.warning("kv_aware: %s publishes no KV events (start it with --kv-events-config); "
-                        "routing to it by cache_aware", url)
-            return
+        # the tokenizer even without events: local prefill decisions count the prompt's tokens
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 self._load_tokenizer(self.config.tokenizer_path or info.get("model_path"))
         self._page_size = int(info.get("page_size") or 1)
+        sources = info.get("kv_events_endpoints") or []
+        if not sources:
+            # asked again every DISCOVERY_RETRY_S (it may restart with events): warned once
+            say = log.debug if url in self._silent else log.warning
+            say("kv_aware: %s publishes no KV events (start it with --kv-events-config); routing to "
+                "it by cache_aware, or counting its whole prompt for a local prefill", url)
+            self._silent.add(url)
+            return
         for src in sources:
             key = keys.get(int(src.get("dp_rank", 0)))
             if key is not None:

@@ -38,6 +38,11 @@ class RouterMetrics:
                                           "Prefills by where they ran: remote (a prefill worker), local "
                                           "(the decode worker), local_refused (sent back to remote).",
                                           ("mode",), registry=reg))
+        self.local_reasons = _Labelled(Counter("pdserve_router_local_prefill_decisions_total",
+                                               "Requests sent to a decode worker alone, by why: short "
+                                               "(uncached part within --local-prefill-max-tokens), queue "
+                                               "(every prefill queue above --prefill-queue-threshold).",
+                                               ("reason",), registry=reg))
         self.retries = Counter("pdserve_router_retries_total", "Retries of client requests on a new pair.",
                                registry=reg)
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to the first byte sent to the client.",

@@ -8,10 +8,13 @@ decode stream ends with an SSE error event. A client that goes away cancels
 both legs (closing their connections, which is what servers watch for to
 abort the room).
 
-Conditional disaggregation (``--local-prefill-max-tokens N``): a single
-prompt of at most N tokens (counted by the prefill policy's tokenizer, so with
-``kv_aware``) goes to a decode worker alone, without bootstrap fields, and that
-worker prefills it itself (``--max-local-prefill-tokens`` there). A worker that
+Conditional disaggregation (``--local-prefill-max-tokens N``,
+``--prefill-queue-threshold Q``; the rule is ``router/local_prefill.py``): a
+single prompt whose part uncached on the chosen decode worker is at most N
+tokens (counted by the prefill policy's tokenizer, so with ``kv_aware``), or
+any single prompt while every prefill queue is above Q, goes to that decode
+worker alone, without bootstrap fields, and it prefills the prompt itself
+(``--max-local-prefill-tokens`` there). A worker that
 refuses (too long for it, full, down) costs one attempt: the request then takes
 the prefill/decode path. Every answer names its route in the headers
 ``x-pdserve-prefill`` (the prefill endpoint, or ``local``) and
@@ -30,6 +33,7 @@ from aiohttp import web
 
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
+from pdserve.router.local_prefill import local_prefill_reason
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -95,6 +99,7 @@ class PDProxy:
         self.upstream = upstream  # pooled connections to the workers (sends --api-key as bearer)
         self._rng = random.Random()
         self._background: set[asyncio.Task] = set()  # prefill legs outliving their stream
+        self._local_in_flight: dict[str, int] = {}  # decode endpoint key -> local prefills in flight
 
     async def handle(self, request: web.Request, path: str, body: dict,
                      t0: float) -> web.StreamResponse:
@@ -103,9 +108,10 @@ class PDProxy:
         attempts = self.config.retry_max_retries
         exclude: set[str] = set()
         last: LegFailure | None = None
-        if self._goes_local(body):
+        d_ep = self._local_decode(body)
+        if d_ep is not None:
             try:
-                return await self._attempt_local(request, path, body, stream, t0)
+                return await self._attempt_local(request, path, body, stream, t0, d_ep)
             except LegFailure as failure:
                 # refused (too long for it, full) or failed: the prefill/decode path serves it
                 self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
@@ -132,37 +138,64 @@ class PDProxy:
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
 
     # a local prefill ------------------------------------------------------
-    def _goes_local(self, body: dict) -> bool:
-        limit = self.config.local_prefill_max_tokens
-        if not limit or batch_size(body) is not None:
-            return False
-        n = self.pairing.prefill_policy.prompt_tokens(body)
-        return n is not None and n <= limit
+    def _local_decode(self, body: dict) -> Endpoint | None:
+        """The decode endpoint that prefills ``body`` itself, or None for the prefill/decode path."""
+        c = self.config
+        if not (c.local_prefill_max_tokens or c.prefill_queue_threshold) or batch_size(body) is not None:
+            return None
+        d_ep = self.pairing.choose_decode(body)
+        policy = self.pairing.prefill_policy
+        uncached = policy.uncached_tokens(body, d_ep) if c.local_prefill_max_tokens else None
+        prefill_loads = [e.load for e in self.pairing.registry.healthy_endpoints("prefill")]
+        reason = local_prefill_reason(uncached, c.local_prefill_max_tokens, prefill_loads,
+                                      c.prefill_queue_threshold, self._local_in_flight.get(d_ep.key, 0))
+        if reason is None:
+            return None
+        self.metrics.local_reasons.inc(reason.value)
+        log.debug("route: local prefill on decode %s (%s: %s uncached tokens, prefill loads %s)",
+                  d_ep.key, reason.value, uncached, prefill_loads)
+        policy.routed_locally(body, d_ep)  # its prompt will be cached there
+        return d_ep
 
     async def _attempt_local(self, request: web.Request, path: str, body: dict, stream: bool,
-                             t0: float) -> web.StreamResponse:
-        """The request on one decode worker, prefilled there; raises LegFailure."""
-        d_ep = self.pairing.choose_decode(body)
-        log.debug("route: local prefill on decode %s", d_ep.key)
+                             t0: float, d_ep: Endpoint) -> web.StreamResponse:
+        """The request on ``d_ep``, prefilled there; raises LegFailure. Until its first byte it
+        counts as a local prefill in flight on ``d_ep`` (the queue rule's measure of room)."""
         data = Pairing.local_body(body)
         headers = route_headers(None, d_ep)
-        if stream:
-            d_ep.load += 1
-            resp = None
-            try:
-                resp, chunk = await self._open_stream(d_ep, path, data)
-                self.metrics.prefills.inc(LOCAL)
-                out, draining = await self._relay(request, resp, chunk, d_ep, t0, headers)
-                if not draining:
-                    resp.close()
-                return out
-            except BaseException:
-                if resp is not None:
-                    resp.close()
-                raise
-            finally:
-                d_ep.load -= 1
-        status, ctype, payload = await self._leg("decode", d_ep, path, data)
+        key = d_ep.key
+        self._local_in_flight[key] = self._local_in_flight.get(key, 0) + 1
+        prefilling = True
+
+        def prefilled() -> None:
+            nonlocal prefilling
+            if prefilling:
+                prefilling = False
+                self._local_in_flight[key] -= 1
+                if not self._local_in_flight[key]:
+                    del self._local_in_flight[key]
+
+        try:
+            if stream:
+                d_ep.load += 1
+                resp = None
+                try:
+                    resp, chunk = await self._open_stream(d_ep, path, data)
+                    prefilled()
+                    self.metrics.prefills.inc(LOCAL)
+                    out, draining = await self._relay(request, resp, chunk, d_ep, t0, headers)
+                    if not draining:
+                        resp.close()
+                    return out
+                except BaseException:
+                    if resp is not None:
+                        resp.close()
+                    raise
+                finally:
+                    d_ep.load -= 1
+            status, ctype, payload = await self._leg("decode", d_ep, path, data)
+        finally:
+            prefilled()
         if _has_error(payload):
             raise LegFailure("decode", d_ep, f"error in answer: {_short(payload)}", 500)
         self.metrics.prefills.inc(LOCAL)

@@ -50,6 +50,15 @@ class Policy(ABC):
         """The prompt's length in tokens when this policy tokenizes prompts (kv_aware), else None."""
         return None
 
+    def uncached_tokens(self, body: dict, endpoint: C) -> int | None:
+        """The prompt tokens ``endpoint`` would compute to prefill ``body`` itself: the prompt less
+        the prefix it holds, where this policy knows it (kv_aware, from the endpoint's own KV
+        events), else the whole prompt; None when this policy does not tokenize prompts."""
+        return self.prompt_tokens(body)
+
+    def routed_locally(self, body: dict, endpoint: C) -> None:
+        """``body`` went to ``endpoint`` to be prefilled there (kv_aware counts its blocks there)."""
+
     def counts(self) -> dict[str, int]:
         """Events worth a metric (kv_aware: routed by KV, fallbacks, event stream faults); the
         router's /metrics shows them as ``pdserve_router_policy_events_total``."""
@@ -57,6 +66,10 @@ class Policy(ABC):
 
     def forget(self, key: str) -> None:
         """Drop any state kept for the endpoint ``key`` (its worker was removed)."""
+
+    def close(self) -> None:
+        """Stop what the policy runs beside the request path (kv_aware: its event subscriber);
+        called once, on router shutdown."""
 
 
 # name -> "module:Class"; a policy's module is imported only when it is chosen

@@ -102,6 +102,8 @@ class Router:
                 await self._health_task
             except asyncio.CancelledError:
                 pass
+        for policy in (self.prefill_policy, self.decode_policy):
+            policy.close()
         if self.upstream is not None:
             self.upstream.close()
             self.upstream = None
@@ -309,9 +311,10 @@ class Router:
         worker = self.registry.remove(url)
         if worker is None:
             return error_response(RouterError(404, f"no worker {url}", "not_found", "url"))
-        policy = self.prefill_policy if worker.role == "prefill" else self.decode_policy
-        for ep in worker.endpoints:
-            policy.forget(ep.key)
+        # both: the prefill policy (kv_aware) also follows decode workers' events for local prefill
+        for policy in (self.prefill_policy, self.decode_policy):
+            for ep in worker.endpoints:
+                policy.forget(ep.key)
         log.info("removed %s worker %s (%d requests in flight finish there)", worker.role,
                  worker.url, worker.load)
         return json_response(worker.to_json())

@@ -1,4 +1,5 @@
-"""Disaggregated (1 prefill + 1 decode behind the router) against colocated, same workload, one run.
+"""Disaggregated (1 prefill + 1 decode behind the router, with and without local prefill) against
+colocated, same workload, one run.
 
     .venv/bin/python scripts/compare_disagg.py --quick          # a few minutes
     .venv/bin/python scripts/compare_disagg.py --rates 0.5 1 2 3 --slo-tpot-ms 100
@@ -6,7 +7,11 @@
 (a) ``colocated``: one ``pdserve serve`` (``--disaggregation-mode null``) using every core.
 (b) ``1p1d``: ``pdserve launch --prefill 1 --decode 1 --cpu-split auto`` (each server pinned to
     its own half of the cores, torch threads sized to match), measured through the router.
-The script starts and stops both itself, one after the other (never together: they would
+(c) ``1p1d+local``: (b) with conditional disaggregation: the router's prefill policy is
+    ``kv_aware`` with ``--local-prefill-max-tokens N`` and the decode server prefills prompts up
+    to N tokens itself (``--max-local-prefill-tokens N``, a mixed chunk of its running batch);
+    N is ``--local-prefill-max-tokens`` here (default 256).
+The script starts and stops each itself, one after the other (never together: they would
 share the cores), and sends each the same rows at the same arrival times.
 
 Workloads:
@@ -16,8 +21,16 @@ Workloads:
           arriving Poisson at each rate, plus one long prompt (``--long-input-len`` tokens,
           2 tokens out) every ``--long-period`` seconds: on a colocated server every long prefill stalls the
           decode steps of every running stream (the interference disaggregation removes).
+  interference  short chats (``--short-input-len`` in, ``--short-output-len`` out) arriving
+          Poisson at each rate, plus one long prompt (``--interference-long-len`` tokens, lengths
+          uniform down to 3/4 of it, ``--interference-long-output-len`` out) every
+          ``--interference-period`` seconds: through 1p1d the short prompts queue behind long
+          prefills on the prefill server, which local prefill avoids. Its table reports the short
+          requests' p50 TTFT and p99 TPOT, and goodput of all requests; its comparison rate is
+          the lowest at which 1p1d's short p50 TTFT is at least twice that at the lowest rate.
 
-Outputs: a table per rate, a ratio table (1p1d / colocated) at the comparison rate (the
+Outputs: a table per rate, a ratio table (1p1d / colocated, 1p1d+local / colocated and
+1p1d+local / 1p1d) at the comparison rate (interference: see above; otherwise the
 lowest rate at which the colocated server's p99 TPOT exceeds the SLO, else the highest),
 ``compare_disagg.png`` (goodput and p99 TPOT against rate, both setups, each workload)
 and ``tpot_cdf_<workload>.png`` at the comparison rate in ``--out-dir``, and ONE JSON line
@@ -29,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -47,15 +61,21 @@ from benchlib.metrics import calculate_metrics  # noqa: E402
 from pdserve.engine.cluster import Cluster, LaunchConfig  # noqa: E402
 from pdserve.engine.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
-SETUPS = ("colocated", "1p1d")
+SETUPS = ("colocated", "1p1d", "1p1d+local")
 LENGTHS = (  # flag, default, --quick default (tokens)
     ("steady_input_len", 256, 128),
     ("steady_output_len", 32, 16),
     ("stream_input_len", 32, 32),
     ("stream_output_len", 64, 32),
     ("long_input_len", 1024, 512),
+    ("short_input_len", 64, 64),
+    ("short_output_len", 32, 32),
+    ("interference_long_len", 2000, 2000),
+    ("interference_long_output_len", 8, 8),
 )
-WORKLOADS = ("steady", "mixed")
+WORKLOADS = ("steady", "mixed", "interference")
+# the workload whose short requests' own metrics are reported beside everyone's
+SHORT_KINDS = {"mixed": "stream", "interference": "short"}
 TABLE_KEYS = (  # (label, metric key, higher is better)
     ("p50 TTFT ms", "median_ttft_ms", False),
     ("p99 TTFT ms", "p99_ttft_ms", False),
@@ -72,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two rates, few requests: a few minutes")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    p.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                   help="1p1d+local: the router's --local-prefill-max-tokens and the decode server's "
+                        "--max-local-prefill-tokens")
+    p.add_argument("--interference-period", type=float, default=2.0,
+                   help="seconds between long prompts (interference)")
     p.add_argument("--rates", nargs="+", type=float, default=None,
                    help="request rates (req/s) of the sweep; default 0.5 1 2 3 (quick: 0.5 1.5)")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -110,12 +136,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--rates must be finite and > 0, got {a.rates}")
     if a.num_prompts < 2:
         p.error(f"--num-prompts must be >= 2, got {a.num_prompts}")
-    for name in ("steady_input_len", "steady_output_len", "stream_input_len", "stream_output_len",
-                 "long_input_len"):
+    for name, _, _ in LENGTHS:
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if a.long_period <= 0 or a.slo_ttft_ms <= 0 or a.slo_tpot_ms <= 0:
-        p.error("--long-period, --slo-ttft-ms and --slo-tpot-ms must be > 0")
+    if a.local_prefill_max_tokens < 1:
+        p.error("--local-prefill-max-tokens must be >= 1")
+    if a.long_period <= 0 or a.interference_period <= 0 or a.slo_ttft_ms <= 0 or a.slo_tpot_ms <= 0:
+        p.error("--long-period, --interference-period, --slo-ttft-ms and --slo-tpot-ms must be > 0")
     if a.colocated_threads is not None and a.colocated_threads < 1:
         p.error(f"--colocated-threads must be >= 1, got {a.colocated_threads}")
     if a.model_path and not os.path.exists(a.model_path):
@@ -133,14 +160,22 @@ def workload(name: str, rate: float, args, tokenizer) -> tuple[list, list[float]
         rows = datasets.sample_random(tokenizer, args.num_prompts, args.steady_input_len, args.steady_output_len,
                                       0.5, seed)
         return rows, arrival_offsets(len(rows), rate, seed), ["steady"] * len(rows)
-    streams = datasets.sample_random(tokenizer, args.num_prompts, args.stream_input_len, args.stream_output_len,
-                                     1.0, seed)
+    if name == "mixed":
+        short_len, period = (args.stream_input_len, args.stream_output_len), args.long_period
+        long_len, long_ratio = (args.long_input_len, 2), 1.0
+    else:
+        short_len, period = (args.short_input_len, args.short_output_len), args.interference_period
+        long_len, long_ratio = (args.interference_long_len, args.interference_long_output_len), 0.75
+    kind = SHORT_KINDS[name]
+    streams = datasets.sample_random(tokenizer, args.num_prompts, *short_len, 1.0, seed)
     offsets = arrival_offsets(len(streams), rate, seed)
-    # long prompts over the span of the stream arrivals, the first one after the first streams started
-    n_long = max(1, int(offsets[-1] // args.long_period))
-    longs = datasets.sample_random(tokenizer, n_long, args.long_input_len, 2, 1.0, seed + 7)
-    long_offsets = [args.long_period * (k + 0.5) for k in range(n_long)]
-    merged = sorted(zip(offsets + long_offsets, streams + longs, ["stream"] * len(streams) + ["long"] * n_long),
+    # long prompts over the span of the short arrivals, the first one after the first shorts started
+    n_long = max(1, int(offsets[-1] // period))
+    longs = datasets.sample_random(tokenizer, n_long, long_len[0], long_len[1], long_ratio, seed + 7)
+    if long_ratio != 1.0:  # the output length is fixed; only the prompt's varies
+        longs = [dataclasses.replace(r, output_len=long_len[1]) for r in longs]
+    long_offsets = [period * (k + 0.5) for k in range(n_long)]
+    merged = sorted(zip(offsets + long_offsets, streams + longs, [kind] * len(streams) + ["long"] * n_long),
                     key=lambda t: t[0])
     return [r for _, r, _ in merged], [t for t, _, _ in merged], [k for _, _, k in merged]
 
@@ -153,19 +188,24 @@ def measure(base_url: str, name: str, rate: float, args, tokenizer) -> dict:
     m["rate"] = rate
     m["num_requests"] = len(rows)
     m["tpots"] = [o.tpot for o in outputs if o.success]
-    if name == "mixed":  # the streams are what interference hurts: their TPOT on its own
-        s = calculate_metrics([o for o, k in zip(outputs, kinds) if k == "stream"], duration,
+    if name in SHORT_KINDS:  # the short requests are what interference hurts: their metrics on their own
+        kind = SHORT_KINDS[name]
+        s = calculate_metrics([o for o, k in zip(outputs, kinds) if k == kind], duration,
                               args.slo_ttft_ms, args.slo_tpot_ms)
-        m["streams_p99_tpot_ms"] = s["p99_tpot_ms"]
-        m["streams_median_tpot_ms"] = s["median_tpot_ms"]
+        prefix = "streams" if name == "mixed" else "short"
+        m[f"{prefix}_p99_tpot_ms"] = s["p99_tpot_ms"]
+        m[f"{prefix}_median_tpot_ms"] = s["median_tpot_ms"]
+        m[f"{prefix}_median_ttft_ms"] = s["median_ttft_ms"]
         m["long_prompts"] = kinds.count("long")
-        m["tpots"] = [o.tpot for o, k in zip(outputs, kinds) if o.success and k == "stream"]
+        m["tpots"] = [o.tpot for o, k in zip(outputs, kinds) if o.success and k == kind]
     errors = sorted({o.error for o in outputs if not o.success})
     if errors:
         m["errors"] = errors[:5]
     print(f"  {name:<6} rate {rate:<5g} completed {m['completed']}/{len(rows)}  p50/p99 TTFT "
           f"{_f(m['median_ttft_ms'])}/{_f(m['p99_ttft_ms'])} ms  p50/p99 TPOT {_f(m['median_tpot_ms'])}/"
-          f"{_f(m['p99_tpot_ms'])} ms  goodput {m['goodput']:.2f} req/s", flush=True)
+          f"{_f(m['p99_tpot_ms'])} ms  goodput {m['goodput']:.2f} req/s"
+          + (f"  short p50 TTFT {_f(m['short_median_ttft_ms'])} ms, p99 TPOT {_f(m['short_p99_tpot_ms'])} ms"
+             if name == "interference" else ""), flush=True)
     return m
 
 
@@ -173,7 +213,7 @@ def _f(v) -> str:
     return "n/a" if v is None else f"{v:.2f}" if abs(v) < 10 else f"{v:.1f}"
 
 
-# --- the two setups ------------------------------------------------------------------------------
+# --- the setups ------------------------------------------------------------------------------
 
 
 class Colocated:
@@ -201,11 +241,18 @@ class Colocated:
         stop_group(self.proc)
 
 
-def start_1p1d(args, log_dir: str) -> Cluster:
+def start_1p1d(args, log_dir: str, local: bool = False) -> Cluster:
+    """1 prefill + 1 decode behind the router; ``local``: with conditional disaggregation (every
+    server gets --max-local-prefill-tokens, which only a decode server uses)."""
     engine_args = ("--max-total-tokens", str(args.max_total_tokens))
+    router_args: tuple[str, ...] = ()
+    if local:
+        n = str(args.local_prefill_max_tokens)
+        engine_args += ("--max-local-prefill-tokens", n)
+        router_args = ("--prefill-policy", "kv_aware", "--local-prefill-max-tokens", n)
     cfg = LaunchConfig(prefill=1, decode=1, cpu_split="auto", port=0, model_path=args.model_path,
                        transfer_backend=args.transfer_backend, log_dir=log_dir, engine_args=engine_args,
-                       startup_timeout=args.startup_timeout)
+                       router_args=router_args, startup_timeout=args.startup_timeout)
     cluster = Cluster(cfg)
     try:
         cluster.start()
@@ -220,11 +267,22 @@ def start_1p1d(args, log_dir: str) -> Cluster:
 
 
 def comparison_rate(results: dict, name: str, slo_tpot_ms: float) -> float:
+    """interference (with 1p1d measured): the lowest rate where 1p1d's short p50 TTFT is at least
+    twice that at the lowest rate (its short requests queue behind long prefills); otherwise the
+    lowest rate where the colocated server's p99 TPOT misses the SLO; else the highest rate."""
+    if name == "interference" and "1p1d" in results:
+        runs = results["1p1d"][name]
+        idle = runs[0].get("short_median_ttft_ms")
+        for m in runs[1:]:
+            if idle and m.get("short_median_ttft_ms") is not None and m["short_median_ttft_ms"] >= 2 * idle:
+                return m["rate"]
+        return runs[-1]["rate"]
     key = "streams_p99_tpot_ms" if name == "mixed" else "p99_tpot_ms"
-    for m in results["colocated"][name]:
+    runs = (results.get("colocated") or next(iter(results.values())))[name]
+    for m in runs:
         if m.get(key) is not None and m[key] > slo_tpot_ms:
             return m["rate"]
-    return results["colocated"][name][-1]["rate"]
+    return runs[-1]["rate"]
 
 
 def ratio(a, b):
@@ -237,19 +295,40 @@ def _ratio_text(a, b, r) -> str:
     return f"{r:.3f}" if r < 0.1 else f"{r:.2f}"
 
 
-def ratio_table(results: dict, name: str, rate: float) -> tuple[str, dict]:
-    col = next(m for m in results["colocated"][name] if m["rate"] == rate)
-    dis = next(m for m in results["1p1d"][name] if m["rate"] == rate)
+# (numerator, denominator, column title) of the ratio columns, where both setups were measured
+RATIOS = (("1p1d", "colocated", "1p1d/col"), ("1p1d+local", "colocated", "local/col"),
+          ("1p1d+local", "1p1d", "local/1p1d"))
+
+
+def table_keys(name: str) -> list[tuple[str, str, bool]]:
     keys = list(TABLE_KEYS)
     if name == "mixed":
         keys.insert(4, ("streams p99 TPOT ms", "streams_p99_tpot_ms", False))
-    lines = [f"{name} at {rate:g} req/s: {'metric':<20} {'colocated':>10} {'1p1d':>10} {'1p1d/col':>9}"]
-    ratios = {}
-    for label, key, _ in keys:
-        r = ratio(col.get(key), dis.get(key))
-        ratios[key] = r
-        lines.append(f"{'':>{len(name) + len(f'{rate:g}') + 12}}{label:<20} {_f(col.get(key)):>10} "
-                     f"{_f(dis.get(key)):>10} {_ratio_text(col.get(key), dis.get(key), r):>9}")
+    if name == "interference":
+        keys[4:4] = [("short p50 TTFT ms", "short_median_ttft_ms", False),
+                     ("short p99 TPOT ms", "short_p99_tpot_ms", False)]
+    return keys
+
+
+def ratio_table(results: dict, name: str, rate: float) -> tuple[str, dict]:
+    """The table of every measured setup at ``rate`` with the ratio columns of ``RATIOS``; returns
+    it and the ratios by column title, then metric key (``1p1d/col`` also flat, by metric key)."""
+    at = {s: next(m for m in results[s][name] if m["rate"] == rate) for s in SETUPS if s in results}
+    cols = [c for c in RATIOS if c[0] in at and c[1] in at]
+    pad = " " * (len(name) + len(f"{rate:g}") + 12)
+    lines = [f"{name} at {rate:g} req/s: {'metric':<20} " + " ".join(f"{s:>10}" for s in at)
+             + " " + " ".join(f"{t:>10}" for _, _, t in cols)]
+    ratios: dict = {t: {} for _, _, t in cols}
+    for label, key, _ in table_keys(name):
+        cells = []
+        for num, den, title in cols:
+            a, b = at[den].get(key), at[num].get(key)
+            ratios[title][key] = ratio(a, b)
+            cells.append(f"{_ratio_text(a, b, ratios[title][key]):>10}")
+        lines.append(f"{pad}{label:<20} " + " ".join(f"{_f(m.get(key)):>10}" for m in at.values())
+                     + " " + " ".join(cells))
+    if "1p1d/col" in ratios:
+        ratios.update(ratios["1p1d/col"])  # the flat form older readers use
     return "\n".join(lines), ratios
 
 
@@ -261,15 +340,18 @@ def plot(results: dict, workloads: list[str], args, path: str) -> str:
 
     fig, axes = plt.subplots(len(workloads), 2, figsize=(10, 3.6 * len(workloads)), squeeze=False)
     for row, name in enumerate(workloads):
-        tpot_key = "streams_p99_tpot_ms" if name == "mixed" else "p99_tpot_ms"
-        for setup, style in zip(SETUPS, ("o-", "s--")):
+        tpot_key = {"mixed": "streams_p99_tpot_ms", "interference": "short_p99_tpot_ms"}.get(name, "p99_tpot_ms")
+        for setup, style in zip(SETUPS, ("o-", "s--", "^-.")):
+            if setup not in results:
+                continue
             ms = results[setup][name]
             axes[row][0].plot([m["rate"] for m in ms], [m["goodput"] for m in ms], style, label=setup)
             axes[row][1].plot([m["rate"] for m in ms], [m.get(tpot_key) or math.nan for m in ms], style, label=setup)
         axes[row][0].set_title(f"{name}: goodput (TTFT<={args.slo_ttft_ms:g} ms, TPOT<={args.slo_tpot_ms:g} ms)")
         axes[row][0].set_ylabel("req/s")
         axes[row][1].axhline(args.slo_tpot_ms, color="grey", lw=0.8, ls=":", label="TPOT SLO")
-        axes[row][1].set_title(f"{name}: p99 TPOT" + (" of the streams" if name == "mixed" else ""))
+        axes[row][1].set_title(f"{name}: p99 TPOT" + {"mixed": " of the streams",
+                                                       "interference": " of the short requests"}.get(name, ""))
         axes[row][1].set_ylabel("ms")
         for ax in axes[row]:
             ax.set_xlabel("request rate (req/s)")
@@ -294,10 +376,11 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0]
     print(f"compare_disagg: {cores} cores (load average {load:.1f}), rates {args.rates}, "
           f"workloads {args.workloads}, logs in {log_dir}", flush=True)
-    results: dict = {s: {w: [] for w in args.workloads} for s in SETUPS}
-    for setup in SETUPS:
+    results: dict = {s: {w: [] for w in args.workloads} for s in args.setups}
+    for setup in args.setups:
         t = time.monotonic()
-        server = Colocated(args, log_dir) if setup == "colocated" else start_1p1d(args, log_dir)
+        server = Colocated(args, log_dir) if setup == "colocated" else \
+            start_1p1d(args, log_dir, local=setup == "1p1d+local")
         url = server.url
         print(f"{setup}: ready at {url} in {time.monotonic() - t:.0f} s", flush=True)
         try:
@@ -310,6 +393,7 @@ def main(argv=None) -> int:
     summary = {"bench": "compare_disagg", "quick": args.quick, "cores": cores, "load_avg_start": round(load, 2),
                "load_avg_end": round(os.getloadavg()[0], 2), "rates": args.rates, "backend": args.backend,
                "colocated_threads": args.colocated_threads or cores, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "num_prompts": args.num_prompts,
+               "setups": args.setups, "local_prefill_max_tokens": args.local_prefill_max_tokens,
                "workloads": {}}
     from benchlib.plots import plot_cdf
 
@@ -318,14 +402,16 @@ def main(argv=None) -> int:
         rate = comparison_rate(results, name, args.slo_tpot_ms)
         table, ratios = ratio_table(results, name, rate)
         print(table + "\n")
-        cdf = plot_cdf({s: next(m for m in results[s][name] if m["rate"] == rate) for s in SETUPS}, "tpots",
+        cdf = plot_cdf({s: next(m for m in results[s][name] if m["rate"] == rate) for s in args.setups}, "tpots",
                        f"TPOT, {name} at {rate:g} req/s", os.path.join(args.out_dir, f"tpot_cdf_{name}.png"))
-        keep = [k for _, k, _ in TABLE_KEYS] + ["rate", "completed", "failed", "num_requests", "slo_attainment",
-                                                 "streams_p99_tpot_ms", "streams_median_tpot_ms", "errors"]
+        keep = [k for _, k, _ in table_keys(name)] + [
+            "rate", "completed", "failed", "num_requests", "slo_attainment", "streams_median_tpot_ms",
+            "short_median_tpot_ms", "long_prompts", "errors"]
         summary["workloads"][name] = {
             "comparison_rate": rate,
-            "ratios_1p1d_over_colocated": {k: (None if v is None else round(v, 3)) for k, v in ratios.items()},
-            **{s: [{k: m[k] for k in keep if k in m} for m in results[s][name]] for s in SETUPS},
+            "ratios": {t: {k: (None if v is None else round(v, 3)) for k, v in r.items()}
+                       for t, r in ratios.items() if isinstance(r, dict)},
+            **{s: [{k: m[k] for k in keep if k in m} for m in results[s][name]] for s in args.setups},
             "tpot_cdf_png": cdf,
         }
     summary["plot"] = plot(results, args.workloads, args, os.path.join(args.out_dir, "compare_disagg.png"))
@@ -335,7 +421,7 @@ def main(argv=None) -> int:
         with open(args.output_file, "a", encoding="utf-8") as f:
             f.write(line + "\n")
     print(line, flush=True)
-    failed = sum(m["failed"] for s in SETUPS for w in args.workloads for m in results[s][w])
+    failed = sum(m["failed"] for s in args.setups for w in args.workloads for m in results[s][w])
     return 0 if failed == 0 else 1
 
 

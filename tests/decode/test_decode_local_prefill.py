@@ -57,3 +57,30 @@ def test_without_the_flag_every_prompt_needs_bootstrap_fields():
         assert "needs bootstrap_host" in p.final("D", "short").error
     finally:
         p.close()
+
+
+def test_local_prefills_ride_in_the_running_batch_within_the_limit_per_step(pair):
+    from pdserve.decode.decode_loop import local_prefill_config
+    from pdserve.engine.config import EngineConfig
+
+    c = pair.decode.scheduler.config
+    assert c.enable_mixed_chunk and c.chunked_prefill_size == LIMIT
+    base = EngineConfig(chunked_prefill_size=4096)
+    assert local_prefill_config(base, 0) is base  # no local prefill: the decode rank as before
+    assert local_prefill_config(base, 8192).chunked_prefill_size == 4096  # never above the engine's
+    # a decode running while a local prefill joins: both advance in the same steps
+    batches = []
+    run_batch = pair.decode.run_batch
+
+    def recording(batch):  # the real forward; the batch is kept to be looked at
+        batches.append([(r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens)])
+        return run_batch(batch)
+
+    pair.decode.run_batch = recording
+    pair.submit("r", [9] * 13, max_new=12)
+    pair.run(lambda: pair.decode.scheduler.running)
+    submit_local(pair, "l", [4] * LIMIT, 6)
+    pair.run(pair.done("r", "l", sides="D"))
+    with_l = [b for b in batches if any(rid == "l" and n > 1 for rid, n in b)]
+    assert with_l and all(sum(n for _, n in b) <= LIMIT and ("r", 1) in b for b in with_l), batches
+    assert pair.tokens("r") == reference([9] * 13, 12) and pair.tokens("l") == reference([4] * LIMIT, 6)
