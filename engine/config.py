@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pdserve.engine.model_executor.quantization import check_quantization
+from pdserve.engine.model_executor.quantization import UNQUANTIZED, check_quantization
 from pdserve.kernels.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -23,7 +23,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str = "cpu"
     # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization.QUANTIZATIONS)
-    quantization: str = "none"
+    quantization: str = UNQUANTIZED
     # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
     # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare
     disable_decode_gemv: bool = False

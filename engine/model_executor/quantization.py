@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTIZATIONS = ("none", "w8a16")
+UNQUANTIZED = "none"
+QUANTIZATIONS = (UNQUANTIZED, "w8a16")
 
 
 def check_quantization(name: str) -> None:
