@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-# the weights' quantization of a peer that predates the field (engine quantization.UNQUANTIZED;
-# written here too, as these messages import no torch)
-UNQUANTIZED = "none"
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED
 
 
 class LayoutInfo(msgspec.Struct, frozen=True):
@@ -27,7 +25,7 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     num_kv_heads: int
     head_dim: int
     dtype: str
-    quantization: str = UNQUANTIZED  # the weights' (KVLayout.quantization)
+    quantization: str = UNQUANTIZED  # the weights' (KVLayout.quantization); a peer that predates it sends none
 
     @classmethod
     def from_layout(cls, layout) -> "LayoutInfo":
@@ -162,7 +160,7 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend: str = "mooncake"
     tp_size: int = 1  # the prefill server's TP size
     kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, TP 1); num_kv_heads is this rank's share
-    quantization: str = UNQUANTIZED  # the weights'
+    quantization: str = UNQUANTIZED  # the weights' (as in LayoutInfo)
 
     def layout(self) -> LayoutInfo:
         return LayoutInfo(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.kv_dtype,

@@ -125,7 +125,8 @@ class PDPair:
         self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
         cfg = KVTransferConfig(backend="local", bootstrap_port=self.bootstrap.port, **{**KV_DEFAULTS, **kv})
         self.kv_config = cfg
-        p_cfg, d_cfg = EngineConfig(page_size=PS, **(p_engine or {})), EngineConfig(page_size=PS, **(d_engine or {}))
+        p_cfg = EngineConfig(page_size=PS, **(p_engine or {}))
+        d_cfg = EngineConfig(page_size=PS, **(d_engine or {}))
         p_runner, d_runner = EchoRunner(p_pages, p_cfg), EchoRunner(d_pages, d_cfg)
         p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
         d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()

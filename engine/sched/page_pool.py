@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model_executor.quantization import UNQUANTIZED
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED
 
 
 class OutOfPagesError(RuntimeError):
@@ -32,7 +32,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
-    # the weights' (quantization.QUANTIZATIONS): KV computed by differently quantized weights differs,
+    # the weights' (quantization_names.QUANTIZATIONS): KV computed by differently quantized weights differs,
     # so a prefill and a decode must agree on it as on the dtype
     quantization: str
 
