@@ -17,7 +17,7 @@ import dataclasses
 import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
-from pdserve.engine.model_executor.quantization import QUANTIZATIONS
+from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
 from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES

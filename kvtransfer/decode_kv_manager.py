@@ -252,7 +252,7 @@ class DecodeKVManager(KVManager):
         peer.routes = {tp: ranks[tp] for tp in sorted(sources)}
         diff = layout_mismatch(first.layout(), their_heads, self.layout, self.kv_heads)
         if diff:
-            self._fail_peer(peer, f"KV layout mismatch (prefill vs decode): {diff}")
+            self._fail_peer(peer, diff)
             return
         if first.backend != self.engine.name:
             self._fail_peer(peer, f"transfer backend mismatch: prefill {first.backend} vs decode {self.engine.name}")

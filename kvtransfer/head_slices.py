@@ -95,11 +95,18 @@ def slices_into(decode_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int
     return [s for s in head_slices(prefill_tp, decode_tp, kv_heads) if s.dst_rank == decode_rank]
 
 
-def layout_mismatch(mine, my_heads: int, theirs, their_heads: int) -> str | None:
-    """``LayoutInfo.mismatch`` of two TP ranks' pools, comparing the model's KV heads rather than each
-    rank's share (which differs when the two sides' TP sizes do)."""
+def layout_mismatch(prefill, prefill_heads: int, decode, decode_heads: int) -> str | None:
+    """Why a prefill rank's pool and a decode rank's cannot pair (``None``: they can): the weights'
+    quantization, then ``LayoutInfo.mismatch`` comparing the model's KV heads rather than each rank's
+    share (which differs when the two sides' TP sizes do)."""
     import msgspec
 
-    return msgspec.structs.replace(mine, num_kv_heads=my_heads).mismatch(
-        msgspec.structs.replace(theirs, num_kv_heads=their_heads)
+    reasons = []
+    if prefill.quantization != decode.quantization:
+        reasons.append(f"weights quantization: prefill {prefill.quantization}, decode {decode.quantization}")
+    diff = msgspec.structs.replace(prefill, num_kv_heads=prefill_heads, quantization=decode.quantization).mismatch(
+        msgspec.structs.replace(decode, num_kv_heads=decode_heads)
     )
+    if diff:
+        reasons.append(f"KV layout mismatch (prefill vs decode): {diff}")
+    return "; ".join(reasons) or None

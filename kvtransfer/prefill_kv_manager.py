@@ -325,6 +325,7 @@ class PrefillKVManager(KVManager):
             backend=self.engine.name,
             tp_size=self.tp.size,
             kv_heads=self.kv_heads,
+            quantization=self.layout.quantization,
         )
         deadline = time.monotonic() + max(self.config.bootstrap_timeout, _REGISTER_DEADLINE_S)
         where = f"{self.bootstrap_host}:{self.bootstrap_port}"
@@ -373,7 +374,7 @@ class PrefillKVManager(KVManager):
         their_heads = reg.kv_heads or reg.layout.num_kv_heads
         diff = layout_mismatch(self.layout, self.kv_heads, reg.layout, their_heads)
         if diff:
-            return f"KV layout mismatch (prefill vs decode): {diff}"
+            return diff
         if reg.backend != self.engine.name:
             return f"transfer backend mismatch: prefill {self.engine.name} vs decode {reg.backend}"
         try:

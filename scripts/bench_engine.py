@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
-from pdserve.engine.model_executor.quantization import QUANTIZATIONS  # noqa: E402
+from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS  # noqa: E402
 from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
 

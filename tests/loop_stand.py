@@ -61,11 +61,13 @@ class EchoArch:
 class EchoRunner:
     """What ``SchedulerLoop`` needs of a ``ModelRunner``: arch, tokenizer, page pool, device, forward."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, config: EngineConfig):
         self.arch = EchoArch()
         self.tokenizer = None
         self.device = torch.device("cpu")
-        self.page_pool = PagePool(num_pages, PS, LAYERS, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+        # the weights' quantization from the config, as ModelRunner does (the KV layout carries it)
+        self.page_pool = PagePool(num_pages, PS, LAYERS, num_kv_heads=1, head_dim=2, dtype=torch.float32,
+                                  quantization=config.quantization)
 
     def forward(self, fb) -> torch.Tensor:
         pool = self.page_pool
@@ -123,12 +125,13 @@ class PDPair:
         self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
         cfg = KVTransferConfig(backend="local", bootstrap_port=self.bootstrap.port, **{**KV_DEFAULTS, **kv})
         self.kv_config = cfg
-        p_runner, d_runner = EchoRunner(p_pages), EchoRunner(d_pages)
+        p_cfg = EngineConfig(page_size=PS, **(p_engine or {}))
+        d_cfg = EngineConfig(page_size=PS, **(d_engine or {}))
+        p_runner, d_runner = EchoRunner(p_pages, p_cfg), EchoRunner(d_pages, d_cfg)
         p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
         d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()
-        self.prefill = PrefillLoop(EngineConfig(page_size=PS, **(p_engine or {})), p_kv, runner=p_runner)
-        self.decode = DecodeLoop(EngineConfig(page_size=PS, **(d_engine or {})), d_kv, runner=d_runner,
-                                 max_local_prefill_tokens=d_max_local_prefill_tokens)
+        self.prefill = PrefillLoop(p_cfg, p_kv, runner=p_runner)
+        self.decode = DecodeLoop(d_cfg, d_kv, runner=d_runner, max_local_prefill_tokens=d_max_local_prefill_tokens)
         assert p_kv.registered.wait(10) and p_kv.registration_error is None
         self.outputs: dict[str, list[TokenOutput]] = {}  # "P:rid" / "D:rid" -> outputs in order
         self.steps = 0

@@ -107,7 +107,7 @@ class ModelRunner:
         self.tokenizer = load_tokenizer_from_source(source)
         num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads))
         self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
-                                  arch.head_dim, self.dtype, self.device)
+                                  arch.head_dim, self.dtype, self.device, config.quantization)
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.page_pool, tp.num_heads, tp.num_kv_heads, arch.head_dim,
             arch.head_dim ** -0.5,

@@ -16,13 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-QUANTIZATIONS = ("none", "w8a16")
-
-
-def check_quantization(name: str) -> None:
-    if name not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {name!r}")
-
 
 @dataclass
 class Int8Weight:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED
+
 
 class OutOfPagesError(RuntimeError):
     """Raised by ``alloc`` when fewer pages are free than asked for."""
@@ -30,6 +32,9 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
+    # the weights' (quantization_names.QUANTIZATIONS): KV computed by differently quantized weights differs,
+    # so a prefill and a decode must agree on it as on the dtype
+    quantization: str
 
     @property
     def page_bytes(self) -> int:
@@ -57,6 +62,7 @@ class PagePool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
+        quantization: str = UNQUANTIZED,
     ):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
@@ -68,6 +74,7 @@ class PagePool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.quantization = quantization
         self.device = torch.device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         # zeros, not empty: untouched pages must read as zeros in transfer tests
@@ -149,6 +156,7 @@ class PagePool:
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
+            quantization=self.quantization,
         )
 
     def buffer_infos(self) -> list[BufferInfo]:

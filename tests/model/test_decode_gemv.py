@@ -75,6 +75,8 @@ def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
     bf16 = runner_for(ckpt)
     w8 = runner_for(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
     assert w8.model.quantization == "w8a16"
+    # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
+    assert (bf16.page_pool.layout().quantization, w8.page_pool.layout().quantization) == ("none", "w8a16")
     prompts = prompts_of([7, 23, 1], seed=5)  # 3 sequences: gemv takes their decode steps when on
     path, want = greedy_generate(bf16, prompts, NEW)
     got = forced_logits(w8, prompts, path)

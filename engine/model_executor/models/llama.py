@@ -43,7 +43,8 @@ import torch.nn.functional as F
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
-from pdserve.engine.model_executor.quantization import Int8Weight, check_quantization
+from pdserve.engine.model_executor.quantization import Int8Weight
+from pdserve.engine.model_executor.quantization_names import check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import native_kernels
 
