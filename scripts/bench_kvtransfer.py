@@ -104,6 +104,21 @@ def decode_main(conn, backend: str, num_pages: int, cpu: int | None, mismatched:
     conn.send("closed")
 
 
+def _stop_stand(parent, proc, mgrs, server) -> None:
+    """Stop the decode child (a None request, then kill if it lingers), the managers and the bootstrap server."""
+    parent.send(None)
+    try:
+        parent.recv()
+    except EOFError:
+        pass
+    proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+    for m in mgrs:
+        m.close()
+    server.stop_thread()
+
+
 def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float:
     """Seconds for the bare engine to write the descriptors in one batch and see it done."""
     raw = mgr.engine.raw
@@ -231,17 +246,7 @@ def bench_mismatched(backend: str, token_counts: list[int], iters: int, decode_c
                     raw_times.append(raw_t)
             results.append(_row(backend, "mismatched", tokens, nbytes, mgr_times, raw_times, iters))
     finally:
-        parent.send(None)
-        try:
-            parent.recv()
-        except EOFError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-        for m in mgrs:
-            m.close()
-        server.stop_thread()
+        _stop_stand(parent, proc, mgrs, server)
     return results
 
 
@@ -296,16 +301,7 @@ def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu:
                     raw_times.append(raw_t)
             results.append(_row(backend, "matched", tokens, nbytes, mgr_times, raw_times, iters))
     finally:
-        parent.send(None)
-        try:
-            parent.recv()
-        except EOFError:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-        mgr.close()
-        server.stop_thread()
+        _stop_stand(parent, proc, [mgr], server)
     return results
 
 

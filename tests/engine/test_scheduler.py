@@ -21,22 +21,7 @@ from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, Scheduler
 
-VOCAB = 1000
-PS = 4
-
-
-def next_token(seq: list[int]) -> int:
-    h = 7
-    for t in seq:
-        h = (h * 31 + t) % 1_000_003
-    return h % VOCAB
-
-
-def reference(prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(next_token(seq))
-    return seq[len(prompt) :]
+from loop_stand import PS, VOCAB, next_token, reference  # the same deterministic stand-in model
 
 
 class EchoModel:
