@@ -14,6 +14,8 @@ scheduler prefills it here like a colocated request, in the running batch:
 as a mixed chunk (``local_prefill_config``), so each step carries the running
 decodes plus at most ``max_local_prefill_tokens`` prompt tokens, and a long
 local prefill never stalls the decodes for more than that many tokens a step.
+A ``/health_generate`` probe (``health_probe``) takes the same local path
+whatever ``max_local_prefill_tokens`` is.
 
 3. On Success its first token (and logprobs) come from the aux slot; it joins
    the running decode batch with ``scheduler.add_prefilled`` and streams from
@@ -78,7 +80,8 @@ class DecodeLoop(SchedulerLoop):
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
         error = super().validate(req)
-        if error is None and req.bootstrap is None and len(req.input_ids) > self.max_local_prefill_tokens:
+        too_long = len(req.input_ids) > self.max_local_prefill_tokens
+        if error is None and req.bootstrap is None and too_long and not req.health_probe:
             error = local_prefill_refusal(len(req.input_ids), self.max_local_prefill_tokens)
         if error is None and req.rid in self.prealloc:
             error = f"rid {req.rid!r} is already in flight"

@@ -31,6 +31,9 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # -1: no prompt logprobs
     bootstrap: BootstrapInfo | None = None
+    # /health_generate's probe: a prefill or decode rank runs it locally, without a KV peer (SGLang's
+    # fake bootstrap): prefill computes the KV and drops it, decode prefills it itself
+    health_probe: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):

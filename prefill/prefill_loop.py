@@ -13,6 +13,9 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 3 and 5):
 4. On Success its pages go to the prefix cache (or are freed) and it ends with
    its one token; on Failed it ends with an error naming the cause.
 
+A ``/health_generate`` probe (``health_probe``) has no peer: it skips steps 1
+and 3, so its prefill runs on this rank and its pages are dropped at once.
+
 The HTTP answer is one final output, sent only at step 4, so that a router can
 tell a room that succeeded from one that failed.
 """
@@ -48,7 +51,7 @@ class PrefillLoop(SchedulerLoop):
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
         error = super().validate(req)
-        if error is None and req.bootstrap is None:
+        if error is None and req.bootstrap is None and not req.health_probe:
             error = "a prefill server needs bootstrap_host, bootstrap_port and bootstrap_room"
         if error is None and (req.rid in self.bootstrap_queue or req.rid in self.inflight):
             error = f"rid {req.rid!r} is already in flight"
@@ -58,6 +61,8 @@ class PrefillLoop(SchedulerLoop):
         if self.pool.pages_for(req.seq_len) > self.pool.capacity:
             return FinishReason("error", message=f"prompt of {req.seq_len} tokens exceeds the KV pool")
         req.stream = False  # one answer, after the KV left (or the room failed)
+        if req.health_probe:  # no peer: prefill it, then drop its KV (step)
+            return self.scheduler.add(req)
         error = self.bootstrap_queue.add(req)
         self._dirty = True
         return FinishReason("error", message=error) if error else None
@@ -118,7 +123,10 @@ class PrefillLoop(SchedulerLoop):
     def step(self):
         outputs, events = self.step_events()
         for req in events.prefilled:
-            self._send_last(req)
+            if req.health_probe:
+                self.scheduler.finish(req, FinishReason("length"))
+            else:
+                self._send_last(req)
         # a request that ended without its last chunk sent (max_new_tokens 0, abort): close its room
         for req in events.finished:
             sender = self.senders.pop(req.rid, None)

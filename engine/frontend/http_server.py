@@ -245,7 +245,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def health_generate(request: web.Request) -> web.Response:
-    """A one-token greedy generation on every DP rank."""
+    """A one-token greedy generation on every DP rank; prefill and decode servers run it locally,
+    without a KV peer (``SequenceSpec.health_probe``)."""
     tm = request.app[TM_KEY]
     if tm.dead_reason is not None:
         return json_response(api.error_object(tm.dead_reason, code="unavailable"), 503)
@@ -258,6 +259,7 @@ async def health_generate(request: web.Request) -> web.Response:
             rid=f"health-{new_rid()}",
             max_tokens_given=True,
             routed_dp_rank=r,
+            health_probe=True,
         )
         for r in range(tm.dp_size)
     ]

@@ -291,6 +291,7 @@ class SequenceSpec:
     routed_dp_rank: int | None = None
     bootstrap: BootstrapInfo | None = None
     no_stop_trim: bool = False
+    health_probe: bool = False  # /health_generate: run without a KV peer in the PD modes
     # names of the body's fields, for errors found after tokenization
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"

@@ -201,7 +201,8 @@ class TokenizerManager:
                 ids_by_prompt[spec.prompt_index] = encode_prompt(self.tokenizer, spec.prompt)
                 n = len(ids_by_prompt[spec.prompt_index])
                 limit = self.config.max_local_prefill_tokens
-                if spec.bootstrap is None and self.config.disaggregation_mode == "decode" and n > limit:
+                local = spec.bootstrap is None and not spec.health_probe
+                if local and self.config.disaggregation_mode == "decode" and n > limit:
                     raise RequestError(local_prefill_refusal(n, limit), param="bootstrap_room")
             states.append(self._prepare(spec, ids_by_prompt[spec.prompt_index]))
         for st in states:
@@ -235,6 +236,7 @@ class TokenizerManager:
                 top_logprobs_num=spec.top_logprobs_num,
                 logprob_start_len=spec.logprob_start_len,
                 bootstrap=spec.bootstrap,
+                health_probe=spec.health_probe,
             )
             self.transport.send(st.dp_rank, req)
         return handle

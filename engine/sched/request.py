@@ -50,6 +50,7 @@ class Req:
     top_logprobs_num: int = 0
     bootstrap: BootstrapInfo | None = None
     logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens from this position on
+    health_probe: bool = False  # /health_generate: PD modes run it without a peer (messages.py)
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

@@ -95,6 +95,7 @@ class SchedulerLoop:
             top_logprobs_num=msg.top_logprobs_num,
             bootstrap=msg.bootstrap,
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
+            health_probe=msg.health_probe,
         )
         error = self.validate(req)
         reason = FinishReason("error", message=error) if error else self.admit(req)
