@@ -3,8 +3,9 @@
 Three endpoints share one path: the body is decoded into a msgspec Struct
 (``GenerateRequest``, ``CompletionRequest``, ``ChatCompletionRequest``) that
 forbids unknown fields, so a typo such as ``max_token`` is a 400 naming it,
-while every field of OpenAI's or SGLang's request schema is accepted (and
-ignored where pdserve has no such feature, see docs/ARCHITECTURE.md "SGLang wire
+while every field of OpenAI's or SGLang's request schema is accepted; a field
+pdserve has no feature for is refused with a 400 naming it unless it carries
+its default value (``refused_fields.py``, docs/ARCHITECTURE.md "SGLang wire
 compatibility"). ``generate_sequences``, ``completion_sequences`` and
 ``chat_sequences`` then validate the values and expand the body into
 ``SequenceSpec``s: one per prompt and choice, each becoming one
@@ -25,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from pdserve.engine.frontend import refused_fields
 from pdserve.engine.messages import BootstrapInfo
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -86,7 +88,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     regex: Any = None
     ebnf: Any = None
     structural_tag: Any = None
-    # accepted and ignored
+    # refused unless default (refused_fields.SAMPLING_PARAMS)
     custom_params: Any = None
     stream_interval: Any = None
     logit_bias: Any = None
@@ -112,7 +114,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     bootstrap_port: int | list[int] | None = None
     bootstrap_room: int | list[int] | None = None
     bootstrap_pair_key: Any = None
-    # SGLang extras: accepted, ignored
+    # SGLang extras: model is checked; the rest is refused unless default (refused_fields.GENERATE)
     model: str | None = None
     log_metrics: bool | None = None
     return_hidden_states: Any = None
@@ -129,7 +131,7 @@ class GenerateRequest(msgspec.Struct, forbid_unknown_fields=True):
     extra_key: Any = None
     custom_labels: Any = None
     conversation_id: Any = None
-    # multimodal inputs: unsupported, rejected when non-null
+    # multimodal inputs: refused when non-null (refused_fields.GENERATE)
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
@@ -353,6 +355,20 @@ def _check_dp_rank(req, limits: RequestLimits) -> int | None:
     return None
 
 
+def _refuse(obj, table: dict[str, tuple], prefix: str = "") -> None:
+    """A field set to a value pdserve does not implement is a 400 naming it (refused_fields.py)."""
+    try:
+        refused_fields.check(obj, table, prefix)
+    except refused_fields.UnsupportedField as e:
+        raise RequestError(str(e), param=e.param, code="unsupported") from None
+
+
+def _refuse_openai(req, table: dict[str, tuple]) -> None:
+    _refuse(req, table)
+    if req.stream_options is not None:
+        _refuse(req.stream_options, refused_fields.STREAM_OPTIONS, "stream_options.")
+
+
 def _unsupported(req, names: tuple[str, ...]) -> None:
     for name in names:
         if getattr(req, name, None) not in (None, [], {}):
@@ -473,7 +489,7 @@ def generate_sequences(
     """Expand a /generate body; returns the sequences and whether the body was a batch.
 
     ``text_param``: the name errors give the ``text`` field (the offline Engine calls it ``prompt``)."""
-    _unsupported(req, ("image_data", "video_data", "audio_data", "input_embeds", "token_ids_logprob"))
+    _refuse(req, refused_fields.GENERATE)
     _check_model(req.model, limits)
     if (req.text is None) == (req.input_ids is None):
         raise RequestError(f"exactly one of `{text_param}` and `input_ids` must be given", param=text_param)
@@ -508,6 +524,7 @@ def generate_sequences(
     ns = set()
     per_prompt: list[tuple[SamplingParams, bool, bool]] = []
     for g in gsps:
+        _refuse(g, refused_fields.SAMPLING_PARAMS, "sampling_params.")
         _unsupported(g, ("json_schema", "regex", "ebnf", "structural_tag"))
         n = _check_n(g.n, limits, "sampling_params.n")
         ns.add(n)
@@ -654,7 +671,7 @@ def _openai_sequences(
 
 def completion_sequences(req: CompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
     _check_model(req.model, limits)
-    _unsupported(req, ("suffix",))
+    _refuse_openai(req, refused_fields.COMPLETIONS)
     if req.echo:
         raise RequestError("`echo` is not supported by pdserve", param="echo", code="unsupported")
     p = req.prompt
@@ -711,6 +728,7 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 
 def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
     _check_model(req.model, limits)
+    _refuse_openai(req, refused_fields.CHAT)
     _unsupported(req, ("tools", "functions", "audio", "prediction"))
     if req.response_format not in (None, {"type": "text"}):
         raise RequestError("`response_format` other than text is not supported by pdserve", param="response_format", code="unsupported")
