@@ -33,6 +33,22 @@ def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
         )
 
 
+def check_no_checkpoint_quantization(cfg: dict) -> None:
+    """Refuse a checkpoint stored quantized (``quantization_config`` in its config.json: FP8, AWQ,
+    GPTQ, ...): pdserve loads weights as plain tensors, so it would run the packed integers or the
+    unscaled FP8 values as if they were the weights and answer garbage. GGUF files need no check: the
+    loader dequantizes every GGUF type it reads. pdserve's own ``--quantization w8a16`` starts from
+    unquantized weights."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return
+    method = qc.get("quant_method", "unknown") if isinstance(qc, dict) else "unknown"
+    raise ValueError(
+        f"the checkpoint is quantized with {method!r} (config.json quantization_config), which pdserve "
+        "cannot apply; use an unquantized (bf16/fp16/fp32) checkpoint, or a GGUF file"
+    )
+
+
 @dataclass(frozen=True)
 class ModelArch:
     arch: str  # one of SUPPORTED_ARCHS
@@ -82,6 +98,7 @@ class ModelArch:
     def from_hf_config(cls, cfg: dict, generation_cfg: dict | None = None) -> "ModelArch":
         """Build from a parsed ``config.json`` (and optional ``generation_config.json``)."""
         model_type = cfg.get("model_type", "")
+        check_no_checkpoint_quantization(cfg)
         if model_type not in SUPPORTED_ARCHS:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHS})")
         num_heads = cfg["num_attention_heads"]
