@@ -95,7 +95,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str],
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve serve", description="Run a pdserve engine server.")
+    parser = argparse.ArgumentParser(allow_abbrev=False, prog="pdserve serve", description="Run a pdserve engine server.")
     engine_group = parser.add_argument_group("engine")
     _add_dataclass_flags(engine_group, EngineConfig, [f.name for f in dataclasses.fields(EngineConfig)])
     server_group = parser.add_argument_group("server")

@@ -353,7 +353,6 @@ def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse
         # check the pass-through flags now, so a typo fails before anything starts
         serve_parser = build_serve_parser()
         serve_parser.prog = "pdserve launch (flags passed to every server)"
-        serve_parser.allow_abbrev = False  # pass-through flags are spelled in full: a typo is an error
         serve_parser.parse_args(rest)
     kwargs = {k: v for k, v in vars(ns).items() if k != "router_arg"}
     return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)

@@ -14,7 +14,7 @@ _D = {f.name: f.default for f in fields(RouterConfig)}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pdserve router",
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="pdserve router",
                                 description="PD router: pairs each request with a prefill and a "
                                             "decode worker (SGLang PD protocol).")
     p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),

@@ -54,7 +54,7 @@ def call(base: str, action: str, body: dict, api_key: str | None, timeout: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.router.worker_hook", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="python -m pdserve.router.worker_hook", description=__doc__.splitlines()[0])
     p.add_argument("action", choices=("drain", "undrain"))
     p.add_argument("--router", required=True, help="router base URL; every address of its host is called")
     p.add_argument("--worker", required=True, help="the worker's URL as the router knows it")

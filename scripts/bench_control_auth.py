@@ -94,7 +94,7 @@ def rooms(key_file: str, n: int, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--rooms", type=int, default=200)

@@ -52,7 +52,7 @@ from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # n
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="GGUF file or HF dir; default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=None, help="torch threads for both (default: torch's)")

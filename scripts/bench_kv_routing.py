@@ -43,7 +43,7 @@ PAGE_SIZE = 16  # the servers' --page-size (the default), for the ideal hit rate
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--policies", nargs="+", choices=POLICY_NAMES, default=["kv_aware", "cache_aware", "round_robin"])
     p.add_argument("--sp-num-groups", type=int, default=8)

@@ -306,7 +306,7 @@ def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backends", nargs="+", default=["mooncake", "nixl"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--iters", type=int, default=10)

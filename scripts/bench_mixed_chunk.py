@@ -64,7 +64,7 @@ def run_setup(name: str, extra: tuple[str, ...], args, tokenizer, log_dir: str) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunk", type=int, default=256, help="--chunked-prefill-size of both runs")
     p.add_argument("--rate", type=float, default=1.0, help="stream arrivals per second")
     p.add_argument("--num-prompts", type=int, default=20, help="streams")

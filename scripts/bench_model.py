@@ -90,7 +90,7 @@ def hf_generate(model, prompts: torch.Tensor, new_tokens: int) -> tuple[float, .
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=32)

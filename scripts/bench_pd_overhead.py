@@ -113,7 +113,7 @@ def transfer_times(backend: str, tokens: list[int], iters: int) -> dict[int, flo
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", nargs="+", type=int, default=[256, 1024, 4096])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--backend", default="mooncake", choices=["mooncake", "nixl"])

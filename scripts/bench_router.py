@@ -162,7 +162,7 @@ def source_tree_env(tree: str, into: str) -> dict[str, str]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=400, help="sequential requests per target (latency)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per saturation run")
     p.add_argument("--rounds", type=int, default=2, help="saturation runs per target (median)")

@@ -71,7 +71,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = argparse.ArgumentParser(allow_abbrev=False,
         description="Benchmark an LLM server's streaming latency and throughput (SGLang bench_serving metrics).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

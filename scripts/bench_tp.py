@@ -180,7 +180,7 @@ def run_config(tp: int, threads: int, model_path: str | None, args) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=32)

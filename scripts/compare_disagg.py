@@ -88,7 +88,7 @@ TABLE_KEYS = (  # (label, metric key, higher is better)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="two rates, few requests: a few minutes")
     p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))

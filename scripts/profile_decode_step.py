@@ -50,7 +50,7 @@ def best_of(fn, repeats: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=64, help="cached tokens per sequence")

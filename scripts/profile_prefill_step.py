@@ -60,7 +60,7 @@ def attention_vs_sdpa(native, heads: int, kv_heads: int, dim: int, length: int) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=512)

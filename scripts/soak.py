@@ -504,7 +504,7 @@ def rolling_main(args, cluster: Cluster, log) -> dict:
 
 # -------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     ap.add_argument("--prefills", type=int, default=2)
     ap.add_argument("--decodes", type=int, default=2)

@@ -252,7 +252,7 @@ def _chunk(path: str, body: dict, i: int, n: int, model: str) -> dict:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
