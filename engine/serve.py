@@ -175,7 +175,9 @@ async def serve(config: ServerConfig) -> int:
             await bootstrap.start()
             logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
         procs = spawn_ranks(config, transport)
-        tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
+        e = config.engine
+        tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, e.model_path, e.tokenizer_path,
+                                                              e.chat_template)
         alive = lambda: all(p.is_alive() for p in procs.values())  # noqa: E731
         ready = asyncio.ensure_future(tm.wait_ready(config.startup_timeout, alive))
         stopped = asyncio.ensure_future(stop.wait())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 from pdserve.engine.kv_events_config import KVEventsConfig
+from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.kvtransfer.config import KVTransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -40,6 +41,11 @@ class ServerConfig:
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
     max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
     max_n: int = 8  # most choices per OpenAI request
+    # SGLang's flag: "model" takes the OpenAI endpoints' sampling defaults from the model's
+    # generation_config.json (or GGUF metadata), "openai" keeps OpenAI's (sampling_defaults.py)
+    sampling_defaults: str = "model"
+    # GET /metrics (SGLang's flag; on by default here, as pdserve always served it: --no-enable-metrics)
+    enable_metrics: bool = True
     # disaggregation (issue 6); kv_transfer.host is replaced by advertise_host where the ranks run
     disaggregation_mode: str = "null"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
@@ -68,6 +74,8 @@ class ServerConfig:
             raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.max_local_prefill_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
+        if self.sampling_defaults not in SAMPLING_DEFAULTS:
+            raise ValueError(f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

@@ -230,7 +230,7 @@ class KVAwarePolicy(Policy):
         # the tokenizer even without events: local prefill decisions count the prompt's tokens
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._load_tokenizer(self.config.tokenizer_path or info.get("model_path"))
+                self._load_tokenizer(self.config.tokenizer_path or info.get("tokenizer_path") or info.get("model_path"))
         self._page_size = int(info.get("page_size") or 1)
         sources = info.get("kv_events_endpoints") or []
         if not sources:

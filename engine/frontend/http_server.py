@@ -296,7 +296,7 @@ async def model_info(request: web.Request) -> web.Response:
     return json_response(
         {
             "model_path": c.engine.model_path or c.model_name,
-            "tokenizer_path": c.engine.model_path or c.model_name,
+            "tokenizer_path": c.engine.tokenizer_path or c.engine.model_path or c.model_name,
             "served_model_name": c.model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -390,10 +390,11 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.get("/model_info", model_info),
             web.get("/get_server_info", server_info),
             web.get("/server_info", server_info),
-            web.get("/metrics", metrics_endpoint),
             web.post("/abort_request", abort_request),
             web.post("/flush_cache", flush_cache),
             web.get("/flush_cache", flush_cache),
         ]
     )
+    if config.enable_metrics:
+        app.add_routes([web.get("/metrics", metrics_endpoint)])
     return app

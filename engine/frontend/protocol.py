@@ -309,6 +309,8 @@ class RequestLimits:
     vocab_size: int
     disaggregation_mode: str = "null"
     max_local_prefill_tokens: int = 0  # decode mode: prompts this short may come without bootstrap fields
+    # the OpenAI endpoints' defaults for the sampling fields a request leaves out (--sampling-defaults model)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def new_rid() -> str:
@@ -631,6 +633,13 @@ def _openai_sampling(
     return sp
 
 
+def _with_model_defaults(req: _OpenAICommon, limits: RequestLimits) -> _OpenAICommon:
+    """The request with the model's sampling defaults in the fields it left out (SGLang's
+    ``--sampling-defaults model``; only temperature, top_p, top_k, min_p and repetition_penalty)."""
+    unset = {k: v for k, v in limits.sampling_defaults.items() if getattr(req, k) is None}
+    return msgspec.structs.replace(req, **unset) if unset else req
+
+
 def _openai_sequences(
     req: _OpenAICommon,
     prompts: list,
@@ -701,6 +710,7 @@ def completion_sequences(req: CompletionRequest, limits: RequestLimits) -> list[
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise RequestError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", param="logprobs")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+    req = _with_model_defaults(req, limits)
     sp = _openai_sampling(req, max_tokens, "max_tokens", limits)
     return _openai_sequences(
         req, prompts, sp, True, "max_tokens", "prompt", limits, req.logprobs is not None, req.logprobs or 0
@@ -749,6 +759,7 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
         if not req.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    req = _with_model_defaults(req, limits)
     sp = _openai_sampling(req, max_tokens, param, limits)
     prompt = ChatPrompt(messages, bool(req.continue_final_message), dict(req.chat_template_kwargs or {}))
     return _openai_sequences(

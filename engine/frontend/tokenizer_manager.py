@@ -38,6 +38,7 @@ from pdserve.engine.frontend.protocol import (
     local_prefill_refusal,
 )
 from pdserve.engine.frontend.rank_transport import RankTransport
+from pdserve.engine.model_executor.sampling_defaults import model_sampling_defaults
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 
@@ -81,6 +82,10 @@ class TokenizerManager:
         self._ready_changed = asyncio.Event()
         self.dead_reason: str | None = None
         self._tok_cache: dict[int, str] = {}
+        # the OpenAI endpoints' defaults for what a request leaves out (--sampling-defaults)
+        self.sampling_defaults = (
+            model_sampling_defaults(config.engine.model_path) if config.sampling_defaults == "model" else {}
+        )
 
     # --- start and stop --------------------------------------------------------------------
 
@@ -128,6 +133,7 @@ class TokenizerManager:
             vocab_size=self.model_info.vocab_size,
             disaggregation_mode=c.disaggregation_mode,
             max_local_prefill_tokens=c.max_local_prefill_tokens if c.disaggregation_mode == "decode" else 0,
+            sampling_defaults=self.sampling_defaults,
         )
 
     def token_str(self, token_id: int) -> str:

@@ -7,6 +7,7 @@ code has one path with a few switches rather than a class per family.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # HF ``model_type`` / GGUF ``general.architecture`` -> our family name
@@ -84,6 +85,15 @@ class ModelArch:
             raise ValueError(
                 f"tp_size {tp_size} does not divide the model's intermediate size {self.intermediate_size}"
             )
+
+    def with_context_length(self, context_length: int) -> "ModelArch":
+        """This model serving at most ``context_length`` tokens (``--context-length``). Longer than the
+        model was trained for is refused, as SGLang refuses it by default: rope positions past the
+        training length give garbage."""
+        if context_length > self.max_context_len:
+            raise ValueError(f"context_length {context_length} is longer than the model's "
+                             f"{self.max_context_len} tokens (max_position_embeddings / context_length)")
+        return dataclasses.replace(self, max_context_len=context_length)
 
     @property
     def q_size(self) -> int:

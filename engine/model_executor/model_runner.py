@@ -24,7 +24,7 @@ from pdserve.engine.model_executor.model_loader import load_model
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
 from pdserve.engine.sched.page_pool import PagePool
-from pdserve.engine.model_executor.tokenizer import load_tokenizer_from_source
+from pdserve.engine.model_executor.tokenizer import load_tokenizer
 from pdserve.kernels.attention_backend import create_attention_backend
 
 logger = logging.getLogger(__name__)
@@ -69,16 +69,28 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                   num_kv_heads: int | None = None) -> int:
-    """Pages for ``max_total_tokens``, else for ``mem_fraction`` of free memory, capped at what
-    ``max_running_requests`` full-context sequences could ever hold. ``num_kv_heads``: the heads
-    this pool holds (a TP rank's share; default all of the model's)."""
+                   num_kv_heads: int | None = None, free_at_start: int | None = None) -> int:
+    """Pages for ``max_total_tokens``, else for what the weights leave of ``mem_fraction_static`` of
+    the memory free at start (``free_at_start``, measured before the weights loaded; None: the
+    memory free now, the weights already out of it), capped at what ``max_running_requests``
+    full-context sequences could ever hold. ``num_kv_heads``: the heads this pool holds (a TP
+    rank's share; default all of the model's)."""
     if config.max_total_tokens is not None:
         tokens = config.max_total_tokens
     else:
         kv_heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
         per_token = PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
-        tokens = int(available_memory_bytes(device) * config.mem_fraction) // per_token
+        free_now = available_memory_bytes(device)
+        start = free_now if free_at_start is None else free_at_start
+        weights = max(start - free_now, 0)  # SGLang's rule: the fraction covers weights and KV together
+        budget = int(start * config.mem_fraction_static) - weights
+        if budget < per_token * config.page_size:
+            raise ValueError(
+                f"mem_fraction_static {config.mem_fraction_static} of the {start / 2**30:.1f} GiB free at start "
+                f"leaves no room for KV pages once the weights took {weights / 2**30:.1f} GiB: raise "
+                "mem_fraction_static or set max_total_tokens"
+            )
+        tokens = budget // per_token
         tokens = min(tokens, config.max_running_requests * arch.max_context_len)
     num_pages = tokens // config.page_size + 1  # + the reserved scratch page 0
     if num_pages < 2:
@@ -95,7 +107,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
+        free_at_start = available_memory_bytes(self.device)
         arch, weights, source = load_model(config.model_path)
+        if config.context_length is not None:
+            arch = arch.with_context_length(config.context_length)
         self.arch: ModelArch = arch
         self.model_source = source
         arch.check_tp_size(tp_size())
@@ -104,8 +119,9 @@ class ModelRunner:
         self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack, tp=tp,
                                       quantization=config.quantization, gemv=not config.disable_decode_gemv)
         del weights
-        self.tokenizer = load_tokenizer_from_source(source)
-        num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads))
+        self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
+        num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads,
+                                                  free_at_start))
         self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
                                   arch.head_dim, self.dtype, self.device, config.quantization)
         self.attn_backend = create_attention_backend(

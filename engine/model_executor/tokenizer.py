@@ -4,17 +4,31 @@ from __future__ import annotations
 
 import os
 
+from pdserve.engine.model_executor.chat_templates import resolve_chat_template
 from pdserve.engine.model_executor.model_loader import ModelSource, resolve_model_path
 
 
-def load_tokenizer(model_path: str | None):
+def load_tokenizer(model_path: str | None, tokenizer_path: str | None = None, chat_template: str | None = None):
     """A transformers fast tokenizer for ``model_path`` (None: the default model).
 
     GGUF files carry their vocabulary, merges and chat template in their
     metadata, which transformers turns into a fast tokenizer; a Hugging Face
     directory carries tokenizer files. Nothing is fetched from the network.
+    ``tokenizer_path`` (``--tokenizer-path``): another GGUF file or directory to take the
+    tokenizer from (a directory of tokenizer files alone will do); ``chat_template``
+    (``--chat-template``): a template file or name replacing the tokenizer's own.
     """
-    return load_tokenizer_from_source(resolve_model_path(model_path))
+    if tokenizer_path is None:
+        source = resolve_model_path(model_path)
+    elif os.path.isdir(tokenizer_path) and not os.path.isfile(os.path.join(tokenizer_path, "config.json")) \
+            and not any(f.endswith(".gguf") for f in os.listdir(tokenizer_path)):
+        source = ModelSource(os.path.abspath(tokenizer_path), "hf")  # tokenizer files without a model
+    else:
+        source = resolve_model_path(tokenizer_path)
+    tokenizer = load_tokenizer_from_source(source)
+    if chat_template is not None:
+        tokenizer.chat_template = resolve_chat_template(chat_template)
+    return tokenizer
 
 
 def load_tokenizer_from_source(source: ModelSource):

@@ -6,7 +6,9 @@ the caller runs the model on it and hands the sampled tokens to
 
 - Prefill first: if waiting work fits, the step is a prefill batch; otherwise
   the running requests decode one token each.
-- Admission is FIFO (no overtaking, so nothing starves) and needs free pages
+- Admission is in queue order, with no overtaking (so nothing starves); the
+  queue is in arrival order (``schedule_policy`` fcfs) or, with ``lpm``, sorted
+  by prefix-cache match before each admission round (schedule_policy.py). It needs free pages
   (free + evictable cache pages) for the whole prompt plus a reserve of
   ``num_reserved_decode_tokens`` per running request for its coming decodes;
   at most ``max_running_requests`` are admitted.
@@ -42,6 +44,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.engine.sched.radix_cache import PrefixCache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.schedule_policy import order_waiting
 
 StopCheck = Callable[[Req], "FinishReason | None"]
 
@@ -259,6 +262,8 @@ class Scheduler:
 
         if self.chunked is not None:
             add_to_batch(self.chunked)
+        else:
+            order_waiting(self.config.schedule_policy, self.waiting, self.cache)
 
         promised = self.promised_pages()
         while self.waiting and budget > 0 and self.chunked is None:

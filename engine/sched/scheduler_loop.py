@@ -69,7 +69,7 @@ class SchedulerLoop:
         self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
-        self.rng = random.Random(config.seed)  # draws of requests without a seed
+        self.rng = random.Random(config.random_seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
         self._idle_sleep = QUEUE_POLL_S[0]
