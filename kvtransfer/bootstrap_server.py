@@ -2,7 +2,8 @@
 
 ``PUT /route`` (a prefill rank registers), ``GET /route`` (whole topology, or one
 rank with ``?dp_rank=&tp_rank=``; 503 until every expected rank registered),
-``GET /health``. Bad or conflicting registrations get 400 with a JSON message. With an
+``GET /health``. Bad or conflicting registrations get 400 with a JSON message, and so do
+an unknown path (404) and a wrong method (405). With an
 ``auth`` (the shared secret's ``FrameAuth`` for ``bootstrap``), a ``PUT`` without a valid
 ``X-PDServe-KV-Auth`` header gets 401, is logged and counted (``refused``, ``on_refused``)
 and registers nothing.
@@ -33,6 +34,17 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=_json.encode({"error": message}), content_type="application/json")
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own answers (no such path, wrong method) in this server's JSON shape."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return _error(e.status, f"{e.reason}: {request.method} {request.path}")
+
+
 class BootstrapServer:
     def __init__(
         self,
@@ -60,7 +72,7 @@ class BootstrapServer:
 
     # ------------------------------------------------------------------ app
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[_json_errors])
         app.router.add_put("/route", self._put_route)
         app.router.add_get("/route", self._get_route)
         app.router.add_get("/health", self._health)

@@ -9,7 +9,11 @@ and starts the health loop; ``router.make_app()`` is the aiohttp application.
 Probes: ``/liveness`` is 200 while the process runs; ``/readiness`` is 200 only
 while a healthy prefill+decode pair exists and the router is not draining
 (router/readiness.py); ``/health`` keeps sglang-router's meaning: 200 while the
-router runs, with the healthy endpoints per role.
+router runs, with the healthy endpoints per role; ``/health_generate`` is 200 only
+when every worker generates a token now (router/health_generate.py).
+
+Every error leaves as the JSON error object, an unknown path (404) or a wrong
+method (405) included (``json_errors``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
 from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
 from pdserve.router.health import HealthChecker
+from pdserve.router.health_generate import health_generate
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
@@ -45,6 +50,18 @@ INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 def json_response(obj, status: int = 200) -> web.Response:
     return web.Response(body=_encode(obj), status=status, content_type="application/json")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler):
+    """aiohttp's own answers (no such path, wrong method, ...) as the JSON error object."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "invalid_request_error")
+        return error_response(RouterError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
 
 
 class Router:
@@ -112,14 +129,17 @@ class Router:
             self.session = None
 
     def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_payload_size)
+        app = web.Application(client_max_size=self.config.max_payload_size, middlewares=[json_errors])
         r = app.router
         for path in INFERENCE_ROUTES:
             r.add_post(path, self._inference)
-        r.add_get("/v1/models", self._forward_get)
+        r.add_get("/v1/models", self._forward_one)
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
-            r.add_get(path, self._forward_get)
+            r.add_get(path, self._forward_one)
+        for path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
+            r.add_post(path, self._forward_one)
         r.add_get("/health", self._health)
+        r.add_get("/health_generate", self._health_generate)
         r.add_get("/liveness", self._liveness)
         r.add_get("/readiness", self._readiness)
         r.add_get("/metrics", self._metrics)
@@ -193,6 +213,15 @@ class Router:
         counts = {role: len(self.registry.healthy_endpoints(role)) for role in ("prefill", "decode")}
         return json_response({"status": "ok", "healthy_endpoints": counts})
 
+    async def _health_generate(self, request: web.Request) -> web.Response:
+        """200 when every worker that is not draining generated a token now; else 503 with each one's answer."""
+        try:
+            self._check_auth(request)
+        except RouterError as err:
+            return error_response(err)
+        status, body = await health_generate(self.session, self.registry.workers(), self.worker_headers)
+        return json_response(body, status)
+
     async def _liveness(self, request: web.Request) -> web.Response:
         return json_response({"status": "alive"})
 
@@ -210,10 +239,12 @@ class Router:
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
-    async def _forward_get(self, request: web.Request) -> web.Response:
-        """Model and server info come from a healthy worker (decode first: it serves the answers)."""
+    async def _forward_one(self, request: web.Request) -> web.Response:
+        """Model and server info, and (de)tokenization, come from a healthy worker (decode first: it
+        serves the answers)."""
         try:
             self._check_auth(request)
+            body = await self._read_body(request) if request.method == "POST" else None
         except RouterError as err:
             return error_response(err)
         endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")
@@ -221,7 +252,7 @@ class Router:
             return error_response(RouterError(503, "no healthy worker available", "service_unavailable"))
         url = endpoints[0].worker.url + request.path
         try:
-            async with self.session.get(url, headers=self.worker_headers) as resp:
+            async with self.session.request(request.method, url, data=body, headers=self.worker_headers) as resp:
                 data = await resp.read()
                 return web.Response(body=data, status=resp.status,
                                     content_type=resp.content_type or "application/json")

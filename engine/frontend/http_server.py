@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.frontend import openai_api as api
+from pdserve.engine.frontend import tokenize_api
 from pdserve.engine.frontend.drain import DRAIN_KEY, Drain, drain_middleware
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import (
@@ -365,6 +366,20 @@ async def abort_request(request: web.Request) -> web.Response:
     return json_response({"aborted": count})
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    req = decode_body(await read_body(request), tokenize_api.TokenizeRequest)
+    tm.limits().check_model(req.model)
+    return json_response(tokenize_api.tokenize(tm.tokenizer, req, tm.model_info.max_context_len))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    tm = request.app[TM_KEY]
+    req = decode_body(await read_body(request), tokenize_api.DetokenizeRequest)
+    tm.limits().check_model(req.model)
+    return json_response(tokenize_api.detokenize(tm.tokenizer, req, tm.model_info.vocab_size))
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     request.app[TM_KEY].flush_cache()
     return web.Response(text="Cache flushed.\n")
@@ -391,6 +406,10 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.get("/get_server_info", server_info),
             web.get("/server_info", server_info),
             web.post("/abort_request", abort_request),
+            web.post("/tokenize", tokenize),
+            web.post("/v1/tokenize", tokenize),
+            web.post("/detokenize", detokenize),
+            web.post("/v1/detokenize", detokenize),
             web.post("/flush_cache", flush_cache),
             web.get("/flush_cache", flush_cache),
         ]

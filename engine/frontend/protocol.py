@@ -312,6 +312,15 @@ class RequestLimits:
     # the OpenAI endpoints' defaults for the sampling fields a request leaves out (--sampling-defaults model)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
+    def check_model(self, model: str | None) -> None:
+        """A RequestError unless ``model`` is None or a name this server serves."""
+        if model is not None and model not in self.model_names:
+            raise RequestError(
+                f"The model `{model}` does not exist; this server serves {sorted(self.model_names)[0]!r}",
+                param="model",
+                code="model_not_found",
+            )
+
 
 def new_rid() -> str:
     return uuid.uuid4().hex
@@ -328,12 +337,7 @@ def _check_ids(ids: list[int], vocab_size: int, param: str) -> None:
 
 
 def _check_model(model: str | None, limits: RequestLimits) -> None:
-    if model is not None and model not in limits.model_names:
-        raise RequestError(
-            f"The model `{model}` does not exist; this server serves {sorted(limits.model_names)[0]!r}",
-            param="model",
-            code="model_not_found",
-        )
+    limits.check_model(model)
 
 
 def _check_dp_rank(req, limits: RequestLimits) -> int | None:
@@ -363,6 +367,13 @@ def _refuse(obj, table: dict[str, tuple], prefix: str = "") -> None:
         refused_fields.check(obj, table, prefix)
     except refused_fields.UnsupportedField as e:
         raise RequestError(str(e), param=e.param, code="unsupported") from None
+
+
+def _refuse_generate(req: "GenerateRequest") -> None:
+    _refuse(req, refused_fields.GENERATE)
+    sps = req.sampling_params
+    for g in sps if isinstance(sps, list) else [sps] if sps is not None else []:
+        _refuse(g, refused_fields.SAMPLING_PARAMS, "sampling_params.")
 
 
 def _refuse_openai(req, table: dict[str, tuple]) -> None:
@@ -491,7 +502,7 @@ def generate_sequences(
     """Expand a /generate body; returns the sequences and whether the body was a batch.
 
     ``text_param``: the name errors give the ``text`` field (the offline Engine calls it ``prompt``)."""
-    _refuse(req, refused_fields.GENERATE)
+    _refuse_generate(req)
     _check_model(req.model, limits)
     if (req.text is None) == (req.input_ids is None):
         raise RequestError(f"exactly one of `{text_param}` and `input_ids` must be given", param=text_param)
@@ -526,7 +537,6 @@ def generate_sequences(
     ns = set()
     per_prompt: list[tuple[SamplingParams, bool, bool]] = []
     for g in gsps:
-        _refuse(g, refused_fields.SAMPLING_PARAMS, "sampling_params.")
         _unsupported(g, ("json_schema", "regex", "ebnf", "structural_tag"))
         n = _check_n(g.n, limits, "sampling_params.n")
         ns.add(n)
@@ -738,7 +748,6 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 
 def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
     _check_model(req.model, limits)
-    _refuse_openai(req, refused_fields.CHAT)
     _unsupported(req, ("tools", "functions", "audio", "prediction"))
     if req.response_format not in (None, {"type": "text"}):
         raise RequestError("`response_format` other than text is not supported by pdserve", param="response_format", code="unsupported")
@@ -759,6 +768,7 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
         if not req.logprobs:
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    _refuse_openai(req, refused_fields.CHAT)
     req = _with_model_defaults(req, limits)
     sp = _openai_sampling(req, max_tokens, param, limits)
     prompt = ChatPrompt(messages, bool(req.continue_final_message), dict(req.chat_template_kwargs or {}))

@@ -1,0 +1,48 @@
+"""``POST /tokenize`` and ``POST /detokenize`` (also under ``/v1/``), with SGLang's bodies.
+
+``/tokenize``:   ``{"model"?, "prompt": str | [str], "add_special_tokens"?: true}``
+                 -> ``{"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}``
+``/detokenize``: ``{"model"?, "tokens": [int] | [[int]]}`` -> ``{"text": str | [str]}``
+
+A list in gives a list out. Special tokens are kept in the text, so that
+detokenizing what ``/tokenize`` gave returns the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdserve.engine.frontend.protocol import RequestError
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    prompt: str | list[str]
+    model: str | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    tokens: list[int] | list[list[int]]
+    model: str | None = None
+
+
+def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict[str, Any]:
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    ids = [tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts]
+    if isinstance(req.prompt, str):
+        return {"tokens": ids[0], "count": len(ids[0]), "max_model_len": max_model_len}
+    return {"tokens": ids, "count": [len(x) for x in ids], "max_model_len": max_model_len}
+
+
+def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int) -> dict[str, Any]:
+    batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    seqs = req.tokens if batch else [req.tokens]
+    for seq in seqs:
+        bad = [t for t in seq if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"tokens has token id {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                               param="tokens")
+    texts = [tokenizer.decode(seq, skip_special_tokens=False) for seq in seqs]
+    return {"text": texts if batch else texts[0]}
