@@ -24,7 +24,7 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
-    tokens: list[int] | list[list[int]]
+    tokens: list[int | list[int]]  # msgspec has no union of two list types: checked in detokenize
     model: str | None = None
 
 
@@ -38,6 +38,8 @@ def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict[str, A
 
 def detokenize(tokenizer, req: DetokenizeRequest, vocab_size: int) -> dict[str, Any]:
     batch = bool(req.tokens) and isinstance(req.tokens[0], list)
+    if any(isinstance(t, list) != batch for t in req.tokens):
+        raise RequestError("tokens must be a list of token ids or a list of such lists", param="tokens")
     seqs = req.tokens if batch else [req.tokens]
     for seq in seqs:
         bad = [t for t in seq if not 0 <= t < vocab_size]
