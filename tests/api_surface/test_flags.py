@@ -203,3 +203,19 @@ def test_python_m_serve_rejects_an_abbreviation():
     r = subprocess.run([sys.executable, "-m", "pdserve.engine", "--mem", "0.5"], capture_output=True, text=True,
                        timeout=120, cwd=REPO)
     assert r.returncode == 2 and "unrecognized arguments: --mem" in r.stderr
+
+
+def test_sampling_defaults_come_from_gguf_metadata(tmp_path):
+    """llama.cpp's ``general.sampling.*`` keys, read from the file's header."""
+    import gguf
+
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_float32("general.sampling.temp", 0.5)
+    w.add_int32("general.sampling.top_k", 40)
+    w.add_float32("general.sampling.penalty_repeat", 1.25)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert model_sampling_defaults(str(path)) == {"temperature": 0.5, "top_k": 40, "repetition_penalty": 1.25}

@@ -19,6 +19,7 @@ SAMPLES = {
         return_logprob=True,
         top_logprobs_num=2,
         bootstrap=messages.BootstrapInfo("h", 1, 2),
+        health_probe=True,
     ),
     "AbortReq": messages.AbortReq(rid="r1", reason="client left"),
     "FlushCacheReq": messages.FlushCacheReq(),
