@@ -155,8 +155,7 @@ async def serve(config: ServerConfig) -> int:
     procs: dict[tuple[int, int], mp.Process] = {}
     runner = None
     try:
-        if config.tp_size > 1:
-            await loop.run_in_executor(None, check_tp_layout, config)
+        await loop.run_in_executor(None, check_model, config)
         if config.node_rank > 0:
             return await serve_node(config, stop)
         tokenizer = None
@@ -237,12 +236,16 @@ async def serve(config: ServerConfig) -> int:
         logger.info("pdserve stopped")
 
 
-def check_tp_layout(config: ServerConfig) -> None:
-    """Refuse, before any rank loads weights, a TP size the model's heads cannot be split by
-    (read from the real model's config.json or GGUF header)."""
+def check_model(config: ServerConfig) -> None:
+    """Refuse, before any rank loads weights, what the real model (its config.json or GGUF header)
+    cannot serve: a quantized checkpoint, a TP size its heads cannot be split by, a context_length
+    past its own."""
     from pdserve.engine.model_executor.model_loader import load_arch
 
-    load_arch(config.engine.model_path).check_tp_size(config.tp_size)
+    arch = load_arch(config.engine.model_path)
+    arch.check_tp_size(config.tp_size)
+    if config.engine.context_length is not None:
+        arch.with_context_length(config.engine.context_length)
 
 
 async def serve_node(config: ServerConfig, stop: asyncio.Event) -> int:

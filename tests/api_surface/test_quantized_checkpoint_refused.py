@@ -29,3 +29,14 @@ def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, method):
 def test_the_same_config_without_quantization_config_is_read(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     assert load_arch(str(tmp_path)).num_layers == 1
+
+
+def test_a_server_on_a_quantized_checkpoint_exits_at_start_naming_the_method(tmp_path):
+    """Before any rank loads weights, and before the tokenizer (this directory has none)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text(json.dumps({**CONFIG, "quantization_config": METHODS["gptq"]}))
+    r = subprocess.run([sys.executable, "-m", "pdserve.engine", "--model-path", str(tmp_path), "--port", "0",
+                        "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "quantized with 'gptq'" in r.stderr + r.stdout
