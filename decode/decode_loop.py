@@ -34,7 +34,7 @@ from pdserve.decode.quarantine import Quarantine
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.frontend.protocol import local_prefill_refusal
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
@@ -204,7 +204,13 @@ class DecodeLoop(SchedulerLoop):
 
     def stats(self) -> SchedulerStats:
         # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
-        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused,
+                                       num_decode_prealloc_queue_reqs=len(self.prealloc),
+                                       num_decode_transfer_queue_reqs=len(self.transfer),
+                                       num_quarantine_pages=self.quarantine.num_pages)
+
+    def rank_metrics(self) -> RankMetrics:
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.aux_pool import AuxData
@@ -150,7 +150,12 @@ class PrefillLoop(SchedulerLoop):
 
     def stats(self) -> SchedulerStats:
         # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
-        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused,
+                                       num_prefill_prealloc_queue_reqs=len(self.bootstrap_queue),
+                                       num_prefill_inflight_queue_reqs=len(self.inflight))
+
+    def rank_metrics(self) -> RankMetrics:
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
 
     def check_integrity(self) -> None:
         super().check_integrity()

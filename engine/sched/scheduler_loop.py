@@ -32,7 +32,7 @@ import torch
 
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
+from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.sched.radix_cache import make_prefix_cache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
@@ -261,6 +261,10 @@ class SchedulerLoop:
             num_total_pages=self.pool.capacity,
             page_size=self.pool.page_size,
         )
+
+    def rank_metrics(self) -> RankMetrics | None:
+        """This rank's own Prometheus families (the PD modes' KV rooms); None: it has none."""
+        return None
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
