@@ -59,6 +59,8 @@ def local_prefill_config(config: EngineConfig, max_local_prefill_tokens: int) ->
 
 
 class DecodeLoop(SchedulerLoop):
+    SIDE = "decode"
+
     def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None,
                  max_local_prefill_tokens: int = 0):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
@@ -126,9 +128,11 @@ class DecodeLoop(SchedulerLoop):
         promised = s.promised_pages(self.transfer.reqs())
         max_new = self.config.max_running_requests - len(s.running) - len(self.transfer) - (s.chunked is not None)
         for req, receiver in self.prealloc.pop_allocated(promised, max(max_new, 0)):
+            self.request_log.mark(req.rid, "preallocated")
             self.transfer.add(req, receiver)
         for req, receiver in self.transfer.pop_done():
             if receiver.poll() is KVPoll.Success:
+                self.request_log.mark(req.rid, "kv_landed")
                 self._start_decoding(req, receiver)
             else:
                 self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
@@ -184,6 +188,7 @@ class DecodeLoop(SchedulerLoop):
         if req.return_logprob:
             req.output_logprobs.append(aux.logprob)
             req.output_top_logprobs.append(list(zip(aux.top_ids, aux.top_logprobs))[: req.top_logprobs_num])
+        self.request_log.mark(req.rid, "first_token")
         reason = self.stop_checker(req)
         if reason is not None:
             self.scheduler.finish(req, reason)  # its output comes from the step's finished list

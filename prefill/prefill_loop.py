@@ -35,6 +35,8 @@ from pdserve.prefill.bootstrap_queue import BootstrapQueue
 
 
 class PrefillLoop(SchedulerLoop):
+    SIDE = "prefill"
+
     def __init__(self, config: EngineConfig, kv: PrefillKVManager, dp_rank: int = 0, runner=None):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it."""
         super().__init__(config, dp_rank, runner, decode=False)
@@ -60,7 +62,10 @@ class PrefillLoop(SchedulerLoop):
         req.stream = False  # one answer, after the KV left (or the room failed)
         error = self.bootstrap_queue.add(req)
         self._dirty = True
-        return FinishReason("error", message=error) if error else None
+        if error:
+            return FinishReason("error", message=error)
+        self.request_log.attach(req.rid, self.bootstrap_queue.entries[req.rid][1])
+        return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
         entry = self.bootstrap_queue.remove(rid)
@@ -92,6 +97,7 @@ class PrefillLoop(SchedulerLoop):
         for req, reason in failed:
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         for req, sender in ready:
+            self.request_log.mark(req.rid, "bootstrapped")
             reason = self.scheduler.add(req)
             if reason is not None:
                 sender.abort(reason.message or reason.type)
@@ -111,6 +117,7 @@ class PrefillLoop(SchedulerLoop):
             self._send_pages(chunked, self.senders[chunked.rid], is_last=False)
         for req, sender in self.inflight.pop_done():
             if sender.poll() is KVPoll.Success:
+                self.request_log.mark(req.rid, "success")
                 self.scheduler.finish(req, FinishReason("length"))
             else:
                 self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))

@@ -33,7 +33,9 @@ import torch
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
+from pdserve.engine.model_executor import parallel
 from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.stop_checker import StopChecker
@@ -53,6 +55,8 @@ QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class SchedulerLoop:
+    SIDE = "colocated"  # what --log-requests lines call this kind of rank
+
     def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, decode: bool = True):
         """``decode=False``: a prefill server's rank (see ``Scheduler``)."""
         if runner is None:
@@ -74,6 +78,8 @@ class SchedulerLoop:
         self.num_steps = 0
         self._idle_sleep = QUEUE_POLL_S[0]
         self._dirty = False  # PD modes: something ran since the last idle integrity check
+        # TP rank 0 speaks for its TP group, which runs the same requests in lockstep
+        self.request_log = RequestLog(self.SIDE, dp_rank, config.log_requests and parallel.tp_rank() == 0)
 
     # ------------------------------------------------------------- overridables
     def poll(self) -> None:
@@ -97,6 +103,8 @@ class SchedulerLoop:
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
         )
         error = self.validate(req)
+        if error is None:
+            self.request_log.mark(req.rid, "queued")
         reason = FinishReason("error", message=error) if error else self.admit(req)
         if reason is not None:
             req.finish_reason = reason
@@ -248,6 +256,7 @@ class SchedulerLoop:
             out.finish_reason = reason.type
             out.matched_stop = reason.matched
             out.error = reason.message
+            self.request_log.end(req)
         return out
 
     # ------------------------------------------------------------------ state
