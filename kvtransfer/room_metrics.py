@@ -45,9 +45,11 @@ class RoomMetrics:
         self.role = role
         self.room_page_bytes = room_page_bytes
         self.registry = reg = CollectorRegistry()
-        self.rooms = Counter("pdserve_kv_rooms", "KV rooms ended, by final state and failure cause "
+        # ``side`` (prefill | decode) on the families both sides export, so that one query can
+        # take the decode's exposed time whatever the scrape jobs are called
+        self.rooms = Counter("pdserve_kv_rooms", "KV rooms ended, by side, final state and failure cause "
                              "(kvtransfer/errors.py FAILURE_CAUSES; none for success).",
-                             ("state", "cause"), registry=reg)
+                             ("side", "state", "cause"), registry=reg)
         if role == "prefill":
             self.bytes = Counter("pdserve_kv_transfer_sent_bytes", "KV bytes written to decode ranks "
                                  "(every layer's K and V; aux data not counted).", registry=reg)
@@ -57,11 +59,11 @@ class RoomMetrics:
         self.latency = Histogram("pdserve_kv_transfer_latency_seconds",
                                  "Per room that succeeded: time Transferring on this side (prefill: first "
                                  "chunk queued to last write done; decode: destination sent to Success).",
-                                 buckets=TRANSFER_BUCKETS, registry=reg)
+                                 ("side",), buckets=TRANSFER_BUCKETS, registry=reg).labels(role)
         self.exposed = Histogram("pdserve_kv_transfer_exposed_seconds",
                                  "Per room that succeeded: time from the end of its prefill compute to the "
                                  "last write done (prefill) or to the room's Success (decode).",
-                                 buckets=TRANSFER_BUCKETS, registry=reg)
+                                 ("side",), buckets=TRANSFER_BUCKETS, registry=reg).labels(role)
         # SGLang's PD counters and last-room gauges, under its names (sglang:... -> pdserve_...)
         self.bootstrap_failed = Counter("pdserve_num_bootstrap_failed_reqs",
                                         "Rooms that failed before their transfer started.", registry=reg)
@@ -74,7 +76,7 @@ class RoomMetrics:
                                 registry=reg)
         self.last_total_mb = Gauge("pdserve_kv_transfer_total_mb",
                                    "KV megabytes of the last room that succeeded.", registry=reg)
-        self._success = self.rooms.labels(SUCCESS, NO_CAUSE)
+        self._success = self.rooms.labels(role, SUCCESS, NO_CAUSE)
         # collecting the registry costs 0.15-0.5 ms (measured here, load 16): the rank asks every
         # 50 ms while busy, so the last snapshot is kept until a count changes
         self._changes = 0  # bumped after each count, under _lock (transfer and control threads both count)
@@ -101,7 +103,7 @@ class RoomMetrics:
 
     def _count_end(self, room, state: KVPoll) -> None:
         if state is KVPoll.Failed:
-            self.rooms.labels(FAILED, failure_cause(room.failure_reason)).inc()
+            self.rooms.labels(self.role, FAILED, failure_cause(room.failure_reason)).inc()
             (self.transfer_failed if room.state is KVPoll.Transferring else self.bootstrap_failed).inc()
             return
         self._success.inc()

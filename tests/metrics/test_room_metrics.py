@@ -25,8 +25,12 @@ def value(loop, name: str, **labels) -> float:
     return loop.kv.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+def side(loop) -> str:
+    return loop.SIDE  # prefill | decode: the side label of the families both export
+
+
 def rooms(loop, state: str, cause: str) -> float:
-    return value(loop, "pdserve_kv_rooms_total", state=state, cause=cause)
+    return value(loop, "pdserve_kv_rooms_total", side=side(loop), state=state, cause=cause)
 
 
 @pytest.mark.parametrize("pair", [{"p_engine": {"chunked_prefill_size": 8}}], indirect=True)
@@ -44,10 +48,11 @@ def test_bytes_are_the_rooms_kv_and_the_queues_empty_out(pair):
     assert value(pair.decode, "pdserve_kv_transfer_received_bytes_total") == kv_bytes
     for loop in (pair.prefill, pair.decode):
         assert rooms(loop, "success", "none") == 3
-        assert value(loop, "pdserve_kv_transfer_latency_seconds_count") == 3
-        assert value(loop, "pdserve_kv_transfer_exposed_seconds_count") == 3
+        assert value(loop, "pdserve_kv_transfer_latency_seconds_count", side=side(loop)) == 3
+        assert value(loop, "pdserve_kv_transfer_exposed_seconds_count", side=side(loop)) == 3
         # the exposed part is within the latency (sums over the same rooms)
-        assert value(loop, "pdserve_kv_transfer_exposed_seconds_sum") <= value(loop, "pdserve_kv_transfer_latency_seconds_sum")
+        assert (value(loop, "pdserve_kv_transfer_exposed_seconds_sum", side=side(loop))
+                <= value(loop, "pdserve_kv_transfer_latency_seconds_sum", side=side(loop)))
     p, d = pair.prefill.stats(), pair.decode.stats()
     assert (p.num_prefill_prealloc_queue_reqs, p.num_prefill_inflight_queue_reqs) == (0, 0)
     assert (d.num_decode_prealloc_queue_reqs, d.num_decode_transfer_queue_reqs, d.num_quarantine_pages) == (0, 0, 0)
@@ -110,10 +115,12 @@ def test_the_front_end_serves_each_ranks_families_with_its_ranks():
         text = m.render([pair.decode.stats()], [0], {(0, 0): snap, (0, 1): snap})
     finally:
         pair.close()
-    assert 'pdserve_kv_rooms_total{model_name="m",dp_rank="0",tp_rank="1",state="success",cause="none"} 1.0' in text
+    assert ('pdserve_kv_rooms_total{model_name="m",dp_rank="0",tp_rank="1",side="decode",state="success",'
+            'cause="none"} 1.0') in text
     assert text.count("# TYPE pdserve_kv_transfer_received_bytes_total counter") == 1
     assert 'pdserve_num_decode_transfer_queue_reqs{model_name="m",dp_rank="0"} 0' in text
-    assert 'pdserve_kv_transfer_exposed_seconds_bucket{model_name="m",dp_rank="0",tp_rank="0",le="+Inf"} 1.0' in text
+    assert ('pdserve_kv_transfer_exposed_seconds_bucket{model_name="m",dp_rank="0",tp_rank="0",side="decode",'
+            'le="+Inf"} 1.0') in text
 
 
 @pytest.mark.parametrize("reason, cause", [
