@@ -69,8 +69,9 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_total_pages: int
     page_size: int
     kv_auth_refused: int = 0  # KV control frames this rank refused by authentication (a running total)
-    # PD queues (SGLang's gauge names, docs/ARCHITECTURE.md "Metrics"): prefill: the bootstrap
-    # queue (SGLang's "prefill prealloc queue") and the inflight queue; decode: prealloc, transfer
+    # PD queues, SGLang's gauge names (docs/ARCHITECTURE.md "Metrics and the request log"): prefill:
+    # the bootstrap queue (SGLang's "prefill prealloc queue") and the inflight queue; decode:
+    # prealloc, transfer
     num_prefill_prealloc_queue_reqs: int = 0
     num_prefill_inflight_queue_reqs: int = 0
     num_decode_prealloc_queue_reqs: int = 0

@@ -4,11 +4,11 @@ The metrics live in the scheduler process, which has no HTTP endpoint: they are 
 ``prometheus-client`` in the manager's own ``CollectorRegistry`` and ``snapshot()`` turns them
 into ``MetricFamily`` messages that the rank sends with its stats (``RankMetrics``, every TP
 rank, when they changed); the front end serves them with ``dp_rank`` and ``tp_rank`` labels
-(``engine/frontend/metrics.py``). Names: docs/ARCHITECTURE.md, "Metrics".
+(``engine/frontend/metrics.py``). Names: docs/ARCHITECTURE.md, "Metrics and the request log".
 
 Durations are real time (``time.monotonic``), not the manager's clock, which tests move to fire
-timeouts. A room's transfer latency
-is the time it spent Transferring on this side: prefill, from its first chunk handed to the
+timeouts. A room's transfer latency is the time it spent Transferring on this side: prefill,
+from its first chunk handed to the
 transfer threads to its last write returned; decode, from its destination sent to its Success
 (so it includes the prefill's queueing and compute of that room, as SGLang's decode transfer
 queue time does). The exposed transfer time is the part of it after the prefill's compute

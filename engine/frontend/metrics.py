@@ -5,9 +5,9 @@ per-rank gauges (running, waiting, KV usage, in flight, the PD queues, quarantin
 pages) are read from the ranks' latest ``SchedulerStats`` when scraped, and each
 scheduler process's own families (its KV rooms: ``kvtransfer/room_metrics.py``)
 from its latest ``RankMetrics``, with ``dp_rank`` and ``tp_rank`` labels added.
-Names and their SGLang counterparts: docs/ARCHITECTURE.md, "Metrics". Each ``ServerMetrics`` has its
-own ``CollectorRegistry`` (never the library's global one), so servers and
-tests in one process do not share counts.
+Names and their SGLang counterparts: docs/ARCHITECTURE.md, "Metrics and the request
+log". Each ``ServerMetrics`` has its own ``CollectorRegistry`` (never the library's
+global one), so servers and tests in one process do not share counts.
 """
 
 from __future__ import annotations
