@@ -36,7 +36,7 @@ from pdserve.decode.quarantine import Quarantine
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.frontend.protocol import local_prefill_refusal
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
@@ -61,6 +61,8 @@ def local_prefill_config(config: EngineConfig, max_local_prefill_tokens: int) ->
 
 
 class DecodeLoop(SchedulerLoop):
+    SIDE = "decode"
+
     def __init__(self, config: EngineConfig, kv: DecodeKVManager, dp_rank: int = 0, runner=None,
                  max_local_prefill_tokens: int = 0):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
@@ -129,9 +131,11 @@ class DecodeLoop(SchedulerLoop):
         promised = s.promised_pages(self.transfer.reqs())
         max_new = self.config.max_running_requests - len(s.running) - len(self.transfer) - (s.chunked is not None)
         for req, receiver in self.prealloc.pop_allocated(promised, max(max_new, 0)):
+            self.request_log.mark(req.rid, "preallocated")
             self.transfer.add(req, receiver)
         for req, receiver in self.transfer.pop_done():
             if receiver.poll() is KVPoll.Success:
+                self.request_log.mark(req.rid, "kv_landed")
                 self._start_decoding(req, receiver)
             else:
                 self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
@@ -187,6 +191,7 @@ class DecodeLoop(SchedulerLoop):
         if req.return_logprob:
             req.output_logprobs.append(aux.logprob)
             req.output_top_logprobs.append(list(zip(aux.top_ids, aux.top_logprobs))[: req.top_logprobs_num])
+        self.request_log.mark(req.rid, "first_token")
         reason = self.stop_checker(req)
         if reason is not None:
             self.scheduler.finish(req, reason)  # its output comes from the step's finished list
@@ -207,7 +212,13 @@ class DecodeLoop(SchedulerLoop):
 
     def stats(self) -> SchedulerStats:
         # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
-        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused,
+                                       num_decode_prealloc_queue_reqs=len(self.prealloc),
+                                       num_decode_transfer_queue_reqs=len(self.transfer),
+                                       num_quarantine_pages=self.quarantine.num_pages)
+
+    def rank_metrics(self) -> RankMetrics:
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
 
     def check_integrity(self) -> None:
         super().check_integrity()

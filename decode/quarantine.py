@@ -35,6 +35,10 @@ class Quarantine:
         return len(self.entries)
 
     @property
+    def num_pages(self) -> int:
+        return sum(len(h.pages) for h in self.entries)
+
+    @property
     def aux_slots(self) -> int:
         return sum(h.aux_slot is not None for h in self.entries)
 

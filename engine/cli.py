@@ -70,6 +70,7 @@ _HELP = {
     "max_n": "most choices (n) per OpenAI request",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "quantization": "w8a16: int8 weights, one scale per output channel; prefill and decode servers must match",
+    "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
     "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",

@@ -54,6 +54,8 @@ class EngineConfig:
     attention_backend: str = "torch"
     num_threads: int | None = None  # torch threads of this rank; None: torch's default
     random_seed: int = 0  # seeds the draws of requests that give no seed (SGLang's flag)
+    # one JSON line per request with its stages and their times (SGLang's flag; sched/request_log.py)
+    log_requests: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -72,6 +72,14 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_total_pages: int
     page_size: int
     kv_auth_refused: int = 0  # KV control frames this rank refused by authentication (a running total)
+    # PD queues, SGLang's gauge names (docs/ARCHITECTURE.md "Metrics and the request log"): prefill:
+    # the bootstrap queue (SGLang's "prefill prealloc queue") and the inflight queue; decode:
+    # prealloc, transfer
+    num_prefill_prealloc_queue_reqs: int = 0
+    num_prefill_inflight_queue_reqs: int = 0
+    num_decode_prealloc_queue_reqs: int = 0
+    num_decode_transfer_queue_reqs: int = 0
+    num_quarantine_pages: int = 0  # decode: pages of failed rooms held until their prefill closed them
 
 
 class SchedulerReady(msgspec.Struct, tag=True):
@@ -93,5 +101,30 @@ class SchedulerError(msgspec.Struct, tag=True):
     message: str
 
 
+class MetricSample(msgspec.Struct, array_like=True, frozen=True):
+    name: str  # the sample's name: the family's, or with _total, _bucket, _sum, _count
+    labels: dict[str, str]
+    value: float
+
+
+class MetricFamily(msgspec.Struct, array_like=True, frozen=True):
+    """One Prometheus metric family as a rank's ``prometheus_client`` registry collected it."""
+
+    name: str
+    type: str  # counter | gauge | histogram
+    documentation: str
+    samples: list[MetricSample]
+
+
+class RankMetrics(msgspec.Struct, tag=True):
+    """A scheduler process's own Prometheus families (its KV manager's rooms, bytes, latencies),
+    sent by every TP rank when they changed; the front end serves them with ``dp_rank`` and
+    ``tp_rank`` labels added (``ServerMetrics``)."""
+
+    dp_rank: int
+    tp_rank: int
+    families: list[MetricFamily]
+
+
 SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq
-SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError
+SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError | RankMetrics

@@ -90,8 +90,9 @@ def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tu
         leader = spec.tp_rank == 0 and transport is not None
         p = ctx.Process(
             target=run_scheduler_process,
-            args=(config, spec, transport.rank_in_addrs[spec.dp_rank] if leader else None, transport.out_addr if leader else None,
-                  os.getpid()),
+            # every TP rank sends its own RankMetrics (its KV manager moves its own heads)
+            args=(config, spec, transport.rank_in_addrs[spec.dp_rank] if leader else None,
+                  transport.out_addr if transport is not None else None, os.getpid()),
             name=f"pdserve-{spec.name}",
             daemon=True,
         )

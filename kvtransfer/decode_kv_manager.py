@@ -324,6 +324,7 @@ class DecodeKVManager(KVManager):
                     self._fail_receiver(receiver, f"prefill failed: {msg.reason}")
                     return
                 receiver.ok_from.add(msg.tp_rank)
+                receiver.on_status(msg.exposed_s)
                 if msg.notified:
                     receiver.notify_from.add(msg.tp_rank)
                 self._maybe_succeed(receiver)

@@ -35,3 +35,39 @@ class TransferFailedError(TransferEngineError):
     """A batch write could not be submitted or completed with an error."""
 
 
+
+
+# Why a room failed, as /metrics counts it (``pdserve_kv_rooms_total{cause=...}``). A room's
+# failure reason is a sentence written where it failed (and passed on to the peer behind
+# "aborted by prefill: " and the like); ``failure_cause`` maps it to one of these. Order matters:
+# the first cause whose marker the reason (without those prefixes) contains wins.
+_CAUSE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("bootstrap_timeout", ("bootstrap_timeout",)),
+    ("waiting_timeout", ("waiting_timeout",)),
+    ("peer_dead", ("no heartbeat reply",)),
+    ("transfer", ("KV write of room", "transfer error:")),
+    ("rejected", ("mismatch", "rejected this decode pool", "takes no KV heads", "unregistered decode",
+                  "preallocated", "outside decode pool", "aux slot", "no such DP rank", "bootstrap lookup",
+                  "DP size lookup")),
+)
+# prefixes a side puts in front of the reason it got from elsewhere (its peer, its loop)
+_RELAY_PREFIXES = ("KV transfer failed: ", "aborted by prefill: ", "aborted by decode: ", "prefill failed: ",
+                   "prefill ended the request: ")
+ABORTED = "aborted"  # a request ended by its client, its server or the peer's (no fault of the transfer)
+OTHER = "other"
+FAILURE_CAUSES = tuple(c for c, _ in _CAUSE_MARKERS) + (ABORTED, OTHER)
+
+
+def failure_cause(reason: str | None) -> str:
+    """The ``FAILURE_CAUSES`` entry of a failed room's reason (see ``_CAUSE_MARKERS``)."""
+    text, relayed = reason or "", False
+    while True:
+        prefix = next((p for p in _RELAY_PREFIXES if text.startswith(p)), None)
+        if prefix is None:
+            break
+        text, relayed = text[len(prefix):], True
+    for cause, markers in _CAUSE_MARKERS:
+        if any(m in text for m in markers):
+            return cause
+    # an abort that names no transfer fault: a client went away, a request ended early
+    return ABORTED if relayed or text.startswith("aborted") else OTHER

@@ -26,6 +26,7 @@ from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer.auth import AuthError
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.room_metrics import RoomMetrics
 from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class KVManager(ABC):
         self.page_bytes = infos[0].page_bytes
         self.k_addrs = [b.base_addr for b in infos[: pool.num_layers]]
         self.v_addrs = [b.base_addr for b in infos[pool.num_layers :]]
+        # this rank's rooms for /metrics; a page of a room is every layer's K and V buffer's page
+        self.metrics = RoomMetrics(self.role, sum(b.page_bytes for b in infos))
         self.engine = engine or create_transfer_engine(config.backend, config.host, config.ib_device)
         self._registered: list[int] = []
         for b in infos:
@@ -216,6 +219,7 @@ class KVManager(ABC):
         if state is KVPoll.Failed:
             obj.failure_reason = reason or "failed"
             logger.info("kv %s: room %d failed: %s", self.role, obj.room, obj.failure_reason)
+        self.metrics.on_done(obj, state)  # before the state changes: it counts where a failure happened
         obj.state = state
         obj.done_at = self.clock()
         return True

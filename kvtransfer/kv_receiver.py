@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -46,6 +47,12 @@ class KVReceiver:
         # what the TP ranks agreed on this step (see ``tp_agreement``); None: this rank's own view
         self.agreed: KVPoll | None = None
         self.agreed_closed: bool | None = None
+        # real time (time.monotonic, as the sender's), for /metrics (room_metrics.py): when the
+        # destination was handed over, when the last RoomStatus arrived, and the exposed time the
+        # prefill measured up to sending it (the longest of the TP sources)
+        self.init_at: float | None = None
+        self.status_at: float | None = None
+        self.prefill_exposed = 0.0
 
     @property
     def peer_closed(self) -> bool:
@@ -61,7 +68,19 @@ class KVReceiver:
 
     def init(self, dst_page_indices: Sequence[int], aux_slot: int) -> None:
         """Give the pages (and aux slot) preallocated for this room; sent once the peer is ready."""
+        self.init_at = time.monotonic()
         self._mgr.init_receiver(self, list(dst_page_indices), aux_slot)
+
+    def on_status(self, exposed_s: float) -> None:
+        """A prefill source reported success, ``exposed_s`` after its compute of the room ended."""
+        self.status_at = time.monotonic()
+        self.prefill_exposed = max(self.prefill_exposed, exposed_s)
+
+    def spans(self, now: float) -> tuple[float | None, float | None]:
+        """(transfer latency, exposed time) of a room succeeding ``now`` (``room_metrics``)."""
+        if self.init_at is None or self.status_at is None:
+            return None, None
+        return now - self.init_at, self.prefill_exposed + (now - self.status_at)
 
     def aux(self) -> AuxData | None:
         """The first output token and logprobs, once ``poll()`` is Success."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -40,6 +41,12 @@ class KVSender:
         self.inflight = 0  # chunks queued or being written on a transfer thread
         self.close_wanted = False  # the decode aborted the room: answer RoomClosed once nothing is in flight
         self.close_sent = False
+        # real time (time.monotonic; the manager's clock is for timeouts, and tests move it): each
+        # chunk handed over (its compute had ended) and each chunk's writes returned; for /metrics
+        # (room_metrics.py) and the request log
+        self.sent_at: list[float] = []
+        self.written_at: list[float] = []
+        self.bytes_sent = 0  # KV bytes written for this room by this rank
 
     def poll(self) -> KVPoll:
         """Current state (the TP ranks' agreed one, once the loop agreed); cheap, call every scheduler step."""
@@ -56,7 +63,15 @@ class KVSender:
         Valid once ``poll()`` is WaitingForInput or Transferring; ``aux`` goes with the
         last chunk. Returns at once; the write happens on a transfer thread.
         """
+        self.sent_at.append(time.monotonic())
         self._mgr.send_chunk(self, list(page_indices), is_last, aux)
+
+    def spans(self, now: float) -> tuple[float | None, float | None]:
+        """(transfer latency, exposed time) of a room ending ``now`` (``room_metrics``): since its
+        first chunk was handed over, and since its last (the end of its prefill compute)."""
+        if not self.sent_at:
+            return None, None
+        return now - self.sent_at[0], now - self.sent_at[-1]
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr.abort(self.room, reason)

@@ -92,6 +92,9 @@ class RoomStatus(msgspec.Struct, frozen=True, tag=True):
     reason: str = ""
     notified: bool = False  # an engine notification for the room follows the data (nixl)
     tp_rank: int = 0  # the prefill TP rank whose slices these are (a decode rank may have several sources)
+    # seconds from the end of the room's prefill compute to this status (the prefill's share of the
+    # exposed transfer time; kvtransfer/room_metrics.py)
+    exposed_s: float = 0.0
 
 
 class AbortRoom(msgspec.Struct, frozen=True, tag=True):

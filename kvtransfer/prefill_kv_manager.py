@@ -275,6 +275,7 @@ class PrefillKVManager(KVManager):
         for dest in list(sender.dests.values()):
             peer = dest.peer
             src, dst, lengths = self._descriptors(chunk, dest)
+            kv_bytes = sum(lengths)  # before the aux slot joins them
             notify = None
             if chunk.is_last:
                 if chunk.aux is not None and any(s.aux for s in dest.slices):
@@ -290,14 +291,18 @@ class PrefillKVManager(KVManager):
                 with self.lock:
                     self._fail_sender(sender, f"KV write of room {sender.room} failed: {e}")
                 return
+            self.metrics.on_written(sender, kv_bytes)
             notified[peer.reg.endpoint] = notify is not None
+        sender.written_at.append(time.monotonic())
         with self.lock:
             if not chunk.is_last or sender.state.done:
                 return
             self._finish(sender, KVPoll.Success)
+        exposed = time.monotonic() - sender.sent_at[-1]  # since the prefill compute ended (room_metrics.py)
         # straight from this thread (its own socket): one hop less than via the control thread
         for endpoint, notify in notified.items():
-            self._push_from_worker(idx, endpoint, m.RoomStatus(sender.room, True, notified=notify, tp_rank=self.tp.rank))
+            self._push_from_worker(idx, endpoint, m.RoomStatus(sender.room, True, notified=notify, tp_rank=self.tp.rank,
+                                                               exposed_s=exposed))
 
     def _push_from_worker(self, idx: int, endpoint: str, msg: m.ControlMessage) -> None:
         socks = self._worker_push[idx]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import msgspec
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.aux_pool import AuxData
@@ -38,6 +38,8 @@ from pdserve.prefill.bootstrap_queue import BootstrapQueue
 
 
 class PrefillLoop(SchedulerLoop):
+    SIDE = "prefill"
+
     def __init__(self, config: EngineConfig, kv: PrefillKVManager, dp_rank: int = 0, runner=None):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it."""
         super().__init__(config, dp_rank, runner, decode=False)
@@ -65,7 +67,10 @@ class PrefillLoop(SchedulerLoop):
             return self.scheduler.add(req)
         error = self.bootstrap_queue.add(req)
         self._dirty = True
-        return FinishReason("error", message=error) if error else None
+        if error:
+            return FinishReason("error", message=error)
+        self.request_log.attach(req.rid, self.bootstrap_queue.entries[req.rid][1])
+        return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
         entry = self.bootstrap_queue.remove(rid)
@@ -97,6 +102,7 @@ class PrefillLoop(SchedulerLoop):
         for req, reason in failed:
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         for req, sender in ready:
+            self.request_log.mark(req.rid, "bootstrapped")
             reason = self.scheduler.add(req)
             if reason is not None:
                 sender.abort(reason.message or reason.type)
@@ -116,6 +122,7 @@ class PrefillLoop(SchedulerLoop):
             self._send_pages(chunked, self.senders[chunked.rid], is_last=False)
         for req, sender in self.inflight.pop_done():
             if sender.poll() is KVPoll.Success:
+                self.request_log.mark(req.rid, "success")
                 self.scheduler.finish(req, FinishReason("length"))
             else:
                 self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
@@ -158,7 +165,12 @@ class PrefillLoop(SchedulerLoop):
 
     def stats(self) -> SchedulerStats:
         # the KV manager's refusals ride along with the rank's stats to the front end's /metrics
-        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused)
+        return msgspec.structs.replace(super().stats(), kv_auth_refused=self.kv.auth_refused,
+                                       num_prefill_prealloc_queue_reqs=len(self.bootstrap_queue),
+                                       num_prefill_inflight_queue_reqs=len(self.inflight))
+
+    def rank_metrics(self) -> RankMetrics:
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -15,6 +15,7 @@ from pdserve.engine.frontend.prometheus_text import exposition
 from pdserve.router.policy import Policy
 from pdserve.router.worker_registry import WorkerRegistry
 
+LEGS = ("prefill", "decode")
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0)
 
@@ -45,6 +46,16 @@ class RouterMetrics:
                                                ("reason",), registry=reg))
         self.retries = Counter("pdserve_router_retries_total", "Retries of client requests on a new pair.",
                                registry=reg)
+        self.retries_by_cause = _Labelled(Counter(
+            "pdserve_router_retries_by_cause_total",
+            "Retries of client requests, by the leg that failed and why: connect, timeout, connection_lost, "
+            "malformed, empty_stream, error_in_answer (a 200 carrying an error: on a prefill leg, its KV "
+            "room failed), http_<status>.", ("leg", "cause"), registry=reg))
+        leg_latency = Histogram("pdserve_router_leg_latency_seconds",
+                                "Latency of a leg that succeeded, from its request to its whole answer "
+                                "(a streamed decode leg: to the stream's end).", ("leg",),
+                                buckets=LATENCY_BUCKETS, registry=reg)
+        self.leg_latency = {leg: leg_latency.labels(leg) for leg in LEGS}
         self.ttft = Histogram("pdserve_router_ttft_seconds", "Time to the first byte sent to the client.",
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("pdserve_router_e2e_seconds", "End-to-end request latency at the router.",

@@ -50,10 +50,13 @@ class LegFailure(Exception):
     """One leg of one attempt failed: a typed value the retry loop decides on."""
 
     def __init__(self, leg: str, endpoint: Endpoint, message: str, status: int | None = None,
-                 body: bytes | None = None, content_type: str | None = None):
+                 body: bytes | None = None, content_type: str | None = None, cause: str | None = None):
+        """``cause``: what /metrics counts the retry it causes under (``pdserve_router_retries_by_cause``);
+        default: ``http_<status>``."""
         super().__init__(message)
         self.leg, self.endpoint, self.message = leg, endpoint, message
         self.status, self.body, self.content_type = status, body, content_type
+        self.cause = cause or f"http_{status}"
 
     @property
     def retryable(self) -> bool:
@@ -76,6 +79,8 @@ async def _drain(resp) -> None:
 
 
 LOCAL = "local"  # x-pdserve-prefill of a request the decode worker prefilled itself
+# a 200 answer carrying an error: on a prefill leg, its room failed (a KV transfer fault, a timeout)
+ERROR_IN_ANSWER = "error_in_answer"
 
 
 def route_headers(pair: Pair | None, decode: Endpoint | None = None) -> dict[str, str]:
@@ -121,6 +126,7 @@ class PDProxy:
             if attempt:
                 self.metrics.retries.inc()
                 self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
+                self.metrics.retries_by_cause.inc(last.leg, last.cause)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
             pair = self.pairing.choose(body, exclude)
             log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
@@ -197,7 +203,7 @@ class PDProxy:
         finally:
             prefilled()
         if _has_error(payload):
-            raise LegFailure("decode", d_ep, f"error in answer: {_short(payload)}", 500)
+            raise LegFailure("decode", d_ep, f"error in answer: {_short(payload)}", 500, cause=ERROR_IN_ANSWER)
         self.metrics.prefills.inc(LOCAL)
         self.metrics.ttft.observe(time.perf_counter() - t0)
         return web.Response(body=payload, status=status, content_type=ctype or "application/json",
@@ -242,13 +248,14 @@ class PDProxy:
         """POST one leg and read its whole answer; raises LegFailure."""
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, leg)
+        t0 = time.perf_counter()
         ep.load += 1
         resp = None
         try:
             resp = await self.upstream.post(url, path, data)
             payload = await resp.read()
         except UpstreamError as e:
-            raise LegFailure(leg, ep, str(e)) from None
+            raise LegFailure(leg, ep, str(e), cause=e.cause) from None
         finally:
             ep.load -= 1
             if resp is not None:
@@ -257,7 +264,8 @@ class PDProxy:
             raise LegFailure(leg, ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
                              payload, resp.content_type)
         if leg == "prefill" and _has_error(payload):
-            raise LegFailure(leg, ep, f"error in answer: {_short(payload)}", 500)
+            raise LegFailure(leg, ep, f"error in answer: {_short(payload)}", 500, cause=ERROR_IN_ANSWER)
+        self.metrics.leg_latency[leg].observe(time.perf_counter() - t0)
         return resp.status, resp.content_type, payload
 
     # one attempt, streamed answer -------------------------------------------
@@ -267,6 +275,7 @@ class PDProxy:
         d_ep = pair.decode
         p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
+        d_start = time.perf_counter()
         d_ep.load += 1
         resp: UpstreamResponse | None = None
         finished = draining = False
@@ -281,6 +290,7 @@ class PDProxy:
             self.metrics.prefills.inc("remote")
             out, draining = await self._relay(request, resp, chunk, d_ep, t0, route_headers(pair))
             finished = True
+            self.metrics.leg_latency["decode"].observe(time.perf_counter() - d_start)  # to the stream's end
             return out
         finally:
             d_ep.load -= 1
@@ -363,12 +373,12 @@ class PDProxy:
                                  payload, resp.content_type)
             first = await resp.readany()
             if not first:
-                raise LegFailure("decode", ep, "closed the stream before sending anything")
+                raise LegFailure("decode", ep, "closed the stream before sending anything", cause="empty_stream")
             return resp, first
         except UpstreamError as e:
             if resp is not None:
                 resp.close()
-            raise LegFailure("decode", ep, str(e)) from None
+            raise LegFailure("decode", ep, str(e), cause=e.cause) from None
         except BaseException:
             if resp is not None:
                 resp.close()

@@ -26,7 +26,12 @@ _HIGH_WATER = 1 << 20  # pause reading a stream the client does not keep up with
 
 
 class UpstreamError(Exception):
-    """Connection refused or lost, timeout, or a malformed answer."""
+    """Connection refused or lost, timeout, or a malformed answer; ``cause`` names which, for the
+    router's retries-by-cause metric: connect, timeout, connection_lost, malformed, bad_url."""
+
+    def __init__(self, message: str, cause: str):
+        super().__init__(message)
+        self.cause = cause
 
 
 class _Connection(asyncio.Protocol):
@@ -66,7 +71,7 @@ class _Connection(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
-            self._fail(UpstreamError(f"malformed HTTP answer: {e}"))
+            self._fail(UpstreamError(f"malformed HTTP answer: {e}", "malformed"))
             self.transport.abort()
 
     def connection_lost(self, exc) -> None:
@@ -75,7 +80,8 @@ class _Connection(asyncio.Protocol):
             self.on_message_complete()
         elif not self.complete:
             self._fail(UpstreamError(f"connection lost{': ' + str(exc) if exc else ''}"
-                                     f"{' mid-answer' if self.headers_done else ' before the answer'}"))
+                                     f"{' mid-answer' if self.headers_done else ' before the answer'}",
+                                     "connection_lost"))
 
     # httptools callbacks ------------------------------------------------------
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -120,7 +126,7 @@ class _Connection(asyncio.Protocol):
             w.set_exception(error)
 
     def _timeout(self) -> None:
-        self._fail(UpstreamError(f"no complete answer within {self.pool.timeout}s"))
+        self._fail(UpstreamError(f"no complete answer within {self.pool.timeout}s", "timeout"))
         self.transport.abort()
 
     async def _wait(self) -> None:
@@ -229,7 +235,7 @@ class UpstreamPool:
         if cached is None:
             u = urlsplit(base_url)
             if u.scheme not in ("http", "https"):
-                raise UpstreamError(f"worker URLs are http:// or https://, got {base_url}")
+                raise UpstreamError(f"worker URLs are http:// or https://, got {base_url}", "bad_url")
             https = u.scheme == "https"
             key = (u.hostname, u.port or (443 if https else 80), https)
             head = (f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {u.netloc}\r\n"
@@ -251,7 +257,7 @@ class UpstreamPool:
                                        ssl=self._ssl_context() if key[2] else None),
                 self.connect_timeout)
         except (OSError, asyncio.TimeoutError) as e:
-            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {type(e).__name__}: {e}") from None
+            raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {type(e).__name__}: {e}", "connect") from None
         self._busy.add(conn)
         return conn
 

@@ -343,7 +343,7 @@ async def server_info(request: web.Request) -> web.Response:
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
-    text = request.app[METRICS_KEY].render(tm.stats, tm.inflight)
+    text = request.app[METRICS_KEY].render(tm.stats, tm.inflight, tm.rank_metrics)
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 

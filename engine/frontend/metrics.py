@@ -1,19 +1,22 @@
 """Prometheus metrics of the engine server (``GET /metrics``), kept by ``prometheus-client``.
 
 Counters and histograms are updated by the tokenizer manager as requests move;
-per-rank gauges (running, waiting, KV usage, in flight) are read from the
-ranks' latest ``SchedulerStats`` when scraped. Each ``ServerMetrics`` has its
-own ``CollectorRegistry`` (never the library's global one), so servers and
-tests in one process do not share counts.
+per-rank gauges (running, waiting, KV usage, in flight, the PD queues, quarantined
+pages) are read from the ranks' latest ``SchedulerStats`` when scraped, and each
+scheduler process's own families (its KV rooms: ``kvtransfer/room_metrics.py``)
+from its latest ``RankMetrics``, with ``dp_rank`` and ``tp_rank`` labels added.
+Names and their SGLang counterparts: docs/ARCHITECTURE.md, "Metrics and the request
+log". Each ``ServerMetrics`` has its own ``CollectorRegistry`` (never the library's
+global one), so servers and tests in one process do not share counts.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.engine.frontend.prometheus_text import exposition
-from pdserve.engine.messages import SchedulerStats
+from pdserve.engine.messages import RankMetrics, SchedulerStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -53,6 +56,8 @@ class ServerMetrics:
         self._by_rank = [self.requests.labels(model_name, str(r)) for r in range(dp_size)]
         self._gauges = _RankGauges(model_name, dp_size)
         reg.register(self._gauges)
+        self._rank_families = _RankFamilies(model_name)
+        reg.register(self._rank_families)
 
     def on_dispatch(self, dp_rank: int) -> None:
         self._by_rank[dp_rank].inc()
@@ -67,10 +72,13 @@ class ServerMetrics:
         self.cached_tokens.inc(cached)
         self.e2e.observe(e2e)
 
-    def render(self, stats: list[SchedulerStats | None], inflight: list[int]) -> str:
+    def render(self, stats: list[SchedulerStats | None], inflight: list[int],
+               rank_metrics: dict[tuple[int, int], RankMetrics] | None = None) -> str:
         """The text exposition of every metric (labels in declared order), the gauges from ``stats``
-        and ``inflight`` (per rank)."""
+        and ``inflight`` (per DP rank), and the scheduler processes' own ``rank_metrics`` (per
+        (DP rank, TP rank))."""
         self._gauges.stats, self._gauges.inflight = stats, inflight
+        self._rank_families.latest = rank_metrics or {}
         return exposition(self.registry).decode()
 
 
@@ -108,3 +116,40 @@ class _RankGauges:
         yield refused
         yield per_rank("pdserve_kv_usage", "Fraction of KV pages in use per DP rank.",
                        lambda s: round(1.0 - s.num_free_pages / max(s.num_total_pages, 1), 6))
+        # the PD queues under SGLang's names (sglang:num_... -> pdserve_num_...); each is 0 on a
+        # server of the other mode. The TP ranks of a DP rank hold the same queues: no tp_rank label
+        for name, help_ in _PD_QUEUES:
+            yield per_rank(f"pdserve_{name}", help_, lambda s, n=name: getattr(s, n))
+        yield per_rank("pdserve_kv_quarantine_pages", "Decode: pages of failed rooms held until their prefill "
+                       "closed the room (or quarantine_timeout) per DP rank.", lambda s: s.num_quarantine_pages)
+
+
+_PD_QUEUES = (
+    ("num_prefill_prealloc_queue_reqs", "Prefill: requests in the bootstrap queue (waiting for their decode "
+                                        "destination; SGLang's prefill prealloc queue) per DP rank."),
+    ("num_prefill_inflight_queue_reqs", "Prefill: requests whose last chunk is computed, waiting for their KV "
+                                        "to be written, per DP rank."),
+    ("num_decode_prealloc_queue_reqs", "Decode: requests waiting for their prefill rank and for pages per DP rank."),
+    ("num_decode_transfer_queue_reqs", "Decode: requests holding pages while their KV arrives per DP rank."),
+)
+
+
+class _RankFamilies:
+    """A collector of the scheduler processes' own families (``RankMetrics``), merged by name,
+    each sample labelled with the model and the (DP, TP) rank it came from."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.latest: dict[tuple[int, int], RankMetrics] = {}
+
+    def collect(self):
+        merged: dict[str, Metric] = {}
+        for (dp, tp), msg in sorted(self.latest.items()):
+            rank = {"model_name": self.model_name, "dp_rank": str(dp), "tp_rank": str(tp)}
+            for f in msg.families:
+                family = merged.get(f.name)
+                if family is None:
+                    family = merged[f.name] = Metric(f.name, f.documentation, f.type)
+                for s in f.samples:
+                    family.add_sample(s.name, {**rank, **s.labels}, s.value)
+        yield from merged.values()

@@ -22,6 +22,7 @@ from pdserve.engine.frontend.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
     FlushCacheReq,
+    RankMetrics,
     SchedulerError,
     SchedulerOutput,
     SchedulerReady,
@@ -74,6 +75,7 @@ class TokenizerManager:
         self.transport = transport
         self.ready: list[SchedulerReady | None] = [None] * self.dp_size
         self.stats: list[SchedulerStats | None] = [None] * self.dp_size
+        self.rank_metrics: dict[tuple[int, int], RankMetrics] = {}  # (dp, tp) -> the latest
         self.inflight = [0] * self.dp_size
         self._rr = 0
         self._seqs: dict[str, tuple[SeqState, asyncio.Queue]] = {}
@@ -290,6 +292,8 @@ class TokenizerManager:
                 self._on_output(msg)
             elif isinstance(msg, SchedulerStats):
                 self.stats[msg.dp_rank] = msg
+            elif isinstance(msg, RankMetrics):
+                self.rank_metrics[(msg.dp_rank, msg.tp_rank)] = msg
             elif isinstance(msg, SchedulerReady):
                 self.ready[msg.dp_rank] = msg
                 self._ready_changed.set()

@@ -32,8 +32,10 @@ import torch
 
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
+from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
+from pdserve.engine.model_executor import parallel
 from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.stop_checker import StopChecker
@@ -53,6 +55,8 @@ QUEUE_POLL_S = (0.0005, 0.004)
 
 
 class SchedulerLoop:
+    SIDE = "colocated"  # what --log-requests lines call this kind of rank
+
     def __init__(self, config: EngineConfig, dp_rank: int = 0, runner=None, decode: bool = True):
         """``decode=False``: a prefill server's rank (see ``Scheduler``)."""
         if runner is None:
@@ -74,6 +78,8 @@ class SchedulerLoop:
         self.num_steps = 0
         self._idle_sleep = QUEUE_POLL_S[0]
         self._dirty = False  # PD modes: something ran since the last idle integrity check
+        # TP rank 0 speaks for its TP group, which runs the same requests in lockstep
+        self.request_log = RequestLog(self.SIDE, dp_rank, config.log_requests and parallel.tp_rank() == 0)
 
     # ------------------------------------------------------------- overridables
     def poll(self) -> None:
@@ -98,6 +104,8 @@ class SchedulerLoop:
             health_probe=msg.health_probe,
         )
         error = self.validate(req)
+        if error is None:
+            self.request_log.mark(req.rid, "queued")
         reason = FinishReason("error", message=error) if error else self.admit(req)
         if reason is not None:
             req.finish_reason = reason
@@ -249,6 +257,7 @@ class SchedulerLoop:
             out.finish_reason = reason.type
             out.matched_stop = reason.matched
             out.error = reason.message
+            self.request_log.end(req)
         return out
 
     # ------------------------------------------------------------------ state
@@ -262,6 +271,10 @@ class SchedulerLoop:
             num_total_pages=self.pool.capacity,
             page_size=self.pool.page_size,
         )
+
+    def rank_metrics(self) -> RankMetrics | None:
+        """This rank's own Prometheus families (the PD modes' KV rooms); None: it has none."""
+        return None
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -38,6 +38,7 @@ import zmq
 from pdserve.engine.messages import (
     AbortReq,
     FlushCacheReq,
+    RankMetrics,
     SchedulerError,
     SchedulerInput,
     SchedulerReady,
@@ -141,7 +142,9 @@ def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
 
 def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | None, out_addr: str | None,
                           parent_pid: int) -> None:
-    """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets, for TP rank 0 only."""
+    """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets; ``in_addr`` for TP
+    rank 0 only, which sends everything to ``out_addr``; the other TP ranks send only their own
+    ``RankMetrics`` there (None: a node > 0 of a multi-node DP rank, which sends nothing)."""
     _die_with_parent(rank.name)
     # Ctrl-C, and a SIGTERM to the whole group (systemd, `pdserve launch`), reach the ranks too; the
     # parent alone decides when ranks stop (after its drain), so they keep serving it until then
@@ -169,12 +172,15 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     if leader:
         pull = ctx.socket(zmq.PULL)
         pull.connect(in_addr)
+    if out_addr is not None:
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 2000)
         push.connect(out_addr)
 
     def send(msgs: list) -> None:
-        if push is not None:
+        if not leader:  # rank 0 speaks for the TP group; each rank's own metrics are its own
+            msgs = [msg for msg in msgs if isinstance(msg, RankMetrics)]
+        if push is not None and msgs:
             push.send(enc.encode(msgs), copy=False)
 
     try:
@@ -304,10 +310,11 @@ def serve_rank(
     (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
     outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
     feeds it from ZMQ (``_inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
-    drops everything); the offline Engine's ``LocalRank`` from a queue. ``after_step``: run
+    drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline Engine's ``LocalRank`` from a queue. ``after_step``: run
     after each iteration (the KV event publisher)."""
     last_stats = _stats(loop, dp_rank)
-    send([last_stats])
+    last_metrics = loop.rank_metrics()
+    send([last_stats] if last_metrics is None else [last_stats, last_metrics])
     last_stats_time = time.monotonic()
     while not should_stop():
         busy = loop.has_work()
@@ -323,6 +330,10 @@ def serve_rank(
             if stats != last_stats or now - last_stats_time >= 1.0:
                 msgs.append(stats)
                 last_stats = stats
+            metrics = loop.rank_metrics()
+            if metrics != last_metrics:
+                msgs.append(metrics)
+                last_metrics = metrics
             last_stats_time = now
         if msgs:
             send(msgs)

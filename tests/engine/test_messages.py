@@ -44,6 +44,12 @@ SAMPLES = {
         max_total_num_tokens=4096, num_threads=2,
     ),
     "SchedulerError": messages.SchedulerError(dp_rank=1, message="boom"),
+    "MetricSample": messages.MetricSample("pdserve_kv_rooms_total", {"state": "failed", "cause": "transfer"}, 2.0),
+    "MetricFamily": messages.MetricFamily("pdserve_kv_transfer_latency_seconds", "histogram", "doc", [
+        messages.MetricSample("pdserve_kv_transfer_latency_seconds_bucket", {"le": "0.5"}, 3.0)]),
+    "RankMetrics": messages.RankMetrics(dp_rank=1, tp_rank=2, families=[
+        messages.MetricFamily("pdserve_kv_rooms", "counter", "doc", [
+            messages.MetricSample("pdserve_kv_rooms_total", {"state": "success", "cause": "none"}, 5.0)])]),
 }
 
 

@@ -136,6 +136,10 @@ async def test_prefill_failure_cancels_decode_and_retries_with_new_room(cluster)
         text = await r.text()
     assert "pdserve_router_retries_total 1" in text
     assert f'pdserve_router_worker_errors_total{{worker="{cluster.prefills[0].url}",leg="prefill"}} 1' in text
+    assert 'pdserve_router_retries_by_cause_total{leg="prefill",cause="http_500"} 1.0' in text
+    # the second attempt's legs succeeded: one latency each
+    assert 'pdserve_router_leg_latency_seconds_count{leg="prefill"} 1.0' in text
+    assert 'pdserve_router_leg_latency_seconds_count{leg="decode"} 1.0' in text
 
 
 async def test_decode_failure_cancels_prefill_and_moves_to_another_decode(cluster):

@@ -123,6 +123,19 @@ def test_mismatched_and_matched_tp_pairs_equal_colocated(stand):
             assert pr.status_code == 200 and dr.status_code == 200, (p, d, pr.text, dr.text)
             assert dr.json()["output_ids"] == refs[tuple(ids)], (p, d, len(ids))
     _unleaked(stand)
+    # each TP rank counts the rooms and KV bytes of its own heads (/metrics, tp_rank label)
+    for name, bytes_name in (("P2", "pdserve_kv_transfer_sent_bytes_total"),
+                             ("D2", "pdserve_kv_transfer_received_bytes_total")):
+        text = requests.get(stand[name].url + "/metrics", timeout=10).text
+        per_rank = {}
+        for tp in (0, 1):
+            rank = f'dp_rank="0",tp_rank="{tp}"'
+            rooms = [line for line in text.splitlines()
+                     if line.startswith("pdserve_kv_rooms_total{") and rank in line and 'state="success"' in line]
+            sent = [line for line in text.splitlines() if line.startswith(bytes_name + "{") and rank in line]
+            assert rooms and float(rooms[0].rsplit(" ", 1)[1]) == 2 * len(PROMPTS), (name, tp, text)
+            per_rank[tp] = float(sent[0].rsplit(" ", 1)[1])
+        assert per_rank[0] == per_rank[1] > 0, (name, per_rank)  # one KV head each
 
 
 def test_decode_tp2_finds_both_prefill_tp_ranks(stand):
