@@ -29,6 +29,7 @@ from aiohttp import web
 import pdserve.engine.env as env
 from pdserve.engine.cluster import free_port, split_cpus
 from pdserve.engine.frontend.drain import Drain
+from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
@@ -163,17 +164,8 @@ async def serve(config: ServerConfig) -> int:
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
         transport = ZmqTransport(config.dp_size)
         tm = TokenizerManager(config, None, metrics, transport)
-        if config.disaggregation_mode == "prefill":
-            # decode ranks find this server's prefill ranks here; the ranks register as they start
-            from pdserve.kvtransfer.bootstrap_server import BootstrapServer
-
-            bootstrap = BootstrapServer(
-                config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
-                auth=config.kv_transfer.frame_auth("bootstrap"),
-                on_refused=metrics.bootstrap_auth_refused.inc,
-            )
-            await bootstrap.start()
-            logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
+        # prefill mode: decode ranks find this server's prefill ranks here
+        bootstrap = await start_bootstrap_server(config, metrics)
         procs = spawn_ranks(config, transport)
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, config.engine.model_path)
         alive = lambda: all(p.is_alive() for p in procs.values())  # noqa: E731

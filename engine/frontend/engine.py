@@ -1,22 +1,42 @@
-"""Offline API: the engine server's request path in this process, without HTTP.
+"""Offline API: the engine server's request path in this process, without HTTP (SGLang's ``Engine``).
 
     from pdserve.engine import Engine
     with Engine() as engine:
         out = engine.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})
 
-A call is an in-process ``/generate`` request: its arguments become a
-``GenerateRequest`` that ``protocol.generate_sequences`` validates and expands,
-and the sequences run through the server's own ``TokenizerManager``
-(tokenization, text, stop trimming, logprobs). Its one scheduler rank is a
-``LocalRank``: the scheduler processes' loop on a thread of this process
-instead of a process behind ZMQ. Bad arguments raise ``ValueError`` (a
+``Engine(**flags)`` takes the ``pdserve serve`` flags as keyword arguments
+(``ServerConfig.from_flags``: SGLang's names, e.g. ``disaggregation_mode``,
+``disaggregation_bootstrap_port``, ``disaggregation_transfer_backend``,
+``dp_size``, ``tp_size``, ``max_total_tokens``); an unknown one raises
+``ValueError``. ``disaggregation_mode="prefill"`` starts the bootstrap server
+on ``disaggregation_bootstrap_port`` and the prefill rank's KV manager;
+``"decode"`` the decode rank's; two Engines (in one program or two) then form a
+PD pair: give both legs of a request the same ``bootstrap_host``,
+``bootstrap_port`` (the prefill Engine's) and ``bootstrap_room``, and read the
+answer from the decode Engine, as SGLang's router does.
+
+A call is an in-process ``/generate`` request: its keyword arguments are the
+``/generate`` body's fields (``GenerateRequest``: ``rid``, ``return_logprob``,
+``top_logprobs_num``, ``logprob_start_len``, ``bootstrap_host``,
+``bootstrap_port``, ``bootstrap_room`` (one per prompt, or a list for a batch),
+``routed_dp_rank``, ``disagg_prefill_dp_rank``), validated by
+``protocol.generate_sequences``, and the sequences run through the server's
+own ``TokenizerManager``. Its one scheduler rank is a ``LocalRank``: the
+scheduler processes' loop (built by the same ``LOOP_BUILDERS`` in every mode)
+on a thread of this process. Bad arguments raise ``ValueError`` (a
 ``RequestError``) naming the parameter before anything runs. A batch of
 prompts is submitted at once, so it is scheduled together.
 
+Control operations are SGLang's (``get_server_info``, ``flush_cache``,
+``update_weights_from_disk``, ``get_weights_by_name``,
+``release_memory_occupation``/``resume_memory_occupation``,
+``start_profile``/``stop_profile``): typed messages to the rank, the same path
+as the HTTP endpoints (``control_api``).
+
 Threads: the caller's; the front end's event loop, where the tokenizer manager
-lives; the rank's. ``generate`` and ``async_generate`` are one implementation
-(``_submit`` and ``_Run``, coroutines on the front end's loop); they differ
-only in how the caller waits for those.
+(and a prefill Engine's bootstrap server) lives; the rank's. ``generate`` and
+``async_generate`` are one implementation (``_submit`` and ``_Run``, coroutines
+on the front end's loop); they differ only in how the caller waits for those.
 
 Results (SGLang's /generate objects)::
 
@@ -27,9 +47,13 @@ Results (SGLang's /generate objects)::
      "output_top_logprobs"?: [[[logprob, token_id, None]]],
      "input_token_logprobs"?: [[logprob, token_id, None]]}}
 
-With ``stream=True`` each chunk carries the *new* text, token ids and logprobs
-since the previous chunk of its sequence (and ``index`` in a batch); the last
-chunk of a sequence has ``meta_info["finish_reason"]`` set.
+Streaming, as SGLang's Engine: with ``stream=True`` each chunk is such an
+object for one sequence (with ``index`` in a batch) holding everything so far:
+the *whole* text, all output ids and logprobs (SGLang's default,
+``incremental_streaming_output=False``; a chunk's new text is what its text
+adds to the previous chunk's). ``Engine(incremental_streaming_output=True)``
+makes each chunk carry only what is new since the previous chunk of its
+sequence. The last chunk of a sequence has ``meta_info["finish_reason"]`` set.
 """
 
 from __future__ import annotations
@@ -42,13 +66,14 @@ from typing import Any, AsyncIterator, Callable, Coroutine, Iterator
 
 import uvloop
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
+from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.local_rank import STOP_JOIN_TIMEOUT, LocalRank
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import GenerateRequest, convert_body, generate_sequences
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
-from pdserve.engine.sched.scheduler_loop import SchedulerLoop
+from pdserve.engine.sched.scheduler_process import LOOP_BUILDERS
 from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
@@ -62,6 +87,7 @@ class _Run:
         self.tm = tm
         self.handle = handle
         self.is_batch = is_batch
+        self.incremental = tm.config.incremental_streaming_output
 
     def _check_alive(self) -> None:
         if self.tm.dead_reason is not None:  # every sequence in flight ended with this error
@@ -83,7 +109,7 @@ class _Run:
         except StopAsyncIteration:
             return None
         self._check_alive()
-        return api.generate_object(st, delta=delta, length_detail=False)
+        return api.generate_object(st, delta=delta if self.incremental else None, length_detail=False)
 
     def close(self) -> None:
         """Abort what has not finished (a caller that stops reading a stream)."""
@@ -91,24 +117,32 @@ class _Run:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, dtype: str = "auto", **config):
-        unknown = sorted(set(config) - EngineConfig.field_names())
-        if unknown:
-            raise ValueError(f"unknown Engine argument {unknown[0]!r} (not an EngineConfig field)")
+    def __init__(self, model_path: str | None = None, dtype: str = "auto", **flags):
         if model_path is not None and not os.path.exists(model_path):
             raise ValueError(f"model_path {model_path!r} does not exist")
-        self.config = EngineConfig(model_path=model_path, dtype=dtype, **config)
-        self.loop = SchedulerLoop(self.config)
+        try:
+            server_config = ServerConfig.from_flags({"model_path": model_path, "dtype": dtype, **flags})
+        except TypeError as e:  # a flag of the wrong kind
+            raise ValueError(str(e)) from None
+        if server_config.dp_size > 1 or server_config.tp_size > 1:
+            raise ValueError(
+                f"the offline Engine runs one scheduler rank in this process; dp_size {server_config.dp_size} "
+                f"and tp_size {server_config.tp_size} need scheduler processes: run `pdserve serve` with the same flags"
+            )
+        self.server_config = server_config
+        self.config = server_config.engine
+        self.loop = LOOP_BUILDERS[server_config.disaggregation_mode](server_config, LocalRank.DP_RANK, 0)
         self.tokenizer = self.loop.tokenizer
         self.arch = self.loop.arch
         self._closed = False
         self._rank = LocalRank(self.loop)
         self._tm: TokenizerManager | None = None
+        self._bootstrap = None
         self._front = uvloop.new_event_loop()
         self._front_thread = threading.Thread(target=self._front.run_forever, name="pdserve-engine-front", daemon=True)
         self._front_thread.start()
         try:
-            self._tm = self._wait(self._open(ServerConfig(engine=self.config)))
+            self._tm = self._wait(self._open(server_config))
         except BaseException:
             self.shutdown()
             raise
@@ -116,6 +150,7 @@ class Engine:
 
     async def _open(self, server_config: ServerConfig) -> TokenizerManager:
         metrics = ServerMetrics(server_config.dp_size, server_config.model_name)
+        self._bootstrap = await start_bootstrap_server(server_config, metrics)
         tm = TokenizerManager(server_config, self.tokenizer, metrics, self._rank)
         await tm.wait_ready(server_config.startup_timeout, self._rank.is_alive)
         return tm
@@ -145,18 +180,11 @@ class Engine:
             self._front.call_soon_threadsafe(fn)
 
     # ----------------------------------------------------------------- requests
-    def _sequences(
-        self, prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num, logprob_start_len
-    ):
-        body = {
-            "text": prompt,
-            "input_ids": input_ids,
-            "sampling_params": sampling_params,
-            "rid": rid,
-            "return_logprob": return_logprob,
-            "top_logprobs_num": top_logprobs_num,
-            "logprob_start_len": logprob_start_len,
-        }
+    def _sequences(self, prompt, sampling_params, input_ids, request: dict):
+        for name in ("text", "stream"):
+            if name in request:
+                raise ValueError(f"{name!r} is not an argument of generate (the prompt is 'prompt'; see 'stream')")
+        body = {"text": prompt, "input_ids": input_ids, "sampling_params": sampling_params, **request}
         return generate_sequences(convert_body(body, GenerateRequest), self._limits, text_param="prompt")
 
     async def _submit(self, seqs, is_batch: bool) -> _Run:
@@ -170,16 +198,14 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        rid: str | list[str] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
+        **request,
     ) -> dict | list[dict] | Iterator[dict]:
         """One result for one prompt, a list for a batch (or ``n`` > 1); an iterator of chunks with
-        ``stream=True``. Raises ``ValueError`` naming a bad parameter."""
-        seqs, is_batch = self._sequences(
-            prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num, logprob_start_len
-        )
+        ``stream=True`` (see the module's docstring for what a chunk holds). ``request``: the other
+        fields of SGLang's ``/generate`` body (``rid``, ``return_logprob``, ``top_logprobs_num``,
+        ``logprob_start_len``, ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``,
+        ``routed_dp_rank``, ``disagg_prefill_dp_rank``, ...). Raises ``ValueError`` naming a bad one."""
+        seqs, is_batch = self._sequences(prompt, sampling_params, input_ids, request)
         run = self._wait(self._submit(seqs, is_batch))
         if stream:
             return self._stream(run)
@@ -198,15 +224,10 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         stream: bool = False,
-        rid: str | list[str] | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
+        **request,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """As ``generate``; with ``stream=True`` it returns an async iterator (``await`` it, then ``async for``)."""
-        seqs, is_batch = self._sequences(
-            prompt, sampling_params, input_ids, rid, return_logprob, top_logprobs_num, logprob_start_len
-        )
+        seqs, is_batch = self._sequences(prompt, sampling_params, input_ids, request)
         run = await self._await(self._submit(seqs, is_batch))
         if stream:
             return self._astream(run)
@@ -228,6 +249,66 @@ class Engine:
     async def _abort(self, rid: str) -> None:
         self._tm.abort(rid, "aborted by Engine.abort")
 
+    # ------------------------------------------------------- control operations
+    def get_server_info(self) -> dict:
+        """What ``/get_server_info`` answers: the flags and each rank's state."""
+        return self._wait(self._server_info())
+
+    async def _server_info(self) -> dict:
+        return control_api.server_info(self._tm)
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; False (nothing done) while requests run or wait, as SGLang."""
+        return self._wait(control_api.flush_cache(self._tm)).success
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False) -> tuple[bool, str]:
+        """Load another checkpoint of the same architecture; returns ``(success, message)``.
+        Requests in flight finish on the old weights (``abort_all_requests=True``: they are aborted
+        first); calls made meanwhile wait and run on the new ones; the prefix cache is flushed."""
+        inp = control_api.UpdateWeightsFromDiskInput(model_path=model_path, load_format=load_format,
+                                                     abort_all_requests=abort_all_requests)
+        answer = self._wait(control_api.update_weights_from_disk(self._tm, inp))
+        return answer.success, answer.message
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` rows of checkpoint weight ``name`` as the rank holds it
+        (float32, nested lists); ValueError when there is no such weight."""
+        inp = control_api.GetWeightsByNameInput(name=name, truncate_size=truncate_size)
+        answer = self._wait(control_api.get_weights_by_name(self._tm, inp))
+        if not answer.success:
+            raise ValueError(answer.message)
+        return answer.data
+
+    def _checked(self, answer: control_api.ControlAnswer) -> str:
+        if not answer.success:
+            raise RuntimeError(answer.message)
+        return answer.message
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Give the KV pool's memory (tag ``kv_cache``) and the weights' (``weights``) back to the OS;
+        None: both. Only while idle (RuntimeError otherwise). Until resumed, a new request ends with an
+        error naming what is released."""
+        inp = control_api.MemoryOccupationInput(tags=tags)
+        return self._checked(self._wait(control_api.release_memory_occupation(self._tm, inp)))
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> str:
+        """Restore what ``release_memory_occupation`` gave back (the weights are read from disk again)."""
+        inp = control_api.MemoryOccupationInput(tags=tags)
+        return self._checked(self._wait(control_api.resume_memory_occupation(self._tm, inp)))
+
+    def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
+                      record_shapes: bool = False, with_stack: bool = False) -> str:
+        """torch.profiler over the rank's next steps (``num_steps``, or until ``stop_profile``); the
+        Chrome trace goes to ``output_dir`` (default ``PDSERVE_TORCH_PROFILER_DIR``)."""
+        inp = control_api.ProfileInput(output_dir=output_dir, num_steps=num_steps, record_shapes=record_shapes,
+                                       with_stack=with_stack)
+        return self._checked(self._wait(control_api.start_profile(self._tm, inp)))
+
+    def stop_profile(self) -> str:
+        """Stop the profile and write its trace; returns the message naming the file."""
+        return self._checked(self._wait(control_api.stop_profile(self._tm)))
+
     # -------------------------------------------------------------------- state
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the scheduler loop's thread between steps, after every request and abort
@@ -247,9 +328,6 @@ class Engine:
         """Prove the page pool's bookkeeping."""
         self.call(self.loop.check_integrity)
 
-    def flush_cache(self) -> bool:
-        return self.call(self.loop.flush_cache)
-
     def shutdown(self) -> None:
         if self._closed:
             return
@@ -257,6 +335,9 @@ class Engine:
             self._wait(self._fail_all())
         self._closed = True
         self._rank.close()
+        self.loop.close()  # a PD loop closes its KV manager
+        if self._bootstrap is not None and self._front_thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._bootstrap.stop(), self._front).result(STOP_JOIN_TIMEOUT)
         self._front.call_soon_threadsafe(self._front.stop)
         self._front_thread.join(STOP_JOIN_TIMEOUT)
         if not self._front_thread.is_alive():

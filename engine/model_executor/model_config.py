@@ -69,6 +69,12 @@ class ModelArch:
                 f"tp_size {tp_size} does not divide the model's intermediate size {self.intermediate_size}"
             )
 
+    def shape_key(self) -> tuple:
+        """What two checkpoints must share for one's weights to replace the other's in a loaded
+        model (update_weights_from_disk): the tensor shapes and the layers' wiring."""
+        return (self.arch, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate_size, self.vocab_size, self.tie_word_embeddings, self.attention_bias, self.qk_norm)
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
