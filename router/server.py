@@ -27,6 +27,7 @@ from aiohttp import web
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
+from pdserve.router.fanout import FANOUT_PATHS, fan_out
 from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
 from pdserve.router.health import HealthChecker
 from pdserve.router.metrics import RouterMetrics
@@ -119,6 +120,8 @@ class Router:
         r.add_get("/v1/models", self._forward_get)
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
             r.add_get(path, self._forward_get)
+        for path in FANOUT_PATHS:
+            r.add_post(path, self._fan_out)
         r.add_get("/health", self._health)
         r.add_get("/liveness", self._liveness)
         r.add_get("/readiness", self._readiness)
@@ -227,6 +230,19 @@ class Router:
                                     content_type=resp.content_type or "application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return error_response(RouterError(502, f"{url}: {type(e).__name__}: {e}", "upstream_error"))
+
+    async def _fan_out(self, request: web.Request) -> web.Response:
+        """A control operation for every worker (router/fanout.py)."""
+        try:
+            self._check_auth(request)
+            body = await self._read_body(request)
+        except RouterError as err:
+            return error_response(err)
+        workers = self.registry.workers()
+        if not workers:
+            return error_response(RouterError(503, "no worker registered", "service_unavailable"))
+        status, answer = await fan_out(self.session, workers, request.path, body or b"{}", self.worker_headers)
+        return json_response(answer, status)
 
     async def _list_workers(self, request: web.Request) -> web.Response:
         try:
