@@ -113,6 +113,16 @@ def dead_rank_reason(config: ServerConfig, procs: dict[tuple[int, int], mp.Proce
     return "scheduler process of " + "; ".join(names)
 
 
+async def watch_ranks(config: ServerConfig, procs: dict[tuple[int, int], mp.Process], tm: TokenizerManager) -> str:
+    """Wait until a scheduler process exits; then end every request in flight with an error naming
+    the dead rank (and refuse new ones), and return that reason."""
+    while (reason := dead_rank_reason(config, procs)) is None:
+        await asyncio.sleep(MONITOR_INTERVAL)
+    logger.error("%s; failing requests in flight", reason)
+    tm.fail_all(reason)
+    return reason
+
+
 def stop_ranks(procs: list[mp.Process]) -> None:
     """SIGKILL every process and wait up to RANK_STOP_GRACE for each to be gone.
 
@@ -193,16 +203,11 @@ async def serve(config: ServerConfig) -> int:
 
         async def monitor() -> None:
             nonlocal exit_code
-            while not stop.is_set():
-                reason = dead_rank_reason(config, procs)
-                if reason is not None:
-                    logger.error("%s; failing requests in flight and exiting", reason)
-                    tm.fail_all(reason)
-                    exit_code = 1
-                    await asyncio.sleep(DEATH_DRAIN)
-                    stop.set()
-                    return
-                await asyncio.sleep(MONITOR_INTERVAL)
+            await watch_ranks(config, procs, tm)
+            logger.error("exiting after the death of a scheduler process")
+            exit_code = 1
+            await asyncio.sleep(DEATH_DRAIN)
+            stop.set()
 
         monitor_task = loop.create_task(monitor())
         await stop.wait()

@@ -21,9 +21,13 @@ A call is an in-process ``/generate`` request: its keyword arguments are the
 ``bootstrap_port``, ``bootstrap_room`` (one per prompt, or a list for a batch),
 ``routed_dp_rank``, ``disagg_prefill_dp_rank``), validated by
 ``protocol.generate_sequences``, and the sequences run through the server's
-own ``TokenizerManager``. Its one scheduler rank is a ``LocalRank``: the
-scheduler processes' loop (built by the same ``LOOP_BUILDERS`` in every mode)
-on a thread of this process. Bad arguments raise ``ValueError`` (a
+own ``TokenizerManager``. With ``dp_size = tp_size = 1`` its one scheduler
+rank is a ``LocalRank``: the scheduler processes' loop (built by the same
+``LOOP_BUILDERS`` in every mode) on a thread of this process. With more, the
+ranks are scheduler processes started as ``pdserve serve`` starts them
+(``serve.spawn_ranks``, spawned: a script that makes such an Engine needs an
+``if __name__ == "__main__":`` guard); a dead one fails what is in flight
+with its name. Bad arguments raise ``ValueError`` (a
 ``RequestError``) naming the parameter before anything runs. A batch of
 prompts is submitted at once, so it is scheduled together.
 
@@ -34,7 +38,7 @@ Control operations are SGLang's (``get_server_info``, ``flush_cache``,
 as the HTTP endpoints (``control_api``).
 
 Threads: the caller's; the front end's event loop, where the tokenizer manager
-(and a prefill Engine's bootstrap server) lives; the rank's. ``generate`` and
+(and a prefill Engine's bootstrap server) lives; the in-process rank's. ``generate`` and
 ``async_generate`` are one implementation (``_submit`` and ``_Run``, coroutines
 on the front end's loop); they differ only in how the caller waits for those.
 
@@ -72,8 +76,10 @@ from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.local_rank import STOP_JOIN_TIMEOUT, LocalRank
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.protocol import GenerateRequest, convert_body, generate_sequences
+from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 from pdserve.engine.sched.scheduler_process import LOOP_BUILDERS
+from pdserve.engine.serve import spawn_ranks, stop_ranks, watch_ranks
 from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
@@ -124,18 +130,25 @@ class Engine:
             server_config = ServerConfig.from_flags({"model_path": model_path, "dtype": dtype, **flags})
         except TypeError as e:  # a flag of the wrong kind
             raise ValueError(str(e)) from None
-        if server_config.dp_size > 1 or server_config.tp_size > 1:
-            raise ValueError(
-                f"the offline Engine runs one scheduler rank in this process; dp_size {server_config.dp_size} "
-                f"and tp_size {server_config.tp_size} need scheduler processes: run `pdserve serve` with the same flags"
-            )
         self.server_config = server_config
         self.config = server_config.engine
-        self.loop = LOOP_BUILDERS[server_config.disaggregation_mode](server_config, LocalRank.DP_RANK, 0)
-        self.tokenizer = self.loop.tokenizer
-        self.arch = self.loop.arch
+        self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
+        self._watch: asyncio.Future | None = None
+        if self.in_process:
+            self.loop = LOOP_BUILDERS[server_config.disaggregation_mode](server_config, LocalRank.DP_RANK, 0)
+            self.tokenizer = self.loop.tokenizer
+            self.arch = self.loop.arch
+            self._rank: LocalRank | None = LocalRank(self.loop)
+        else:
+            from pdserve.engine.model_executor.model_loader import load_arch
+            from pdserve.engine.model_executor.tokenizer import load_tokenizer
+
+            self.loop = None
+            self.arch = load_arch(self.config.model_path)
+            self.arch.check_tp_size(server_config.tp_size)
+            self.tokenizer = load_tokenizer(self.config.model_path)
+            self._rank = None
         self._closed = False
-        self._rank = LocalRank(self.loop)
         self._tm: TokenizerManager | None = None
         self._bootstrap = None
         self._front = uvloop.new_event_loop()
@@ -148,11 +161,26 @@ class Engine:
             raise
         self._limits = self._tm.limits()
 
+    @property
+    def in_process(self) -> bool:
+        """One scheduler rank on a thread of this process (dp_size = tp_size = 1); else scheduler
+        processes, one per DP and TP rank, as ``pdserve serve`` starts them."""
+        return self.server_config.dp_size == 1 and self.server_config.tp_size == 1
+
     async def _open(self, server_config: ServerConfig) -> TokenizerManager:
         metrics = ServerMetrics(server_config.dp_size, server_config.model_name)
         self._bootstrap = await start_bootstrap_server(server_config, metrics)
-        tm = TokenizerManager(server_config, self.tokenizer, metrics, self._rank)
-        await tm.wait_ready(server_config.startup_timeout, self._rank.is_alive)
+        if self.in_process:
+            tm = TokenizerManager(server_config, self.tokenizer, metrics, self._rank)
+            await tm.wait_ready(server_config.startup_timeout, self._rank.is_alive)
+            return tm
+        # spawned from the front end's thread: the ranks die with it (PR_SET_PDEATHSIG follows the
+        # thread that started them), which lives until shutdown
+        transport = ZmqTransport(server_config.dp_size)
+        tm = TokenizerManager(server_config, self.tokenizer, metrics, transport)
+        self._procs = spawn_ranks(server_config, transport)
+        await tm.wait_ready(server_config.startup_timeout, lambda: all(p.is_alive() for p in self._procs.values()))
+        self._watch = asyncio.ensure_future(watch_ranks(server_config, self._procs, tm))
         return tm
 
     # ------------------------------------------------------- the front end's loop
@@ -312,7 +340,10 @@ class Engine:
     # -------------------------------------------------------------------- state
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the scheduler loop's thread between steps, after every request and abort
-        sent before, and return its result (to look inside ``self.loop``)."""
+        sent before, and return its result (to look inside ``self.loop``). In-process rank only."""
+        if self._rank is None:
+            raise RuntimeError("call() looks inside the in-process rank; with dp_size or tp_size > 1 the "
+                               "ranks are processes (get_server_info reports their state)")
         future = self._rank.call(fn)
         while not concurrent.futures.wait([future], ALIVE_CHECK_S).done:
             if self._closed:
@@ -322,11 +353,11 @@ class Engine:
         return future.result()
 
     def stats(self):
-        return self.call(self.loop.stats)
+        return self.call(lambda: self.loop.stats())
 
     def check_integrity(self) -> None:
         """Prove the page pool's bookkeeping."""
-        self.call(self.loop.check_integrity)
+        self.call(lambda: self.loop.check_integrity())
 
     def shutdown(self) -> None:
         if self._closed:
@@ -334,16 +365,26 @@ class Engine:
         if self._tm is not None and self._front_thread.is_alive():
             self._wait(self._fail_all())
         self._closed = True
-        self._rank.close()
-        self.loop.close()  # a PD loop closes its KV manager
-        if self._bootstrap is not None and self._front_thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._bootstrap.stop(), self._front).result(STOP_JOIN_TIMEOUT)
+        if self._rank is not None:
+            self._rank.close()
+            self.loop.close()  # a PD loop closes its KV manager
+        stop_ranks(list(self._procs.values()))
+        if self._front_thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._close_front(), self._front).result(STOP_JOIN_TIMEOUT)
         self._front.call_soon_threadsafe(self._front.stop)
         self._front_thread.join(STOP_JOIN_TIMEOUT)
         if not self._front_thread.is_alive():
             self._front.close()
 
+    async def _close_front(self) -> None:
+        if self._procs and self._tm is not None:
+            self._tm.close()  # the ZMQ transport's sockets live on this loop
+        if self._bootstrap is not None:
+            await self._bootstrap.stop()
+
     async def _fail_all(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()  # the ranks are stopped next: no death to report
         self._tm.fail_all(SHUTDOWN)  # callers waiting on a sequence get RuntimeError
         await asyncio.sleep(0)  # let them take their last update before the loop stops
 
