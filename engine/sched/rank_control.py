@@ -123,6 +123,7 @@ class RankControl:
         req, self.pending_update = self.pending_update, None
         try:
             self.loop.runner.load_weights(req.model_path)
+            self.released.discard("weights")  # released weights are back, the new ones
             self.loop.flush_cache()
             result = self._result(req, True, f"weights updated from {req.model_path}")
         except Exception as e:  # noqa: BLE001 - the answer carries it; the old weights stay
