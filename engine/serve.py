@@ -29,6 +29,7 @@ from aiohttp import web
 import pdserve.engine.env as env
 from pdserve.engine.cluster import free_port, split_cpus
 from pdserve.engine.frontend.drain import Drain
+from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
@@ -113,6 +114,16 @@ def dead_rank_reason(config: ServerConfig, procs: dict[tuple[int, int], mp.Proce
     return "scheduler process of " + "; ".join(names)
 
 
+async def watch_ranks(config: ServerConfig, procs: dict[tuple[int, int], mp.Process], tm: TokenizerManager) -> str:
+    """Wait until a scheduler process exits; then end every request in flight with an error naming
+    the dead rank (and refuse new ones), and return that reason."""
+    while (reason := dead_rank_reason(config, procs)) is None:
+        await asyncio.sleep(MONITOR_INTERVAL)
+    logger.error("%s; failing requests in flight", reason)
+    tm.fail_all(reason)
+    return reason
+
+
 def stop_ranks(procs: list[mp.Process]) -> None:
     """SIGKILL every process and wait up to RANK_STOP_GRACE for each to be gone.
 
@@ -163,17 +174,8 @@ async def serve(config: ServerConfig) -> int:
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
         transport = ZmqTransport(config.dp_size)
         tm = TokenizerManager(config, None, metrics, transport)
-        if config.disaggregation_mode == "prefill":
-            # decode ranks find this server's prefill ranks here; the ranks register as they start
-            from pdserve.kvtransfer.bootstrap_server import BootstrapServer
-
-            bootstrap = BootstrapServer(
-                config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
-                auth=config.kv_transfer.frame_auth("bootstrap"),
-                on_refused=metrics.bootstrap_auth_refused.inc,
-            )
-            await bootstrap.start()
-            logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
+        # prefill mode: decode ranks find this server's prefill ranks here
+        bootstrap = await start_bootstrap_server(config, metrics)
         procs = spawn_ranks(config, transport)
         e = config.engine
         tm.tokenizer = tokenizer = await loop.run_in_executor(None, load_tokenizer, e.model_path, e.tokenizer_path,
@@ -203,16 +205,11 @@ async def serve(config: ServerConfig) -> int:
 
         async def monitor() -> None:
             nonlocal exit_code
-            while not stop.is_set():
-                reason = dead_rank_reason(config, procs)
-                if reason is not None:
-                    logger.error("%s; failing requests in flight and exiting", reason)
-                    tm.fail_all(reason)
-                    exit_code = 1
-                    await asyncio.sleep(DEATH_DRAIN)
-                    stop.set()
-                    return
-                await asyncio.sleep(MONITOR_INTERVAL)
+            await watch_ranks(config, procs, tm)
+            logger.error("exiting after the death of a scheduler process")
+            exit_code = 1
+            await asyncio.sleep(DEATH_DRAIN)
+            stop.set()
 
         monitor_task = loop.create_task(monitor())
         await stop.wait()

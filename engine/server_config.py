@@ -19,6 +19,18 @@ from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.kvtransfer.config import KVTransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# KVTransferConfig field -> its flag's name (``--disaggregation-...``, SGLang's); the other fields are not flags
+KV_FLAGS = {
+    "backend": "disaggregation_transfer_backend",
+    "ib_device": "disaggregation_ib_device",
+    "bootstrap_port": "disaggregation_bootstrap_port",
+    "bootstrap_timeout": "disaggregation_bootstrap_timeout",
+    "waiting_timeout": "disaggregation_waiting_timeout",
+    "quarantine_timeout": "disaggregation_quarantine_timeout",
+    "heartbeat_interval": "disaggregation_heartbeat_interval",
+    "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
+    "auth_key_file": "disaggregation_auth_key_file",
+}
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,9 @@ class ServerConfig:
     # decode mode: a prompt of at most this many tokens may come without bootstrap fields and is
     # prefilled here, in the running batch (issue 18's conditional disaggregation); 0: never
     max_local_prefill_tokens: int = 0
+    # streamed /generate and Engine.generate(stream=True): False (SGLang's default) sends the whole
+    # text and output_ids so far in each chunk; True only what is new since the previous chunk
+    incremental_streaming_output: bool = False
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -143,6 +158,22 @@ class ServerConfig:
         if self.engine.model_path:
             return self.engine.model_path.rstrip("/").split("/")[-1]
         return "SmolLM2-135M-Instruct"
+
+    @classmethod
+    def from_flags(cls, values: dict) -> "ServerConfig":
+        """A config from flat flag names (the ``serve`` CLI's dests, the offline Engine's keyword
+        arguments): EngineConfig's fields, the server's own, and the KV transfer flags of
+        ``KV_FLAGS``; a missing one takes its dataclass default. ValueError names an unknown one."""
+        kv_by_flag = {flag: name for name, flag in KV_FLAGS.items()}
+        engine_names, server_names = EngineConfig.field_names(), set(cls.server_field_names())
+        unknown = sorted(set(values) - engine_names - server_names - set(kv_by_flag))
+        if unknown:
+            raise ValueError(f"unknown argument {unknown[0]!r}")
+        return cls(
+            engine=EngineConfig(**{k: v for k, v in values.items() if k in engine_names}),
+            kv_transfer=KVTransferConfig(**{kv_by_flag[k]: v for k, v in values.items() if k in kv_by_flag}),
+            **{k: v for k, v in values.items() if k in server_names},
+        )
 
     @classmethod
     def server_field_names(cls) -> list[str]:

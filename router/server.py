@@ -31,6 +31,7 @@ from aiohttp import web
 from pdserve.router.admission import Admission
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
+from pdserve.router.fanout import FANOUT_PATHS, fan_out
 from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
 from pdserve.router.health import HealthChecker
 from pdserve.router.health_generate import health_generate
@@ -138,6 +139,8 @@ class Router:
             r.add_get(path, self._forward_one)
         for path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
             r.add_post(path, self._forward_one)
+        for path in FANOUT_PATHS:
+            r.add_post(path, self._fan_out)
         r.add_get("/health", self._health)
         r.add_get("/health_generate", self._health_generate)
         r.add_get("/liveness", self._liveness)
@@ -258,6 +261,19 @@ class Router:
                                     content_type=resp.content_type or "application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             return error_response(RouterError(502, f"{url}: {type(e).__name__}: {e}", "upstream_error"))
+
+    async def _fan_out(self, request: web.Request) -> web.Response:
+        """A control operation for every worker (router/fanout.py)."""
+        try:
+            self._check_auth(request)
+            body = await self._read_body(request)
+        except RouterError as err:
+            return error_response(err)
+        workers = self.registry.workers()
+        if not workers:
+            return error_response(RouterError(503, "no worker registered", "service_unavailable"))
+        status, answer = await fan_out(self.session, workers, request.path, body or b"{}", self.worker_headers)
+        return json_response(answer, status)
 
     async def _list_workers(self, request: web.Request) -> web.Response:
         try:

@@ -12,11 +12,11 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import asdict
 
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend import tokenize_api
 from pdserve.engine.frontend.drain import DRAIN_KEY, Drain, drain_middleware
@@ -38,8 +38,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
-from pdserve.engine.kv_events_config import advertised_endpoints
-from pdserve.engine.version import VERSION
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +173,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tok_str = tm.token_str if req.return_text_in_logprobs else None
     if req.stream:
 
+        incremental = tm.config.incremental_streaming_output
+
         def render(st: SeqState, d) -> bytes:
-            return api.sse(api.generate_object(st, tok_str))
+            return api.sse(api.generate_object(st, tok_str, delta=d if incremental else None))
 
         return await _stream(request, handle, render)
     states = await _collect(handle)
@@ -311,34 +311,7 @@ async def model_info(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    tm = request.app[TM_KEY]
-    c = tm.config
-    info = asdict(c.engine)
-    info.update({k: getattr(c, k) for k in c.server_field_names()})
-    info.pop("api_key", None)
-    info.update(
-        {
-            "version": VERSION,
-            "served_model_name": c.model_name,
-            "page_size": c.engine.page_size,
-            "max_total_num_tokens": tm.max_total_num_tokens,
-            "max_context_len": tm.model_info.max_context_len,
-            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
-            "internal_states": [
-                {
-                    "dp_rank": r,
-                    "num_running_reqs": s.num_running if s else None,
-                    "num_waiting_reqs": s.num_waiting if s else None,
-                    "num_free_pages": s.num_free_pages if s else None,
-                    "num_total_pages": s.num_total_pages if s else None,
-                    "max_total_num_tokens": tm.ready[r].max_total_num_tokens,
-                    "inflight": tm.inflight[r],
-                }
-                for r, s in enumerate(tm.stats)
-            ],
-        }
-    )
-    return json_response(info)
+    return json_response(control_api.server_info(request.app[TM_KEY]))
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -381,8 +354,62 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    request.app[TM_KEY].flush_cache()
+    """SGLang's answer: 200 when flushed, 400 when a rank had requests running or waiting."""
+    answer = await control_api.flush_cache(request.app[TM_KEY])
+    if not answer.success:
+        raise RequestError(f"Cache not flushed: {answer.message}", code="not_idle")
     return web.Response(text="Cache flushed.\n")
+
+
+async def _control_body(request: web.Request, type_):
+    """The body of a control endpoint (an empty body: the struct's defaults)."""
+    body = await read_body(request)
+    return decode_body(body or b"{}", type_)
+
+
+def _control_response(answer: control_api.ControlAnswer) -> web.Response:
+    """SGLang's shape: {"success", "message"}, 200 or 400."""
+    return json_response({"success": answer.success, "message": answer.message}, 200 if answer.success else 400)
+
+
+async def update_weights_from_disk(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.UpdateWeightsFromDiskInput)
+    answer = await control_api.update_weights_from_disk(request.app[TM_KEY], inp)
+    return json_response({"success": answer.success, "message": answer.message, "num_paused_requests": 0},
+                         200 if answer.success else 400)
+
+
+async def get_weights_by_name(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.GetWeightsByNameInput)
+    answer = await control_api.get_weights_by_name(request.app[TM_KEY], inp)
+    if not answer.success:
+        raise RequestError(f"Get parameter by name failed: {answer.message}", param="name")
+    return json_response(answer.data)
+
+
+async def release_memory_occupation(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.MemoryOccupationInput)
+    return _control_response(await control_api.release_memory_occupation(request.app[TM_KEY], inp))
+
+
+async def resume_memory_occupation(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.MemoryOccupationInput)
+    return _control_response(await control_api.resume_memory_occupation(request.app[TM_KEY], inp))
+
+
+async def start_profile(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.ProfileInput)
+    answer = await control_api.start_profile(request.app[TM_KEY], inp)
+    if not answer.success:
+        raise RequestError(f"Start profiling failed: {answer.message}")
+    return web.Response(text="Start profiling.\n")
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    answer = await control_api.stop_profile(request.app[TM_KEY])
+    if not answer.success:
+        raise RequestError(f"Stop profiling failed: {answer.message}")
+    return web.Response(text=f"Stop profiling. {answer.message}\n")
 
 
 def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics, drain: Drain) -> web.Application:
@@ -412,6 +439,15 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.post("/v1/detokenize", detokenize),
             web.post("/flush_cache", flush_cache),
             web.get("/flush_cache", flush_cache),
+            web.post("/update_weights_from_disk", update_weights_from_disk),
+            web.post("/get_weights_by_name", get_weights_by_name),
+            web.get("/get_weights_by_name", get_weights_by_name),
+            web.post("/release_memory_occupation", release_memory_occupation),
+            web.post("/resume_memory_occupation", resume_memory_occupation),
+            web.post("/start_profile", start_profile),
+            web.get("/start_profile", start_profile),
+            web.post("/stop_profile", stop_profile),
+            web.get("/stop_profile", stop_profile),
         ]
     )
     if config.enable_metrics:

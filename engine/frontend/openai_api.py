@@ -73,7 +73,7 @@ def generate_object(
     st: SeqState, tok_str: TokStr | None = None, delta: Delta | None = None, length_detail: bool = True
 ) -> dict:
     """One /generate output: text, ids and logprobs so far (a response, or an event of an HTTP
-    stream), or with ``delta`` only what it added (the offline Engine's stream chunks).
+    stream), or with ``delta`` only what it added (a stream chunk under ``incremental_streaming_output``).
 
     ``length_detail``: SGLang's ``finish_reason`` of a length stop carries the length; the offline
     Engine's has the type alone."""

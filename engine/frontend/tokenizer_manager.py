@@ -13,6 +13,7 @@ their schedulers.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -23,6 +24,8 @@ from pdserve.engine.messages import (
     AbortReq,
     FlushCacheReq,
     RankMetrics,
+    ControlReq,
+    ControlResult,
     SchedulerError,
     SchedulerOutput,
     SchedulerReady,
@@ -88,6 +91,8 @@ class TokenizerManager:
         self.sampling_defaults = (
             model_sampling_defaults(config.engine.model_path) if config.sampling_defaults == "model" else {}
         )
+        self._control_ids = itertools.count(1)
+        self._control: dict[int, list[asyncio.Future]] = {}  # req_id -> one future per DP rank
 
     # --- start and stop --------------------------------------------------------------------
 
@@ -266,17 +271,32 @@ class TokenizerManager:
             queue.put_nowait((st, Delta("", [], [], True)))
         return len(hits)
 
-    def abort_all(self) -> int:
+    def abort_all(self, reason: str = "aborted by /abort_request") -> int:
         rids = list(self._seqs)
-        return sum(self.abort(rid) for rid in rids if rid in self._seqs)
+        return sum(self.abort(rid, reason) for rid in rids if rid in self._seqs)
 
-    def flush_cache(self) -> None:
-        for rank in range(self.dp_size):
-            self.transport.send(rank, FlushCacheReq())
+    async def control(self, req: ControlReq) -> list[ControlResult]:
+        """Send a control request to every DP rank and wait for each one's answer (in rank order).
+        A rank that dies meanwhile raises ``RankFailed``."""
+        if self.dead_reason is not None:
+            raise RankFailed(self.dead_reason)
+        req = msgspec.structs.replace(req, req_id=next(self._control_ids))
+        loop = asyncio.get_running_loop()
+        futures = self._control[req.req_id] = [loop.create_future() for _ in range(self.dp_size)]
+        try:
+            for rank in range(self.dp_size):
+                self.transport.send(rank, req)
+            return list(await asyncio.gather(*futures))
+        finally:
+            self._control.pop(req.req_id, None)
 
     def fail_all(self, reason: str) -> None:
         """A rank died: end every sequence with a 503 error and refuse new ones."""
         self.dead_reason = reason
+        for futures in self._control.values():
+            for f in futures:
+                if not f.done():
+                    f.set_exception(RankFailed(reason))
         for rid, (st, queue) in list(self._seqs.items()):
             self._seqs.pop(rid, None)
             st.error_status = 503
@@ -294,6 +314,10 @@ class TokenizerManager:
                 self.stats[msg.dp_rank] = msg
             elif isinstance(msg, RankMetrics):
                 self.rank_metrics[(msg.dp_rank, msg.tp_rank)] = msg
+            elif isinstance(msg, ControlResult):
+                futures = self._control.get(msg.req_id)
+                if futures is not None and not futures[msg.dp_rank].done():
+                    futures[msg.dp_rank].set_result(msg)
             elif isinstance(msg, SchedulerReady):
                 self.ready[msg.dp_rank] = msg
                 self._ready_changed.set()

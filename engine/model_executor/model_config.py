@@ -94,6 +94,11 @@ class ModelArch:
             raise ValueError(f"context_length {context_length} is longer than the model's "
                              f"{self.max_context_len} tokens (max_position_embeddings / context_length)")
         return dataclasses.replace(self, max_context_len=context_length)
+    def shape_key(self) -> tuple:
+        """What two checkpoints must share for one's weights to replace the other's in a loaded
+        model (update_weights_from_disk): the tensor shapes and the layers' wiring."""
+        return (self.arch, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.intermediate_size, self.vocab_size, self.tie_word_embeddings, self.attention_bias, self.qk_norm)
 
     @property
     def q_size(self) -> int:

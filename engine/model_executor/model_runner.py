@@ -11,6 +11,7 @@ every rank means identical page allocations, and ``forward`` returns the full lo
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -19,6 +20,7 @@ import torch
 import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.host_memory import trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import load_model
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
@@ -113,11 +115,10 @@ class ModelRunner:
             arch = arch.with_context_length(config.context_length)
         self.arch: ModelArch = arch
         self.model_source = source
+        self.model_path = config.model_path  # what the weights came from (update_weights changes it)
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
-        prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
-        self.model = LlamaForCausalLM(arch, weights, self.dtype, self.device, prepack=prepack, tp=tp,
-                                      quantization=config.quantization, gemv=not config.disable_decode_gemv)
+        self.model: LlamaForCausalLM | None = self._build_model(weights)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads,
@@ -133,9 +134,40 @@ class ModelRunner:
                     arch.arch, self.dtype, config.quantization, time.perf_counter() - t0, tp.rank, tp.size,
                     tp.num_heads, tp.num_kv_heads, self.model.gemv_rows, num_pages - 1, config.page_size)
 
+    def _build_model(self, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+        prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
+        return LlamaForCausalLM(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
+                                quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv)
+
+    # ------------------------------------------------------------- weights
+    def load_weights(self, model_path: str | None) -> None:
+        """Swap in the weights of another checkpoint of the same architecture (SGLang's
+        update_weights_from_disk: the model's config stays, only the weights change). A checkpoint of
+        another shape raises ValueError and leaves the current weights in place."""
+        arch, weights, source = load_model(model_path)
+        if arch.shape_key() != self.arch.shape_key():
+            raise ValueError(f"{model_path!r} is a different architecture ({arch.shape_key()}) than the loaded "
+                             f"model ({self.arch.shape_key()})")
+        self.release_weights()  # the old copy goes first: the peak is one model, not two
+        self.model = self._build_model(weights)
+        self.model_path, self.model_source = model_path, source
+        logger.info("weights updated from %s", source.path)
+
+    def release_weights(self) -> None:
+        """Free the weights (``resume_weights`` reloads them from ``model_path``)."""
+        self.model = None
+        gc.collect()
+        trim_heap()
+
+    def resume_weights(self) -> None:
+        if self.model is None:
+            self.load_weights(self.model_path)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
+        if self.model is None:
+            raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend)

@@ -140,6 +140,22 @@ class PagePool:
         if 0 in free or 0 in self._used:
             raise AssertionError("scratch page 0 was handed out")
 
+    # ------------------------------------------------------- memory occupation
+    def release_memory(self) -> int:
+        """Give the K/V buffers' memory back to the OS, keeping their addresses (they may be
+        registered with a transfer engine); only with no page in use. Returns the bytes released."""
+        if self._used:
+            raise RuntimeError(f"cannot release the KV pool with {len(self._used)} pages in use")
+        from pdserve.engine.model_executor.host_memory import discard_pages
+
+        return sum(discard_pages(t) for t in (*self.k, *self.v))
+
+    def resume_memory(self) -> None:
+        """Back the buffers with memory again, zeroed as at start (the OS faults pages in here,
+        not in the next step)."""
+        for t in (*self.k, *self.v):
+            t.zero_()
+
     # ------------------------------------------------------------------ views
     def k_slots(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` view of layer's K."""

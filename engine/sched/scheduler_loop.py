@@ -279,6 +279,9 @@ class SchedulerLoop:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def close(self) -> None:
+        """Release what the loop holds beyond memory (the PD modes: their KV manager)."""
+
 
 def _any_penalty(params) -> bool:
     return any(

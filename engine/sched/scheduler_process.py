@@ -35,16 +35,8 @@ from typing import Callable, Iterable
 import msgspec
 import zmq
 
-from pdserve.engine.messages import (
-    AbortReq,
-    FlushCacheReq,
-    RankMetrics,
-    SchedulerError,
-    SchedulerInput,
-    SchedulerReady,
-    SchedulerStats,
-    TokenizedGenerateReq,
-)
+from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerReady, SchedulerStats
+from pdserve.engine.sched.rank_control import RankControl
 from pdserve.engine.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -195,7 +187,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
             return not loop.has_work() and os.getppid() != parent_pid
 
         recv, should_stop = _inputs(pull, orphaned)
-        _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, should_stop, publish), rank.num_threads)
+        _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, should_stop, publish, rank.tp_rank),
+                              rank.num_threads)
     except Exception as e:
         logger.error("DP rank %d TP rank %d failed:\n%s", dp_rank, rank.tp_rank, traceback.format_exc())
         if config.tp_size > 1:
@@ -248,15 +241,6 @@ def _stats(loop, dp_rank: int) -> SchedulerStats:
     return s if s.dp_rank == dp_rank else msgspec.structs.replace(s, dp_rank=dp_rank)
 
 
-def _handle(loop, msg) -> None:
-    if isinstance(msg, TokenizedGenerateReq):
-        loop.add_request(msg)
-    elif isinstance(msg, AbortReq):
-        loop.abort(msg.rid)
-    elif isinstance(msg, FlushCacheReq):
-        loop.flush_cache()
-
-
 def _receive(pull: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:
     """The raw messages waiting (blocking up to ``timeout_ms`` for the first)."""
     raws: list[bytes] = []
@@ -305,26 +289,33 @@ def serve_rank(
     send: Callable[[list], None],
     should_stop: Callable[[], bool],
     after_step: Callable[[], None] | None = None,
+    tp_rank: int = 0,
 ) -> None:
     """The rank's loop, whatever carries its messages: take the inputs ``recv(timeout_ms)`` yields
     (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
     outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
     feeds it from ZMQ (``_inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
-    drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline Engine's ``LocalRank`` from a queue. ``after_step``: run
-    after each iteration (the KV event publisher)."""
+    drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline
+    Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
+    publisher). Requests, aborts and control operations go through the rank's ``RankControl``
+    (``rank_control.py``)."""
+    control = RankControl(loop, dp_rank, tp_rank)
     last_stats = _stats(loop, dp_rank)
     last_metrics = loop.rank_metrics()
     send([last_stats] if last_metrics is None else [last_stats, last_metrics])
     last_stats_time = time.monotonic()
     while not should_stop():
         busy = loop.has_work()
+        msgs: list = []
         for msg in recv(0 if busy else IDLE_POLL_MS):
-            _handle(loop, msg)
-        outs = loop.step() if loop.has_work() else []
+            msgs.extend(control.handle(msg))
+        msgs.extend(control.poll())
+        if loop.has_work():
+            msgs.extend(loop.step())
+            control.after_step()
         if after_step is not None:
             after_step()
         now = time.monotonic()
-        msgs: list = list(outs)
         if now - last_stats_time >= STATS_INTERVAL:
             stats = _stats(loop, dp_rank)
             if stats != last_stats or now - last_stats_time >= 1.0:

@@ -22,7 +22,16 @@ SAMPLES = {
         health_probe=True,
     ),
     "AbortReq": messages.AbortReq(rid="r1", reason="client left"),
-    "FlushCacheReq": messages.FlushCacheReq(),
+    "FlushCacheReq": messages.FlushCacheReq(req_id=3),
+    "UpdateWeightsFromDiskReq": messages.UpdateWeightsFromDiskReq(model_path="/ckpt/b", req_id=4),
+    "GetWeightsByNameReq": messages.GetWeightsByNameReq(name="model.norm.weight", truncate_size=5, req_id=5),
+    "ReleaseMemoryReq": messages.ReleaseMemoryReq(tags=["kv_cache", "weights"], req_id=6),
+    "ResumeMemoryReq": messages.ResumeMemoryReq(tags=["kv_cache"], req_id=7),
+    "StartProfileReq": messages.StartProfileReq(output_dir="/tmp/p", num_steps=3, record_shapes=True,
+                                                with_stack=True, profile_id="x", req_id=8),
+    "StopProfileReq": messages.StopProfileReq(req_id=9),
+    "ControlResult": messages.ControlResult(dp_rank=1, req_id=5, success=True, message="ok",
+                                            values=[0.5, -1.25, 2.0, 3.0], shape=[2, 2]),
     "TokenOutput": messages.TokenOutput(
         rid="r1",
         new_token_ids=[5, 6],
@@ -75,8 +84,10 @@ def test_round_trip_each():
 
 
 def test_round_trip_unions():
-    for obj in (SAMPLES["TokenizedGenerateReq"], SAMPLES["AbortReq"], SAMPLES["FlushCacheReq"]):
+    inputs = ("TokenizedGenerateReq", "AbortReq", "FlushCacheReq", "UpdateWeightsFromDiskReq", "GetWeightsByNameReq",
+              "ReleaseMemoryReq", "ResumeMemoryReq", "StartProfileReq", "StopProfileReq")
+    for obj in (SAMPLES[n] for n in inputs):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(obj), type=messages.SchedulerInput) == obj
-    outputs = ("TokenOutput", "SchedulerStats", "SchedulerReady", "SchedulerError")
+    outputs = ("TokenOutput", "SchedulerStats", "SchedulerReady", "SchedulerError", "ControlResult")
     for obj in (SAMPLES[n] for n in outputs):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(obj), type=messages.SchedulerOutput) == obj

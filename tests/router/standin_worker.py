@@ -28,6 +28,9 @@ from aiohttp import web
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _JSON = "application/json"
+# SGLang's control endpoints a router fans out (recorded like inference requests)
+CONTROL_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation",
+                 "/resume_memory_occupation")
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Behavior:
     dp_size: int = 1
     model: str = "standin-model"
     record: bool = True  # keep the request bodies (off in benchmarks)
+    control_status: int = 200  # the answer to the control endpoints (/flush_cache, ...)
 
 
 @dataclass
@@ -85,6 +89,8 @@ class StandinWorker:
         r.add_get("/v1/models", self._models)
         for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
             r.add_post(path, self._infer)
+        for path in CONTROL_PATHS:
+            r.add_post(path, self._control)
         r.add_post("/_standin/behavior", self._set_behavior)
         r.add_get("/_standin/stats", self._stats)
         return app
@@ -137,6 +143,13 @@ class StandinWorker:
     async def _stats(self, request):
         return web.json_response({"requests": len(self.requests), "cancelled": len(self.cancelled),
                                   "completed": self.completed, "in_flight": self.in_flight})
+
+    async def _control(self, request):
+        raw = await request.read()
+        self.requests.append(Record(request.path, _decode(raw) if raw else {}, dict(request.headers)))
+        ok = self.behavior.control_status == 200
+        return web.json_response({"success": ok, "message": f"stand-in {self.role} {request.path}"},
+                                 status=self.behavior.control_status)
 
     # inference -----------------------------------------------------------
     async def _infer(self, request: web.Request):

@@ -1,0 +1,185 @@
+"""SGLang's control operations, for both front ends: the HTTP handlers and the offline Engine.
+
+Each function takes the ``TokenizerManager`` and the operation's body (a
+msgspec struct with SGLang's field names; unknown fields are refused), sends
+the typed control message to every DP rank (``TokenizerManager.control``; the
+ranks run it in ``engine/sched/rank_control.py``) and returns a
+``ControlAnswer``: success, a message naming each rank that failed, and the
+operation's data. What each one does to requests in flight is described there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgspec
+
+import pdserve.engine.env as env
+from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.kv_events_config import advertised_endpoints
+from pdserve.engine.frontend.tokenizer_manager import TokenizerManager
+from pdserve.engine.messages import (
+    ControlResult,
+    FlushCacheReq,
+    GetWeightsByNameReq,
+    ReleaseMemoryReq,
+    ResumeMemoryReq,
+    StartProfileReq,
+    StopProfileReq,
+    UpdateWeightsFromDiskReq,
+)
+from pdserve.engine.sched.rank_control import check_memory_tags
+from pdserve.engine.version import VERSION
+
+PROFILE_ACTIVITIES = ("CPU", "GPU")
+
+
+# --- bodies (SGLang's io_struct names) ---------------------------------------------------------
+class UpdateWeightsFromDiskInput(msgspec.Struct, forbid_unknown_fields=True):
+    model_path: str
+    load_format: str | None = None  # only the model's own format ("auto"/None) is loaded here
+    # True: requests in flight are aborted first; False (SGLang's default): they finish on the old weights
+    abort_all_requests: bool = False
+    flush_cache: bool = True  # the prefix cache always goes with the old weights
+
+
+class GetWeightsByNameInput(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    truncate_size: int = 100
+
+
+class MemoryOccupationInput(msgspec.Struct, forbid_unknown_fields=True):
+    tags: list[str] | None = None  # None: every tag (kv_cache, weights)
+
+
+class ProfileInput(msgspec.Struct, forbid_unknown_fields=True):
+    output_dir: str | None = None  # None: PDSERVE_TORCH_PROFILER_DIR
+    num_steps: int | None = None  # None: until /stop_profile
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_id: str | None = None
+
+
+@dataclass
+class ControlAnswer:
+    success: bool
+    message: str
+    data: Any = None
+
+
+def _answer(tm: TokenizerManager, results: list[ControlResult], ok_message: str = "") -> ControlAnswer:
+    failed = [r for r in results if not r.success]
+    if not failed:
+        return ControlAnswer(True, ok_message or results[0].message)
+    if tm.dp_size == 1:
+        return ControlAnswer(False, failed[0].message)
+    return ControlAnswer(False, "; ".join(f"DP rank {r.dp_rank}: {r.message}" for r in failed))
+
+
+def nest(values: list[float], shape: list[int]) -> list:
+    """A flat row-major list as nested lists of ``shape`` (what SGLang's ``tolist()`` returns)."""
+    if len(shape) <= 1:
+        return list(values)
+    step = len(values) // shape[0] if shape[0] else 0
+    return [nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+# --- operations ---------------------------------------------------------------------------------
+async def flush_cache(tm: TokenizerManager) -> ControlAnswer:
+    return _answer(tm, await tm.control(FlushCacheReq()), "Cache flushed.")
+
+
+async def update_weights_from_disk(tm: TokenizerManager, inp: UpdateWeightsFromDiskInput) -> ControlAnswer:
+    if inp.load_format not in (None, "auto"):
+        raise RequestError(f"load_format {inp.load_format!r} is not supported (the checkpoint's own format is read)",
+                           param="load_format")
+    if not inp.flush_cache:
+        raise RequestError("flush_cache false is not supported: the cached KV was computed by the old weights",
+                           param="flush_cache")
+    if inp.abort_all_requests:
+        tm.abort_all("aborted by update_weights_from_disk")
+    return _answer(tm, await tm.control(UpdateWeightsFromDiskReq(model_path=inp.model_path)),
+                   f"Succeeded to update model weights from {inp.model_path}.")
+
+
+async def get_weights_by_name(tm: TokenizerManager, inp: GetWeightsByNameInput) -> ControlAnswer:
+    """The weight as the first DP rank holds it (every DP rank holds the same)."""
+    if inp.truncate_size < 0:
+        raise RequestError(f"truncate_size must be >= 0, got {inp.truncate_size}", param="truncate_size")
+    results = await tm.control(GetWeightsByNameReq(name=inp.name, truncate_size=inp.truncate_size))
+    answer = _answer(tm, results)
+    if answer.success:
+        answer.data = nest(results[0].values, results[0].shape)
+    return answer
+
+
+def _tags(inp: MemoryOccupationInput) -> list[str]:
+    try:
+        return check_memory_tags(inp.tags)
+    except ValueError as e:
+        raise RequestError(str(e), param="tags") from None
+
+
+async def release_memory_occupation(tm: TokenizerManager, inp: MemoryOccupationInput) -> ControlAnswer:
+    return _answer(tm, await tm.control(ReleaseMemoryReq(tags=_tags(inp))))
+
+
+async def resume_memory_occupation(tm: TokenizerManager, inp: MemoryOccupationInput) -> ControlAnswer:
+    return _answer(tm, await tm.control(ResumeMemoryReq(tags=_tags(inp))))
+
+
+async def start_profile(tm: TokenizerManager, inp: ProfileInput) -> ControlAnswer:
+    activities = inp.activities or ["CPU"]
+    for a in activities:
+        if a not in PROFILE_ACTIVITIES:
+            raise RequestError(f"activities: {a!r} is not one of {PROFILE_ACTIVITIES}", param="activities")
+    if "GPU" in activities and not tm.config.engine.device.startswith("cuda"):
+        raise RequestError("activities: GPU needs a CUDA device", param="activities")
+    req = StartProfileReq(
+        output_dir=inp.output_dir or env.PDSERVE_TORCH_PROFILER_DIR,
+        num_steps=inp.num_steps,
+        record_shapes=bool(inp.record_shapes),
+        with_stack=bool(inp.with_stack),
+        profile_id=inp.profile_id or "",
+    )
+    return _answer(tm, await tm.control(req), "Start profiling.")
+
+
+async def stop_profile(tm: TokenizerManager) -> ControlAnswer:
+    return _answer(tm, await tm.control(StopProfileReq()))
+
+
+def server_info(tm: TokenizerManager) -> dict:
+    """``/get_server_info``: the server's configuration (flat, by flag name, as SGLang's) and each
+    DP rank's state."""
+    c = tm.config
+    info = asdict(c.engine)
+    info.update({k: getattr(c, k) for k in c.server_field_names()})
+    info.pop("api_key", None)
+    info.update(
+        {
+            "version": VERSION,
+            "served_model_name": c.model_name,
+            "disaggregation_bootstrap_port": c.kv_transfer.bootstrap_port,
+            "disaggregation_transfer_backend": c.kv_transfer.backend,
+            "page_size": c.engine.page_size,
+            "max_total_num_tokens": tm.max_total_num_tokens,
+            "max_context_len": tm.model_info.max_context_len,
+            "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
+            "internal_states": [
+                {
+                    "dp_rank": r,
+                    "num_running_reqs": s.num_running if s else None,
+                    "num_waiting_reqs": s.num_waiting if s else None,
+                    "num_free_pages": s.num_free_pages if s else None,
+                    "num_total_pages": s.num_total_pages if s else None,
+                    "max_total_num_tokens": tm.ready[r].max_total_num_tokens,
+                    "inflight": tm.inflight[r],
+                }
+                for r, s in enumerate(tm.stats)
+            ],
+        }
+    )
+    return info

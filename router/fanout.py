@@ -1,0 +1,64 @@
+"""Control operations the router sends to every worker: SGLang's cache and weight endpoints.
+
+``POST /flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``
+and ``/resume_memory_occupation`` on the router go, with the client's body, to
+every registered worker of both roles at once (a weight update must reach the
+prefill and the decode side alike, or their KV would differ). The answer names
+each worker's result:
+
+    {"success": bool, "workers": [{"url", "role", "status", "success", "body"}]}
+
+200 when every worker succeeded; otherwise 502, with the same body, so that a
+caller sees which worker failed and why (its status and answer, or the
+connection error with status 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+
+FANOUT_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation",
+                "/resume_memory_occupation")
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    url: str
+    role: str
+    status: int  # the worker's HTTP status; 0: no answer
+    body: object  # its JSON answer, else its text, else the error
+
+    @property
+    def success(self) -> bool:
+        return self.status == 200
+
+    def to_json(self) -> dict:
+        return {"url": self.url, "role": self.role, "status": self.status, "success": self.success,
+                "body": self.body}
+
+
+def _parse(data: bytes) -> object:
+    try:
+        return msgspec.json.decode(data) if data else ""
+    except msgspec.DecodeError:
+        return data.decode(errors="replace")
+
+
+async def _post_one(session: aiohttp.ClientSession, worker, path: str, body: bytes, headers: dict) -> WorkerResult:
+    try:
+        async with session.post(worker.url + path, data=body, headers=headers) as resp:
+            return WorkerResult(worker.url, worker.role, resp.status, _parse(await resp.read()))
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        return WorkerResult(worker.url, worker.role, 0, f"{type(e).__name__}: {e}")
+
+
+async def fan_out(session: aiohttp.ClientSession, workers, path: str, body: bytes,
+                  headers: dict) -> tuple[int, dict]:
+    """POST ``body`` to ``path`` on every worker at once; returns (status, answer) as above."""
+    results = await asyncio.gather(*(_post_one(session, w, path, body, headers) for w in workers))
+    ok = bool(results) and all(r.success for r in results)
+    return (200 if ok else 502), {"success": ok, "workers": [r.to_json() for r in results]}
