@@ -22,7 +22,6 @@ import msgspec
 from pdserve.engine.frontend.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
-    FlushCacheReq,
     RankMetrics,
     ControlReq,
     ControlResult,
