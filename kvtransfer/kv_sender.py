@@ -7,13 +7,15 @@ from typing import Any, Protocol
 
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
+from pdserve.kvtransfer.layer_signal import LayerSignal
 from pdserve.kvtransfer.messages import RoomRequest
 
 
 class SenderManager(Protocol):
     """What a sender needs of its manager (``PrefillKVManager``)."""
 
-    def send_chunk(self, sender: "KVSender", page_indices: list[int], is_last: bool, aux: AuxData | None) -> None: ...
+    def send_chunk(self, sender: "KVSender", page_indices: list[int], is_last: bool, aux: AuxData | None,
+                   layers: LayerSignal | None = None) -> None: ...
 
     def abort(self, room: int, reason: str) -> None: ...
 
@@ -50,13 +52,16 @@ class KVSender:
         """Pages the decode side allocated for this room, once known."""
         return None if self.request is None else len(self.request.dst_pages)
 
-    def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None) -> None:
+    def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None,
+             layers: LayerSignal | None = None) -> None:
         """Queue the next chunk of this room's pages (local page indices, in prompt order).
 
         Valid once ``poll()`` is WaitingForInput or Transferring; ``aux`` goes with the
-        last chunk. Returns at once; the write happens on a transfer thread.
+        last chunk. Returns at once; the write happens on a transfer thread. ``layers``
+        (layer-wise send, never with the last chunk): the forward that is about to compute
+        these pages; each layer is written as soon as that forward stored it.
         """
-        self._mgr.send_chunk(self, list(page_indices), is_last, aux)
+        self._mgr.send_chunk(self, list(page_indices), is_last, aux, layers)
 
     def abort(self, reason: str = "aborted by prefill") -> None:
         self._mgr.abort(self.room, reason)
