@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
-from pdserve.kvtransfer.layer_signal import LayerSignal
+
+if TYPE_CHECKING:  # torch-free at import, as the rest of the sender's API
+    from pdserve.kvtransfer.layer_signal import LayerSignal
 from pdserve.kvtransfer.messages import RoomRequest
 
 
