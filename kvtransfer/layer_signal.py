@@ -38,7 +38,9 @@ class Doorbell:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def ring(self) -> None:
-        os.eventfd_write(self.fd, 1)
+        fd = self.fd
+        if fd >= 0:  # closed with its manager: a forward still running rings nothing (no reused fd)
+            os.eventfd_write(fd, 1)
 
     def wait(self, timeout: float) -> None:
         """Sleep until rung (or ``timeout``); clears the rings so far."""
@@ -50,7 +52,9 @@ class Doorbell:
                 pass  # one reader per bell: only a spurious wake-up gets here
 
     def close(self) -> None:
-        os.close(self.fd)
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 class LayerSignal:
