@@ -154,3 +154,12 @@ def test_a_write_failing_at_a_later_layer_fails_the_room_on_both_sides(rid):
         pair.settle()
     finally:
         pair.close()
+
+
+def test_the_serve_flag_sets_the_kv_config():
+    from pdserve.engine.cli import parse_serve_args
+    from pdserve.kvtransfer.config import KVTransferConfig
+
+    assert parse_serve_args([]).kv_transfer.layerwise is KVTransferConfig.layerwise
+    assert parse_serve_args(["--disaggregation-layerwise"]).kv_transfer.layerwise is True
+    assert parse_serve_args(["--no-disaggregation-layerwise"]).kv_transfer.layerwise is False
