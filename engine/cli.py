@@ -66,6 +66,8 @@ _HELP = {
                         '"tcp://*:5557", "topic": "kv", "replay_endpoint": "tcp://*:5558"}); docs/KV_EVENTS.md',
     "max_local_prefill_tokens": "decode mode: prefill prompts up to this many tokens here when they come "
                                 "without bootstrap fields (0: never)",
+    "disaggregation_layerwise": "prefill mode: send each layer's KV as soon as it is computed, overlapping the "
+    "transfer with the next layers (off: each chunk's KV after its whole forward)",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -30,6 +30,7 @@ KV_FLAGS = {
     "heartbeat_interval": "disaggregation_heartbeat_interval",
     "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
     "auth_key_file": "disaggregation_auth_key_file",
+    "layerwise": "disaggregation_layerwise",
 }
 
 

@@ -27,7 +27,10 @@ One room, step by step:
 4. The prefill side's transfer thread merges page runs contiguous on both sides into one
    descriptor per layer per K/V, writes them (and the aux slot with the last chunk)
    through the engine, then sends ``RoomStatus``; with nixl the last write also carries a
-   per-room notification, and the decode side waits for both.
+   per-room notification, and the decode side waits for both. Layer-wise
+   (``KVTransferConfig.layerwise``): a chunk is queued before its forward with the forward's
+   ``LayerSignal`` (``sender.send(pages, False, layers=signal)``) and each layer's descriptors
+   are written once the model stored that layer; the aux data follows as its own last chunk.
 5. ``AbortRoom`` either way fails the room on both sides; heartbeats from decode to each
    known prefill rank fail every open room of a peer that stops answering.
 

@@ -35,6 +35,10 @@ class KVTransferConfig:
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
     heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
+    # --disaggregation-layerwise (prefill servers): write each layer's KV as soon as the forward stored
+    # it, so only the last layer's transfer follows the compute (kvtransfer/layer_signal.py); off: a
+    # chunk's KV leaves after its whole forward. The decode side needs no flag: it is the same writes.
+    layerwise: bool = False
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = MAX_TOP_LOGPROBS  # a slot holds any output's top logprobs
     # a file holding the shared secret of the KV control plane (ZMQ frames and bootstrap PUT /route

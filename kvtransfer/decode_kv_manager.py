@@ -161,6 +161,8 @@ class DecodeKVManager(KVManager):
         one of them announced arrived."""
         if receiver.sources <= receiver.ok_from and receiver.notify_from <= receiver.notified_from:
             self._finish(receiver, KVPoll.Success)
+            if logger.isEnabledFor(logging.DEBUG):  # the prefill logs its compute end on the same clock
+                logger.debug("kv decode: room %d success at %.6f", receiver.room, time.time())
             self._awaiting_notify.discard(receiver.room)
         elif receiver.notify_from - receiver.notified_from:
             self._awaiting_notify.add(receiver.room)

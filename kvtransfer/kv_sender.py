@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
+
+if TYPE_CHECKING:  # torch-free at import, as the rest of the sender's API
+    from pdserve.kvtransfer.layer_signal import LayerSignal
 from pdserve.kvtransfer.messages import RoomRequest
 
 
 class SenderManager(Protocol):
     """What a sender needs of its manager (``PrefillKVManager``)."""
 
-    def send_chunk(self, sender: "KVSender", page_indices: list[int], is_last: bool, aux: AuxData | None) -> None: ...
+    def send_chunk(self, sender: "KVSender", page_indices: list[int], is_last: bool, aux: AuxData | None,
+                   layers: LayerSignal | None = None) -> None: ...
 
     def abort(self, room: int, reason: str) -> None: ...
 
@@ -57,14 +61,17 @@ class KVSender:
         """Pages the decode side allocated for this room, once known."""
         return None if self.request is None else len(self.request.dst_pages)
 
-    def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None) -> None:
+    def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None,
+             layers: LayerSignal | None = None) -> None:
         """Queue the next chunk of this room's pages (local page indices, in prompt order).
 
         Valid once ``poll()`` is WaitingForInput or Transferring; ``aux`` goes with the
-        last chunk. Returns at once; the write happens on a transfer thread.
+        last chunk. Returns at once; the write happens on a transfer thread. ``layers``
+        (layer-wise send, never with the last chunk): the forward that is about to compute
+        these pages; each layer is written as soon as that forward stored it.
         """
         self.sent_at.append(time.monotonic())
-        self._mgr.send_chunk(self, list(page_indices), is_last, aux)
+        self._mgr.send_chunk(self, list(page_indices), is_last, aux, layers)
 
     def spans(self, now: float) -> tuple[float | None, float | None]:
         """(transfer latency, exposed time) of a room ending ``now`` (``room_metrics``): since its

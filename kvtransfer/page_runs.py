@@ -80,3 +80,21 @@ def slice_descriptors(
     src = (sb + src_tok[None, :] * src_token_bytes + src_offset).ravel()  # [buffers * tokens]
     dst = (db + dst_tok[None, :] * dst_token_bytes + dst_offset).ravel()
     return src.tolist(), dst.tolist(), [nbytes] * src.size
+
+
+def split_by_layer(
+    src: Sequence[int], dst: Sequence[int], lengths: Sequence[int], num_layers: int
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """``run_descriptors``/``slice_descriptors`` output cut into each layer's (src, dst, lengths).
+
+    Their descriptors are buffer-major over all layers' K then V buffers (``2 * num_layers``
+    blocks of one size), so layer ``l`` is block ``l`` (its K) and block ``num_layers + l`` (its V).
+    """
+    if len(src) % (2 * num_layers):
+        raise ValueError(f"{len(src)} descriptors do not split over {2 * num_layers} K/V buffers")
+    per = len(src) // (2 * num_layers)
+    out = []
+    for layer in range(num_layers):
+        k, v = slice(layer * per, (layer + 1) * per), slice((num_layers + layer) * per, (num_layers + layer + 1) * per)
+        out.append((list(src[k]) + list(src[v]), list(dst[k]) + list(dst[v]), list(lengths[k]) + list(lengths[v])))
+    return out

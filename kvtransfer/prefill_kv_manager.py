@@ -23,7 +23,8 @@ from pdserve.kvtransfer.head_slices import HeadSlice, TPPlace, kv_head_range, la
 from pdserve.kvtransfer.kv_manager import KVManager, room_notification
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
-from pdserve.kvtransfer.page_runs import slice_descriptors
+from pdserve.kvtransfer.layer_signal import Doorbell, LayerSignal
+from pdserve.kvtransfer.page_runs import slice_descriptors, split_by_layer
 from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class _Chunk:
     end: int
     is_last: bool
     aux: AuxData | None
+    # layer-wise: the step computing these pages; each layer is written once the forward stored it
+    layers: LayerSignal | None = None
 
 
 class PrefillKVManager(KVManager):
@@ -97,6 +100,8 @@ class PrefillKVManager(KVManager):
         self.registered = threading.Event()  # set once the bootstrap server accepted this rank
         self.registration_error: str | None = None
         self._queues = [queue.SimpleQueue() for _ in range(config.num_transfer_threads)]
+        # layer-wise: what each transfer thread sleeps on while the forward of its chunk runs
+        self._bells = [Doorbell() for _ in range(config.num_transfer_threads)]
         # ZMQ sockets are single-thread: each transfer thread owns its own, per decode endpoint
         self._worker_push: list[dict[str, zmq.Socket]] = [{} for _ in range(config.num_transfer_threads)]
         self._workers = [
@@ -127,8 +132,19 @@ class PrefillKVManager(KVManager):
                 self._attach(sender, req)
         return sender
 
-    def send_chunk(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None) -> None:
-        """``sender.send``: queue a chunk of the room's pages for a transfer thread (from the scheduler thread)."""
+    def layer_signal(self) -> LayerSignal:
+        """A prefill forward's per-layer progress, for ``send_chunk(layers=...)`` of the chunks it computes."""
+        return LayerSignal(self.layout.num_layers, self.pool.device)
+
+    def send_chunk(self, sender: KVSender, src_pages: list[int], is_last: bool, aux: AuxData | None,
+                   layers: LayerSignal | None = None) -> None:
+        """``sender.send``: queue a chunk of the room's pages for a transfer thread (from the scheduler thread).
+        ``layers``: the pages are being computed by that forward; each layer goes as soon as it is stored."""
+        if layers is not None and is_last:
+            raise KVTransferError(f"room {sender.room}: a layer-wise chunk cannot be the last (the aux data follows it)")
+        if is_last and logger.isEnabledFor(logging.DEBUG):
+            # the end of the room's prefill compute, for the exposed transfer time (bench_pd_overhead)
+            logger.debug("kv prefill: room %d compute done at %.6f", sender.room, time.time())
         with self.lock:
             if sender.state is KVPoll.Failed:
                 return  # the scheduler sees Failed on its next poll
@@ -153,9 +169,12 @@ class PrefillKVManager(KVManager):
                     self._finish(sender, KVPoll.Success)
                 return
             sender.inflight += 1
-            chunk = _Chunk(sender, src_pages, start, end, is_last, aux)
+            chunk = _Chunk(sender, src_pages, start, end, is_last, aux, layers)
         # shard by room so one room's chunks stay in order on one thread
-        self._queues[sender.room % len(self._queues)].put(chunk)
+        idx = sender.room % len(self._queues)
+        if layers is not None:
+            layers.ring_on(self._bells[idx])
+        self._queues[idx].put(chunk)
 
     def abort(self, room: int, reason: str = "aborted by prefill") -> None:
         with self.lock:
@@ -250,25 +269,42 @@ class PrefillKVManager(KVManager):
                     chunk.sender.inflight -= 1
                     self._maybe_closed(chunk.sender)
 
-    def _descriptors(self, chunk: _Chunk, dest: _Dest) -> tuple[list[int], list[int], list[int]]:
-        """This rank's heads of the chunk's page runs, into one decode TP rank (cut by head range if needed)."""
-        peer, src, dst, lengths = dest.peer, [], [], []
+    def _slice_descriptors(self, chunk: _Chunk, dest: _Dest) -> list[tuple[list[int], list[int], list[int]]]:
+        """Per head slice: this rank's heads of the chunk's page runs into one decode TP rank, all layers."""
+        peer = dest.peer
         dst_pages = dest.request.dst_pages[chunk.start : chunk.end]
         dst_token_bytes = peer.reg.page_bytes // self.layout.page_size
         hb = self.head_bytes
-        for s in dest.slices:
-            a, b, c = slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases,
-                                        self.layout.page_size, self.token_bytes, dst_token_bytes,
-                                        s.src_head * hb, s.dst_head * hb, s.num_heads * hb)
+        return [slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases,
+                                  self.layout.page_size, self.token_bytes, dst_token_bytes,
+                                  s.src_head * hb, s.dst_head * hb, s.num_heads * hb) for s in dest.slices]
+
+    def _descriptors(self, chunk: _Chunk, dest: _Dest) -> tuple[list[int], list[int], list[int]]:
+        """This rank's heads of the chunk's page runs, into one decode TP rank (cut by head range if needed)."""
+        src, dst, lengths = [], [], []
+        for a, b, c in self._slice_descriptors(chunk, dest):
             src += a
             dst += b
             lengths += c
         return src, dst, lengths
 
+    def _layer_descriptors(self, chunk: _Chunk, dest: _Dest) -> list[tuple[list[int], list[int], list[int]]]:
+        """``_descriptors`` cut by layer: [num_layers] of (src, dst, lengths)."""
+        out: list[tuple[list[int], list[int], list[int]]] = [([], [], []) for _ in range(self.layout.num_layers)]
+        for descs in self._slice_descriptors(chunk, dest):
+            for (src, dst, lengths), (a, b, c) in zip(out, split_by_layer(*descs, self.layout.num_layers)):
+                src += a
+                dst += b
+                lengths += c
+        return out
+
     def _transfer(self, idx: int, chunk: _Chunk) -> None:
         sender = chunk.sender
         if sender.state.done:
             return  # aborted while queued
+        if chunk.layers is not None:
+            self._transfer_layers(idx, chunk)
+            return
         if chunk.is_last and chunk.aux is not None:
             self._aux_staging.write(idx, chunk.aux)
         notified: dict[str, bool] = {}
@@ -303,6 +339,40 @@ class PrefillKVManager(KVManager):
         for endpoint, notify in notified.items():
             self._push_from_worker(idx, endpoint, m.RoomStatus(sender.room, True, notified=notify, tp_rank=self.tp.rank,
                                                                exposed_s=exposed))
+
+    def _transfer_layers(self, idx: int, chunk: _Chunk) -> None:
+        """A chunk whose forward is running: write each layer's pages once the forward stored them,
+        several layers in one batch when the link fell behind. Never the last chunk (the aux data
+        and the room's success follow in a chunk of their own, after sampling)."""
+        sender, signal = chunk.sender, chunk.layers
+        num_layers = self.layout.num_layers
+        plans = [(dest.peer, self._layer_descriptors(chunk, dest)) for dest in list(sender.dests.values())]
+        sent = 0
+        while sent < num_layers:
+            done = signal.wait_past(sent, self._bells[idx], self._stop)
+            if self._stop.is_set():
+                return
+            if sender.state.done:
+                return  # failed or aborted between layers: the layers left are not written
+            if done == sent:  # the forward ended without them (it raised)
+                with self.lock:
+                    self._fail_sender(sender, f"prefill forward of room {sender.room} ended after {done} of "
+                                              f"{num_layers} layers")
+                return
+            for peer, layers in plans:
+                src = [a for s, _, _ in layers[sent:done] for a in s]
+                dst = [a for _, d, _ in layers[sent:done] for a in d]
+                lengths = [n for _, _, ls in layers[sent:done] for n in ls]
+                try:
+                    if src:
+                        self.engine.write(peer.engine_peer, src, dst, lengths)
+                except TransferEngineError as e:
+                    with self.lock:
+                        self._fail_sender(sender, f"KV write of room {sender.room} (layers {sent}-{done - 1}) failed: {e}")
+                    return
+                self.metrics.on_written(sender, sum(lengths))
+            sent = done
+        sender.written_at.append(time.monotonic())
 
     def _push_from_worker(self, idx: int, endpoint: str, msg: m.ControlMessage) -> None:
         socks = self._worker_push[idx]
@@ -451,3 +521,5 @@ class PrefillKVManager(KVManager):
     def _close_extra(self) -> None:
         for w in self._workers:
             w.join(timeout=5)
+        for bell in self._bells:
+            bell.close()

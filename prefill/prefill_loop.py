@@ -6,7 +6,10 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 3 and 5):
    waits in the ``BootstrapQueue`` until the decode side's destination arrives.
 2. It joins the ordinary scheduler (FIFO admission, chunked prefill). After
    each chunk, ``poll`` queues the chunk's finished pages on the sender, so the
-   transfer threads write them while the next chunk computes.
+   transfer threads write them while the next chunk computes. Layer-wise
+   (``--disaggregation-layerwise``): before each forward, ``layer_hook`` queues
+   the pages that forward completes, tied to its ``LayerSignal``, so each
+   layer's KV leaves while the next layers compute.
 3. When the last chunk is computed and the first token sampled, the remaining
    pages go out with the aux data (first token, logprob, top logprobs), and the
    request waits in the ``InflightQueue`` holding its pages.
@@ -22,15 +25,19 @@ tell a room that succeeded from one that failed.
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
+from pdserve.engine.sched.scheduler import ScheduledBatch
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
+from pdserve.kvtransfer.layer_signal import LayerSignal
 from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
 from pdserve.kvtransfer.room_queue import RoomQueue
 from pdserve.kvtransfer.tp_agreement import agree
@@ -117,8 +124,9 @@ class PrefillLoop(SchedulerLoop):
                 if req is not None:
                     self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
         # the chunk computed in the last step: its pages go out while the next chunk computes
+        # (layer-wise, ``layer_hook`` queued them with that step's forward already)
         chunked = self.scheduler.chunked
-        if chunked is not None and chunked.rid in self.senders:
+        if chunked is not None and chunked.rid in self.senders and not self.kv.config.layerwise:
             self._send_pages(chunked, self.senders[chunked.rid], is_last=False)
         for req, sender in self.inflight.pop_done():
             if sender.poll() is KVPoll.Success:
@@ -126,6 +134,21 @@ class PrefillLoop(SchedulerLoop):
                 self.scheduler.finish(req, FinishReason("length"))
             else:
                 self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
+
+    def layer_hook(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager:
+        """Layer-wise send: the pages this forward completes go to their senders now, tied to the
+        forward's ``LayerSignal``; the transfer threads write each layer once it is stored."""
+        if not self.kv.config.layerwise:
+            return contextlib.nullcontext()
+        signal = self.kv.layer_signal()
+        for req, prefix, extend, last in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+            sender = self.senders.get(req.rid)
+            if sender is None:
+                continue
+            # as chunk-level: whole pages only until the last chunk, whose remaining pages all go
+            end = self.pool.pages_for(req.prompt_len) if last else (prefix + extend) // self.pool.page_size
+            self._queue_pages(sender, req.pages, end, signal)
+        return signal if signal.watched else contextlib.nullcontext()
 
     def step(self):
         outputs, events = self.step_events()
@@ -156,12 +179,18 @@ class PrefillLoop(SchedulerLoop):
 
     def _send_pages(self, req: Req, sender: KVSender, is_last: bool, aux: AuxData | None = None) -> None:
         """Queue the pages whose KV is complete and not yet sent (all remaining ones if last)."""
+        end = self.pool.pages_for(req.prompt_len) if is_last else req.kv_len // self.pool.page_size
+        self._queue_pages(sender, req.pages, end, is_last=is_last, aux=aux)
+
+    @staticmethod
+    def _queue_pages(sender: KVSender, pages: list[int], end: int, layers: LayerSignal | None = None,
+                     is_last: bool = False, aux: AuxData | None = None) -> None:
+        """Queue ``pages[sender.pages_sent:end]`` (the last chunk even when empty: it carries the aux data)."""
         if sender.poll() is KVPoll.Failed:
             return
-        end = self.pool.pages_for(req.prompt_len) if is_last else req.kv_len // self.pool.page_size
         start = sender.pages_sent
         if end > start or is_last:
-            sender.send(req.pages[start:end], is_last, aux)
+            sender.send(pages[start:end], is_last, aux, layers)
 
     def stats(self) -> SchedulerStats:
         # the KV manager's refusals ride along with the rank's stats to the front end's /metrics

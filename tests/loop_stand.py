@@ -68,13 +68,19 @@ class EchoRunner:
         # the weights' quantization from the config, as ModelRunner does (the KV layout carries it)
         self.page_pool = PagePool(num_pages, PS, LAYERS, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                                   quantization=config.quantization)
+        # tests of the layer-wise send: called with each layer after its KV is stored, the forward paused
+        self.layer_probe = None
 
-    def forward(self, fb) -> torch.Tensor:
+    def forward(self, fb, after_layer=None) -> torch.Tensor:
         pool = self.page_pool
         for layer in range(LAYERS):
             # K holds the token (+ layer, so a layer mix-up shows), V the position
             pool.k_slots(layer)[fb.out_cache_loc, 0, :] = (fb.input_ids + layer).float().unsqueeze(1)
             pool.v_slots(layer)[fb.out_cache_loc, 0, :] = fb.positions.float().unsqueeze(1)
+            if after_layer is not None:  # as the real model: once the layer's KV is stored
+                after_layer(layer)
+            if self.layer_probe is not None:
+                self.layer_probe(layer)
         rows = []
         offset = 0
         for i, (n, seq_len) in enumerate(zip(fb.extend_lens, fb.seq_lens)):
@@ -118,8 +124,10 @@ class PDPair:
     """One prefill loop and one decode loop, stepped in turn by ``run``."""
 
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
-                 d_engine: dict | None = None, d_transfer_engine=None, d_max_local_prefill_tokens: int = 0, **kv):
-        """``d_transfer_engine``: the decode's transfer engine (default: one of ``kv``'s backend)."""
+                 d_engine: dict | None = None, d_transfer_engine=None, d_max_local_prefill_tokens: int = 0,
+                 p_transfer_engine=None, **kv):
+        """``d_transfer_engine``, ``p_transfer_engine``: the decode's and the prefill's transfer engines
+        (default: one of ``kv``'s backend)."""
         self.clock = FakeClock()
         bootstrap_auth = KVTransferConfig(backend="local", auth_key_file=kv.get("auth_key_file", "")).frame_auth("bootstrap")
         self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
@@ -128,7 +136,7 @@ class PDPair:
         p_cfg = EngineConfig(page_size=PS, **(p_engine or {}))
         d_cfg = EngineConfig(page_size=PS, **(d_engine or {}))
         p_runner, d_runner = EchoRunner(p_pages, p_cfg), EchoRunner(d_pages, d_cfg)
-        p_kv = PrefillKVManager(cfg, p_runner.page_pool, clock=self.clock).start()
+        p_kv = PrefillKVManager(cfg, p_runner.page_pool, engine=p_transfer_engine, clock=self.clock).start()
         d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()
         self.prefill = PrefillLoop(p_cfg, p_kv, runner=p_runner)
         self.decode = DecodeLoop(d_cfg, d_kv, runner=d_runner, max_local_prefill_tokens=d_max_local_prefill_tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -164,13 +165,14 @@ class ModelRunner:
             self.load_weights(self.model_path)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]."""
+    def forward(self, batch: ForwardBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run one step; returns float32 logits [len(batch.logits_indices), vocab]. ``after_layer(i)``
+        runs once layer i stored its KV (layer-wise KV send, ``kvtransfer/layer_signal.py``)."""
         if self.model is None:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
         self.attn_backend.begin_forward(batch)
-        return self.model.forward(batch, self.attn_backend)
+        return self.model.forward(batch, self.attn_backend, after_layer)
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.out_cache_loc.dtype == torch.int64:

@@ -25,8 +25,10 @@ the loop, never of the scheduler:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -88,6 +90,11 @@ class SchedulerLoop:
     def admit(self, req: Req) -> FinishReason | None:
         """Where a validated new request goes; returns a reason if it can never run."""
         return self.scheduler.add(req)
+
+    def layer_hook(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager[Callable[[int], None] | None]:
+        """Entered around the batch's forward; what it yields is called after each layer stored its KV
+        (the prefill mode's layer-wise send). Default: nothing."""
+        return contextlib.nullcontext()
 
     # ----------------------------------------------------------------- inputs
     def add_request(self, msg: TokenizedGenerateReq) -> None:
@@ -171,7 +178,8 @@ class SchedulerLoop:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
         reqs = batch.sampled_reqs
         with torch.inference_mode():
-            logits = self.runner.forward(fb)  # [num_sampled + prompt-logprob rows, vocab] float32
+            with self.layer_hook(batch) as after_layer:
+                logits = self.runner.forward(fb, after_layer)  # [num_sampled + prompt-logprob rows, vocab] float32
             if logits.shape[0] > len(reqs):
                 self._gather_input_logprobs(batch, logits[len(reqs) :])
             return self.sample(reqs, logits[: len(reqs)])

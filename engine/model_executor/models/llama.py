@@ -35,6 +35,7 @@ logits costs ~0.1 ms, so a replicated head would cost each TP-2 rank ~2 ms of ev
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -222,8 +223,10 @@ class LlamaForCausalLM:
         self.cos = emb.cos().to(device=device, dtype=dtype)
         self.sin = emb.sin().to(device=device, dtype=dtype)
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32; ``attn.begin_forward(batch)`` already ran."""
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] float32; ``attn.begin_forward(batch)`` already ran.
+        ``after_layer(i)``: called once layer i's attention stored its K and V (layer-wise KV send)."""
         arch = self.arch
         H, KVH, D, eps = self.num_heads, self.num_kv_heads, arch.head_dim, arch.rms_norm_eps
         inter = self.inter
@@ -269,6 +272,8 @@ class LlamaForCausalLM:
                 qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
             v = qkv[:, qk_end:].view(T, KVH, D)
             o = attn.forward(qk[:, :H], qk[:, H:], v, i)  # [T, H * D]
+            if after_layer is not None:  # off: one test per layer
+                after_layer(i)
             if i == last:
                 # past the last attention only the sampled rows matter
                 if batch.logits_indices.numel() == 0:  # a middle chunk of a chunked prefill
