@@ -33,7 +33,9 @@ def rooms(loop, state: str, cause: str) -> float:
     return value(loop, "pdserve_kv_rooms_total", side=side(loop), state=state, cause=cause)
 
 
-@pytest.mark.parametrize("pair", [{"p_engine": {"chunked_prefill_size": 8}}], indirect=True)
+# chunk by chunk, and layer by layer (the layer-wise writes count the same bytes)
+@pytest.mark.parametrize("pair", [{"p_engine": {"chunked_prefill_size": 8}},
+                                  {"p_engine": {"chunked_prefill_size": 8}, "layerwise": True}], indirect=True)
 def test_bytes_are_the_rooms_kv_and_the_queues_empty_out(pair):
     prompts = {"a": list(range(100, 111)), "b": list(range(300, 330)), "c": [7]}  # 3, 8 (4 chunks), 1 pages
     for rid, prompt in prompts.items():
