@@ -32,7 +32,8 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, self.queue_timeout)
+            async with asyncio.timeout(self.queue_timeout):  # wait_for (3.11) can swallow a cancel
+                await fut
         except asyncio.TimeoutError:
             raise too_many_requests(f"request waited in the queue longer than "
                                     f"{self.queue_timeout}s") from None

@@ -252,10 +252,12 @@ class UpstreamPool:
                 return conn
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Connection(self, key), key[0], key[1],
-                                       ssl=self._ssl_context() if key[2] else None),
-                self.connect_timeout)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the connection when a
+            # cancel meets its completion, swallowing the cancel; a cancelled leg then went on and
+            # held a prefill room nobody waited for (tests/router/test_upstream.py)
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(self, key), key[0], key[1],
+                                                       ssl=self._ssl_context() if key[2] else None)
         except (OSError, asyncio.TimeoutError) as e:
             raise UpstreamError(f"cannot connect to {key[0]}:{key[1]}: {type(e).__name__}: {e}", "connect") from None
         self._busy.add(conn)

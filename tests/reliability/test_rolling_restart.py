@@ -101,13 +101,6 @@ def _check(pd22, reference, pool: str) -> None:
     print(f"rolling restart of the {pool} pool: {stats.sent} requests, steps {steps}")
 
 
-# Every request completes with the reference tokens and no page leaks, but in 2 of the last 3 runs
-# (after the branches were merged) the prefill server's front end still counted 2-3 requests in
-# flight 60 s after the decode restarts, with its rank idle and every page free: a prefill leg whose
-# HTTP request never ends, or a count that is never decremented. Skipped until that is found, so CI
-# stays a verdict; PDSERVE_RUN_ROLLING_RESTART=1 runs it.
-@pytest.mark.skipif(os.environ.get("PDSERVE_RUN_ROLLING_RESTART") != "1",
-                    reason="prefill front end's in-flight count stays up after a decode restart (see the comment)")
 def test_decode_pool_rolling_restart_loses_nothing(pd22, reference):
     _check(pd22, reference, "decode")
 

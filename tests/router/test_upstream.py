@@ -133,3 +133,21 @@ async def test_cancelling_a_request_closes_its_connection():
     await asyncio.wait_for(srv.closed_by_client.wait(), 2)
     pool.close()
     await srv.close()
+
+
+async def test_a_cancel_while_connecting_is_never_swallowed():
+    """A leg cancelled while its connection is being made ends cancelled, at every point of the
+    connect. (Python 3.11's ``asyncio.wait_for`` returned the connection when the cancel met its
+    completion, swallowing the cancel: the router's prefill leg then went on, sent the request and
+    held a room nobody waited for until prefill's bootstrap timeout.)"""
+    srv = await RawServer(b"", hang=True).start()
+    pool = UpstreamPool(30)
+    for ticks in range(40):  # cancel after 0..39 turns of the event loop
+        task = asyncio.ensure_future(pool.post(srv.url, "/h", b"{}"))
+        for _ in range(ticks):
+            await asyncio.sleep(0)
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=2)
+        assert done and task.cancelled(), f"cancelled after {ticks} loop turns: the leg went on"
+    pool.close()
+    await srv.close()
