@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import os
 import sys
 import threading
 from pathlib import Path
