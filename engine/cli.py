@@ -18,6 +18,7 @@ import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
+from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.server_config import LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
@@ -29,6 +30,7 @@ _CHOICES = {
     "attention_backend": attention_backend_names(),
     "disaggregation_mode": DISAGGREGATION_MODES,
     "log_level": LOG_LEVELS,
+    "tool_call_parser": sorted(TOOL_CALL_PARSERS),
 }
 # KVTransferConfig field -> its serve flag's dest (--disaggregation-...); the other fields are not flags
 KV_FLAGS = {
@@ -54,6 +56,7 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
+    "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "quantization": "w8a16: int8 weights, one scale per output channel; prefill and decode servers must match",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",

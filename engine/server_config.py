@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 
@@ -53,6 +54,8 @@ class ServerConfig:
     # decode mode: a prompt of at most this many tokens may come without bootstrap fields and is
     # prefilled here, in the running batch (issue 18's conditional disaggregation); 0: never
     max_local_prefill_tokens: int = 0
+    # SGLang's --tool-call-parser: how tool_choice auto finds tool calls in the output; None: auto is refused
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -68,6 +71,9 @@ class ServerConfig:
             raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if self.max_local_prefill_tokens < 0:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

@@ -128,6 +128,7 @@ class TokenizerManager:
             vocab_size=self.model_info.vocab_size,
             disaggregation_mode=c.disaggregation_mode,
             max_local_prefill_tokens=c.max_local_prefill_tokens if c.disaggregation_mode == "decode" else 0,
+            tool_call_parser=c.tool_call_parser,
         )
 
     def token_str(self, token_id: int) -> str:

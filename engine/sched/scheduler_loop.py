@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from pdserve.engine.constrained.grammar_masks import GrammarMasks, PendingMask
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerStats, TokenizedGenerateReq, TokenOutput
@@ -69,6 +70,8 @@ class SchedulerLoop:
         self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
+        # structured output: xgrammar is loaded on the first request that names a grammar
+        self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.rng = random.Random(config.seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
@@ -96,7 +99,7 @@ class SchedulerLoop:
             bootstrap=msg.bootstrap,
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
         )
-        error = self.validate(req)
+        error = self.validate(req) or self._attach_grammar(req)
         reason = FinishReason("error", message=error) if error else self.admit(req)
         if reason is not None:
             req.finish_reason = reason
@@ -120,6 +123,17 @@ class SchedulerLoop:
             return str(exc)
         if req.top_logprobs_num < 0:
             return "top_logprobs_num must be >= 0"
+        return None
+
+    def _attach_grammar(self, req: Req) -> str | None:
+        """Give a constrained request its matcher; a message when its grammar does not compile."""
+        grammar = req.sampling_params.grammar
+        if grammar is None:
+            return None
+        try:
+            req.grammar = self.grammars.matcher(grammar)
+        except ValueError as exc:
+            return str(exc)
         return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
@@ -161,11 +175,12 @@ class SchedulerLoop:
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
         reqs = batch.sampled_reqs
+        mask = self.grammars.begin([r.grammar for r in reqs])  # filled while the forward runs
         with torch.inference_mode():
             logits = self.runner.forward(fb)  # [num_sampled + prompt-logprob rows, vocab] float32
             if logits.shape[0] > len(reqs):
                 self._gather_input_logprobs(batch, logits[len(reqs) :])
-            return self.sample(reqs, logits[: len(reqs)])
+            return self.sample(reqs, logits[: len(reqs)], mask)
 
     def _gather_input_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         rows = input_logprob_rows(batch)
@@ -177,9 +192,20 @@ class SchedulerLoop:
         for (i, _, _), lp in zip(rows, lps):
             batch.reqs[i].input_logprobs.append(lp)
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+    def sample(self, reqs: list[Req], logits: torch.Tensor, mask: PendingMask | None = None) -> SampleOutput:
+        """Sample one token per request (row); ``mask``: the grammar mask of the constrained rows,
+        applied first, and their matchers then accept the sampled tokens."""
         if not reqs:
             return SampleOutput([])
+        if mask is not None:
+            mask.apply(logits)
+        out = self._sample(reqs, logits)
+        for req, token_id in zip(reqs, out.token_ids):
+            if req.grammar is not None:
+                req.grammar.accept(token_id)
+        return out
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         params = [r.sampling_params for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
         if not want_logprob and all(p.is_greedy for p in params) and not _any_penalty(params):
