@@ -27,10 +27,20 @@ class PendingMask:
         self._rows = rows
         self._fill = fill
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Forbidden tokens of the constrained rows get -inf, in place. logits: [batch, vocab]."""
+    def apply(self, logits: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Forbidden tokens of the constrained rows (or of ``rows`` among them) get -inf, in place.
+        logits: [batch, vocab]."""
         self._fill.result()
-        self._backend.apply_bitmask(logits, self._bitmask, self._rows)
+        self._backend.apply_bitmask(logits, self._bitmask, self._rows if rows is None else rows)
+
+    def forbidden_rows(self, token_ids: torch.Tensor) -> list[int]:
+        """The constrained rows whose grammar forbids their ``token_ids[row]``. token_ids: [batch] int64."""
+        self._fill.result()
+        rows = torch.tensor(self._rows, dtype=torch.int64)
+        ids = token_ids.cpu()[rows]
+        words = self._bitmask[rows, ids >> 5]  # bit t % 32 of word t // 32 is token t
+        allowed = (words >> (ids & 31).to(words.dtype)) & 1
+        return rows[allowed == 0].tolist()
 
 
 class GrammarMasks:

@@ -197,19 +197,35 @@ class SchedulerLoop:
         applied first, and their matchers then accept the sampled tokens."""
         if not reqs:
             return SampleOutput([])
-        if mask is not None:
-            mask.apply(logits)
-        out = self._sample(reqs, logits)
+        if mask is not None and self._greedy_fast_path(reqs):
+            # greedy: the unmasked argmax stands wherever the grammar allows it, so only rows where
+            # it does not are masked and taken again, instead of masking the whole vocabulary of every row
+            ids = logits.argmax(-1)
+            rows = mask.forbidden_rows(ids)
+            if rows:
+                mask.apply(logits, rows)
+                ids[rows] = logits[rows].argmax(-1)
+            out = SampleOutput(ids.tolist())
+        else:
+            if mask is not None:
+                mask.apply(logits)
+            out = self._sample(reqs, logits)
         for req, token_id in zip(reqs, out.token_ids):
             if req.grammar is not None:
                 req.grammar.accept(token_id)
         return out
 
+    @staticmethod
+    def _greedy_fast_path(reqs: list[Req]) -> bool:
+        """Every row takes its argmax: greedy, no penalties, no logprobs."""
+        params = [r.sampling_params for r in reqs]
+        return not any(r.return_logprob for r in reqs) and all(p.is_greedy for p in params) and not _any_penalty(params)
+
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        if self._greedy_fast_path(reqs):
+            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
         params = [r.sampling_params for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
-        if not want_logprob and all(p.is_greedy for p in params) and not _any_penalty(params):
-            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
         if t.need_penalties:
             logits = apply_penalties(logits, [r.input_ids for r in reqs], [r.output_ids for r in reqs], t)

@@ -151,3 +151,27 @@ def test_streamed_named_call_streams_arguments():
     out = ts.feed('{"city": ', False) + ts.feed('"Oslo"}', True)
     assert out[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert "".join(d["tool_calls"][0]["function"]["arguments"] for d in out[1:]) == '{"city": "Oslo"}'
+
+
+def test_forbidden_rows_are_exactly_where_the_mask_changes_the_argmax(masks):
+    """The greedy shortcut (mask only rows whose argmax the grammar forbids) picks what full masking picks."""
+    grammars = [masks.matcher(("regex", "[0-9]+")), None, masks.matcher(("json_schema", '{"type": "boolean"}'))]
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        logits = torch.randn(3, 49152, generator=gen)
+        full = logits.clone()
+        masks.begin(grammars).apply(full)
+        pending = masks.begin(grammars)
+        ids = logits.argmax(-1)
+        rows = pending.forbidden_rows(ids)
+        assert 1 not in rows
+        assert rows == [i for i in (0, 2) if full[i, ids[i]] == float("-inf")]
+        pending.apply(logits, rows)
+        ids[rows] = logits[rows].argmax(-1)
+        assert ids.tolist() == full.argmax(-1).tolist()
+    # a row whose argmax is allowed is not masked: a digit made the largest logit of row 0
+    logits = torch.randn(3, 49152, generator=gen)
+    full = logits.clone()
+    masks.begin(grammars).apply(full)
+    logits[0, int(full[0].argmax())] = 100.0
+    assert 0 not in masks.begin(grammars).forbidden_rows(logits.argmax(-1))
