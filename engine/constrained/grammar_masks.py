@@ -75,10 +75,6 @@ class GrammarMasks:
         fill = self._worker.submit(_fill, [(i, grammars[i]) for i in rows], bitmask)
         return PendingMask(backend, bitmask, rows, fill)
 
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-
 
 def _fill(rows: list[tuple[int, RequestGrammar]], bitmask: torch.Tensor) -> None:
     for i, grammar in rows:
