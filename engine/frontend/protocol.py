@@ -442,6 +442,11 @@ def _build_sampling(param_prefix: str, renames: dict[str, str], **kw) -> Samplin
     return sp
 
 
+def _sglang_grammars(obj) -> dict[str, Any]:
+    """SGLang's grammar fields of a body (or its sampling_params), by name."""
+    return {name: getattr(obj, name) for name in GRAMMAR_FIELDS}
+
+
 def _grammar(prefix: str, given: dict[str, Any]) -> dict[str, str]:
     """The one grammar among ``given`` (field name -> value, None: absent) as SamplingParams
     fields, parsed now so that a bad one is a 400 naming its field before anything is scheduled."""
@@ -558,7 +563,7 @@ def generate_sequences(
             presence_penalty=g.presence_penalty,
             seed=g.sampling_seed if g.sampling_seed is not None else g.seed,
             n=1,
-            **_grammar("sampling_params.", {"json_schema": g.json_schema, "regex": g.regex, "ebnf": g.ebnf}),
+            **_grammar("sampling_params.", _sglang_grammars(g)),
         )
         if sp.stop_token_ids:
             _check_ids(sp.stop_token_ids, limits.vocab_size, "sampling_params.stop_token_ids")
@@ -621,7 +626,7 @@ def _openai_sampling(
     """``grammars``: the grammar fields to check (default SGLang's three on the body)."""
     _unsupported(req, ("logit_bias",))
     if grammars is None:
-        grammars = {"json_schema": req.json_schema, "regex": req.regex, "ebnf": req.ebnf}
+        grammars = _sglang_grammars(req)
     _check_max_tokens(req.min_tokens, "min_tokens", 0)
     sp = _build_sampling(
         "",
@@ -771,7 +776,7 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
         tools = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, limits.tool_call_parser)
     except ToolRequestError as e:
         raise RequestError(str(e), param=e.param) from None
-    grammars: dict[str, Any] = {"json_schema": req.json_schema, "regex": req.regex, "ebnf": req.ebnf}
+    grammars = _sglang_grammars(req)
     rf = _response_format_schema(req.response_format)
     if rf is not None:
         grammars[rf[0]] = rf[1]

@@ -59,7 +59,6 @@ class ToolCallStream:
     held: str = ""  # text not yet sent: a (possible) call in progress
     num_calls: int = 0
     streamed_named: bool = False
-    sent_content: bool = False
 
     def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The ``delta`` objects to send for ``text`` (new since the last feed)."""
@@ -82,7 +81,6 @@ class ToolCallStream:
                 cut = _safe_prefix_len(self.held, start)
             if cut > 0 and not finished:
                 content, self.held = self.held[:cut], self.held[cut:]
-                self.sent_content = True
                 return [{"content": content}]
         if not finished:
             return []
