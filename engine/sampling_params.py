@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from pdserve.engine.constrained.grammar_spec import GRAMMAR_FIELDS
+
 # most top logprobs one output token may carry: the API's limit, and the size of a PD aux slot's list
 MAX_TOP_LOGPROBS = 20
 
@@ -24,6 +26,10 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     presence_penalty: float = 0.0
     seed: int | None = None
     n: int = 1
+    # structured output (SGLang's names): at most one; json_schema is the schema's JSON text
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad parameter."""
@@ -47,10 +53,22 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        given = [kind for kind in GRAMMAR_FIELDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one grammar")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"stop_token_ids has {t}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar that constrains the output, or None."""
+        for kind in GRAMMAR_FIELDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:

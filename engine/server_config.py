@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -75,6 +76,8 @@ class ServerConfig:
     # streamed /generate and Engine.generate(stream=True): False (SGLang's default) sends the whole
     # text and output_ids so far in each chunk; True only what is new since the previous chunk
     incremental_streaming_output: bool = False
+    # SGLang's --tool-call-parser: how tool_choice auto finds tool calls in the output; None: auto is refused
+    tool_call_parser: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port < 65536:
@@ -92,6 +95,9 @@ class ServerConfig:
             raise ValueError(f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}")
         if self.sampling_defaults not in SAMPLING_DEFAULTS:
             raise ValueError(f"sampling_defaults must be one of {SAMPLING_DEFAULTS}, got {self.sampling_defaults!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

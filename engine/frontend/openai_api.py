@@ -181,15 +181,23 @@ def _chat_logprobs(entries, tok_str: TokStr) -> dict:
     return {"content": content}
 
 
+def _chat_finish_reason(st: SeqState, made_tool_calls: bool) -> str | None:
+    reason = openai_finish_reason(st)
+    return "tool_calls" if made_tool_calls and reason == "stop" else reason
+
+
 def chat_object(rid: str, model: str, created: int, states: list[SeqState], tok_str: TokStr) -> dict:
     choices = []
     for st in states:
+        plan = st.spec.tool_plan
+        content, calls = plan.parse(st.text) if plan is not None else (st.text, [])
         choices.append(
             {
                 "index": st.spec.index,
-                "message": {"role": "assistant", "content": st.text, "reasoning_content": None, "tool_calls": None},
+                "message": {"role": "assistant", "content": content, "reasoning_content": None,
+                            "tool_calls": [c.to_dict() for c in calls] or None},
                 "logprobs": _chat_logprobs(st.logprobs, tok_str) if st.spec.return_logprob else None,
-                "finish_reason": openai_finish_reason(st),
+                "finish_reason": _chat_finish_reason(st, bool(calls)),
                 "matched_stop": st.matched_stop,
             }
         )
@@ -218,6 +226,19 @@ def chat_chunk(rid: str, model: str, created: int, st: SeqState, d: Delta | None
         if d.finished:
             choice["matched_stop"] = st.matched_stop
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+
+def chat_tool_chunks(rid: str, model: str, created: int, st: SeqState, deltas: list[dict], finished: bool,
+                     made_tool_calls: bool) -> list[dict]:
+    """The chunks of a choice with tools: one per delta (``ToolCallStream.feed``), then the closing one."""
+    def chunk(delta: dict, finish_reason: str | None) -> dict:
+        choice = {"index": st.spec.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+
+    out = [chunk(d, None) for d in deltas]
+    if finished:
+        out.append(chunk({}, _chat_finish_reason(st, made_tool_calls)))
+    return out
 
 
 def usage_chunk(rid: str, model: str, created: int, object_: str, states: list[SeqState]) -> dict:

@@ -27,6 +27,14 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.frontend import refused_fields
+from pdserve.engine.constrained.grammar_spec import (
+    GRAMMAR_FIELDS,
+    JSON_OBJECT_SCHEMA,
+    InvalidGrammar,
+    check_grammar,
+    schema_text,
+)
+from pdserve.engine.frontend.tool_calls import ToolPlan, ToolRequestError, tool_choice
 from pdserve.engine.messages import BootstrapInfo
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -83,7 +91,7 @@ class GenerateSamplingParams(msgspec.Struct, forbid_unknown_fields=True):
     n: int | None = None
     seed: int | None = None
     sampling_seed: int | None = None
-    # constrained decoding and plug-ins: pdserve has none; a non-null value is rejected
+    # structured output (checked by ``_grammar``); structural tags are not supported
     json_schema: Any = None
     regex: Any = None
     ebnf: Any = None
@@ -179,7 +187,7 @@ class _OpenAICommon(msgspec.Struct, forbid_unknown_fields=True):
     custom_logit_processor: Any = None
     custom_params: Any = None
     extra_key: Any = None
-    # constrained decoding: unsupported, rejected when non-null
+    # structured output (SGLang's names, checked by ``_grammar``)
     regex: Any = None
     ebnf: Any = None
     json_schema: Any = None
@@ -297,6 +305,7 @@ class SequenceSpec:
     # names of the body's fields, for errors found after tokenization
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    tool_plan: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
 
 
 @dataclass(frozen=True)
@@ -320,6 +329,7 @@ class RequestLimits:
                 param="model",
                 code="model_not_found",
             )
+    tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
 
 
 def new_rid() -> str:
@@ -462,6 +472,30 @@ def _build_sampling(param_prefix: str, renames: dict[str, str], **kw) -> Samplin
     return sp
 
 
+def _sglang_grammars(obj) -> dict[str, Any]:
+    """SGLang's grammar fields of a body (or its sampling_params), by name."""
+    return {name: getattr(obj, name) for name in GRAMMAR_FIELDS}
+
+
+def _grammar(prefix: str, given: dict[str, Any]) -> dict[str, str]:
+    """The one grammar among ``given`` (field name -> value, None: absent) as SamplingParams
+    fields, parsed now so that a bad one is a 400 naming its field before anything is scheduled."""
+    present = {k: v for k, v in given.items() if v is not None}
+    if len(present) > 1:
+        a, b = list(present)[:2]
+        raise RequestError(f"{b} cannot be combined with {a}: give at most one grammar", param=f"{prefix}{b}")
+    if not present:
+        return {}
+    (name, value), = present.items()
+    kind = name if name in GRAMMAR_FIELDS else "json_schema"
+    try:
+        text = schema_text(name, value) if kind == "json_schema" else value
+        check_grammar(kind, text, name)
+    except InvalidGrammar as e:
+        raise RequestError(f"{prefix}{e}", param=f"{prefix}{e.field}") from None
+    return {kind: text}
+
+
 def _rids(rid: str | list[str] | None, count: int, n: int) -> list[str]:
     """One rid per sequence: the client's (suffixed per choice when n > 1), else fresh."""
     if rid is None:
@@ -537,7 +571,7 @@ def generate_sequences(
     ns = set()
     per_prompt: list[tuple[SamplingParams, bool, bool]] = []
     for g in gsps:
-        _unsupported(g, ("json_schema", "regex", "ebnf", "structural_tag"))
+        _unsupported(g, ("structural_tag",))
         n = _check_n(g.n, limits, "sampling_params.n")
         ns.add(n)
         _check_max_tokens(g.max_new_tokens, "sampling_params.max_new_tokens", 0)
@@ -559,6 +593,7 @@ def generate_sequences(
             presence_penalty=g.presence_penalty,
             seed=g.sampling_seed if g.sampling_seed is not None else g.seed,
             n=1,
+            **_grammar("sampling_params.", _sglang_grammars(g)),
         )
         if sp.stop_token_ids:
             _check_ids(sp.stop_token_ids, limits.vocab_size, "sampling_params.stop_token_ids")
@@ -615,9 +650,13 @@ def _with_choice_seed(sp: SamplingParams, j: int) -> SamplingParams:
 
 
 def _openai_sampling(
-    req: _OpenAICommon, max_tokens: int | None, max_tokens_param: str, limits: RequestLimits
+    req: _OpenAICommon, max_tokens: int | None, max_tokens_param: str, limits: RequestLimits,
+    grammars: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    _unsupported(req, ("regex", "ebnf", "json_schema", "logit_bias"))
+    """``grammars``: the grammar fields to check (default SGLang's three on the body)."""
+    _unsupported(req, ("logit_bias",))
+    if grammars is None:
+        grammars = _sglang_grammars(req)
     _check_max_tokens(req.min_tokens, "min_tokens", 0)
     sp = _build_sampling(
         "",
@@ -637,6 +676,7 @@ def _openai_sampling(
         presence_penalty=req.presence_penalty,
         seed=req.seed,
         n=1,
+        **_grammar("", grammars),
     )
     if sp.stop_token_ids:
         _check_ids(sp.stop_token_ids, limits.vocab_size, "stop_token_ids")
@@ -660,6 +700,7 @@ def _openai_sequences(
     limits: RequestLimits,
     return_logprob: bool,
     top_logprobs: int,
+    tool_plan: ToolPlan | None = None,
 ) -> list[SequenceSpec]:
     n = _check_n(req.n, limits)
     routed = _check_dp_rank(req, limits)
@@ -683,6 +724,7 @@ def _openai_sequences(
                     no_stop_trim=bool(req.no_stop_trim),
                     prompt_param=prompt_param,
                     max_tokens_param=max_tokens_param,
+                    tool_plan=tool_plan,
                 )
             )
     return seqs
@@ -743,14 +785,41 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
     d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
     if m.name is not None:
         d["name"] = m.name
+    for key in ("tool_calls", "tool_call_id"):  # the chat template shows earlier calls and their results
+        if getattr(m, key) is not None:
+            d[key] = getattr(m, key)
     return d
+
+
+def _response_format_schema(rf: Any) -> tuple[str, Any] | None:
+    """(field name, JSON schema) that ``response_format`` holds the output to; None for text."""
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if rf is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", JSON_OBJECT_SCHEMA
+    if kind == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise RequestError("response_format json_schema needs json_schema.schema",
+                               param="response_format.json_schema")
+        return "response_format.json_schema.schema", spec["schema"]
+    raise RequestError("response_format.type must be text, json_object or json_schema", param="response_format.type")
 
 
 def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
     _check_model(req.model, limits)
-    _unsupported(req, ("tools", "functions", "audio", "prediction"))
-    if req.response_format not in (None, {"type": "text"}):
-        raise RequestError("`response_format` other than text is not supported by pdserve", param="response_format", code="unsupported")
+    _unsupported(req, ("functions", "audio", "prediction"))
+    try:
+        tools = tool_choice(req.tools, req.tool_choice, req.parallel_tool_calls, limits.tool_call_parser)
+    except ToolRequestError as e:
+        raise RequestError(str(e), param=e.param) from None
+    grammars = _sglang_grammars(req)
+    rf = _response_format_schema(req.response_format)
+    if rf is not None:
+        grammars[rf[0]] = rf[1]
+    if tools.json_schema is not None:
+        grammars["tools"] = tools.json_schema
     if not req.messages:
         raise RequestError("messages must not be empty", param="messages")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
@@ -770,10 +839,14 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
             raise RequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
     _refuse_openai(req, refused_fields.CHAT)
     req = _with_model_defaults(req, limits)
-    sp = _openai_sampling(req, max_tokens, param, limits)
-    prompt = ChatPrompt(messages, bool(req.continue_final_message), dict(req.chat_template_kwargs or {}))
+    sp = _openai_sampling(req, max_tokens, param, limits, grammars)
+    template_kwargs = dict(req.chat_template_kwargs or {})
+    if tools.template_tools:
+        template_kwargs["tools"] = tools.template_tools
+    prompt = ChatPrompt(messages, bool(req.continue_final_message), template_kwargs)
     return _openai_sequences(
-        req, [prompt], sp, max_tokens is not None, param, "messages", limits, bool(req.logprobs), top or 0
+        req, [prompt], sp, max_tokens is not None, param, "messages", limits, bool(req.logprobs), top or 0,
+        tools.plan,
     )
 
 

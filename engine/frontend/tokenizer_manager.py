@@ -140,6 +140,7 @@ class TokenizerManager:
             disaggregation_mode=c.disaggregation_mode,
             max_local_prefill_tokens=c.max_local_prefill_tokens if c.disaggregation_mode == "decode" else 0,
             sampling_defaults=self.sampling_defaults,
+            tool_call_parser=c.tool_call_parser,
         )
 
     def token_str(self, token_id: int) -> str:

@@ -72,6 +72,8 @@ class Req:
     # text decoded so far, kept only when stop strings must be matched
     text_state: Any = None
     num_retractions: int = 0
+    # structured output: the request's grammar matcher (constrained.RequestGrammar), None if unconstrained
+    grammar: Any = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 
 import torch
 
+from pdserve.engine.constrained.grammar_masks import GrammarMasks, PendingMask
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
@@ -75,6 +76,8 @@ class SchedulerLoop:
         self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
+        # structured output: xgrammar is loaded on the first request that names a grammar
+        self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self.rng = random.Random(config.random_seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
@@ -110,7 +113,7 @@ class SchedulerLoop:
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
             health_probe=msg.health_probe,
         )
-        error = self.validate(req)
+        error = self.validate(req) or self._attach_grammar(req)
         if error is None:
             self.request_log.mark(req.rid, "queued")
         reason = FinishReason("error", message=error) if error else self.admit(req)
@@ -136,6 +139,17 @@ class SchedulerLoop:
             return str(exc)
         if req.top_logprobs_num < 0:
             return "top_logprobs_num must be >= 0"
+        return None
+
+    def _attach_grammar(self, req: Req) -> str | None:
+        """Give a constrained request its matcher; a message when its grammar does not compile."""
+        grammar = req.sampling_params.grammar
+        if grammar is None:
+            return None
+        try:
+            req.grammar = self.grammars.matcher(grammar)
+        except ValueError as exc:
+            return str(exc)
         return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
@@ -177,12 +191,13 @@ class SchedulerLoop:
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
         reqs = batch.sampled_reqs
+        mask = self.grammars.begin([r.grammar for r in reqs])  # filled while the forward runs
         with torch.inference_mode():
             with self.layer_hook(batch) as after_layer:
                 logits = self.runner.forward(fb, after_layer)  # [num_sampled + prompt-logprob rows, vocab] float32
             if logits.shape[0] > len(reqs):
                 self._gather_input_logprobs(batch, logits[len(reqs) :])
-            return self.sample(reqs, logits[: len(reqs)])
+            return self.sample(reqs, logits[: len(reqs)], mask)
 
     def _gather_input_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         rows = input_logprob_rows(batch)
@@ -194,13 +209,40 @@ class SchedulerLoop:
         for (i, _, _), lp in zip(rows, lps):
             batch.reqs[i].input_logprobs.append(lp)
 
-    def sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+    def sample(self, reqs: list[Req], logits: torch.Tensor, mask: PendingMask | None = None) -> SampleOutput:
+        """Sample one token per request (row); ``mask``: the grammar mask of the constrained rows,
+        applied first, and their matchers then accept the sampled tokens."""
         if not reqs:
             return SampleOutput([])
+        if mask is not None and self._greedy_fast_path(reqs):
+            # greedy: the unmasked argmax stands wherever the grammar allows it, so only rows where
+            # it does not are masked and taken again, instead of masking the whole vocabulary of every row
+            ids = logits.argmax(-1)
+            rows = mask.forbidden_rows(ids)
+            if rows:
+                mask.apply(logits, rows)
+                ids[rows] = logits[rows].argmax(-1)
+            out = SampleOutput(ids.tolist())
+        else:
+            if mask is not None:
+                mask.apply(logits)
+            out = self._sample(reqs, logits)
+        for req, token_id in zip(reqs, out.token_ids):
+            if req.grammar is not None:
+                req.grammar.accept(token_id)
+        return out
+
+    @staticmethod
+    def _greedy_fast_path(reqs: list[Req]) -> bool:
+        """Every row takes its argmax: greedy, no penalties, no logprobs."""
+        params = [r.sampling_params for r in reqs]
+        return not any(r.return_logprob for r in reqs) and all(p.is_greedy for p in params) and not _any_penalty(params)
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
+        if self._greedy_fast_path(reqs):
+            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
         params = [r.sampling_params for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
-        if not want_logprob and all(p.is_greedy for p in params) and not _any_penalty(params):
-            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
         if t.need_penalties:
             logits = apply_penalties(logits, [r.input_ids for r in reqs], [r.output_ids for r in reqs], t)

@@ -1,4 +1,4 @@
-"""When a request stops: max_new_tokens, EOS, stop token ids, stop strings.
+"""When a request stops: max_new_tokens, EOS, stop token ids, stop strings, a completed grammar.
 
 Runs in the scheduler after every sampled token. Stop strings are matched on
 the decoded text (kept incrementally on the request only when it has stop
@@ -21,6 +21,11 @@ class StopChecker:
     def __call__(self, req: Req) -> FinishReason | None:
         sp = req.sampling_params
         n = len(req.output_ids)
+        if req.grammar is not None and n > 0:
+            if req.grammar.rejected_token is not None:
+                return FinishReason("error", message=f"token {req.grammar.rejected_token} broke the request's grammar")
+            if req.grammar.terminated:  # the grammar allowed nothing but a stop token, which it took
+                return FinishReason("stop", matched=req.output_ids[-1])
         if n >= sp.min_new_tokens and n > 0:
             last = req.output_ids[-1]
             if last in sp.stop_token_ids:

@@ -14,7 +14,8 @@ SAMPLES = {
     "TokenizedGenerateReq": messages.TokenizedGenerateReq(
         rid="r1",
         input_ids=[1, 2, 3],
-        sampling_params=SamplingParams(max_new_tokens=7, temperature=0.5, stop=["\n"], seed=3),
+        sampling_params=SamplingParams(max_new_tokens=7, temperature=0.5, stop=["\n"], seed=3,
+                                       json_schema='{"type": "object"}'),
         stream=True,
         return_logprob=True,
         top_logprobs_num=2,

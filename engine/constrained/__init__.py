@@ -1,0 +1,1 @@
+"""Structured output: grammars (JSON schema, regex, EBNF) compiled with xgrammar, one matcher per request."""
