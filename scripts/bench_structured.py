@@ -46,7 +46,7 @@ PROMPT = "List the members of the chess club as JSON records."
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", default=None, help="GGUF file or HF dir; default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
