@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -187,3 +188,19 @@ class InProcessRouter:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.stopped.set)
         self.thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(servers: dict[str, Server], while_starting=None):
+    """A stand's servers (already spawned) ready, and every one stopped at the end, whatever failed.
+    ``while_starting()``: work done while they load (another fixture's stand)."""
+    try:
+        if while_starting is not None:
+            while_starting()
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+

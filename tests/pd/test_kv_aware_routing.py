@@ -13,7 +13,7 @@ import re
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, events_flag, pd_post, wait_for
+from pd_stand import InProcessRouter, Server, events_flag, pd_post, serving, wait_for
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 
@@ -42,13 +42,8 @@ def stand():
         "PB": Server("kvPB", "prefill", "--kv-events-config", events_flag(), *extra),
         "D": Server("kvD", "decode", *extra),
     }
-    try:
-        for s in servers.values():
-            s.wait_ready()
+    with serving(servers):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def test_kv_aware_sends_each_prefix_group_to_its_holder(stand):

@@ -10,7 +10,7 @@ Failures between layers are covered in one process (``tests/layerwise``), where 
 from __future__ import annotations
 
 import pytest
-from pd_stand import Server, greedy_body, pd_post, prompt_ids
+from pd_stand import Server, greedy_body, pd_post, prompt_ids, serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,14 +29,8 @@ def stand(request):
         "PN": Server("PN", "prefill", "--max-total-tokens", "2048", LAYERWISE, backend="nixl"),
         "DN": Server("DN", "decode", "--max-total-tokens", "2048", backend="nixl"),
     }
-    try:
-        request.getfixturevalue("colocated")
-        for s in servers.values():
-            s.wait_ready()
+    with serving(servers, lambda: request.getfixturevalue("colocated")):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _outputs(P: Server, D: Server, ids: list[int]) -> list[int]:

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, events_flag, greedy_body, prompt_ids, wait_for
+from pd_stand import InProcessRouter, Server, events_flag, greedy_body, prompt_ids, serving, wait_for
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 
@@ -30,13 +30,8 @@ def stand(colocated):
         "D": Server("lpD", "decode", "--max-local-prefill-tokens", str(DECODE_LIMIT),
                     "--max-total-tokens", "2048"),
     }
-    try:
-        for s in servers.values():
-            s.wait_ready()
+    with serving(servers):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def test_short_prompts_stay_on_the_decode_worker(stand, reference):

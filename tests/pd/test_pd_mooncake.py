@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids
+from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving
 
 from pdserve.engine.procs import free_port, wait_healthy
 
@@ -36,14 +36,8 @@ def stand(request):
         # 48 pages: a few long requests exhaust it
         "DB": Server("DB", "decode", "--max-total-tokens", "768", "--num-reserved-decode-tokens", "16"),
     }
-    try:
-        request.getfixturevalue("colocated")
-        for s in servers.values():
-            s.wait_ready()
+    with serving(servers, lambda: request.getfixturevalue("colocated")):
         yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
 
 
 def _check_pair(p, d, ref):
