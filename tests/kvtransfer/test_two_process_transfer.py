@@ -45,9 +45,11 @@ class Pair:
         room = next(_rooms)
         self.P.call("create_sender", mgr="p", room=room)
         self.D.call("create_receiver", mgr=mgr, room=room, host=self.host_p, port=self.bport)
-        assert self.D.call("wait", room=room, states=["WaitingForInput", "Failed"])["state"] == "WaitingForInput"
+        d = self.D.call("wait", room=room, states=["WaitingForInput", "Failed"])
+        assert d["state"] == "WaitingForInput", d["reason"]
         self.D.call("recv_init", mgr=mgr, room=room, pages=dst)
-        assert self.P.call("wait", room=room, states=["WaitingForInput", "Failed"])["state"] == "WaitingForInput"
+        p = self.P.call("wait", room=room, states=["WaitingForInput", "Failed"])
+        assert p["state"] == "WaitingForInput", p["reason"]
         return room
 
     def transfer(self, src, dst, chunks=1, aux=None):
