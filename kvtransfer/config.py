@@ -33,7 +33,7 @@ class KVTransferConfig:
     # a prefill known dead (bootstrap registration gone) releases them sooner (DecodeKVManager)
     quarantine_timeout: float = 600.0
     heartbeat_interval: float = 5.0  # decode -> each known prefill rank
-    heartbeat_max_failures: int = 2  # missed replies in a row before the peer is declared dead
+    heartbeat_max_failures: int = 2  # heartbeats sent and unanswered in a row before the peer is declared dead
     num_transfer_threads: int = 2  # prefill workers; rooms are sharded over them, keeping per-room order
     # --disaggregation-layerwise (prefill servers): write each layer's KV as soon as the forward stored
     # it, so only the last layer's transfer follows the compute (kvtransfer/layer_signal.py); off: a

@@ -53,6 +53,10 @@ class PrefillPeer:
     lookup_inflight: bool = False
     lookup_detail: str = ""  # why the last lookup found no route (the bootstrap server's 503 names missing ranks)
     last_ack: dict[int, float] = field(default_factory=dict)  # per source
+    # per source: heartbeats sent since its last reply. A peer fails on heartbeats this rank really
+    # sent and got no reply to, not on the wall clock alone: a stall of this rank's own control
+    # thread (seen: 3.4 s on a loaded 2-core host) sends nothing, so it must not fail a live peer
+    unanswered: dict[int, int] = field(default_factory=dict)
     last_beat: float = 0.0
     seq: int = 0
     # per source TP rank: its transfer-engine peer info (RegisterAck), to retire it when dead
@@ -265,6 +269,7 @@ class DecodeKVManager(KVManager):
         peer.state = "registering"
         now = self.clock()  # the heartbeat window starts now
         peer.last_ack = dict.fromkeys(peer.routes, now)
+        peer.unanswered = dict.fromkeys(peer.routes, 0)
         for endpoint in peer.endpoints:
             self._register_pool(endpoint)
 
@@ -348,6 +353,7 @@ class DecodeKVManager(KVManager):
                 tp = peer.source_of(msg.endpoint)
                 if peer.state in ("registering", "ready") and tp is not None:
                     peer.last_ack[tp] = self.clock()
+                    peer.unanswered[tp] = 0
         else:
             logger.warning("kv decode: unexpected %s", type(msg).__name__)
 
@@ -374,6 +380,7 @@ class DecodeKVManager(KVManager):
                     logger.warning("kv decode: connect back to %s: %s", peer.describe(), e)
             peer.acked.add(tp)
             peer.last_ack[tp] = self.clock()
+            peer.unanswered[tp] = 0
             if peer.acked < peer.sources:
                 continue
             peer.state = "ready"
@@ -424,12 +431,12 @@ class DecodeKVManager(KVManager):
             if peer.state not in ("registering", "ready"):
                 continue
             tp, last = min(peer.last_ack.items(), key=lambda kv: kv[1])
-            if now - last > cfg.heartbeat_window:
+            if now - last > cfg.heartbeat_window and peer.unanswered.get(tp, 0) >= cfg.heartbeat_max_failures:
                 self.dead_checks.append(DeadCheck(peer, now))
                 self._fail_peer(
                     peer,
                     f"{peer.describe()} unreachable: no heartbeat reply from TP rank {tp} for {now - last:.1f}s "
-                    f"({cfg.heartbeat_max_failures} x {cfg.heartbeat_interval}s)",
+                    f"({peer.unanswered[tp]} heartbeats unanswered, {cfg.heartbeat_max_failures} x {cfg.heartbeat_interval}s)",
                     drop=True,
                 )
             elif now - peer.last_beat >= cfg.heartbeat_interval:
@@ -437,6 +444,8 @@ class DecodeKVManager(KVManager):
                 peer.seq += 1
                 for endpoint in peer.endpoints:
                     self.send_msg(endpoint, m.Heartbeat(self.id, self.endpoint, peer.seq))
+                for source in peer.routes:
+                    peer.unanswered[source] = peer.unanswered.get(source, 0) + 1
         self._check_dead(now)
         # a failed peer (layout mismatch, rejected pool) is retried for new rooms later
         for key in [k for k, p in self.peers.items() if p.state == "failed" and not p.receivers]:

@@ -168,8 +168,8 @@ class KVManager(ABC):
                 except queue.Empty:
                     break
                 self._guard(fn)
-            if self._pull in events:
-                self._drain_frames()
+            # always: replies that came while a call above ran count before the timers judge a peer
+            self._drain_frames()
             self._guard(self._on_tick)
             # timers fire every period of real time and read the (maybe injected) clock
             if time.monotonic() >= next_timer:

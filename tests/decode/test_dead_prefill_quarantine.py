@@ -47,7 +47,13 @@ def _fail_by_heartbeat(pair: PDPair, rid: str) -> float:
     """Kill the prefill's KV side, let the heartbeat window pass; returns the death's clock time."""
     pair.prefill.kv.close()
     died = pair.clock.now
-    pair.clock.advance(pair.kv_config.heartbeat_window + 0.1)
+    # half a heartbeat interval at a time: a peer fails on heartbeats the decode really sent and got
+    # no reply to, so the clock must pass while its control thread runs (its timer: every 50 ms)
+    for _ in range(4 * pair.kv_config.heartbeat_max_failures + 2):
+        if pair.final("D", rid) is not None:
+            break
+        pair.clock.advance(pair.kv_config.heartbeat_interval / 2)
+        _step_for(pair, 0.15)
     pair.run(lambda: pair.final("D", rid) is not None, prefill=False)
     assert "unreachable" in pair.final("D", rid).error
     assert len(pair.decode.quarantine) == 1
@@ -118,5 +124,22 @@ def test_silent_prefill_keeps_its_pages_until_the_quarantine_timeout():
         pair.clock.advance(pair.kv_config.quarantine_timeout)
         pair.run(lambda: not pair.decode.quarantine, prefill=False)
         assert pair.decode.pool.num_free == pair.decode.pool.capacity
+    finally:
+        pair.close()
+
+
+def test_a_stall_of_the_decode_itself_fails_no_live_prefill():
+    """The clock jumps 3 heartbeat windows at once, as when the decode rank's own control thread
+    stalls (seen: 3.4 s on a loaded 2-core host): no heartbeat went out meanwhile, so none went
+    unanswered, and the live prefill keeps its rooms (before, they failed as "unreachable")."""
+    pair = PDPair(**HEARTBEAT)
+    try:
+        _room_in_flight(pair, "r")
+        pair.clock.advance(3 * pair.kv_config.heartbeat_window)
+        _step_for(pair, 0.5)  # the decode's timer runs: one heartbeat goes out and is answered
+        assert pair.final("D", "r") is None, pair.final("D", "r")
+        pair.clock.advance(pair.kv_config.heartbeat_interval)
+        _step_for(pair, 0.3)
+        assert pair.final("D", "r") is None, pair.final("D", "r")
     finally:
         pair.close()
