@@ -29,14 +29,16 @@ from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
 pytestmark = [
     pytest.mark.timeout(900),
-    # Intermittent after the TP-PD branch met the auth/quarantine and quantization merges: a prefill
-    # TP 1 -> decode TP 2 room sometimes stalls (its prefill stops answering the decode ranks'
-    # heartbeats for 10 s, or the KV never arrives within waiting_timeout) in 4 of 5 runs on this
-    # 2-core machine, where the branch alone passed. Skipped until that is found, so CI stays a
-    # verdict; run it with PDSERVE_RUN_TP_PD=1. The head-slice, in-process TP transfer and TP
-    # agreement tests still run.
+    # Skipped by default (PDSERVE_RUN_TP_PD=1 runs it): with Mooncake, the mismatched pairs' head
+    # slices (one 64-byte descriptor per token per layer, the [pages, page_size, heads, head_dim]
+    # layout) crawl through its TCP transport when rooms run concurrently. Seen 2026-11-30 on main
+    # with the stand's 12 concurrent requests: both prefill transfer threads sat in
+    # get_batch_transfer_status (py-spy), Mooncake logged "no transfer progress within 30s; dropping
+    # connection", and rooms ended by the 20 s waiting timeout or, earlier, by missed heartbeats. A
+    # request alone passes in 0.2 s. The fix is contiguous head slices (a head-major page layout, or
+    # a staging copy), issue 13. The head-slice, in-process TP transfer and TP agreement tests run.
     pytest.mark.skipif(os.environ.get("PDSERVE_RUN_TP_PD") != "1",
-                       reason="intermittent P1 -> D2 stall under investigation (see the module comment)"),
+                       reason="Mooncake stalls on per-token head-slice descriptors under concurrency (see the comment)"),
 ]
 
 # prompts within the tiny vocabulary: one token, one page, across two 64-token chunks
