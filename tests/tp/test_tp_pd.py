@@ -30,7 +30,7 @@ from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 pytestmark = [
     pytest.mark.timeout(900),
     # Skipped by default (PDSERVE_RUN_TP_PD=1 runs it): with Mooncake, the mismatched pairs' head
-    # slices (one 64-byte descriptor per token per layer, the [pages, page_size, heads, head_dim]
+    # slices (one small descriptor per token per layer, the [pages, page_size, heads, head_dim]
     # layout) crawl through its TCP transport when rooms run concurrently. Seen 2026-11-30 on main
     # with the stand's 12 concurrent requests: both prefill transfer threads sat in
     # get_batch_transfer_status (py-spy), Mooncake logged "no transfer progress within 30s; dropping
