@@ -7,6 +7,7 @@ semantics: cumulative chunks by default (SGLang's), incremental with
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 
@@ -30,9 +31,18 @@ def colocated():
 def pair(request):
     port = free_port()
     kv = dict(disaggregation_transfer_backend=request.param, **FLAGS)
-    with Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **kv) as prefill, \
-            Engine(disaggregation_mode="decode", incremental_streaming_output=True, **kv) as decode:
-        yield prefill, decode, port
+    # an in-process NIXL engine binds UCX to its host's interface through this process's
+    # UCX_NET_DEVICES; later tests' children (in network namespaces) must not inherit it
+    ucx_devices = os.environ.get("UCX_NET_DEVICES")
+    try:
+        with Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **kv) as prefill, \
+                Engine(disaggregation_mode="decode", incremental_streaming_output=True, **kv) as decode:
+            yield prefill, decode, port
+    finally:
+        if ucx_devices is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+        else:
+            os.environ["UCX_NET_DEVICES"] = ucx_devices
 
 
 def boot(port: int, rooms) -> dict:

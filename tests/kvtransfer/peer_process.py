@@ -19,7 +19,10 @@ class PeerProcess:
         cmd = [sys.executable, str(PEER_SCRIPT)]
         if netns:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        # UCX_NET_DEVICES only when asked: an in-process NIXL engine of an earlier test set it in this
+        # process for its own host (lo), which would bind a child in a network namespace to lo
+        inherited = {k: v for k, v in os.environ.items() if k != "UCX_NET_DEVICES"}
+        full_env = {**inherited, "OMP_NUM_THREADS": "1", **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env
         )
