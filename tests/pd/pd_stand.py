@@ -204,3 +204,21 @@ def serving(servers: dict[str, Server], while_starting=None):
         for s in servers.values():
             s.stop()
 
+
+@contextlib.contextmanager
+def sglang_router(name: str, prefill: Server, decode: Server):
+    """SGLang's own router (``sglang_router.launch_router --pd-disaggregation``) in front of one
+    prefill and one decode server; yields its URL and stops it at the end."""
+    port = free_port()
+    router = Proc(name, [
+        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", prefill.url,
+        str(prefill.bootstrap_port), "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port),
+        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port()),
+        "--health-check-interval-secs", "3600"])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, router.proc, 90, name="sglang-router", log=router.log)
+        yield url
+    finally:
+        router.stop()
+

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving
+from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
 
 from pdserve.engine.procs import free_port, wait_healthy
 
@@ -195,26 +195,17 @@ def test_pdserve_router_in_front_of_1p1d(stand, reference, colocated):
 def test_sglang_router_drives_pdserve_servers(stand, reference, colocated):
     pytest.importorskip("sglang_router", reason="sglang-router is not installed")
     P, D = stand["PB"], stand["DB"]
-    port = free_port()
-    router = Proc("sglang-router", [
-        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", P.url,
-        str(P.bootstrap_port), "--decode", D.url, "--host", "127.0.0.1", "--port", str(port),
-        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port()),
-        "--health-check-interval-secs", "3600"])
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", router.proc, 90, name="sglang-router", log=router.log)
+    with sglang_router("sglang-router", P, D) as url:
         ids = prompt_ids(70, seed=900)
-        r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
+        r = requests.post(f"{url}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["output_ids"] == reference(ids, MAX_NEW)
         body = {"model": "default", "messages": [{"role": "user", "content": "Name a color"}], "max_tokens": 6,
                 "temperature": 0}
         want = colocated.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
-        r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120)
+        r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want
-    finally:
-        router.stop()
     P.wait_unleaked()
     D.wait_unleaked()
 

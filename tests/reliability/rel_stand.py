@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 from pd_stand import Proc, Server
 
 from pdserve.engine.procs import free_port, group_pids, wait_healthy
+
+
+def load_soak():
+    """``scripts/soak.py`` as the module ``soak`` (its dataclasses look their module up by name)."""
+    spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[2] / "scripts" / "soak.py")
+    soak = sys.modules.setdefault("soak", importlib.util.module_from_spec(spec))
+    if not hasattr(soak, "run_load"):
+        spec.loader.exec_module(soak)
+    return soak
+
 
 class Router(Proc):
     """``python -m pdserve.router`` in front of prefill (with bootstrap port) and decode servers."""
@@ -75,3 +88,24 @@ def listening(pgid: int) -> list[tuple[str, int]]:
 def pages(server: Server) -> list[tuple[int, int]]:
     """(free, total) pages of each rank."""
     return [(s["num_free_pages"], s["num_total_pages"]) for s in server.states()]
+
+
+@contextlib.contextmanager
+def pd22(prefix: str, server_args: list[str], router_args: list[str], before_stop=None):
+    """2 prefill + 2 decode servers and a router in front; yields ``(prefills, decodes, router)`` and
+    stops them all at the end (``before_stop(process)`` first, e.g. a SIGCONT to a stopped one)."""
+    ps = [Server(f"{prefix}-P{i}", "prefill", *server_args) for i in range(2)]
+    ds = [Server(f"{prefix}-D{i}", "decode", *server_args) for i in range(2)]
+    r = None
+    try:
+        for s in ps + ds:
+            s.wait_ready()
+        r = Router(f"{prefix}-router", ps, ds, *router_args).wait_ready()
+        yield ps, ds, r
+    finally:
+        for s in [r, *ps, *ds]:
+            if s is not None:
+                if before_stop is not None:
+                    before_stop(s)
+                s.stop()
+

@@ -14,23 +14,17 @@ the survivors end with every page free; a request afterwards succeeds.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import Server, greedy_body, prompt_ids
-from rel_stand import Router
+from pd_stand import greedy_body, prompt_ids
+import rel_stand
 
 pytestmark = pytest.mark.timeout(500)
 
-_spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[2] / "scripts" / "soak.py")
-soak = sys.modules["soak"] = sys.modules.get("soak") or importlib.util.module_from_spec(_spec)
-if not hasattr(soak, "run_load"):
-    _spec.loader.exec_module(soak)
+soak = rel_stand.load_soak()
 
 # fast dead-peer detection (heartbeat 1 s x 3), generous queueing timeouts
 KV = ["--max-total-tokens", "1536", "--disaggregation-bootstrap-timeout", "60",
@@ -40,20 +34,9 @@ LOAD_S = 34.0  # the faults end at ~26 s: the load outlasts them, so completions
 
 @pytest.fixture(scope="module")
 def pd22():
-    ps = [Server(f"rel-f-P{i}", "prefill", *KV) for i in range(2)]
-    ds = [Server(f"rel-f-D{i}", "decode", *KV) for i in range(2)]
-    r = None
-    try:
-        for s in ps + ds:
-            s.wait_ready()
-        r = Router("rel-f-router", ps, ds, "--health-check-interval-secs", "1",
-                   "--health-failure-threshold", "2").wait_ready()
-        yield ps, ds, r
-    finally:
-        for s in [r, *ps, *ds]:
-            if s is not None:
-                s.send(signal.SIGCONT)
-                s.stop()
+    with rel_stand.pd22("rel-f", KV, ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"],
+                        before_stop=lambda s: s.send(signal.SIGCONT)) as stand:
+        yield stand
 
 
 def test_faults_under_load_every_request_accounted_for(pd22):

@@ -11,20 +11,15 @@ greedy tokens as the run without a restart; afterwards no page is left in use on
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import threading
-from pathlib import Path
 
 import pytest
+import rel_stand
 from conftest import LOAD_KV
 
 pytestmark = pytest.mark.timeout(900)
 
-_spec = importlib.util.spec_from_file_location("soak", Path(__file__).resolve().parents[2] / "scripts" / "soak.py")
-soak = sys.modules.setdefault("soak", importlib.util.module_from_spec(_spec))  # dataclasses look it up
-if not hasattr(soak, "run_load"):
-    _spec.loader.exec_module(soak)
+soak = rel_stand.load_soak()
 
 POOL = 32  # distinct prompts; the restart run cycles through them
 LOAD = dict(concurrency=16, deadline=240, seed=16, prompt_lens=(1, 100), max_new=(4, 12), pool=POOL)
@@ -33,23 +28,9 @@ DRAIN = ["--graceful-shutdown-timeout", "120"]
 
 @pytest.fixture(scope="module")
 def pd22():
-    from pd_stand import Server
-    from rel_stand import Router
-
-    common = ["--max-total-tokens", "2048", *LOAD_KV, *DRAIN]
-    ps = [Server(f"rr-P{i}", "prefill", *common) for i in range(2)]
-    ds = [Server(f"rr-D{i}", "decode", *common) for i in range(2)]
-    r = None
-    try:
-        for s in ps + ds:
-            s.wait_ready()
-        r = Router("rr-router", ps, ds, "--health-check-interval-secs", "1",
-                   "--request-queue-timeout-secs", "120").wait_ready()
-        yield ps, ds, r
-    finally:
-        for s in [r, *ps, *ds]:
-            if s is not None:
-                s.stop()
+    server_args = ["--max-total-tokens", "2048", *LOAD_KV, *DRAIN]
+    with rel_stand.pd22("rr", server_args, ["--health-check-interval-secs", "1", "--request-queue-timeout-secs", "120"]) as stand:
+        yield stand
 
 
 @pytest.fixture(scope="module")

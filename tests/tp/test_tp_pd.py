@@ -15,16 +15,14 @@ import concurrent.futures as cf
 import json
 import os
 import signal
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import Proc, Server, greedy_body, pd_post
+from pd_stand import Server, greedy_body, pd_post, sglang_router
 
-from pdserve.engine.procs import free_port, wait_healthy
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
 pytestmark = [
@@ -180,20 +178,11 @@ def test_sglang_router_in_front_of_p2_d2(stand):
     if stand["backend"] != "mooncake":
         pytest.skip("one backend behind sglang-router is enough")
     P, D = stand["P2"], stand["D2"]
-    port = free_port()
-    router = Proc("tp-sglang-router", [
-        sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--prefill", P.url,
-        str(P.bootstrap_port), "--decode", D.url, "--host", "127.0.0.1", "--port", str(port),
-        "--policy", "round_robin", "--log-level", "error", "--prometheus-port", str(free_port()),
-        "--health-check-interval-secs", "3600"])
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", router.proc, 90, name="sglang-router", log=router.log)
+    with sglang_router("tp-sglang-router", P, D) as url:
         for ids in PROMPTS[1:3]:
-            r = requests.post(f"http://127.0.0.1:{port}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
+            r = requests.post(f"{url}/generate", json=greedy_body(ids, MAX_NEW), timeout=120)
             assert r.status_code == 200, r.text
             assert r.json()["output_ids"] == _reference(stand, ids)
-    finally:
-        router.stop()
     _unleaked(stand, ("P2", "D2"))
 
 
