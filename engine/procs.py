@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,18 +24,48 @@ from collections.abc import Callable, Iterable, Sequence
 LOG_TAIL_LINES = 40
 STOP_GRACE_S = 6.0  # SIGTERM to SIGKILL: a server stops its ranks and closes its KV transfer engine in ~1-2 s
 
-# Binding port 0 and closing returns a port that is free now; a later call can return the same
-# one before the first user binds it, and then a server's HTTP port collided with another's
-# bootstrap port (seen in the reliability tests: the decode failed to bind, and its /health was
-# answered by the prefill's bootstrap server). So this process never hands out a port twice.
+# Binding port 0 and closing returns a port that is free now, but from the kernel's ephemeral
+# range: until the server binds it (seconds, while it loads the model), any outbound connection
+# on the machine can take it as its local port, and the server fails with "address already in
+# use" (seen in CI: a prefill's HTTP port). So ports are drawn at random from below the ephemeral
+# range, where the kernel never assigns one, and above the band Mooncake's transfer engine draws
+# its own listening ports from (seen: 15000-18000); each is checked free by binding it. A port is
+# never handed out twice by one process: a later call could otherwise return one not yet bound.
+_PORT_BAND_LOW = 20000
 _handed_out: set[int] = set()
 _handed_out_lock = threading.Lock()
+_rng = random.Random()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now and not returned before by this process."""
+    """A TCP port free on ``host`` now, outside the kernel's ephemeral range, and not returned
+    before by this process."""
+    high = _ephemeral_low() - 1
     with _handed_out_lock:
-        while True:
+        if high - _PORT_BAND_LOW >= 1000:
+            for _ in range(200):
+                port = _rng.randint(_PORT_BAND_LOW, high)
+                if port not in _handed_out and _bindable(host, port):
+                    _handed_out.add(port)
+                    return port
+        while True:  # no room below the ephemeral range: fall back to the kernel's choice
             with socket.socket() as s:
                 s.bind((host, 0))
                 port = s.getsockname()[1]

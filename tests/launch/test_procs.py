@@ -73,6 +73,14 @@ def test_free_port_never_repeats():
     assert len(set(ports)) == len(ports)
 
 
+def test_free_port_is_below_the_ephemeral_range_so_no_outbound_connection_takes_it():
+    low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    if low < 21000:
+        pytest.skip(f"the ephemeral range starts at {low}: no room below it")
+    ports = [free_port() for _ in range(50)]
+    assert all(20000 <= p < low for p in ports), ports
+
+
 def test_stop_group_continues_a_stopped_group(tmp_path):
     proc = spawn([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"], tmp_path / "s.log")
     wait_for(lambda: "up" in (tmp_path / "s.log").read_text().splitlines())
