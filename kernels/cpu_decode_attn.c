@@ -18,10 +18,13 @@ static inline float ld_f32(const float* p, int i) { return p[i]; }
 static inline void st_bf16(uint16_t* p, int i, float v) { p[i] = f32_to_bf16(v); }
 static inline void st_f32(float* p, int i, float v) { p[i] = v; }
 
-/* q: [n, ., D] rows of H heads at q_stride elements per token; caches: [pages, ps, KVH, D];
-   page_table: [n, pt_stride] int32; seq_lens: [n] int32; out: [n, H, D] contiguous. */
+/* q: [n, ., D] rows of H heads at q_stride elements per token; caches: key o of page p of KV head h
+   at h * head_stride + p * page_stride + o * tok_stride elements (the pool's head-major
+   [KVH, pages, ps, D]: ps * D * pages, ps * D, D); page_table: [n, pt_stride] int32;
+   seq_lens: [n] int32; out: [n, H, D] contiguous. */
 #define DECODE_ATTN(NAME, T, LD, ST, DIMV)                                                        \
 int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,                   \
+         int64_t head_stride, int64_t page_stride, int64_t tok_stride,                        \
          const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, T* out,       \
          int n, int H, int KVH, int D, int ps, float scale) {                                 \
     const int G = H / KVH;                                                                    \
@@ -44,11 +47,11 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
         }                                                                                     \
         /* pages outer, offsets inner: no division per key */                                \
         for (int l0 = 0, pi = 0; l0 < L; l0 += ps, pi++) {                                    \
-          const T* kbase = k_cache + ((int64_t)pages[pi] * ps * KVH + h) * DIMV;              \
+          const T* kbase = k_cache + (int64_t)h * head_stride + (int64_t)pages[pi] * page_stride; \
           const int nk = L - l0 < ps ? L - l0 : ps;                                           \
           for (int o = 0; o < nk; o++) {                                                      \
             const int l = l0 + o;                                                             \
-            const T* kp = kbase + (int64_t)o * KVH * DIMV;                                    \
+            const T* kp = kbase + (int64_t)o * tok_stride;                                    \
             for (int d = 0; d < DIMV; d++) kf[d] = LD(kp, d);                                    \
             for (int g = 0; g < G; g++) {                                                     \
                 float dot = 0.f;                                                              \
@@ -66,11 +69,11 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
             sum[g] = t;                                                                       \
         }                                                                                     \
         for (int l0 = 0, pi = 0; l0 < L; l0 += ps, pi++) {                                    \
-          const T* vbase = v_cache + ((int64_t)pages[pi] * ps * KVH + h) * DIMV;              \
+          const T* vbase = v_cache + (int64_t)h * head_stride + (int64_t)pages[pi] * page_stride; \
           const int nv = L - l0 < ps ? L - l0 : ps;                                           \
           for (int o = 0; o < nv; o++) {                                                      \
             const int l = l0 + o;                                                             \
-            const T* vp = vbase + (int64_t)o * KVH * DIMV;                                    \
+            const T* vp = vbase + (int64_t)o * tok_stride;                                    \
             for (int d = 0; d < DIMV; d++) kf[d] = LD(vp, d);                                    \
             for (int g = 0; g < G; g++) {                                                     \
                 const float w = s[g * L + l];                                                 \

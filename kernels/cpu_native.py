@@ -90,12 +90,13 @@ _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 class NativeKernels:
     def __init__(self, lib_path: str):
         self.lib = ctypes.CDLL(lib_path)
-        decode_args = [_P, _I64, _P, _P, _P, _I64, _P, _P] + [_I32] * 5 + [_F]
+        decode_args = [_P, _I64, _P, _P, _I64, _I64, _I64, _P, _I64, _P, _P] + [_I32] * 5 + [_F]
         self._decode = {}  # (dtype, head_dim or None for any) -> function
         for dtype, tname in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
             for dim, suffix in ((None, ""), (64, "_d64"), (128, "_d128")):
                 self._decode[(dtype, dim)] = self._bind(f"decode_attn_{tname}{suffix}", decode_args)
-        self._prefill = self._bind("prefill_attn_bf16", [_P, _I64] * 3 + [_P, _P, _I64, _P, _P] + [_I32] * 5 + [_F])
+        self._prefill = self._bind("prefill_attn_bf16", [_P, _I64, _P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _P, _P]
+                                   + [_I32] * 5 + [_F])
         self.has_prefill = bool(self.lib.prefill_attn_supported())
         self._rms_norm = self._bind("rms_norm_bf16", [_P, _I64, _P, _P, _I64, _I32, _I32, _F])
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
@@ -121,7 +122,7 @@ class NativeKernels:
 
         q: [n, H, D]; k, v: [Lk, KVH, D], or with ``key_rows`` ([Lk] int64: key j is row
         ``key_rows[j]``) any rows, e.g. the page pool's slots read in place; out: [n, H * D].
-        Token strides are free; heads and dims must be contiguous.
+        Token and (for k, v) head strides are free; dims must be contiguous, and q's heads.
         """
         n, num_heads, dim = q.shape
         kv_heads = k.shape[1]
@@ -129,12 +130,13 @@ class NativeKernels:
         if key_rows is not None:
             assert key_rows.dtype == torch.int64 and key_rows.is_contiguous()
         for name, t in (("q", q), ("k", k), ("v", v)):
-            assert t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == dim, f"{name}: bf16, heads/dims contiguous"
+            assert t.dtype == torch.bfloat16 and t.stride(2) == 1, f"{name}: bf16, dims contiguous"
+        assert q.stride(1) == dim, "q: heads contiguous"
         assert v.shape == k.shape and keys >= n and out.shape == (n, num_heads * dim) and out.stride(1) == 1 and out.dtype == q.dtype
         padded = -(-keys // 64) * 64
         scratch = torch.empty(2, kv_heads * padded * dim, dtype=torch.bfloat16)
         rc = self._prefill(
-            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+            q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0), v.stride(1),
             None if key_rows is None else key_rows.data_ptr(), out.data_ptr(), out.stride(0),
             scratch[0].data_ptr(), scratch[1].data_ptr(), n, keys, num_heads, kv_heads, dim, scale,
         )
@@ -195,19 +197,20 @@ class NativeKernels:
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Paged decode attention over whole sequences (every row is one sequence's last token).
 
-        q: [n, H, D] (token stride free, heads and dims contiguous); k_cache, v_cache:
-        [pages, page_size, KVH, D]; page_table: [n, P] int32 contiguous; seq_lens: [n] int32.
+        q: [n, H, D] (token stride free, heads and dims contiguous); k_cache, v_cache: the pool's
+        head-major [KVH, pages, page_size, D]; page_table: [n, P] int32 contiguous; seq_lens: [n] int32.
         Returns [n, H * D].
         """
         n, num_heads, dim = q.shape
-        _, page_size, kv_heads, _ = k_cache.shape
+        kv_heads, _, page_size, _ = k_cache.shape
         assert q.stride(2) == 1 and q.stride(1) == dim, "heads and dims of q must be contiguous"
         assert page_table.dtype == torch.int32 and page_table.is_contiguous() and seq_lens.dtype == torch.int32
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
         out = torch.empty(n, num_heads * dim, dtype=q.dtype)
         fn = self._decode.get((q.dtype, dim)) or self._decode[(q.dtype, None)]
         rc = fn(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), page_table.data_ptr(),
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), page_table.data_ptr(),
             page_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, kv_heads, dim,
             page_size, scale,
         )

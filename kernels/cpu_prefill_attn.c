@@ -149,12 +149,14 @@ static void NAME(const uint16_t* q, int64_t q_stride, const uint32_t* kp, const 
 PF_ROWS(pf_rows_d64, 64, 4)
 PF_ROWS(pf_rows_d128, 128, 2)
 
-/* q: [n, H, D] rows at q_stride elements; k, v: [., KVH, D] rows at k_stride / v_stride, key j in row
+/* q: [n, H, D] rows at q_stride elements; k, v: [., KVH, D] rows at k_stride / v_stride and heads at
+   kh_stride / vh_stride (D for new K/V, a plane for the page pool's slots), key j in row
    key_rows[j] (the page pool's slots, read in place), or in row j where key_rows is NULL;
    out: [n, H * D] rows at out_stride; kp, vp: scratch of KVH * ceil(Lk / 64) * 64 * D elements each.
    Query i attends keys 0 .. Lk - n + i. Returns 0, or -1 for an unsupported shape. */
 int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, int64_t k_stride,
-                      const uint16_t* v, int64_t v_stride, const int64_t* key_rows, uint16_t* out,
+                      int64_t kh_stride, const uint16_t* v, int64_t v_stride, int64_t vh_stride,
+                      const int64_t* key_rows, uint16_t* out,
                       int64_t out_stride, uint16_t* kp, uint16_t* vp, int n, int Lk, int H, int KVH, int D,
                       float scale) {
     if ((D != 64 && D != 128) || n < 1 || Lk < n || H % KVH != 0) return -1;
@@ -175,15 +177,15 @@ int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
                     const int j = j16 * 16 + jj;
                     if (j >= Lk) { for (int p = 0; p < NP; p++) kd[p * 16 + jj] = 0u; continue; }
                     const int64_t row = key_rows ? key_rows[j] : j;
-                    const uint32_t* ks = (const uint32_t*)(k + row * k_stride + (int64_t)h * D);
+                    const uint32_t* ks = (const uint32_t*)(k + row * k_stride + (int64_t)h * kh_stride);
                     for (int p = 0; p < NP; p++) kd[p * 16 + jj] = ks[p];
                 }
                 uint16_t* vd = vp + ((int64_t)h * (Lk64 / 2) + j16 * 8) * D * 2;
                 for (int jp = 0; jp < 8; jp++) {
                     const int j = j16 * 16 + 2 * jp;  /* keys j and j + 1: the two halves of each pair */
-                    const uint16_t* v0 = j < Lk ? v + (key_rows ? key_rows[j] : j) * v_stride + (int64_t)h * D : 0;
+                    const uint16_t* v0 = j < Lk ? v + (key_rows ? key_rows[j] : j) * v_stride + (int64_t)h * vh_stride : 0;
                     const uint16_t* v1 = j + 1 < Lk ? v + (key_rows ? key_rows[j + 1] : j + 1) * v_stride
-                                                       + (int64_t)h * D : 0;
+                                                       + (int64_t)h * vh_stride : 0;
                     for (int d = 0; d < D; d++) {
                         vd[((int64_t)jp * D + d) * 2] = v0 ? v0[d] : 0;
                         vd[((int64_t)jp * D + d) * 2 + 1] = v1 ? v1[d] : 0;
@@ -220,7 +222,7 @@ int prefill_attn_bf16(const uint16_t* q, int64_t q_stride, const uint16_t* k, in
 }
 #else
 int prefill_attn_supported(void) { return 0; }
-int prefill_attn_bf16(const void* q, int64_t a, const void* k, int64_t b, const void* v, int64_t c,
-                      const void* key_rows, void* out, int64_t d, void* kp, void* vp, int n, int Lk, int H,
+int prefill_attn_bf16(const void* q, int64_t a, const void* k, int64_t b, int64_t kh, const void* v,
+                      int64_t c, int64_t vh, const void* key_rows, void* out, int64_t d, void* kp, void* vp, int n, int Lk, int H,
                       int KVH, int D, float scale) { return -1; }
 #endif

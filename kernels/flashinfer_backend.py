@@ -1,10 +1,12 @@
 """Attention on CUDA with FlashInfer's paged-KV wrappers.
 
 Imported only when ``--attention-backend flashinfer`` is chosen (flashinfer is
-in the ``cuda`` extra). The pool's per-layer ``[num_pages, page_size, kv_heads,
-dim]`` tensors are FlashInfer's "NHD" paged layout as they are, so no copy or
-conversion is needed: a step plans once from the page table (CSR page lists
-and last-page lengths) and every layer runs against the same plan.
+in the ``cuda`` extra). The pool's per-layer ``[kv_heads, num_pages, page_size,
+dim]`` tensors, transposed to ``[num_pages, kv_heads, page_size, dim]`` (a view,
+strided over pages), are FlashInfer's "HND" paged layout, which it reads through
+the tensors' strides, so no copy or conversion is needed: a step plans once from
+the page table (CSR page lists and last-page lengths) and every layer runs
+against the same plan.
 
 Not exercised by this repository's CPU-only CI; written against FlashInfer's
 documented ``plan``/``run`` API (0.2 and later).
@@ -30,8 +32,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         import flashinfer  # noqa: PLC0415  (optional dependency, imported only when chosen)
 
         workspace = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=page_pool.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "HND")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND")
 
     def begin_forward(self, batch: ForwardBatch) -> None:
         ps = self.page_pool.page_size
@@ -59,5 +61,5 @@ class FlashInferAttentionBackend(AttentionBackend):
         k_cache, v_cache = self.page_pool.k[layer], self.page_pool.v[layer]
         store_kv(k_cache, v_cache, self.loc, k, v)
         wrapper = self._decode if self.is_decode else self._prefill
-        out = wrapper.run(q.contiguous(), (k_cache, v_cache))  # [T, H, D]
+        out = wrapper.run(q.contiguous(), (k_cache.transpose(0, 1), v_cache.transpose(0, 1)))  # [T, H, D]
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)

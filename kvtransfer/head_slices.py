@@ -1,6 +1,6 @@
 """Which KV heads go from which prefill TP rank to which decode TP rank (pure; no torch).
 
-Each TP rank's page pool holds its KV heads only (``[pages, page_size, local_kv_heads,
+Each TP rank's page pool holds its KV heads only (``[local_kv_heads, pages, page_size,
 head_dim]``). Rank ``r`` of ``tp`` holds KV heads ``kv_head_range(r, tp, kv_heads)``: a split of
 ``kv_heads / tp`` heads when ``tp`` divides them, else (``kv_heads`` divides ``tp``) the one head
 shared by ``tp / kv_heads`` consecutive ranks (SGLang's replication).

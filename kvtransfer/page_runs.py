@@ -51,35 +51,26 @@ def slice_descriptors(
     dst_pages: Sequence[int],
     src_bases: Sequence[int],
     dst_bases: Sequence[int],
-    page_size: int,
-    src_token_bytes: int,
-    dst_token_bytes: int,
-    src_offset: int,
-    dst_offset: int,
-    nbytes: int,
+    head_page_bytes: int,
+    src_plane_bytes: int,
+    dst_plane_bytes: int,
+    src_head: int,
+    dst_head: int,
+    num_heads: int,
 ) -> tuple[list[int], list[int], list[int]]:
-    """A head slice of each page run: one descriptor per token per run per buffer.
+    """A head slice of each page run: one descriptor per run per head per buffer.
 
-    With the token-major page ``[page_size, kv_heads, head_dim]`` a run of heads is ``nbytes``
-    at ``src_offset`` inside each token's ``src_token_bytes`` (and at ``dst_offset`` of
-    ``dst_token_bytes`` on the other side). When the slice is every head of both sides the
-    pages are contiguous and the runs coalesce as in ``run_descriptors``.
+    The pools are head-major (``[heads, pages, page_size, head_dim]`` per buffer): head ``h``
+    of a buffer is a plane of pages at ``base + h * plane_bytes``, in which a page run is
+    contiguous. So each head of the slice is a buffer of its own for ``run_descriptors``:
+    heads ``[src_head, src_head + num_heads)`` of the source planes go to heads
+    ``[dst_head, dst_head + num_heads)`` of the destination's. The output stays buffer-major
+    (each buffer's heads, then the next buffer's), which ``split_by_layer`` relies on.
     """
-    if nbytes == src_token_bytes == dst_token_bytes:
-        return run_descriptors(src_pages, dst_pages, src_bases, dst_bases, page_size * nbytes)
-    if len(src_bases) != len(dst_bases):
-        raise ValueError(f"{len(src_bases)} local buffers but {len(dst_bases)} remote buffers")
-    s0, d0, n = page_runs(src_pages, dst_pages)
-    # token slots of every run, [tokens]: a run of n pages is n * page_size consecutive token slots
-    run_of = np.repeat(np.arange(n.size), n * page_size)
-    within = np.arange(run_of.size) - np.repeat(np.cumsum(n * page_size) - n * page_size, n * page_size)
-    src_tok = s0[run_of] * page_size + within
-    dst_tok = d0[run_of] * page_size + within
-    sb = np.asarray(src_bases, dtype=np.int64)[:, None]  # [buffers, 1]
-    db = np.asarray(dst_bases, dtype=np.int64)[:, None]
-    src = (sb + src_tok[None, :] * src_token_bytes + src_offset).ravel()  # [buffers * tokens]
-    dst = (db + dst_tok[None, :] * dst_token_bytes + dst_offset).ravel()
-    return src.tolist(), dst.tolist(), [nbytes] * src.size
+    heads = np.arange(num_heads, dtype=np.int64)
+    src = (np.asarray(src_bases, dtype=np.int64)[:, None] + (src_head + heads)[None, :] * src_plane_bytes).ravel()
+    dst = (np.asarray(dst_bases, dtype=np.int64)[:, None] + (dst_head + heads)[None, :] * dst_plane_bytes).ravel()
+    return run_descriptors(src_pages, dst_pages, src.tolist(), dst.tolist(), head_page_bytes)
 
 
 def split_by_layer(
@@ -88,7 +79,8 @@ def split_by_layer(
     """``run_descriptors``/``slice_descriptors`` output cut into each layer's (src, dst, lengths).
 
     Their descriptors are buffer-major over all layers' K then V buffers (``2 * num_layers``
-    blocks of one size), so layer ``l`` is block ``l`` (its K) and block ``num_layers + l`` (its V).
+    blocks of one size: every buffer has the same runs and heads), so layer ``l`` is block ``l``
+    (its K) and block ``num_layers + l`` (its V).
     """
     if len(src) % (2 * num_layers):
         raise ValueError(f"{len(src)} descriptors do not split over {2 * num_layers} K/V buffers")

@@ -40,7 +40,7 @@ class DecodePeer:
     reg: m.RegisterPool
     engine_peer: str | None  # None when rejected
     reject_reason: str | None
-    dst_bases: list[int]  # all layers' K then V, page-0 addresses
+    dst_bases: list[int]  # all layers' K then V, head 0's page-0 addresses
 
 
 @dataclass
@@ -85,8 +85,8 @@ class PrefillKVManager(KVManager):
         self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
         # a replica of KV heads a lower TP rank also holds sends nothing (see head_slices)
         self.silent = not slices_from(tp.rank, tp.size, 1, self.kv_heads)
-        self.token_bytes = self.page_bytes // self.layout.page_size
-        self.head_bytes = self.token_bytes // self.layout.num_kv_heads
+        self.head_page_bytes = self.page_bytes // self.layout.num_kv_heads
+        self.plane_bytes = self.head_page_bytes * pool.num_pages  # one head's pages: see page_pool
         # the bootstrap server of this prefill server; None: the configured port
         self.bootstrap_host = bootstrap_host or config.host
         self.bootstrap_port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
@@ -273,11 +273,10 @@ class PrefillKVManager(KVManager):
         """Per head slice: this rank's heads of the chunk's page runs into one decode TP rank, all layers."""
         peer = dest.peer
         dst_pages = dest.request.dst_pages[chunk.start : chunk.end]
-        dst_token_bytes = peer.reg.page_bytes // self.layout.page_size
-        hb = self.head_bytes
-        return [slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases,
-                                  self.layout.page_size, self.token_bytes, dst_token_bytes,
-                                  s.src_head * hb, s.dst_head * hb, s.num_heads * hb) for s in dest.slices]
+        dst_plane_bytes = self.head_page_bytes * peer.reg.num_pages
+        return [slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases, self.head_page_bytes,
+                                  self.plane_bytes, dst_plane_bytes, s.src_head, s.dst_head, s.num_heads)
+                for s in dest.slices]
 
     def _descriptors(self, chunk: _Chunk, dest: _Dest) -> tuple[list[int], list[int], list[int]]:
         """This rank's heads of the chunk's page runs, into one decode TP rank (cut by head range if needed)."""
@@ -460,7 +459,7 @@ class PrefillKVManager(KVManager):
             return f"decode TP rank {reg.tp_rank} of {reg.tp_size} holds {reg.layout.num_kv_heads} KV heads, not {share}"
         if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != self.layout.num_layers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
-        if reg.page_bytes != self.head_bytes * self.layout.page_size * share:
+        if reg.page_bytes != self.head_page_bytes * share:
             return f"page bytes mismatch: prefill {self.page_bytes} for {self.layout.num_kv_heads} heads vs decode {reg.page_bytes} for {share}"
         if reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_slot_bytes != self._aux_staging.slot_bytes:
             return f"bad decode pool: {reg.num_pages} pages, {reg.aux_num_slots} aux slots of {reg.aux_slot_bytes} bytes"

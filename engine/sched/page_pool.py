@@ -1,10 +1,15 @@
 """Paged KV cache: one K and one V tensor per layer, and the page allocator.
 
-Layout per layer and per K/V: ``[num_pages, page_size, num_kv_heads, head_dim]``.
-The KV of a run of consecutive pages is therefore one contiguous byte range per
-layer per K/V, which is what the KV transfer layer writes into. A token's
-*slot* is ``page * page_size + offset``; the flat view ``[num_slots, heads, dim]``
-is what the store/gather kernels index.
+Layout per layer and per K/V: head-major, ``[num_kv_heads, num_pages, page_size, head_dim]``.
+The KV of one head over a run of consecutive pages is therefore one contiguous byte range
+per layer per K/V, which is what the KV transfer layer writes: when the prefill and decode
+sides split the KV heads differently (tensor parallelism of different sizes), a head slice of
+a page run is still one descriptor per head, where a token-major page
+(``[pages, page_size, heads, dim]``) cuts it into one small descriptor per token, which the
+transfer engines move at a few MB/s (measured: ``scripts/bench_kvtransfer.py --cases
+mismatched``). It is vLLM's "HND" choice for heterogeneous TP, at the level of the whole
+pool. A token's *slot* is ``page * page_size + offset``; ``k_slots`` is the
+``[num_slots, heads, dim]`` view (strided over heads) that the store/gather kernels index.
 
 Page 0 is reserved as a scratch page (padding in page tables points at it), so
 it is never handed out and never counted as free or used.
@@ -37,19 +42,26 @@ class KVLayout:
     quantization: str
 
     @property
-    def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V)."""
+    def head_page_bytes(self) -> int:
+        """Bytes of one head's page of one layer's K (or V): the unit a transfer descriptor counts in."""
         itemsize = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return self.page_size * self.num_kv_heads * self.head_dim * itemsize
+        return self.page_size * self.head_dim * itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V), all its heads."""
+        return self.num_kv_heads * self.head_page_bytes
 
 
 @dataclass(frozen=True)
 class BufferInfo:
-    """One registered region: a layer's K or V tensor."""
+    """One registered region: a layer's K or V tensor (head-major: one plane of pages per head)."""
 
-    base_addr: int  # address of page 0
+    base_addr: int  # address of head 0's page 0
     nbytes: int  # whole tensor
-    page_bytes: int  # stride between consecutive pages
+    page_bytes: int  # one page, all heads
+    head_page_bytes: int  # one head's page: the stride between consecutive pages of a head
+    plane_bytes: int  # one head's pages: the stride between consecutive heads
 
 
 class PagePool:
@@ -76,7 +88,7 @@ class PagePool:
         self.dtype = dtype
         self.quantization = quantization
         self.device = torch.device(device)
-        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        shape = (num_kv_heads, num_pages, page_size, head_dim)
         # zeros, not empty: untouched pages must read as zeros in transfer tests
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -158,11 +170,11 @@ class PagePool:
 
     # ------------------------------------------------------------------ views
     def k_slots(self, layer: int) -> torch.Tensor:
-        """``[num_slots, num_kv_heads, head_dim]`` view of layer's K."""
-        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+        """``[num_slots, num_kv_heads, head_dim]`` view of layer's K (heads strided by a plane)."""
+        return self.k[layer].view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
 
     def v_slots(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+        return self.v[layer].view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
 
     # ------------------------------------------------- transfer registration
     def layout(self) -> KVLayout:
@@ -177,8 +189,10 @@ class PagePool:
 
     def buffer_infos(self) -> list[BufferInfo]:
         """Regions to register with a transfer engine: all layers' K, then all layers' V."""
+        head_page = self.layout().head_page_bytes
         return [
-            BufferInfo(t.data_ptr(), t.numel() * t.element_size(), t[0].numel() * t.element_size())
+            BufferInfo(t.data_ptr(), t.numel() * t.element_size(), head_page * self.num_kv_heads, head_page,
+                       head_page * self.num_pages)
             for t in (*self.k, *self.v)
         ]
 

@@ -116,10 +116,10 @@ class Peer:
         bad = []
         for dst_page, src_page in pairs:
             for i, (d, s) in enumerate(zip((*pool.k, *pool.v), (*src.k, *src.v))):
-                if not torch.equal(d[dst_page], s[src_page]):
+                if not torch.equal(d[:, dst_page], s[:, src_page]):  # head-major: pages are dim 1
                     bad.append([dst_page, src_page, i])
                     break
-        dirty = [p for p in untouched if any(bool(t[p].any()) for t in (*pool.k, *pool.v))]
+        dirty = [p for p in untouched if any(bool(t[:, p].any()) for t in (*pool.k, *pool.v))]
         return {"bad": bad, "dirty": dirty}
 
     def clear(self, mgr):

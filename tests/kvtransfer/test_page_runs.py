@@ -44,25 +44,24 @@ def test_descriptors_cover_exactly_the_page_pairs(pairs):
 @pytest.mark.parametrize("src_heads,dst_heads,src_head,dst_head,num", [(2, 1, 1, 0, 1), (1, 2, 0, 1, 1), (4, 4, 0, 0, 4),
                                                                      (4, 2, 2, 0, 2), (3, 6, 0, 3, 3)])
 def test_slice_descriptors_copy_exactly_the_head_slice(src_heads, dst_heads, src_head, dst_head, num):
-    """Applied to two byte pools [pages, page_size, heads, head_dim], the descriptors move exactly the slice."""
+    """Applied to two head-major byte pools [heads, pages, page_size, head_dim] of different page
+    counts, the descriptors move exactly the slice, one descriptor per page run per head."""
     from pdserve.kvtransfer.page_runs import slice_descriptors
 
-    pages, page_size, head_dim, item = 12, 4, 3, 2
+    src_pages_n, dst_pages_n, page_size, head_dim, item = 12, 10, 4, 3, 2
     rng = np.random.default_rng(0)
-    src = rng.integers(0, 255, (2, pages, page_size, src_heads, head_dim * item), dtype=np.uint8)  # 2 buffers
-    dst = np.zeros((2, pages, page_size, dst_heads, head_dim * item), dtype=np.uint8)
+    src = rng.integers(0, 255, (2, src_heads, src_pages_n, page_size, head_dim * item), dtype=np.uint8)  # 2 buffers
+    dst = np.zeros((2, dst_heads, dst_pages_n, page_size, head_dim * item), dtype=np.uint8)
     src_pages, dst_pages = [1, 2, 3, 7, 9], [4, 5, 8, 9, 2]
     sb, db = [0, src[0].nbytes], [0, dst[0].nbytes]
-    s, d, n = slice_descriptors(src_pages, dst_pages, sb, db, page_size, src_heads * head_dim * item,
-                                dst_heads * head_dim * item, src_head * head_dim * item, dst_head * head_dim * item,
-                                num * head_dim * item)
+    head_page = page_size * head_dim * item
+    s, d, n = slice_descriptors(src_pages, dst_pages, sb, db, head_page, src_pages_n * head_page,
+                                dst_pages_n * head_page, src_head, dst_head, num)
     flat_src, flat_dst = src.reshape(-1), dst.reshape(-1)
     for a, b, k in zip(s, d, n):
         flat_dst[b : b + k] = flat_src[a : a + k]
     want = np.zeros_like(dst)
-    want[:, dst_pages, :, dst_head : dst_head + num] = src[:, src_pages, :, src_head : src_head + num]
+    want[:, dst_head : dst_head + num][:, :, dst_pages] = src[:, src_head : src_head + num][:, :, src_pages]
     assert np.array_equal(dst, want)
-    if src_heads == dst_heads == num:
-        assert len(s) == 2 * 4  # whole pages: coalesced runs (1-3 -> 4-5 breaks: 4 runs per buffer)
-    else:
-        assert len(s) == 2 * len(src_pages) * page_size  # a strided slice: one descriptor per token
+    # 1-3 -> 4-5 breaks, so 4 runs: per buffer per head, never per token
+    assert len(s) == 2 * num * 4

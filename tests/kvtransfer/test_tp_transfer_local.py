@@ -40,9 +40,9 @@ def test_every_decode_rank_gets_its_heads_and_the_aux(p_tp, d_tp, kv_heads):
     # every source element says which global head it is: 100 * head + a per-token value
     for i, p in enumerate(p_pools):
         heads = kv_head_range(i, p_tp, kv_heads)
-        for t in (*p.k, *p.v):
+        for t in (*p.k, *p.v):  # head-major: [heads, pages, page_size, dim]
             for local, h in enumerate(heads):
-                t[:, :, local] = 100 * h + torch.arange(PAGES * PAGE, dtype=torch.float32).view(PAGES, PAGE, 1)
+                t[local] = 100 * h + torch.arange(PAGES * PAGE, dtype=torch.float32).view(PAGES, PAGE, 1)
     prefills = [PrefillKVManager(cfg, p, tp=TPPlace(i, p_tp, kv_heads)).start() for i, p in enumerate(p_pools)]
     decodes = [DecodeKVManager(cfg, d, tp=TPPlace(j, d_tp, kv_heads)).start() for j, d in enumerate(d_pools)]
     try:
@@ -64,8 +64,8 @@ def test_every_decode_rank_gets_its_heads_and_the_aux(p_tp, d_tp, kv_heads):
             for t in (*d.k, *d.v):
                 for local, h in enumerate(heads):
                     want = (100 * h + torch.arange(PAGES * PAGE, dtype=torch.float32).view(PAGES, PAGE, 1))[src_pages]
-                    assert torch.equal(t[dst_pages, :, local], want.expand(-1, -1, HEAD_DIM)), (j, h)
-                assert not t[[0, 1, 2, 3, 4]].any()  # nothing else written
+                    assert torch.equal(t[local, dst_pages], want.expand(-1, -1, HEAD_DIM)), (j, h)
+                assert not t[:, [0, 1, 2, 3, 4]].any()  # nothing else written
         _wait(lambda: all(s.poll() is KVPoll.Success for s in senders), "senders done")
     finally:
         for m in prefills + decodes:

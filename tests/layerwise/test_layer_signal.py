@@ -25,8 +25,8 @@ def test_split_by_layer_is_each_layers_own_descriptors():
         k, v = layer, LAYERS + layer
         assert got == run_descriptors(src_pages, dst_pages, [SRC_BASES[k], SRC_BASES[v]],
                                       [DST_BASES[k], DST_BASES[v]], 64)
-    # head slices (one descriptor per token): the same cut
-    sliced = slice_descriptors(src_pages, dst_pages, SRC_BASES, DST_BASES, 4, 32, 16, 16, 0, 16)
+    # head slices (one descriptor per run per head): the same cut
+    sliced = slice_descriptors(src_pages, dst_pages, SRC_BASES, DST_BASES, 64, 640, 1280, 1, 0, 2)
     parts = split_by_layer(*sliced, LAYERS)
     assert sum(len(p[0]) for p in parts) == len(sliced[0])
     assert sorted(a for p in parts for a in p[0]) == sorted(sliced[0])

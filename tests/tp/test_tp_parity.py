@@ -35,10 +35,10 @@ def test_tiny_checkpoint_tp_equals_tp1(tiny_checkpoints, kind, tp):
         np.testing.assert_allclose(a, b.numpy(), atol=1e-4, rtol=0)
     # each rank's pool holds its KV heads only: 2 KV heads split over 2 ranks, or replicated over 4
     head_dim = 32 if kind == "qwen3" else 16
-    assert {shape[2:] for shape, _ in ranks.values()} == {(1, head_dim)}
+    assert {(shape[0], shape[3]) for shape, _ in ranks.values()} == {(1, head_dim)}  # [heads, pages, page, dim]
     shards = [ranks[r][1] for r in range(tp)]
     assert [s.kv_start for s in shards] == ([0, 1] if tp == 2 else [0, 0, 1, 1])
-    assert len({shape[0] for shape, _ in ranks.values()}) == 1  # same page count on every rank
+    assert len({shape[1] for shape, _ in ranks.values()}) == 1  # same page count on every rank
 
 
 def test_default_model_tp3_equals_tp1():
@@ -49,4 +49,4 @@ def test_default_model_tp3_equals_tp1():
     got, _, ranks = run_tp(None, 3, prompts, 8)
     assert got == want
     assert [ranks[r][1].kv_start for r in range(3)] == [0, 1, 2]
-    assert {shape[2:] for shape, _ in ranks.values()} == {(1, 64)}
+    assert {(shape[0], shape[3]) for shape, _ in ranks.values()} == {(1, 64)}
