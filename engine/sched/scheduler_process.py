@@ -20,6 +20,7 @@ vocabulary on every rank), and only rank 0 sends outputs.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -78,16 +79,43 @@ def _tp_place(config: ServerConfig, tp_rank: int, runner):
     return TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
 
 
+# The CPUs of the whole server, before this rank pinned itself to its share (None: not pinned).
+_server_cpus: set[int] | None = None
+
+
+@contextlib.contextmanager
+def _unpinned():
+    """Threads started inside run on every CPU of the server, not only on the rank's share.
+
+    A rank pinned to its share (``RankSpec.cpus``: one core per TP rank on a 2-core machine) would
+    otherwise put its KV transfer threads, and the transfer engine's own (Mooncake's TCP workers,
+    UCX's progress thread), on the core its compute thread keeps busy. Measured: prefill TP 2 ->
+    decode TP 2 over Mooncake, 4 concurrent requests, pinned: 3 runs in 4 lost rooms to "no
+    transfer progress within 30s"; with the transfer threads unpinned: 4 in 4 succeeded in 0.2 s.
+    Linux affinity is per thread and inherited at creation, so widening the calling thread around
+    the KV manager's start, then narrowing it back, leaves the compute threads pinned."""
+    if _server_cpus is None:
+        yield
+        return
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, _server_cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
     from pdserve.prefill.prefill_loop import PrefillLoop
 
     runner = ModelRunner(config.engine)
-    kv = PrefillKVManager(
-        config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
-        bootstrap_host=config.advertise_host,
-    ).start()
+    with _unpinned():
+        kv = PrefillKVManager(
+            config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
+            bootstrap_host=config.advertise_host,
+        ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
 
@@ -97,7 +125,8 @@ def _build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 
     runner = ModelRunner(config.engine)
-    kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
+    with _unpinned():
+        kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
     return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
                       max_local_prefill_tokens=config.max_local_prefill_tokens)
 
@@ -147,6 +176,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         level=config.log_level.upper(), format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s"
     )
     if rank.cpus is not None:
+        global _server_cpus
+        _server_cpus = os.sched_getaffinity(0)
         os.sched_setaffinity(0, rank.cpus)
     import torch
 

@@ -27,16 +27,6 @@ from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
 pytestmark = [
     pytest.mark.timeout(900),
-    # Skipped by default (PDSERVE_RUN_TP_PD=1 runs it): with Mooncake, the mismatched pairs' head
-    # slices (one small descriptor per token per layer, the [pages, page_size, heads, head_dim]
-    # layout) crawl through its TCP transport when rooms run concurrently. Seen 2026-11-30 on main
-    # with the stand's 12 concurrent requests: both prefill transfer threads sat in
-    # get_batch_transfer_status (py-spy), Mooncake logged "no transfer progress within 30s; dropping
-    # connection", and rooms ended by the 20 s waiting timeout or, earlier, by missed heartbeats. A
-    # request alone passes in 0.2 s. The fix is contiguous head slices (a head-major page layout, or
-    # a staging copy), issue 13. The head-slice, in-process TP transfer and TP agreement tests run.
-    pytest.mark.skipif(os.environ.get("PDSERVE_RUN_TP_PD") != "1",
-                       reason="Mooncake stalls on per-token head-slice descriptors under concurrency (see the comment)"),
 ]
 
 # prompts within the tiny vocabulary: one token, one page, across two 64-token chunks
@@ -194,6 +184,14 @@ def _flood(prefill: Server, decode: Server, n: int = 6):
     return ex, futs
 
 
+def _wait_inflight(server: Server, timeout: float = 30.0) -> None:
+    """Until the server's front end holds a request (the flood reached it)."""
+    deadline = time.monotonic() + timeout
+    while not any(st["inflight"] for st in server.states()):
+        assert time.monotonic() < deadline, f"no request reached {server.name}"
+        time.sleep(0.01)
+
+
 def test_sigkill_of_a_tp_process_mid_transfer_frees_every_surviving_pool(stand):
     """Decode side first: D2's TP rank 1 dies while P1 sends to D2; P1's rooms fail and free, D2 goes down.
     Then the prefill side: P2's TP rank 1 dies while P2 sends to D1; D1's rooms fail and free."""
@@ -203,7 +201,7 @@ def test_sigkill_of_a_tp_process_mid_transfer_frees_every_surviving_pool(stand):
         victim = stand[victim_name]
         pid = rank_pids(victim)["pdserve-dp0-tp1"]
         ex, futs = _flood(stand[prefill], stand[decode])
-        time.sleep(1.5)
+        _wait_inflight(victim)  # a transfer takes milliseconds here: strike as soon as requests arrived
         os.kill(pid, signal.SIGKILL)
         results = [f.result() for f in futs]
         ex.shutdown()
