@@ -51,7 +51,7 @@ def test_fused_steps_bit_identical_to_op_by_op(ckpt, quantization):
         assert got_tokens == want_tokens
         for g, w in zip(got, want):
             assert torch.equal(g, w), (bs, (g - w).abs().max())
-    assert fused.model._stack is not None  # the fused path really ran
+    assert fused.model.decode_stack is not None  # the fused path really ran
 
 
 def _one_step(runner: ModelRunner, prompts: list[list[int]], sampled: list[int], after_layer=None):

@@ -151,8 +151,9 @@ class LlamaForCausalLM:
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
         # decode steps of at most this many rows run as one DecodeStack call (0: never)
         self.fused_rows = self.gemv_rows if fused_decode and tp.size == 1 and not arch.qk_norm else 0
-        # built at the first fused step, for its page pool: ((id, first K tensor's address) of the pool, stack)
-        self._stack: tuple[tuple[int, int], DecodeStack] | None = None
+        # built at the first fused step for its page pool, known by (id, first K tensor's address)
+        self.decode_stack: DecodeStack | None = None
+        self._stack_pool: tuple[int, int] | None = None
         packed = self.packed
 
         def small_form(t: torch.Tensor) -> Weight | None:
@@ -358,8 +359,8 @@ class LlamaForCausalLM:
         pool's tensors change)."""
         pool = attn.page_pool
         key = (id(pool), pool.k[0].data_ptr())
-        if self._stack is not None and self._stack[0] == key:
-            return self._stack[1]
+        if self.decode_stack is not None and self._stack_pool == key:
+            return self.decode_stack
         slot_stride, head_stride, dim_stride = pool.k_slots(0).stride()
         assert dim_stride == 1 and pool.v_slots(0).stride() == (slot_stride, head_stride, 1)
 
@@ -376,5 +377,5 @@ class LlamaForCausalLM:
                             attn.scale, slot_stride, head_stride)
         stack = DecodeStack(self.native, shape, layers, self.final_norm, *parts(self.lm_head_g), self.cos, self.sin,
                             self.fused_rows)
-        self._stack = (key, stack)
+        self.decode_stack, self._stack_pool = stack, key
         return stack
