@@ -85,14 +85,16 @@ def random_prompts(n: int, length: int, rng: random.Random, vocab: int) -> list[
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
-def timed(fn, repeats: int = 1):
-    """Output of the last run and the best wall time of ``repeats`` runs."""
-    best = float("inf")
+def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]]:
+    """Each side's output of ``call(side)`` and its best wall time of ``repeats`` rounds. The sides
+    take turns within each round, so that a loaded moment on a shared machine hits them alike."""
+    best = {name: (None, float("inf")) for name in sides}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
+        for name, side in sides.items():
+            t0 = time.perf_counter()
+            out = call(side)
+            best[name] = (out, min(best[name][1], time.perf_counter() - t0))
+    return best
 
 
 # the baseline sides' engine flags over the pdserve side's
@@ -290,13 +292,12 @@ def main(argv=None) -> dict:
         outputs: dict[str, dict[str, list]] = {name: {} for name in sides}
         for name, side in sides.items():
             side.generate(warm, 4)  # warm-up: first-call allocations, kernel selection
-        for name, side in sides.items():
-            _, dt = timed(lambda: side.generate(prefill_prompts, 1), args.repeats)
+        for name, (_, dt) in timed(sides, lambda side: side.generate(prefill_prompts, 1), args.repeats).items():
             figures[f"{name}_prefill_tok_s"] = args.num_prompts * args.prompt_len / dt
             print(f"{name:8s} prefill {args.num_prompts}x{args.prompt_len}: {dt:.2f}s", file=sys.stderr)
         for conc in (1, args.batch):
-            for name, side in sides.items():
-                out, dt = timed(lambda: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
+            runs = timed(sides, lambda side: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
+            for name, (out, dt) in runs.items():
                 outputs[name][conc] = out
                 figures[f"{name}_decode{conc}_tok_s"] = conc * args.new_tokens / dt
                 print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
