@@ -34,6 +34,9 @@ class EngineConfig:
     # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
     # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare
     disable_decode_gemv: bool = False
+    # those steps' layers in one native call each (kernels/cpu_decode_layer.c) rather than op by op
+    # from Python; off: op by op, the same outputs bit for bit, e.g. to compare
+    disable_fused_decode: bool = False
     # KV cache
     page_size: int = 16
     max_total_tokens: int | None = None  # None: derived from mem_fraction_static

@@ -47,6 +47,13 @@ class AttentionBackend(ABC):
         Returns [num_tokens, num_heads * head_dim], causal over each sequence's prefix and new tokens.
         """
 
+    def native_decode_pages(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where every row of this step is one sequence's next token and this backend attends them
+        with ``cpu_native``'s decode attention: its (page_table [n, P] int32 contiguous, seq_lens [n]
+        int32), so that a fused native decode step may store K/V and attend exactly as ``forward``
+        would. None otherwise (the default: ``forward`` for every layer)."""
+        return None
+
 
 # name -> "module:Class"; a backend's module is imported only when it is chosen
 ATTENTION_BACKENDS: dict[str, str] = {

@@ -5,7 +5,8 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
-(``has_gemv``, AVX-512 BF16); ``cpu_common.h``, their bf16 conversions and exp.
+(``has_gemv``, AVX-512 BF16); ``cpu_decode_layer.c``, a small decode step's layers in one
+call of those kernels (``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -26,13 +27,15 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c")
+_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c",
+            "cpu_decode_layer.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -103,6 +106,9 @@ class NativeKernels:
         self.has_gemv = bool(self.lib.gemv_supported())
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
+        # it runs the gemv kernels, so it is there where they are
+        self._decode_layers = self._bind("decode_layers_bf16", [_P, _P, _I32, _P, _P, _P, _I64, _P, _I32, _I32, _P,
+                                                                _I32, _P])
 
     def _bind(self, name: str, argtypes: list) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, name)
@@ -193,6 +199,9 @@ class NativeKernels:
             raise RuntimeError(f"native gemv failed with code {rc}")
         return out
 
+    def _decode_attention_fn(self, dtype: torch.dtype, dim: int) -> ctypes._CFuncPtr:
+        return self._decode.get((dtype, dim)) or self._decode[(dtype, None)]
+
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          page_table: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """Paged decode attention over whole sequences (every row is one sequence's last token).
@@ -207,8 +216,7 @@ class NativeKernels:
         assert page_table.dtype == torch.int32 and page_table.is_contiguous() and seq_lens.dtype == torch.int32
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == q.dtype
         out = torch.empty(n, num_heads * dim, dtype=q.dtype)
-        fn = self._decode.get((q.dtype, dim)) or self._decode[(q.dtype, None)]
-        rc = fn(
+        rc = self._decode_attention_fn(q.dtype, dim)(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), page_table.data_ptr(),
             page_table.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, num_heads, kv_heads, dim,
@@ -217,6 +225,121 @@ class NativeKernels:
         if rc != 0:
             raise RuntimeError(f"native decode attention failed with code {rc}")
         return out
+
+
+class DecodeLayerDesc(ctypes.Structure):
+    """``decode_layer_desc`` of cpu_decode_layer.c, field for field."""
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "qkv_w", "qkv_scale", "qkv_bias", "o_w", "o_scale", "post_norm", "gate_up_w", "gate_up_scale",
+        "down_w", "down_scale", "k_cache", "v_cache")]
+
+
+class DecodeModelDesc(ctypes.Structure):
+    """``decode_model_desc`` of cpu_decode_layer.c, field for field."""
+    _fields_ = (
+        [("layers", _P)]
+        + [(name, _I64) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "inter", "vocab",
+                                     "int8", "page_size", "kv_slot_stride", "kv_head_stride")]
+        + [(name, _P) for name in ("cos", "sin", "final_norm", "lm_head", "lm_head_scale", "attn",
+                                   "x", "qkv", "qk", "attn_out", "attn_sel", "act", "h_sel")]
+        + [("max_rows", _I64), ("eps", _F), ("scale", _F)]
+    )
+
+
+@dataclass(frozen=True)
+class DecodeLayerTensors:
+    """One layer as ``DecodeStack`` reads it. Weights row-major [N, K], bf16, or int8 with a float32
+    scale per row (``*_scale``); the K/V caches are the pool's per-layer tensors, passed to decode
+    attention as ``NativeKernels.decode_attention`` passes them."""
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
+    qkv_scale: torch.Tensor | None
+    qkv_bias: torch.Tensor | None  # [(H + 2 KVH) D]
+    o: torch.Tensor  # [hidden, H D]
+    o_scale: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 inter, hidden]: gate | up
+    gate_up_scale: torch.Tensor | None
+    down: torch.Tensor  # [hidden, inter]
+    down_scale: torch.Tensor | None
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    eps: float  # RMSNorm's
+    scale: float  # attention's
+    # elements between two slots and between two heads of a K/V cache tensor (its flat
+    # ``[num_slots, heads, dim]`` view's strides), so the store holds for any pool layout
+    kv_slot_stride: int
+    kv_head_stride: int
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStack:
+    """A small decode step's layers, final norm and LM head as one native call
+    (``cpu_decode_layer.c``): bit-identical to calling ``rms_norm``, ``gemv``, ``rope``, the K/V
+    store and ``decode_attention`` one by one, without their ~8 calls and fresh tensors per layer.
+    Holds every tensor it points to, and scratch for ``max_rows`` rows. bf16 activations only."""
+
+    def __init__(self, kernels: NativeKernels, shape: DecodeShape, layers: list[DecodeLayerTensors],
+                 final_norm: torch.Tensor, lm_head: torch.Tensor, lm_head_scale: torch.Tensor | None,
+                 cos: torch.Tensor, sin: torch.Tensor, max_rows: int):
+        H, KVH, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        hidden = final_norm.numel()
+        first = layers[0]
+        inter = first.gate_up.shape[0] // 2
+        int8 = first.qkv.dtype == torch.int8
+        for t in (*(getattr(layer, f) for layer in layers for f in ("input_norm", "qkv", "o", "post_norm", "gate_up",
+                                                                    "down", "k_cache", "v_cache")),
+                  final_norm, lm_head, cos, sin):
+            assert t.is_contiguous() and t.dtype in (torch.bfloat16, torch.int8), "contiguous bf16 or int8 tensors"
+        assert lm_head.shape[1] == hidden and cos.shape[1] == D and (lm_head_scale is not None) == int8
+        self._kernels = kernels
+        self._keep = (layers, final_norm, lm_head, lm_head_scale, cos, sin)
+        widths = {"x": hidden, "qkv": (H + 2 * KVH) * D, "qk": (H + KVH) * D, "attn_out": H * D, "attn_sel": H * D,
+                  "act": inter, "h_sel": hidden}
+        self._scratch = {name: torch.empty(max_rows, n, dtype=torch.bfloat16) for name, n in widths.items()}
+        self._layer_descs = (DecodeLayerDesc * len(layers))(*(DecodeLayerDesc(
+            _ptr(layer.input_norm), _ptr(layer.qkv), _ptr(layer.qkv_scale), _ptr(layer.qkv_bias), _ptr(layer.o),
+            _ptr(layer.o_scale), _ptr(layer.post_norm), _ptr(layer.gate_up), _ptr(layer.gate_up_scale),
+            _ptr(layer.down), _ptr(layer.down_scale), _ptr(layer.k_cache), _ptr(layer.v_cache)) for layer in layers))
+        attn_fn = kernels._decode_attention_fn(torch.bfloat16, D)
+        self._desc = DecodeModelDesc(
+            ctypes.addressof(self._layer_descs), len(layers), hidden, H, KVH, D, inter, lm_head.shape[0], int(int8),
+            shape.page_size, shape.kv_slot_stride, shape.kv_head_stride, _ptr(cos), _ptr(sin), _ptr(final_norm),
+            _ptr(lm_head), _ptr(lm_head_scale), ctypes.cast(attn_fn, _P).value,
+            *(_ptr(self._scratch[name]) for name in widths), max_rows, shape.eps, shape.scale,
+        )
+        self._desc_ptr = ctypes.addressof(self._desc)
+        self.num_layers = len(layers)
+        self.vocab = lm_head.shape[0]
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, page_table: torch.Tensor,
+            seq_lens: torch.Tensor, first: int, last: int, sel: torch.Tensor, logits: torch.Tensor | None) -> None:
+        """Layers ``[first, last)`` of a step of one token for each of ``M`` sequences.
+
+        h: [M, hidden] bf16 contiguous, the residual stream, updated in place; positions, loc: [M]
+        int64 (the tokens' positions and slots); page_table: [M, P] int32 contiguous; seq_lens: [M]
+        int32. Where ``last`` is the last layer: the rows ``sel`` [nsel] int64 go on past its
+        attention, then ``logits`` [nsel, vocab] bf16 gets the LM head's output."""
+        for t, dtype in ((positions, torch.int64), (loc, torch.int64), (sel, torch.int64), (page_table, torch.int32),
+                         (seq_lens, torch.int32), (h, torch.bfloat16)):
+            assert t.dtype == dtype and t.is_contiguous()
+        assert logits is None or (logits.is_contiguous() and logits.shape == (sel.numel(), self.vocab))
+        rc = self._kernels._decode_layers(
+            self._desc_ptr, h.data_ptr(), h.shape[0], positions.data_ptr(), loc.data_ptr(), page_table.data_ptr(),
+            page_table.stride(0), seq_lens.data_ptr(), first, last, sel.data_ptr(), sel.numel(), _ptr(logits))
+        if rc != 0:
+            raise RuntimeError(f"native decode layers failed with code {rc}")
 
 
 def native_kernels() -> NativeKernels | None:

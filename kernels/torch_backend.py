@@ -121,6 +121,12 @@ class TorchAttentionBackend(AttentionBackend):
                                                  k_cache, v_cache, p)
         return out
 
+    def native_decode_pages(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        dec = self.decode
+        if self.native is None or dec is None or dec.rows is not None:
+            return None
+        return dec.pages, dec.seq_lens
+
     def _prefill(self, q, k, v, k_cache, v_cache, meta: _PrefillMeta) -> torch.Tensor:
         # q: [n, H, D]; k, v: [n, KVH, D] -> [n, H * D]
         n = q.shape[0]

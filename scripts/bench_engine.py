@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--baseline", action="store_true",
                    help="add a side 'eager': pdserve with --disable-decode-gemv (and bf16 weights), the step "
                         "before issue 17, so the speedup shows as a ratio in the same run")
+    p.add_argument("--unfused", action="store_true",
+                   help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
+                        "decode steps op by op from Python), so the fused step's gain shows as a ratio")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
@@ -82,25 +85,34 @@ def random_prompts(n: int, length: int, rng: random.Random, vocab: int) -> list[
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
 
 
-def timed(fn, repeats: int = 1):
-    """Output of the last run and the best wall time of ``repeats`` runs."""
-    best = float("inf")
+def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]]:
+    """Each side's output of ``call(side)`` and its best wall time of ``repeats`` rounds. The sides
+    take turns within each round, so that a loaded moment on a shared machine hits them alike."""
+    best = {name: (None, float("inf")) for name in sides}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return out, best
+        for name, side in sides.items():
+            t0 = time.perf_counter()
+            out = call(side)
+            best[name] = (out, min(best[name][1], time.perf_counter() - t0))
+    return best
+
+
+# the baseline sides' engine flags over the pdserve side's
+BASELINES = {
+    "eager": dict(quantization="none", disable_decode_gemv=True),  # the step before issue 17
+    "unfused": dict(disable_fused_decode=True),
+}
 
 
 class PdserveSide:
-    def __init__(self, args, max_tokens: int, baseline: bool = False):
+    def __init__(self, args, max_tokens: int, baseline: str | None = None):
         from pdserve.engine import Engine
 
+        flags = {"quantization": args.quantization, **BASELINES.get(baseline, {})}
         self.engine = Engine(
             model_path=args.model_path,
             dtype=args.dtype,
-            quantization="none" if baseline else args.quantization,
-            disable_decode_gemv=baseline,
+            **flags,
             num_threads=args.threads,
             max_total_tokens=max_tokens,
             max_running_requests=max(args.batch, 1),
@@ -269,7 +281,9 @@ def main(argv=None) -> dict:
         )
         sides = {"pdserve": PdserveSide(args, max_tokens)}
         if args.baseline:
-            sides["eager"] = PdserveSide(args, max_tokens, baseline=True)
+            sides["eager"] = PdserveSide(args, max_tokens, baseline="eager")
+        if args.unfused:
+            sides["unfused"] = PdserveSide(args, max_tokens, baseline="unfused")
         if not args.no_hf:
             sides["hf"] = HFSide(args, hf_dir)
         if args.server:
@@ -278,13 +292,12 @@ def main(argv=None) -> dict:
         outputs: dict[str, dict[str, list]] = {name: {} for name in sides}
         for name, side in sides.items():
             side.generate(warm, 4)  # warm-up: first-call allocations, kernel selection
-        for name, side in sides.items():
-            _, dt = timed(lambda: side.generate(prefill_prompts, 1), args.repeats)
+        for name, (_, dt) in timed(sides, lambda side: side.generate(prefill_prompts, 1), args.repeats).items():
             figures[f"{name}_prefill_tok_s"] = args.num_prompts * args.prompt_len / dt
             print(f"{name:8s} prefill {args.num_prompts}x{args.prompt_len}: {dt:.2f}s", file=sys.stderr)
         for conc in (1, args.batch):
-            for name, side in sides.items():
-                out, dt = timed(lambda: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
+            runs = timed(sides, lambda side: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
+            for name, (out, dt) in runs.items():
                 outputs[name][conc] = out
                 figures[f"{name}_decode{conc}_tok_s"] = conc * args.new_tokens / dt
                 print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
@@ -307,21 +320,22 @@ def main(argv=None) -> dict:
     }
     figs = ("prefill", "decode1", f"decode{args.batch}")
     def limit(name: str, fig: str) -> float:
-        dense = fig == "decode1" and name != "pdserve"
+        dense = fig == "decode1" and name not in ("pdserve", "unfused")  # the sides with args.quantization
         return limits["limit_decode1_dense_tok_s" if dense else f"limit_{fig}_tok_s"]
 
     for name in sides:
         for fig in figs:
             result[f"{name}_{fig}_frac"] = round(figures[f"{name}_{fig}_tok_s"] / limit(name, fig), 3)
     rows = []
-    for other in ("hf", "server", "eager"):
+    for other in ("hf", "server", "eager", "unfused"):
         if other not in sides:
             continue
         for fig in figs:
             # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
-            # eager: pdserve / pdserve before issue 17 (the speedup)
+            # eager: pdserve / pdserve before issue 17 (the speedup); unfused: pdserve / its steps op by op
             num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)
-            key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine", "eager": f"{fig}_vs_eager"}[other]
+            key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine", "eager": f"{fig}_vs_eager",
+                   "unfused": f"{fig}_vs_unfused"}[other]
             result[key] = round(figures[f"{num}_{fig}_tok_s"] / figures[f"{den}_{fig}_tok_s"], 3)
             rows.append((fig, num, den, key))
     if "hf" in sides:

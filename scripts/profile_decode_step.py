@@ -1,9 +1,10 @@
 #!/usr/bin/env python
-"""One decode step against the floor this CPU's read bandwidth sets, three ways, in one run.
+"""One decode step against the floor this CPU's read bandwidth sets, five ways, in one run.
 
-Loads the model three times (bf16 with the decode steps through oneDNN, as before issue 17;
-bf16 through native gemv; w8a16 through int8 gemv), prefills ``--batch`` sequences in each,
-then times single decode steps, alternating between the three so that load from other jobs
+Loads the model five times (bf16 with the decode steps through oneDNN, as before issue 17;
+bf16 through native gemv op by op from Python (``gemv``) and in one native call per step
+(``fused``); w8a16 through int8 gemv, the same two ways), prefills ``--batch`` sequences in
+each, then times single decode steps, alternating between them so that load from other jobs
 hits them alike (best of ``--repeats``). The floor of a step at batch 1 is its weight bytes
 over the read bandwidth of a 512 MB bf16 sum, measured in the same run. Last, the LM head's
 product alone at one row, oneDNN prepacked vs gemv vs a sum over the same bytes: where a
@@ -34,7 +35,9 @@ from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 
 SIDES = {
     "onednn": dict(disable_decode_gemv=True),
-    "gemv": {},
+    "gemv": dict(disable_fused_decode=True),
+    "fused": {},
+    "w8a16_ops": dict(quantization="w8a16", disable_fused_decode=True),
     "w8a16": dict(quantization="w8a16"),
 }
 
@@ -80,14 +83,17 @@ def main() -> None:
             times[name] = min(times[name], best_of(fn, 1))
     bw = read_bandwidth_gbs(repeats=10)
     params = linear_params(runners["gemv"].arch)
-    floors = {"onednn": 2 * params / bw / 1e9, "gemv": 2 * params / bw / 1e9, "w8a16": params / bw / 1e9}
+    floors = {name: (1 if name.startswith("w8a16") else 2) * params / bw / 1e9 for name in SIDES}
     result = {
         "bench": "decode_step", "threads": args.threads, "batch": bs, "context": ctx,
         "load_avg": round(os.getloadavg()[0], 1), "read_gbs": round(bw, 1),
         **{f"{n}_step_ms": round(t * 1e3, 2) for n, t in times.items()},
         **({f"{n}_frac_of_floor": round(floors[n] / t, 3) for n, t in times.items()} if bs == 1 else {}),
         "gemv_vs_onednn": round(times["onednn"] / times["gemv"], 2),
-        "w8a16_vs_gemv": round(times["gemv"] / times["w8a16"], 2),
+        "fused_vs_gemv": round(times["gemv"] / times["fused"], 2),
+        "fused_vs_onednn": round(times["onednn"] / times["fused"], 2),
+        "w8a16_fused_vs_ops": round(times["w8a16_ops"] / times["w8a16"], 2),
+        "w8a16_vs_fused": round(times["fused"] / times["w8a16"], 2),
     }
     native = native_kernels()
     if native is not None and native.has_gemv:

@@ -22,6 +22,12 @@ With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
 (``quantization.Int8Weight``), multiplied in place by gemv and dequantized per matrix for
 larger steps; the embedding lookup stays in the model dtype.
 
+Such a step, where every row is a sequence's next token, runs its layers in one native call
+(``cpu_native.DecodeStack``, ``kernels/cpu_decode_layer.c``): the same kernels in the same order
+on preallocated scratch, bit-identical to the op-by-op path below, without its ~8 ctypes calls and
+torch ops per layer. Only at TP 1 (an all-reduce sits inside each layer otherwise) and without
+Qwen3's q/k norm (torch's float32 mean there is not the C kernel's sum order).
+
 Tensor parallel (``tp`` a HeadShard of size > 1): each rank keeps its query and KV heads' rows
 of q|k|v and the matching columns of o (column-parallel, then row-parallel), its 1/tp of the
 intermediate rows of gate|up and columns of down, so a layer needs one all-reduce after o and
@@ -47,7 +53,7 @@ from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_di
 from pdserve.engine.model_executor.quantization import Int8Weight
 from pdserve.engine.model_executor.quantization_names import check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
-from pdserve.kernels.cpu_native import native_kernels
+from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
 
 # Steps of at most this many tokens run their linears through native gemv. Measured on one
 # Zen 4 core (loaded machine, best of 15) on the default model's LM head against the prepacked
@@ -123,10 +129,11 @@ def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
-                 quantization: str = "none", gemv: bool = True):
+                 quantization: str = "none", gemv: bool = True, fused_decode: bool = True):
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
         norm/rope kernels. ``gemv``: small steps through native gemv where it is available
-        (bf16 and AVX-512 BF16). ``quantization``: ``none`` or ``w8a16``."""
+        (bf16 and AVX-512 BF16). ``fused_decode``: small decode steps' layers in one native call
+        where gemv is on (TP 1, no q/k norm). ``quantization``: ``none`` or ``w8a16``."""
         check_quantization(quantization)
         arch.check_tp_size(1 if tp is None else tp.size)
         tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
@@ -142,6 +149,11 @@ class LlamaForCausalLM:
         self.native = native_kernels() if prepack else None
         use_gemv = gemv and self.native is not None and self.native.has_gemv
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
+        # decode steps of at most this many rows run as one DecodeStack call (0: never)
+        self.fused_rows = self.gemv_rows if fused_decode and tp.size == 1 and not arch.qk_norm else 0
+        # built at the first fused step for its page pool, known by (id, first K tensor's address)
+        self.decode_stack: DecodeStack | None = None
+        self._stack_pool: tuple[int, int] | None = None
         packed = self.packed
 
         def small_form(t: torch.Tensor) -> Weight | None:
@@ -235,6 +247,10 @@ class LlamaForCausalLM:
         qk_end = (H + KVH) * D
         T = batch.input_ids.shape[0]
         h = F.embedding(batch.input_ids, self.embed)  # [T, hidden]
+        if T <= self.fused_rows and 0 < batch.logits_indices.numel() <= self.fused_rows:
+            pages = attn.native_decode_pages()
+            if pages is not None:
+                return self._fused_decode(h, batch, attn, pages, after_layer)
         native = self.native
         norm = (lambda x, w: native.rms_norm(x, w, eps)) if native is not None else (lambda x, w: _rms_norm(x, w, eps))
         if native is None:
@@ -311,6 +327,55 @@ class LlamaForCausalLM:
             logits = lp(x, self.lm_head, None, "none", [], "")
         else:
             logits = F.linear(x, _dense(self.lm_head, dtype))
+        return self._full_logits(logits)
+
+    def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
         # [num_sampled, vocab_shard] per rank -> the whole vocabulary on every rank, for identical sampling
         logits = all_gather_last_dim(logits.float())
-        return logits[:, : arch.vocab_size] if logits.shape[1] != arch.vocab_size else logits
+        vocab = self.arch.vocab_size
+        return logits[:, :vocab] if logits.shape[1] != vocab else logits
+
+    def _fused_decode(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
+                      pages: tuple[torch.Tensor, torch.Tensor],
+                      after_layer: Callable[[int], None] | None) -> torch.Tensor:
+        """``forward`` of a small all-decode step through one DecodeStack call (one per layer with
+        ``after_layer``, called once the layer, K/V store included, is done). h: [T, hidden]."""
+        stack = self._decode_stack(attn)
+        page_table, seq_lens = pages
+        sel = batch.logits_indices.contiguous()
+        logits = torch.empty(sel.numel(), stack.vocab, dtype=torch.bfloat16)
+        step = (h, batch.positions.contiguous(), batch.out_cache_loc.contiguous(), page_table, seq_lens)
+        last = len(self.layers)
+        if after_layer is None:
+            stack.run(*step, 0, last, sel, logits)
+        else:
+            for i in range(last):
+                stack.run(*step, i, i + 1, sel, logits if i == last - 1 else None)
+                after_layer(i)
+        return self._full_logits(logits)
+
+    def _decode_stack(self, attn: AttentionBackend) -> DecodeStack:
+        """The DecodeStack over this model's gemv weights and ``attn``'s page pool (rebuilt when the
+        pool's tensors change)."""
+        pool = attn.page_pool
+        key = (id(pool), pool.k[0].data_ptr())
+        if self.decode_stack is not None and self._stack_pool == key:
+            return self.decode_stack
+        slot_stride, head_stride, dim_stride = pool.k_slots(0).stride()
+        assert dim_stride == 1 and pool.v_slots(0).stride() == (slot_stride, head_stride, 1)
+
+        def parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
+
+        layers = []
+        for i, layer in enumerate(self.layers):
+            qkv, o, gate_up, down = (parts(w) for w in (layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g))
+            layers.append(DecodeLayerTensors(
+                layer.input_norm, *qkv, layer.qkv_b, *o, layer.post_norm, *gate_up, *down, pool.k[i], pool.v[i]))
+        arch = self.arch
+        shape = DecodeShape(self.num_heads, self.num_kv_heads, arch.head_dim, pool.page_size, arch.rms_norm_eps,
+                            attn.scale, slot_stride, head_stride)
+        stack = DecodeStack(self.native, shape, layers, self.final_norm, *parts(self.lm_head_g), self.cos, self.sin,
+                            self.fused_rows)
+        self.decode_stack, self._stack_pool = stack, key
+        return stack

@@ -1,0 +1,152 @@
+/* A small decode step's layers in one native call, built by cpu_native.py.
+
+   Why: at one to four tokens a decode step of the default model (30 layers) is a stream over
+   ~270 MB of weights, floor ~7.7 ms on this CPU, yet it took ~21 ms through native gemv with
+   every op called from Python: ~240 ctypes calls and ~15 torch ops per layer, each a few
+   microseconds of dispatch plus a fresh tensor. Here one call runs a range of layers (the whole
+   stack, then the final norm and the LM head) by calling the same C kernels in the same order
+   on preallocated scratch, so its outputs are bit-identical to the per-op path:
+
+     x = rms_norm(h); qkv = x @ Wqkv^T (+ bias); qk = rope(qkv[q | k]);
+     store k, v at the step's slots; o = decode_attention(q over the pages);
+     h = h + o @ Wo^T (one rounding); x = rms_norm(h); a = silu(x @ Wg^T) * (x @ Wu^T);
+     h = h + a @ Wd^T
+
+   The K/V store takes the pool's strides (a slot's and a head's, in elements) from the caller,
+   so it holds for any layout of the per-layer pool tensors; decode attention is called through
+   the pointer cpu_native.py chose for it, with the arguments cpu_native.py passes it.
+   Tensor parallel (an all-reduce after o and after down) is left to the per-op path. */
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+/* the kernels this file calls, defined in cpu_gemv.c and cpu_norm_rope.c */
+int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* out, int64_t out_stride,
+              const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode);
+int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale,
+                 uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
+                 int mode);
+int rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16_t* out, int64_t out_stride,
+                  int T, int N, float eps);
+int rope_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos_t, const uint16_t* sin_t,
+              const int64_t* pos, uint16_t* out, int T, int NH, int D);
+/* decode_attn_bf16* in cpu_decode_attn.c */
+typedef int (*decode_attn_fn)(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
+                              int64_t head_stride, int64_t page_stride, int64_t tok_stride,
+                              const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, uint16_t* out,
+                              int n, int H, int KVH, int D, int ps, float scale);
+
+/* One layer's tensors (mirrored by cpu_native.DecodeLayerDesc). Weights are bf16, or int8 with
+   float32 per-row scales (then the *_scale pointers are set). */
+typedef struct {
+    const uint16_t* input_norm;  /* [hidden] */
+    const void* qkv_w;           /* [(H + 2 KVH) D, hidden] */
+    const float* qkv_scale;
+    const uint16_t* qkv_bias;    /* [(H + 2 KVH) D] or NULL */
+    const void* o_w;             /* [hidden, H D] */
+    const float* o_scale;
+    const uint16_t* post_norm;   /* [hidden] */
+    const void* gate_up_w;       /* [2 inter, hidden]: gate | up */
+    const float* gate_up_scale;
+    const void* down_w;          /* [hidden, inter] */
+    const float* down_scale;
+    uint16_t* k_cache;           /* the pool's per-layer tensors, as decode attention takes them */
+    uint16_t* v_cache;
+} decode_layer_desc;
+
+/* The model and its scratch (mirrored by cpu_native.DecodeModelDesc). Scratch buffers hold
+   max_rows rows each: x [hidden], qkv [(H + 2 KVH) D], qk [(H + KVH) D], attn [H D] and
+   attn_sel [H D], act [inter], h_sel [hidden]. */
+typedef struct {
+    const decode_layer_desc* layers;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, inter, vocab, int8, page_size;
+    int64_t kv_slot_stride, kv_head_stride;  /* elements between two slots, two heads of a K/V tensor */
+    const uint16_t* cos;  /* [ctx, D] */
+    const uint16_t* sin;
+    const uint16_t* final_norm;  /* [hidden] */
+    const void* lm_head;  /* [vocab, hidden] */
+    const float* lm_head_scale;
+    void* attn;  /* decode_attn_fn */
+    uint16_t *x, *qkv, *qk, *attn_out, *attn_sel, *act, *h_sel;
+    int64_t max_rows;
+    float eps, scale;
+} decode_model_desc;
+
+static int linear(const decode_model_desc* m, const uint16_t* x, int64_t x_stride, const void* w, const float* s,
+                  uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
+                  int mode) {
+    if (m->int8)
+        return gemv_w8_bf16(x, x_stride, (const int8_t*)w, s, out, out_stride, res, res_stride, M, N, K, mode);
+    return gemv_bf16(x, x_stride, (const uint16_t*)w, out, out_stride, res, res_stride, M, N, K, mode);
+}
+
+/* Copy row t of k [KVH, D] and v [KVH, D] to slot loc[t] of the layer's caches. */
+static void store_kv(const decode_model_desc* m, const decode_layer_desc* l, const uint16_t* k, const uint16_t* v,
+                     int64_t slot) {
+    const int64_t D = m->head_dim;
+    for (int64_t j = 0; j < m->num_kv_heads; j++) {
+        const int64_t at = slot * m->kv_slot_stride + j * m->kv_head_stride;
+        memcpy(l->k_cache + at, k + j * D, (size_t)D * sizeof(uint16_t));
+        memcpy(l->v_cache + at, v + j * D, (size_t)D * sizeof(uint16_t));
+    }
+}
+
+/* Layers [first, last) of one decode step over M rows (one token of each of M sequences).
+   h: [M, hidden] bf16 contiguous, the residual stream, updated in place; pos, loc: [M] int64
+   positions and slots; page_table: [M, pt_stride] int32; seq_lens: [M] int32. Where the range
+   ends at the last layer, the rows ``sel`` [nsel] of its attention output and residual go on
+   (the sampled rows), then the final norm and the LM head write ``logits`` [nsel, vocab].
+   Returns 0, or the first failing kernel's code. */
+int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int64_t* pos, const int64_t* loc,
+                       const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, int first, int last,
+                       const int64_t* sel, int nsel, uint16_t* logits) {
+    if (M < 1 || M > m->max_rows || nsel < 0 || nsel > m->max_rows || first < 0 || last > m->num_layers)
+        return -10;
+    const int64_t hidden = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, inter = m->inter;
+    const int64_t qkv_n = (H + 2 * KVH) * D, qk_n = (H + KVH) * D, hd = H * D;
+    const decode_attn_fn attn = (decode_attn_fn)m->attn;
+    int rc = 0;
+    for (int i = first; i < last; i++) {
+        const decode_layer_desc* l = &m->layers[i];
+        rc = rms_norm_bf16(h, hidden, l->input_norm, m->x, hidden, M, (int)hidden, m->eps);
+        if (!rc) rc = linear(m, m->x, hidden, l->qkv_w, l->qkv_scale, m->qkv, qkv_n, 0, 0, M, (int)qkv_n, (int)hidden, 0);
+        if (rc) return rc;
+        if (l->qkv_bias)  /* as torch adds bf16: in float32, rounded once */
+            for (int64_t t = 0; t < M; t++)
+                for (int64_t n = 0; n < qkv_n; n++)
+                    m->qkv[t * qkv_n + n] = f32_to_bf16(bf16_to_f32(m->qkv[t * qkv_n + n]) + bf16_to_f32(l->qkv_bias[n]));
+        rope_bf16(m->qkv, qkv_n, m->cos, m->sin, pos, m->qk, M, (int)(H + KVH), (int)D);
+        for (int64_t t = 0; t < M; t++)
+            store_kv(m, l, m->qk + t * qk_n + hd, m->qkv + t * qkv_n + qk_n, loc[t]);
+        /* a slot's K/V at slot * kv_slot_stride: a page of them at page_size times that */
+        rc = attn(m->qk, qk_n, l->k_cache, l->v_cache, m->kv_head_stride, m->page_size * m->kv_slot_stride,
+                  m->kv_slot_stride, page_table, pt_stride, seq_lens, m->attn_out, M, (int)H,
+                  (int)KVH, (int)D, (int)m->page_size, m->scale);
+        if (rc) return rc;
+        uint16_t* o = m->attn_out;
+        if (i == m->num_layers - 1) {  /* past the last attention only the sampled rows matter */
+            for (int j = 0; j < nsel; j++) {
+                memcpy(m->attn_sel + j * hd, m->attn_out + sel[j] * hd, (size_t)hd * sizeof(uint16_t));
+                memcpy(m->h_sel + j * hidden, h + sel[j] * hidden, (size_t)hidden * sizeof(uint16_t));
+            }
+            o = m->attn_sel;
+            h = m->h_sel;
+            M = nsel;
+            if (M == 0) return 0;
+        }
+        rc = linear(m, o, hd, l->o_w, l->o_scale, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1);
+        if (!rc) rc = rms_norm_bf16(h, hidden, l->post_norm, m->x, hidden, M, (int)hidden, m->eps);
+        if (!rc) rc = linear(m, m->x, hidden, l->gate_up_w, l->gate_up_scale, m->act, inter, 0, 0, M, (int)(2 * inter),
+                             (int)hidden, 2);
+        if (!rc) rc = linear(m, m->act, inter, l->down_w, l->down_scale, h, hidden, h, hidden, M, (int)hidden,
+                             (int)inter, 1);
+        if (rc) return rc;
+    }
+    if (last == m->num_layers && logits) {
+        rc = rms_norm_bf16(h, hidden, m->final_norm, m->x, hidden, M, (int)hidden, m->eps);
+        if (!rc) rc = linear(m, m->x, hidden, m->lm_head, m->lm_head_scale, logits, m->vocab, 0, 0, M, (int)m->vocab,
+                             (int)hidden, 0);
+    }
+    return rc;
+}
