@@ -140,11 +140,19 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
         n = len(src)
         local, remote = np.zeros((n, 3), np.uint64), np.zeros((n, 3), np.uint64)
         local[:, 0], local[:, 1], remote[:, 0], remote[:, 1] = src, lengths, dst, lengths
-        h = raw.initialize_xfer("WRITE", raw.get_xfer_descs(local, "DRAM"), raw.get_xfer_descs(remote, "DRAM"), peer_name, b"")
-        raw.transfer(h)
-        while (s := raw.check_xfer_state(h)) == "PROC":
-            time.sleep(0)  # yield, or a hot loop starves UCX's progress thread on a small host
-        raw.release_xfer_handle(h)
+        lock = mgr.engine.lock  # the engine's progress thread calls the agent too
+        with lock:
+            h = raw.initialize_xfer("WRITE", raw.get_xfer_descs(local, "DRAM"), raw.get_xfer_descs(remote, "DRAM"),
+                                    peer_name, b"")
+            raw.transfer(h)
+        while True:
+            with lock:
+                s = raw.check_xfer_state(h)
+            if s != "PROC":
+                break
+            time.sleep(0)  # yield, or a hot loop starves the engine's progress thread
+        with lock:
+            raw.release_xfer_handle(h)
         if s != "DONE":
             raise RuntimeError(f"raw nixl write: {s}")
     return time.monotonic() - t0

@@ -32,7 +32,7 @@ pytestmark = [
 # prompts within the tiny vocabulary: one token, one page, across two 64-token chunks
 PROMPTS = [[1], [1, 5, 9, 33, 100, 7, 8], list(range(3, 70)), [4, 8, 15, 16, 23, 42] * 25]
 MAX_NEW = 8
-BOOTSTRAP_TIMEOUT = 10.0
+BOOTSTRAP_TIMEOUT = 20.0
 PAIRS = [("P2", "D1"), ("P1", "D2"), ("P2", "D2")]
 
 
@@ -56,10 +56,13 @@ def stand(request, tiny_checkpoints):
     if backend == "nixl":
         pytest.importorskip("nixl")
     model = ["--model-path", tiny_checkpoints["llama"], "--max-total-tokens", "2048"]
-    # seven scheduler processes share 2 cores here: a heartbeat reply can wait behind a TP step for
-    # more than pd_stand's 3 s window, and a first NIXL pairing of two decode TP ranks with one prefill
-    # rank took more than its 4 s bootstrap timeout (both seen in CI), so this stand allows 6 s and 10 s
-    kv = ["--disaggregation-heartbeat-max-failures", "6", "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT)]
+    # seven scheduler processes share 2 cores here, and over NIXL each idle rank's UCX progress thread
+    # spins (nixl's Python agent runs it with no delay: 45-50% of a core per idle rank, measured): a
+    # heartbeat reply can wait more than pd_stand's 3 s window and a room's destination more than its
+    # 4 s bootstrap timeout (6 s and 10 s were seen, on a loaded machine), so this stand allows 15 s
+    # for both and 60 s of waiting; the faults' rooms still end by heartbeat or abort in seconds
+    kv = ["--disaggregation-heartbeat-max-failures", "15", "--disaggregation-bootstrap-timeout", str(BOOTSTRAP_TIMEOUT),
+          "--disaggregation-waiting-timeout", "60"]
     servers = {
         "colocated": Server(f"tp-colocated-{backend}", "null", *model),
         "P1": Server(f"tp-P1-{backend}", "prefill", *model, *kv, backend=backend),
