@@ -70,6 +70,9 @@ class KVManager(ABC):
         self.layout = m.LayoutInfo.from_layout(pool.layout())
         infos = pool.buffer_infos()
         self.page_bytes = infos[0].page_bytes
+        # head-major pools (page_pool): a head's page, and a head's plane of pages, in every buffer
+        self.head_page_bytes = infos[0].head_page_bytes
+        self.plane_bytes = infos[0].plane_bytes
         self.k_addrs = [b.base_addr for b in infos[: pool.num_layers]]
         self.v_addrs = [b.base_addr for b in infos[pool.num_layers :]]
         # this rank's rooms for /metrics; a page of a room is every layer's K and V buffer's page

@@ -42,6 +42,11 @@ class DecodePeer:
     reject_reason: str | None
     dst_bases: list[int]  # all layers' K then V, head 0's page-0 addresses
 
+    @property
+    def plane_bytes(self) -> int:
+        """One head's pages in the decode pool: the stride between its heads (head-major, page_pool)."""
+        return self.reg.page_bytes // self.reg.layout.num_kv_heads * self.reg.num_pages
+
 
 @dataclass
 class _Dest:
@@ -85,8 +90,6 @@ class PrefillKVManager(KVManager):
         self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
         # a replica of KV heads a lower TP rank also holds sends nothing (see head_slices)
         self.silent = not slices_from(tp.rank, tp.size, 1, self.kv_heads)
-        self.head_page_bytes = self.page_bytes // self.layout.num_kv_heads
-        self.plane_bytes = self.head_page_bytes * pool.num_pages  # one head's pages: see page_pool
         # the bootstrap server of this prefill server; None: the configured port
         self.bootstrap_host = bootstrap_host or config.host
         self.bootstrap_port = config.bootstrap_port if bootstrap_port is None else bootstrap_port
@@ -273,9 +276,8 @@ class PrefillKVManager(KVManager):
         """Per head slice: this rank's heads of the chunk's page runs into one decode TP rank, all layers."""
         peer = dest.peer
         dst_pages = dest.request.dst_pages[chunk.start : chunk.end]
-        dst_plane_bytes = self.head_page_bytes * peer.reg.num_pages
         return [slice_descriptors(chunk.src_pages, dst_pages, self.src_bases, peer.dst_bases, self.head_page_bytes,
-                                  self.plane_bytes, dst_plane_bytes, s.src_head, s.dst_head, s.num_heads)
+                                  self.plane_bytes, peer.plane_bytes, s.src_head, s.dst_head, s.num_heads)
                 for s in dest.slices]
 
     def _descriptors(self, chunk: _Chunk, dest: _Dest) -> tuple[list[int], list[int], list[int]]:

@@ -246,7 +246,7 @@ def bench_mismatched(backend: str, token_counts: list[int], iters: int, decode_c
                         (sl,) = slices_from(i, 2, 1, TP_KV_HEADS)
                         src, dst, lengths = slice_descriptors(
                             pages, pages, m.src_bases, peer.dst_bases, m.head_page_bytes, m.plane_bytes,
-                            m.head_page_bytes * peer.reg.num_pages, sl.src_head, sl.dst_head, sl.num_heads)
+                            peer.plane_bytes, sl.src_head, sl.dst_head, sl.num_heads)
                         descs.append((peer.engine_peer, src, dst, lengths))
                 if not raw_first:
                     raw_t = raw_both(descs)
@@ -302,7 +302,7 @@ def bench_backend(backend: str, token_counts: list[int], iters: int, decode_cpu:
                     peer = next(iter(mgr.decode_peers.values()))
                     src, dst, lengths = slice_descriptors(
                         src_pages, dst_pages, mgr.src_bases, peer.dst_bases, mgr.head_page_bytes, mgr.plane_bytes,
-                        mgr.head_page_bytes * peer.reg.num_pages, 0, 0, KV_HEADS)
+                        peer.plane_bytes, 0, 0, KV_HEADS)
                 if not raw_first:
                     raw_t = raw_write(mgr, peer.engine_peer, src, dst, lengths)
                 if it:

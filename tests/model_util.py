@@ -8,6 +8,20 @@ import torch
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 
 
+def bf16_runner(path: str, **kw):
+    """A bf16 ModelRunner of a small pool (pages of 4 tokens: short prompts cross pages), engine flags ``kw``."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+
+    return ModelRunner(EngineConfig(model_path=path, dtype="bfloat16", max_total_tokens=2048, page_size=4, **kw))
+
+
+def random_prompts(lens: list[int], seed: int) -> list[list[int]]:
+    """Prompts of these lengths, seeded, within the tiny checkpoints' vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
+
+
 def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list[list[int]] | None = None):
     """Prefill all prompts in one ragged batch, then decode them together.
 

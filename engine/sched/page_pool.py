@@ -189,10 +189,10 @@ class PagePool:
 
     def buffer_infos(self) -> list[BufferInfo]:
         """Regions to register with a transfer engine: all layers' K, then all layers' V."""
-        head_page = self.layout().head_page_bytes
+        lay = self.layout()
         return [
-            BufferInfo(t.data_ptr(), t.numel() * t.element_size(), head_page * self.num_kv_heads, head_page,
-                       head_page * self.num_pages)
+            BufferInfo(t.data_ptr(), t.numel() * t.element_size(), lay.page_bytes, lay.head_page_bytes,
+                       lay.head_page_bytes * self.num_pages)
             for t in (*self.k, *self.v)
         ]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, make_tiny_checkpoint
+from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
@@ -20,9 +20,6 @@ needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv, reason="n
 NEW = 10
 
 
-def runner_for(path: str, **kw) -> ModelRunner:
-    return ModelRunner(EngineConfig(model_path=path, dtype="bfloat16", max_total_tokens=2048, page_size=4, **kw))
-
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: the q/k/v bias
 def ckpt(request, tmp_path_factory):
@@ -31,21 +28,17 @@ def ckpt(request, tmp_path_factory):
     return path
 
 
-def prompts_of(lens: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
-
 
 @needs_gemv
 @pytest.mark.parametrize("quantization", ["none", "w8a16"])
 def test_fused_steps_bit_identical_to_op_by_op(ckpt, quantization):
-    fused, ops = runner_for(ckpt, quantization=quantization), runner_for(ckpt, quantization=quantization,
+    fused, ops = bf16_runner(ckpt, quantization=quantization), bf16_runner(ckpt, quantization=quantization,
                                                                           disable_fused_decode=True)
     assert fused.model.fused_rows == GEMV_MAX_ROWS and ops.model.fused_rows == 0
     # every batch size the fused step takes, ragged prompts (pages of 4: some steps cross a page),
     # and one past it (op by op on both sides)
     for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 1]:
-        prompts = prompts_of([2 + 5 * i for i in range(bs)], seed=bs)
+        prompts = random_prompts([2 + 5 * i for i in range(bs)], seed=bs)
         want_tokens, want = greedy_generate(ops, prompts, NEW)
         got_tokens, got = greedy_generate(fused, prompts, NEW)
         assert got_tokens == want_tokens
@@ -81,8 +74,8 @@ def _one_step(runner: ModelRunner, prompts: list[list[int]], sampled: list[int],
 
 @needs_gemv
 def test_fused_step_sampled_rows_kv_pages_and_after_layer(ckpt):
-    fused, ops = runner_for(ckpt), runner_for(ckpt, disable_fused_decode=True)
-    prompts = prompts_of([5, 9, 2], seed=11)
+    fused, ops = bf16_runner(ckpt), bf16_runner(ckpt, disable_fused_decode=True)
+    prompts = random_prompts([5, 9, 2], seed=11)
     sampled = [2, 0]  # fewer rows than the step's, out of order: the last layer's selection
     want, want_kv = _one_step(ops, prompts, sampled)
     called = []
@@ -97,8 +90,8 @@ def test_fused_step_only_where_it_is_exact(tmp_path):
     # float32 has no native kernels at all (any CPU's path): neither gemv nor the fused step.
     make_tiny_checkpoint("qwen3", str(tmp_path))
     if native is not None and native.has_gemv:
-        assert runner_for(str(tmp_path)).model.fused_rows == 0
+        assert bf16_runner(str(tmp_path)).model.fused_rows == 0
     f32 = ModelRunner(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=2048, page_size=4))
     assert f32.model.fused_rows == 0 and f32.model.gemv_rows == 0
-    tokens, _ = greedy_generate(f32, prompts_of([3, 6], seed=3), 3)
+    tokens, _ = greedy_generate(f32, random_prompts([3, 6], seed=3), 3)
     assert all(len(t) == 3 for t in tokens)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, make_tiny_checkpoint
+from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
@@ -24,9 +24,6 @@ NEW = 12
 W8_LOGIT_ERROR = 0.25
 
 
-def runner_for(path: str, **kw) -> ModelRunner:
-    return ModelRunner(EngineConfig(model_path=path, dtype="bfloat16", max_total_tokens=2048, page_size=4, **kw))
-
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def ckpt(request, tmp_path_factory):
@@ -35,10 +32,6 @@ def ckpt(request, tmp_path_factory):
     return path
 
 
-def prompts_of(lens: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
-
 
 def forced_logits(runner, prompts, path):
     return greedy_generate(runner, prompts, NEW, forced=path)[1]
@@ -46,11 +39,11 @@ def forced_logits(runner, prompts, path):
 
 @needs_gemv
 def test_gemv_steps_match_onednn_steps(ckpt):
-    on, off = runner_for(ckpt), runner_for(ckpt, disable_decode_gemv=True)
+    on, off = bf16_runner(ckpt), bf16_runner(ckpt, disable_decode_gemv=True)
     assert on.model.gemv_rows == GEMV_MAX_ROWS and off.model.gemv_rows == 0
     # every batch size gemv takes, ragged prompt lengths, and one past it (all through oneDNN)
     for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 2]:
-        prompts = prompts_of([3 + 5 * i for i in range(bs)], seed=bs)
+        prompts = random_prompts([3 + 5 * i for i in range(bs)], seed=bs)
         path, want = greedy_generate(off, prompts, NEW)
         got = forced_logits(on, prompts, path)
         for g, w in zip(got, want):
@@ -72,12 +65,12 @@ def test_gemv_steps_match_onednn_steps(ckpt):
 def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
     if gemv and (native is None or not native.has_gemv):
         pytest.skip("needs AVX-512 BF16")
-    bf16 = runner_for(ckpt)
-    w8 = runner_for(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
+    bf16 = bf16_runner(ckpt)
+    w8 = bf16_runner(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
     assert w8.model.quantization == "w8a16"
     # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
     assert (bf16.page_pool.layout().quantization, w8.page_pool.layout().quantization) == ("none", "w8a16")
-    prompts = prompts_of([7, 23, 1], seed=5)  # 3 sequences: gemv takes their decode steps when on
+    prompts = random_prompts([7, 23, 1], seed=5)  # 3 sequences: gemv takes their decode steps when on
     path, want = greedy_generate(bf16, prompts, NEW)
     got = forced_logits(w8, prompts, path)
     for g, w in zip(got, want):
@@ -88,9 +81,9 @@ def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
 @needs_gemv
 def test_w8a16_gemv_and_dequantized_paths_agree(ckpt):
     # the same int8 weights: in place through gemv at small steps, dequantized per matrix otherwise
-    a = runner_for(ckpt, quantization="w8a16")
-    b = runner_for(ckpt, quantization="w8a16", disable_decode_gemv=True)
-    prompts = prompts_of([9, 4], seed=6)
+    a = bf16_runner(ckpt, quantization="w8a16")
+    b = bf16_runner(ckpt, quantization="w8a16", disable_decode_gemv=True)
+    prompts = random_prompts([9, 4], seed=6)
     path, want = greedy_generate(b, prompts, NEW)
     for g, w in zip(forced_logits(a, prompts, path), want):
         # gemv scales in float32, the dense path rounds each dequantized weight to bf16 first
@@ -103,7 +96,7 @@ def test_w8a16_portable_torch_path_in_float32(ckpt):
     w8 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4,
                                   quantization="w8a16"))
     assert w8.model.native is None and w8.model.gemv_rows == 0
-    prompts = prompts_of([7, 23, 1], seed=7)
+    prompts = random_prompts([7, 23, 1], seed=7)
     path, want = greedy_generate(f32, prompts, NEW)
     for g, w in zip(forced_logits(w8, prompts, path), want):
         err = (g - w).abs().max() / w.std()
