@@ -26,8 +26,10 @@ Workloads:
           uniform down to 3/4 of it, ``--interference-long-output-len`` out) every
           ``--interference-period`` seconds: through 1p1d the short prompts queue behind long
           prefills on the prefill server, which local prefill avoids. Its table reports the short
-          requests' p50 TTFT and p99 TPOT, and goodput of all requests; its comparison rate is
-          the lowest at which 1p1d's short p50 TTFT is at least twice that at the lowest rate.
+          requests' p50 TTFT and p99 TPOT, and goodput of all requests. Before its sweep each setup
+          gets a few short and long prompts one at a time (idle TTFT, printed and in the JSON);
+          its comparison rate is the lowest at which 1p1d's short p50 TTFT is at least twice
+          its idle value.
 
 Outputs: a table per rate, a ratio table (1p1d / colocated, 1p1d+local / colocated and
 1p1d+local / 1p1d) at the comparison rate (interference: see above; otherwise the
@@ -46,7 +48,9 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -62,6 +66,7 @@ from pdserve.engine.cluster import Cluster, LaunchConfig  # noqa: E402
 from pdserve.engine.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 SETUPS = ("colocated", "1p1d", "1p1d+local")
+IDLE_PROBES = (4, 2)  # short and long prompts sent one at a time before an interference sweep
 LENGTHS = (  # flag, default, --quick default (tokens)
     ("steady_input_len", 256, 128),
     ("steady_output_len", 32, 16),
@@ -113,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-path", default=None)
     p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of every server")
+    p.add_argument("--engine-args", default="",
+                   help="more flags for every engine server of every setup, one shell-quoted string (e.g. "
+                        "'--disable-decode-gemv' for the decode step before issue 17)")
     p.add_argument("--colocated-threads", type=int, default=None,
                    help="torch threads of the colocated server; default: every core. On a machine shared "
                         "with other work, threads > free cores make every step wait for a descheduled thread")
@@ -180,6 +188,29 @@ def workload(name: str, rate: float, args, tokenizer) -> tuple[list, list[float]
     return [r for _, r, _ in merged], [t for t, _, _ in merged], [k for _, _, k in merged]
 
 
+def idle_ttft(base_url: str, args, tokenizer) -> dict:
+    """TTFT of the interference workload's short and long prompts sent one at a time to an idle
+    setup (median of ``IDLE_PROBES`` each): the baseline its comparison rate doubles, and what
+    bounds TTFT at low load (one core per server against two for the colocated one)."""
+    short = datasets.sample_random(tokenizer, IDLE_PROBES[0], args.short_input_len, args.short_output_len, 1.0,
+                                   args.seed + 1)
+    long = datasets.sample_random(tokenizer, IDLE_PROBES[1], args.interference_long_len,
+                                  args.interference_long_output_len, 0.75, args.seed + 2)
+    long = [dataclasses.replace(r, output_len=args.interference_long_output_len) for r in long]
+    rows = short + long
+    outputs, _ = asyncio.run(benchmark(base_url, BACKENDS[args.backend](), rows, [0.0] * len(rows),
+                                       max_concurrency=1, warmup_requests=1, request_timeout=600.0))
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise RuntimeError(f"idle probe failed: {failed[0]}")
+    ttft = [o.ttft * 1000 for o in outputs]
+    out = {"short_ttft_ms": statistics.median(ttft[:len(short)]), "long_ttft_ms": statistics.median(ttft[len(short):])}
+    print(f"  idle TTFT: short ({args.short_input_len} tokens) {out['short_ttft_ms']:.1f} ms, long "
+          f"({int(0.75 * args.interference_long_len)}-{args.interference_long_len} tokens) {out['long_ttft_ms']:.1f} ms",
+          flush=True)
+    return out
+
+
 def measure(base_url: str, name: str, rate: float, args, tokenizer) -> dict:
     rows, offsets, kinds = workload(name, rate, args, tokenizer)
     outputs, duration = asyncio.run(benchmark(base_url, BACKENDS[args.backend](), rows, offsets,
@@ -228,7 +259,7 @@ class Colocated:
                 "--num-threads", str(threads), "--max-total-tokens", str(args.max_total_tokens)]
         if args.model_path:
             argv += ["--model-path", args.model_path]
-        argv += list(extra_args)
+        argv += shlex.split(args.engine_args) + list(extra_args)
         self.proc = spawn(argv, self.log, die_with_parent=True)
         try:
             wait_healthy(self.url, self.proc, args.startup_timeout, name="colocated server",
@@ -244,7 +275,7 @@ class Colocated:
 def start_1p1d(args, log_dir: str, local: bool = False) -> Cluster:
     """1 prefill + 1 decode behind the router; ``local``: with conditional disaggregation (every
     server gets --max-local-prefill-tokens, which only a decode server uses)."""
-    engine_args = ("--max-total-tokens", str(args.max_total_tokens))
+    engine_args = ("--max-total-tokens", str(args.max_total_tokens), *shlex.split(args.engine_args))
     router_args: tuple[str, ...] = ()
     if local:
         n = str(args.local_prefill_max_tokens)
@@ -266,15 +297,17 @@ def start_1p1d(args, log_dir: str, local: bool = False) -> Cluster:
 # --- reporting -----------------------------------------------------------------------------------
 
 
-def comparison_rate(results: dict, name: str, slo_tpot_ms: float) -> float:
+def comparison_rate(results: dict, name: str, slo_tpot_ms: float, idle: dict | None = None) -> float:
     """interference (with 1p1d measured): the lowest rate where 1p1d's short p50 TTFT is at least
-    twice that at the lowest rate (its short requests queue behind long prefills); otherwise the
-    lowest rate where the colocated server's p99 TPOT misses the SLO; else the highest rate."""
+    twice its idle value (``idle``: ``idle_ttft`` per setup; without it, that at the lowest rate):
+    its short requests queue behind long prefills; otherwise the lowest rate where the colocated
+    server's p99 TPOT misses the SLO; else the highest rate."""
     if name == "interference" and "1p1d" in results:
         runs = results["1p1d"][name]
-        idle = runs[0].get("short_median_ttft_ms")
-        for m in runs[1:]:
-            if idle and m.get("short_median_ttft_ms") is not None and m["short_median_ttft_ms"] >= 2 * idle:
+        base = (idle or {}).get("1p1d", {}).get("short_ttft_ms")
+        idle_ms = base if base is not None else runs[0].get("short_median_ttft_ms")
+        for m in runs if base is not None else runs[1:]:
+            if idle_ms and m.get("short_median_ttft_ms") is not None and m["short_median_ttft_ms"] >= 2 * idle_ms:
                 return m["rate"]
         return runs[-1]["rate"]
     key = "streams_p99_tpot_ms" if name == "mixed" else "p99_tpot_ms"
@@ -377,6 +410,7 @@ def main(argv=None) -> int:
     print(f"compare_disagg: {cores} cores (load average {load:.1f}), rates {args.rates}, "
           f"workloads {args.workloads}, logs in {log_dir}", flush=True)
     results: dict = {s: {w: [] for w in args.workloads} for s in args.setups}
+    idle: dict = {}  # setup -> idle_ttft (interference only)
     for setup in args.setups:
         t = time.monotonic()
         server = Colocated(args, log_dir) if setup == "colocated" else \
@@ -384,6 +418,8 @@ def main(argv=None) -> int:
         url = server.url
         print(f"{setup}: ready at {url} in {time.monotonic() - t:.0f} s", flush=True)
         try:
+            if "interference" in args.workloads:
+                idle[setup] = idle_ttft(url, args, tokenizer)
             for name in args.workloads:
                 for rate in args.rates:
                     results[setup][name].append(measure(url, name, rate, args, tokenizer))
@@ -394,12 +430,13 @@ def main(argv=None) -> int:
                "load_avg_end": round(os.getloadavg()[0], 2), "rates": args.rates, "backend": args.backend,
                "colocated_threads": args.colocated_threads or cores, "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms, "num_prompts": args.num_prompts,
                "setups": args.setups, "local_prefill_max_tokens": args.local_prefill_max_tokens,
+               "engine_args": args.engine_args,
                "workloads": {}}
     from benchlib.plots import plot_cdf
 
     print()
     for name in args.workloads:
-        rate = comparison_rate(results, name, args.slo_tpot_ms)
+        rate = comparison_rate(results, name, args.slo_tpot_ms, idle)
         table, ratios = ratio_table(results, name, rate)
         print(table + "\n")
         cdf = plot_cdf({s: next(m for m in results[s][name] if m["rate"] == rate) for s in args.setups}, "tpots",
@@ -409,6 +446,7 @@ def main(argv=None) -> int:
             "short_median_tpot_ms", "long_prompts", "errors"]
         summary["workloads"][name] = {
             "comparison_rate": rate,
+            **({"idle_ttft_ms": idle} if name == "interference" else {}),
             "ratios": {t: {k: (None if v is None else round(v, 3)) for k, v in r.items()}
                        for t, r in ratios.items() if isinstance(r, dict)},
             **{s: [{k: m[k] for k in keep if k in m} for m in results[s][name]] for s in args.setups},

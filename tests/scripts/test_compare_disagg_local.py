@@ -37,6 +37,10 @@ def test_interference_compares_at_the_rate_where_1p1d_short_ttft_doubled():
                "1p1d": {"interference": [run(1, 200, 1.0), run(2, 350, 1.5), run(3, 500, 1.5)]},
                "1p1d+local": {"interference": [run(1, 150, 1.0), run(2, 200, 1.8), run(3, 250, 2.0)]}}
     assert cd.comparison_rate(results, "interference", 100.0) == 3  # 500 >= 2 x 200; 350 is not
+    # measured idle TTFT (one request at a time) is the baseline when there is one: 350 >= 2 x 150,
+    # and a setup already saturated at the lowest rate compares there
+    assert cd.comparison_rate(results, "interference", 100.0, {"1p1d": {"short_ttft_ms": 150.0}}) == 2
+    assert cd.comparison_rate(results, "interference", 100.0, {"1p1d": {"short_ttft_ms": 90.0}}) == 1
     table, ratios = cd.ratio_table(results, "interference", 3)
     assert ratios["local/1p1d"]["short_median_ttft_ms"] == pytest.approx(0.5)
     assert ratios["local/col"]["goodput"] == pytest.approx(2.0)
