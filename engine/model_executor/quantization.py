@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.gemv_layout import GemvWeight
+
 
 @dataclass
 class Int8Weight:
@@ -37,3 +39,11 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
+
+
+def dense(w: torch.Tensor | Int8Weight | GemvWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales, or
+    either packed for native gemv."""
+    if isinstance(w, GemvWeight):
+        w = w.unpack() if w.scale is None else Int8Weight(w.unpack(), w.scale)
+    return w.dequantize(dtype) if isinstance(w, Int8Weight) else w.to(dtype)
