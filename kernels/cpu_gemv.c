@@ -202,3 +202,56 @@ int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const flo
     return -1;
 #endif
 }
+
+/* Dequantize a packed int8 W (N, K, ``swiglu`` as packed) to out: [N, K] bf16 row-major, each
+   weight bf16(q * scale[n]) as ``quantization.Int8Weight.dequantize`` rounds it (exact q, one
+   float32 product, round to nearest even): the larger steps' dense form of the int8 weights
+   gemv streams. The same lookups as block_i8; -1 where gemv is not supported. */
+int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int swiglu, uint16_t* out) {
+#if GEMV_OK
+    const int halves = swiglu ? 2 : 1, rows_out = N / halves;
+    const int nblocks = (rows_out + RB - 1) / RB;
+    const int64_t chunks = (K + CW - 1) / CW;
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < nblocks; b++) {
+        const __m512i lo0 = _mm512_loadu_si512(bf16_lo), lo1 = _mm512_loadu_si512(bf16_lo + 64);
+        const __m512i hi0 = _mm512_loadu_si512(bf16_hi), hi1 = _mm512_loadu_si512(bf16_hi + 64);
+        const __m512i sign = _mm512_set1_epi8((char)0x80);
+        const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+        const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
+        for (int h = 0; h < halves; h++) {
+            const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
+            const int64_t row0 = (int64_t)h * rows_out + b * RB;
+            for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
+                const int64_t k = c * CW;
+                const __mmask32 mask = K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+                for (int p = 0; p < RB / 2; p++) {
+                    const __m512i q = _mm512_loadu_si512(B + p * 64);
+                    const __m512i lo = _mm512_permutex2var_epi8(lo0, q, lo1);
+                    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, q, hi1), q, sign, 0xF8);
+                    const __m512i w[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                    for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
+                        const __m512 s = _mm512_set1_ps(scale[row0 + 2 * p + j]);
+                        __m256i half[2];
+                        for (int e = 0; e < 2; e++) {
+                            /* bf16 -> float32 is a shift; the product's bits rounded as f32_to_bf16 */
+                            const __m512i wb = _mm512_cvtepu16_epi32(e ? _mm512_extracti64x4_epi64(w[j], 1)
+                                                                       : _mm512_castsi512_si256(w[j]));
+                            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(
+                                _mm512_castsi512_ps(_mm512_slli_epi32(wb, 16)), s));
+                            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+                            half[e] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                _mm512_add_epi32(u, _mm512_add_epi32(round, odd)), 16));
+                        }
+                        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+                        _mm512_mask_storeu_epi16(out + (row0 + 2 * p + j) * K + k, mask, v);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    return -1;
+#endif
+}

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.gemv_layout import GemvWeight
 
 
@@ -45,5 +46,8 @@ def dense(w: torch.Tensor | Int8Weight | GemvWeight, dtype: torch.dtype) -> torc
     """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales, or
     either packed for native gemv."""
     if isinstance(w, GemvWeight):
+        native = native_kernels()
+        if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:
+            return native.gemv_dequantize(w)  # the same roundings, in one pass over the packed bytes
         w = w.unpack() if w.scale is None else Int8Weight(w.unpack(), w.scale)
     return w.dequantize(dtype) if isinstance(w, Int8Weight) else w.to(dtype)
