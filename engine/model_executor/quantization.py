@@ -3,8 +3,9 @@
 A decode step at batch 1 streams every weight once, so its time is the weights' bytes over
 memory bandwidth; int8 halves the bytes of bf16. Activations stay in the model dtype. The
 same int8 weights serve prefill and decode: small steps multiply them in place (the native
-``gemv`` kernel converts int8 to float32 in registers), larger ones dequantize one matrix
-at a time to the model dtype and run the dense product, whose cost the FLOPs dominate.
+``gemv`` kernel widens int8 to bf16 in registers, from its packed layout ``GemvWeight`` where
+it runs), larger ones dequantize one matrix at a time to the model dtype and run the dense
+product, whose cost the FLOPs dominate (``dense``: natively for a packed weight).
 
 Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
 so the largest weight of each row is exact and the error of any weight is at most half a step.

@@ -16,11 +16,13 @@ rope then run as the native kernels' one-pass versions (same roundings).
 Decode steps of up to ``GEMV_MAX_ROWS`` tokens take the native ``gemv`` kernels instead
 (``kernels/cpu_gemv.c``): at one token a step is a stream over the weights, and oneDNN's
 prepacked linear streams them at about half the rate a plain read reaches on this CPU, the
-gemv loop at 55-90% of it (scripts/profile_decode_step.py). They read the weights in the checkpoint's row-major layout, so a
-bf16 model keeps that copy beside the prepacked one (the default model: 270 MB more).
+gemv loop at the plain read's rate (the LM head, one core: 35 GB/s against a sum's 34 and
+oneDNN's 19; scripts/profile_decode_step.py). gemv reads its own copy of each weight, packed
+once at load so that the whole step is one sequential stream (``kernels/gemv_layout.py``), so a
+bf16 model keeps it beside oneDNN's prepacked one (the default model: 270 MB more).
 With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
-(``quantization.Int8Weight``), multiplied in place by gemv and dequantized per matrix for
-larger steps; the embedding lookup stays in the model dtype.
+(``quantization.Int8Weight``), packed the same way where gemv runs: multiplied in place by
+gemv and dequantized per matrix for larger steps; the embedding lookup stays in the model dtype.
 
 Such a step, where every row is a sequence's next token, runs its layers in one native call
 (``cpu_native.DecodeStack``, ``kernels/cpu_decode_layer.c``): the same kernels in the same order
@@ -57,10 +59,10 @@ from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeSt
 from pdserve.kernels.gemv_layout import GemvWeight
 
 # Steps of at most this many tokens run their linears through native gemv. Measured on one
-# Zen 4 core (loaded machine, best of 15) on the default model's LM head against the prepacked
-# oneDNN linear: gemv 1.2-1.7x ahead at 1-4 rows, 1.3x at 6 and 8; whole decode steps at one
-# row 2.2x (scripts/profile_decode_step.py). Kept at 4 until measured on a quiet machine;
-# past a few rows a step is no longer a pure weight stream and oneDNN's blocking catches up.
+# Zen 4 core (load 3.2, best of 15) on the default model's LM head against the prepacked oneDNN
+# linear: gemv 1.6x ahead at 1-2 rows, 1.2x at 3, 0.9x at 4, 0.6x at 6 and 8 (from 3 rows on
+# it is bound by vdpbf16ps, ~1.1 ns each here, not by memory); whole decode steps through the
+# fused step 2.4x oneDNN's at one row, 1.2x at 4 (scripts/profile_decode_step.py, load 3.5-3.8).
 GEMV_MAX_ROWS = 4
 
 Weight = torch.Tensor | Int8Weight | GemvWeight
