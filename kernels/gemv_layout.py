@@ -78,8 +78,3 @@ class GemvWeight:
             t = self.data.view(blocks, halves, chunks, ROWS, CHUNK).permute(1, 0, 3, 2, 4)
         t = t.reshape(halves, blocks * ROWS, chunks * CHUNK)[:, :rows_out, : self.cols]
         return t.reshape(self.rows, self.cols)
-
-    @property
-    def nbytes(self) -> int:
-        scale = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
-        return self.data.numel() * self.data.element_size() + scale
