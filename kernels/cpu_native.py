@@ -5,8 +5,9 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
-packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI); ``cpu_decode_layer.c``, a small decode step's layers in one
-call of those kernels (``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
+packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
+``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
+(``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under

@@ -114,8 +114,9 @@ def test_weights_by_name_read_back_from_the_packed_gemv_copies(ckpt, quantizatio
 
     model = bf16_runner(ckpt, quantization=quantization).model
     checkpoint = load_file(f"{ckpt}/model.safetensors")
-    names = [f"model.layers.1.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
-                                                    "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
+    names = [f"model.layers.1.{n}.weight" for n in projections]
     for name in names + (["lm_head.weight"] if "lm_head.weight" in checkpoint else []):
         want = checkpoint[name].bfloat16()
         want = Int8Weight.quantize(want).dequantize(torch.float32) if quantization == "w8a16" else want.float()
