@@ -24,8 +24,8 @@
      2: W is [2 I, K] = gate | up (packed as SwiGLU) and out is [M, I]:
         out = bf16(acc_up * bf16(silu(acc_gate)))
    Returns 0, or -1 where the CPU lacks AVX-512 BF16 or VBMI, the int8 lookups' vpermi2b
-   (``gemv_supported``; every CPU with BF16 but Cooper Lake has both; elsewhere the model's
-   products go through oneDNN). */
+   (``gemv_supported``: Zen 4 and Sapphire Rapids have both, Cooper Lake BF16 alone; where it
+   is 0 the model's products go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
