@@ -6,8 +6,8 @@ rows at a time. Read row-major, those are 4 interleaved streams of 18 cache line
 121 products where a plain read of the same bytes does 28 (one Zen 4 core). Stored so that
 each block of 4 rows is one run of memory, in the order the kernel reads it, the whole model
 is one sequential stream and reads at the plain read's rate (microbenchmark in the same
-process: 28-30 GB/s). 2 MB pages (madvise) and software prefetch at any distance changed
-nothing on either layout.
+process: 28-30 GB/s). 2 MB pages (madvise), non-temporal loads and software prefetch at any
+distance changed nothing on either layout.
 
 Layout: the output rows (``rows / 2`` of them for SwiGLU's gate | up) in blocks of 4, the
 last padded with zero rows; each block is its ``ceil(cols / 32)`` chunks of 32 columns in
