@@ -37,8 +37,9 @@ typedef int (*decode_attn_fn)(const uint16_t* q, int64_t q_stride, const uint16_
                               const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, uint16_t* out,
                               int n, int H, int KVH, int D, int ps, float scale);
 
-/* One layer's tensors (mirrored by cpu_native.DecodeLayerDesc). Weights are bf16, or int8 with
-   float32 per-row scales (then the *_scale pointers are set). */
+/* One layer's tensors (mirrored by cpu_native.DecodeLayerDesc). Weights are packed for gemv
+   (gemv_layout.py; gate_up as SwiGLU), bf16, or int8 with float32 per-row scales (then the
+   *_scale pointers are set). */
 typedef struct {
     const uint16_t* input_norm;  /* [hidden] */
     const void* qkv_w;           /* [(H + 2 KVH) D, hidden] */
@@ -47,7 +48,7 @@ typedef struct {
     const void* o_w;             /* [hidden, H D] */
     const float* o_scale;
     const uint16_t* post_norm;   /* [hidden] */
-    const void* gate_up_w;       /* [2 inter, hidden]: gate | up */
+    const void* gate_up_w;       /* [2 inter, hidden]: gate | up, packed as SwiGLU */
     const float* gate_up_scale;
     const void* down_w;          /* [hidden, inter] */
     const float* down_scale;

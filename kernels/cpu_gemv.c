@@ -1,30 +1,38 @@
 /* Skinny matrix products for the decode step: out[M, N] = x[M, K] @ W[N, K]^T with M small
-   (a decode batch of a few sequences), W bf16 or int8 with per-output-channel float32 scales.
-   Built by cpu_native.py.
+   (a decode batch of a few sequences), W bf16 or int8 with per-output-channel float32 scales,
+   packed as gemv_layout.py describes (GemvWeight). Built by cpu_native.py.
 
    At M = 1 a decode step is a stream over the weights, and a product's only job is to keep
    up with memory. oneDNN's prepacked bf16 linear reads W at about 13 GB/s on one Zen 4 core
-   where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py, lm_head_*);
-   these loops stream each W row once through AVX-512 BF16 dot products (vdpbf16ps) with
-   every x row held in L1, at 55-90% of the sum's rate (the LM head, one core, shared machine:
-   14-24 GB/s against 26-30). torch's ``_weight_int8pack_mm`` reads
-   int8 at ~6 GB/s here, so int8 gets the same loop, widening int8 to bf16 in registers.
+   where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py,
+   lm_head_*). These loops stream W once, as one sequential run (the packed layout), through
+   AVX-512 BF16 dot products (vdpbf16ps) with every x row held in L1, at the plain read's rate:
+   the LM head at one row 35 GB/s against a sum's 34 (load 3.5); the same loops over row-major
+   W read 10-21 GB/s (4 short row streams, prefetched or not). int8 is widened to bf16 in
+   registers by byte lookups (exact: |q| <= 127 fits bf16's 8-bit significand), then
+   multiplied as bf16 W, also at the read's rate (the default model's 121 products at one row:
+   6.4 ms for 135 MB, 12.7 ms before the lookups and the layout); torch's
+   ``_weight_int8pack_mm`` reads int8 at ~6 GB/s here. From 3 rows of x on, the dot products
+   (~1.1 ns each on this machine), not memory, set the time.
 
-   Rows of W are split across OpenMP threads in blocks of 4; each block runs over every x
-   row (4 at a time), so W is read from memory once per call whatever M is. Sums are float32,
-   rounded to bf16 once at the end as oneDNN rounds. Epilogues (``mode``), as the model's
-   oneDNN post-ops do them:
+   Output rows are split across OpenMP threads in blocks of 4; each block runs over every x
+   row (4 at a time), so W is read from memory once per call whatever M is. Sums are float32
+   over 32-column chunks in column order, reduced once per row, rounded to bf16 once at the
+   end as oneDNN rounds. Epilogues (``mode``), as the model's oneDNN post-ops do them:
      0: out = bf16(acc)
      1: out = bf16(acc + res)                      the residual add fused into o and down
-     2: W is [2 I, K] = gate | up and out is [M, I]: out = bf16(acc_up * bf16(silu(acc_gate)))
-   Returns 0, or -1 where the CPU lacks AVX-512 BF16 (``gemv_supported``). */
+     2: W is [2 I, K] = gate | up (packed as SwiGLU) and out is [M, I]:
+        out = bf16(acc_up * bf16(silu(acc_gate)))
+   Returns 0, or -1 where the CPU lacks AVX-512 BF16 or VBMI, the int8 lookups' vpermi2b
+   (``gemv_supported``: Zen 4 and Sapphire Rapids have both, Cooper Lake BF16 alone; where it
+   is 0 the model's products go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
 #define GEMV_OK 1
 #else
@@ -35,8 +43,9 @@ int gemv_supported(void) { return GEMV_OK; }
 
 #if GEMV_OK
 
-#define RB 4  /* W rows per block */
-#define MB 4  /* x rows per pass */
+#define RB 4   /* W rows per block (gemv_layout.ROWS) */
+#define MB 4   /* x rows per pass */
+#define CW 32  /* columns per chunk (gemv_layout.CHUNK) */
 
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
@@ -62,39 +71,28 @@ static inline void store_block(float acc[RB][MB], int n0, int rows, int m0, int 
     }
 }
 
-/* Sums of W rows n0..n0+RB-1 (rows past N - 1 clamped to it, their sums unused) against x rows
-   m0..m0+MR-1. Always inlined with a literal MR, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void block_bf16(const uint16_t* W, int64_t K, int N, int n0,
-                                                             const uint16_t* x, int64_t x_stride, int m0,
-                                                             const int MR, float acc[RB][MB]) {
+/* x rows m0..m0+MR-1, chunk k..k+31 (masked past K) */
+static inline __attribute__((always_inline)) void load_x(__m512i xv[MB], const uint16_t* x, int64_t x_stride,
+                                                         int m0, const int MR, int64_t k, int64_t K) {
+    const __mmask32 mask = K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+    for (int m = 0; m < MR; m++) xv[m] = _mm512_maskz_loadu_epi16(mask, x + (int64_t)(m0 + m) * x_stride + k);
+}
+
+/* Sums of one packed block B ([chunks][RB][32] bf16) against x rows m0..m0+MR-1. Always inlined
+   with a literal MR, so the accumulators stay in registers. No software prefetch: the block is
+   one run of memory the hardware prefetcher follows (prefetching 256 B-1 KB ahead measured
+   0-25% slower). */
+static inline __attribute__((always_inline)) void block_bf16(const uint16_t* B, int64_t K, const uint16_t* x,
+                                                             int64_t x_stride, int m0, const int MR,
+                                                             float acc[RB][MB]) {
     __m512 a[RB][MB];
-    const uint16_t* wr[RB];
-    for (int r = 0; r < RB; r++) {
-        wr[r] = W + (int64_t)(n0 + r < N ? n0 + r : N - 1) * K;
+    for (int r = 0; r < RB; r++)
         for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
-    }
-    const uint16_t* xr[MB];
-    for (int m = 0; m < MR; m++) xr[m] = x + (int64_t)(m0 + m) * x_stride;
-    /* the next block's RB rows follow these in memory: fetch them RB cache lines per step, so the
-       whole next block arrives over this one's loop. Without it the 4 short row streams defeat the
-       hardware prefetcher: 3-4 GB/s instead of 24-27 (measured, one Zen 4 core, 56 MB LM head). */
-    const char* next = (const char*)(W + (int64_t)(n0 + RB) * K);
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        for (int r = 0; r < RB; r++) _mm_prefetch(next + (k * RB + r * 32) * 2, _MM_HINT_T0);
+    for (int64_t k = 0; k < K; k += CW, B += RB * CW) {
         __m512i xv[MB];
-        for (int m = 0; m < MR; m++) xv[m] = _mm512_loadu_si512(xr[m] + k);
+        load_x(xv, x, x_stride, m0, MR, k, K);
         for (int r = 0; r < RB; r++) {
-            const __m512i wv = _mm512_loadu_si512(wr[r] + k);
-            for (int m = 0; m < MR; m++) a[r][m] = _mm512_dpbf16_ps(a[r][m], (__m512bh)wv, (__m512bh)xv[m]);
-        }
-    }
-    if (k < K) {
-        const __mmask32 mask = (__mmask32)((1u << (K - k)) - 1u);
-        __m512i xv[MB];
-        for (int m = 0; m < MR; m++) xv[m] = _mm512_maskz_loadu_epi16(mask, xr[m] + k);
-        for (int r = 0; r < RB; r++) {
-            const __m512i wv = _mm512_maskz_loadu_epi16(mask, wr[r] + k);
+            const __m512i wv = _mm512_loadu_si512(B + r * CW);
             for (int m = 0; m < MR; m++) a[r][m] = _mm512_dpbf16_ps(a[r][m], (__m512bh)wv, (__m512bh)xv[m]);
         }
     }
@@ -102,45 +100,55 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t* W, 
         for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
 }
 
-/* the same for int8 W (sums unscaled): 32 weights at a time widened to bf16 (exact: |q| <= 127
-   fits bf16's 8-bit significand), then the same dot products as bf16 W. Converting once per
-   32 weights for all MR rows, rather than multiplying in float32 per row, keeps 4 rows at
-   the bf16 kernel's speed (float32 FMAs per row: int8 at 4 rows 0.55x bf16 gemv, measured). */
-static inline __attribute__((always_inline)) void block_i8(const int8_t* W, int64_t K, int N, int n0,
-                                                           const uint16_t* x, int64_t x_stride, int m0,
-                                                           const int MR, float acc[RB][MB]) {
-    __m512 a[RB][MB];
-    const int8_t* wr[RB];
-    for (int r = 0; r < RB; r++) {
-        wr[r] = W + (int64_t)(n0 + r < N ? n0 + r : N - 1) * K;
-        for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
+/* bf16(m) for m = 0..127, low and high bytes: the int8 widening's lookup tables */
+static uint8_t bf16_lo[128], bf16_hi[128];
+__attribute__((constructor)) static void init_tables(void) {
+    for (int m = 0; m < 128; m++) {
+        const uint16_t b = f32_to_bf16((float)m);
+        bf16_lo[m] = (uint8_t)b;
+        bf16_hi[m] = (uint8_t)(b >> 8);
     }
-    const uint16_t* xr[MB];
-    for (int m = 0; m < MR; m++) xr[m] = x + (int64_t)(m0 + m) * x_stride;
-    const char* next = (const char*)(W + (int64_t)(n0 + RB) * K);  /* as in block_bf16 */
-    for (int64_t k = 0; k < K; k += 32) {
-        const __mmask32 mask = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-        _mm_prefetch(next + k * RB, _MM_HINT_T0);
-        _mm_prefetch(next + k * RB + 64, _MM_HINT_T0);
+}
+
+/* the same for int8 B (sign-magnitude, rows paired as gemv_layout.py says; sums unscaled): each
+   64-byte pair becomes two rows of 32 bf16 by two 128-entry byte lookups (vpermi2b, indexed by
+   the low 7 bits), the sign ORed into the high byte, and a byte unpack; then the same dot
+   products as bf16 W, so the sums are those of the dequantized-in-registers row-major loop. */
+static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
+                                                           int64_t x_stride, int m0, const int MR,
+                                                           float acc[RB][MB]) {
+    const __m512i lo0 = _mm512_loadu_si512(bf16_lo), lo1 = _mm512_loadu_si512(bf16_lo + 64);
+    const __m512i hi0 = _mm512_loadu_si512(bf16_hi), hi1 = _mm512_loadu_si512(bf16_hi + 64);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512 a[RB][MB];
+    for (int r = 0; r < RB; r++)
+        for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += CW, B += RB * CW) {
         __m512i xv[MB];
-        for (int m = 0; m < MR; m++) xv[m] = _mm512_maskz_loadu_epi16(mask, xr[m] + k);
-        for (int r = 0; r < RB; r++) {
-            const __m256i w8 = _mm256_maskz_loadu_epi8(mask, wr[r] + k);
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(w8)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(w8, 1)));
-            const __m512bh wv = _mm512_cvtne2ps_pbh(hi, lo);
-            for (int m = 0; m < MR; m++) a[r][m] = _mm512_dpbf16_ps(a[r][m], wv, (__m512bh)xv[m]);
+        load_x(xv, x, x_stride, m0, MR, k, K);
+        for (int p = 0; p < RB / 2; p++) {
+            const __m512i q = _mm512_loadu_si512(B + p * 64);
+            const __m512i lo = _mm512_permutex2var_epi8(lo0, q, lo1);
+            /* hi | (q & 0x80) */
+            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, q, hi1), q, sign, 0xF8);
+            const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+            for (int m = 0; m < MR; m++) {
+                a[2 * p][m] = _mm512_dpbf16_ps(a[2 * p][m], w0, (__m512bh)xv[m]);
+                a[2 * p + 1][m] = _mm512_dpbf16_ps(a[2 * p + 1][m], w1, (__m512bh)xv[m]);
+            }
         }
     }
     for (int r = 0; r < RB; r++)
         for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
 }
 
-/* one block for either weight type and any mrows in 1..MB, each case with a literal MR */
-static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int N, int n0, const uint16_t* x,
+/* one block for either weight type and any mrows in 1..MB, each case with a literal MR;
+   ``block`` is the block's index in 32-column chunks of RB rows from the start of W */
+static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int64_t block, const uint16_t* x,
                       int64_t x_stride, int m0, int mrows, float acc[RB][MB]) {
+    const int64_t at = block * ((K + CW - 1) / CW) * RB * CW;
 #define BLOCK_CASE(MR) case MR: \
-        if (W8) block_i8(W8, K, N, n0, x, x_stride, m0, MR, acc); else block_bf16(Wb, K, N, n0, x, x_stride, m0, MR, acc); \
+        if (W8) block_i8(W8 + at, K, x, x_stride, m0, MR, acc); else block_bf16(Wb + at, K, x, x_stride, m0, MR, acc); \
         break;
     switch (mrows) { BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) }
 #undef BLOCK_CASE
@@ -150,7 +158,7 @@ static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int N, in
 static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, const int8_t* W8, const float* scale,
                     uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride,
                     int M, int N, int K, int mode) {
-    /* mode 2: blocks over the I = N / 2 gate rows; each also computes the matching up rows */
+    /* mode 2: blocks over the I = N / 2 gate rows, each followed in W by its up rows' block */
     const int rows_out = mode == 2 ? N / 2 : N;
     const int nblocks = (rows_out + RB - 1) / RB;
     #pragma omp parallel for schedule(static)
@@ -161,12 +169,12 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
             const int mrows = M - m0 < MB ? M - m0 : MB;
             float acc[RB][MB], gate[RB][MB];
             if (mode == 2) {
-                block_any(Wb, W8, K, N, n0, x, x_stride, m0, mrows, gate);
-                block_any(Wb, W8, K, N, n0 + rows_out, x, x_stride, m0, mrows, acc);
+                block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, m0, mrows, gate);
+                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc);
                 store_block(acc, n0 + rows_out, rows, m0, mrows, scale, out, out_stride, res, res_stride, mode,
                             rows_out, gate);
             } else {
-                block_any(Wb, W8, K, N, n0, x, x_stride, m0, mrows, acc);
+                block_any(Wb, W8, K, b, x, x_stride, m0, mrows, acc);
                 store_block(acc, n0, rows, m0, mrows, scale, out, out_stride, res, res_stride, mode, 0, gate);
             }
         }
@@ -176,8 +184,8 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
 
 #endif
 
-/* x: [M, K] bf16 rows at x_stride; W: [N, K] bf16 contiguous; out: [M, N or N/2] bf16 rows at
-   out_stride; res: [M, N] bf16 rows at res_stride (mode 1 only) */
+/* x: [M, K] bf16 rows at x_stride; W: [N, K] bf16 packed (GemvWeight, as SwiGLU for mode 2);
+   out: [M, N or N/2] bf16 rows at out_stride; res: [M, N] bf16 rows at res_stride (mode 1 only) */
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* out, int64_t out_stride,
               const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode) {
 #if GEMV_OK
@@ -187,12 +195,65 @@ int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* 
 #endif
 }
 
-/* As gemv_bf16 with W: [N, K] int8 and scale: [N] float32 (row n's weights are W[n] * scale[n]) */
+/* As gemv_bf16 with W: [N, K] int8 packed and scale: [N] float32 (row n's weights are W[n] * scale[n]) */
 int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale,
                  uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
                  int mode) {
 #if GEMV_OK
     return gemv_run(x, x_stride, 0, W, scale, out, out_stride, res, res_stride, M, N, K, mode);
+#else
+    return -1;
+#endif
+}
+
+/* Dequantize a packed int8 W (N, K, ``swiglu`` as packed) to out: [N, K] bf16 row-major, each
+   weight bf16(q * scale[n]) as ``quantization.Int8Weight.dequantize`` rounds it (exact q, one
+   float32 product, round to nearest even): the larger steps' dense form of the int8 weights
+   gemv streams. The same lookups as block_i8; -1 where gemv is not supported. */
+int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int swiglu, uint16_t* out) {
+#if GEMV_OK
+    const int halves = swiglu ? 2 : 1, rows_out = N / halves;
+    const int nblocks = (rows_out + RB - 1) / RB;
+    const int64_t chunks = (K + CW - 1) / CW;
+    #pragma omp parallel for schedule(static)
+    for (int b = 0; b < nblocks; b++) {
+        const __m512i lo0 = _mm512_loadu_si512(bf16_lo), lo1 = _mm512_loadu_si512(bf16_lo + 64);
+        const __m512i hi0 = _mm512_loadu_si512(bf16_hi), hi1 = _mm512_loadu_si512(bf16_hi + 64);
+        const __m512i sign = _mm512_set1_epi8((char)0x80);
+        const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
+        const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
+        for (int h = 0; h < halves; h++) {
+            const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
+            const int64_t row0 = (int64_t)h * rows_out + b * RB;
+            for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
+                const int64_t k = c * CW;
+                const __mmask32 mask = K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+                for (int p = 0; p < RB / 2; p++) {
+                    const __m512i q = _mm512_loadu_si512(B + p * 64);
+                    const __m512i lo = _mm512_permutex2var_epi8(lo0, q, lo1);
+                    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, q, hi1), q, sign, 0xF8);
+                    const __m512i w[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                    for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
+                        const __m512 s = _mm512_set1_ps(scale[row0 + 2 * p + j]);
+                        __m256i half[2];
+                        for (int e = 0; e < 2; e++) {
+                            /* bf16 -> float32 is a shift; the product's bits rounded as f32_to_bf16 */
+                            const __m512i wb = _mm512_cvtepu16_epi32(e ? _mm512_extracti64x4_epi64(w[j], 1)
+                                                                       : _mm512_castsi512_si256(w[j]));
+                            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(
+                                _mm512_castsi512_ps(_mm512_slli_epi32(wb, 16)), s));
+                            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+                            half[e] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                _mm512_add_epi32(u, _mm512_add_epi32(round, odd)), 16));
+                        }
+                        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+                        _mm512_mask_storeu_epi16(out + (row0 + 2 * p + j) * K + k, mask, v);
+                    }
+                }
+            }
+        }
+    }
+    return 0;
 #else
     return -1;
 #endif

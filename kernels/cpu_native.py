@@ -5,8 +5,9 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
-(``has_gemv``, AVX-512 BF16); ``cpu_decode_layer.c``, a small decode step's layers in one
-call of those kernels (``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
+packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
+``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
+(``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -30,6 +31,8 @@ import threading
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.kernels.gemv_layout import GemvWeight
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,7 @@ class NativeKernels:
         self.has_gemv = bool(self.lib.gemv_supported())
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
+        self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _P])
         # it runs the gemv kernels, so it is there where they are
         self._decode_layers = self._bind("decode_layers_bf16", [_P, _P, _I32, _P, _P, _P, _I64, _P, _I32, _I32, _P,
                                                                 _I32, _P])
@@ -169,34 +173,42 @@ class NativeKernels:
                    T, heads, dim)
         return out
 
-    def gemv(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
-             residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
+    def gemv(self, x: torch.Tensor, weight: GemvWeight, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T`` for a few rows ``x`` [M, K] bf16 (row stride free): a new [M, N] bf16.
 
-        weight: [N, K] contiguous, bf16, or int8 with ``scale`` [N] float32 (row n is
-        ``weight[n] * scale[n]``). ``residual`` [M, N]: returns ``residual + x @ W.T`` (one rounding).
-        ``swiglu``: weight is gate | up, [2 I, K]; returns ``silu(x @ gate.T) * (x @ up.T)``, [M, I].
-        Requires ``has_gemv``.
+        weight: W [N, K] packed (bf16, or int8 with its scales). ``residual`` [M, N]: returns
+        ``residual + x @ W.T`` (one rounding). A SwiGLU weight (gate | up, [2 I, K]): returns
+        ``silu(x @ gate.T) * (x @ up.T)``, [M, I]. Requires ``has_gemv``.
         """
         M, K = x.shape
-        N = weight.shape[0]
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.is_contiguous() and weight.shape[1] == K
-        assert not (swiglu and residual is not None)
-        out = torch.empty(M, N // 2 if swiglu else N, dtype=torch.bfloat16)
-        mode = 2 if swiglu else 1 if residual is not None else 0
+        N = weight.rows
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K
+        assert not (weight.swiglu and residual is not None)
+        out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=torch.bfloat16)
+        mode = 2 if weight.swiglu else 1 if residual is not None else 0
         if residual is not None:
             assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
         res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
-        if weight.dtype == torch.int8:
-            assert scale is not None and scale.dtype == torch.float32 and scale.is_contiguous() and scale.numel() == N
-            rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data_ptr(), scale.data_ptr(), out.data_ptr(),
-                               out.stride(0), res_ptr, res_stride, M, N, K, mode)
+        if weight.scale is not None:
+            rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scale.data_ptr(),
+                               out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode)
         else:
-            assert weight.dtype == torch.bfloat16 and scale is None
-            rc = self._gemv(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
+            rc = self._gemv(x.data_ptr(), x.stride(0), weight.data.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
                             res_stride, M, N, K, mode)
         if rc != 0:
             raise RuntimeError(f"native gemv failed with code {rc}")
+        return out
+
+    def gemv_dequantize(self, weight: GemvWeight) -> torch.Tensor:
+        """[N, K] bf16 of a packed int8 weight: ``bf16(q[n] * scale[n])``, as
+        ``quantization.Int8Weight.dequantize`` rounds it, without unpacking through torch (25x
+        slower than the dequantization itself at one thread). Requires ``has_gemv``."""
+        assert weight.scale is not None
+        out = torch.empty(weight.rows, weight.cols, dtype=torch.bfloat16)
+        rc = self._gemv_w8_dequantize(weight.data.data_ptr(), weight.scale.data_ptr(), weight.rows, weight.cols,
+                                      int(weight.swiglu), out.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native gemv dequantize failed with code {rc}")
         return out
 
     def _decode_attention_fn(self, dtype: torch.dtype, dim: int) -> ctypes._CFuncPtr:
@@ -248,20 +260,16 @@ class DecodeModelDesc(ctypes.Structure):
 
 @dataclass(frozen=True)
 class DecodeLayerTensors:
-    """One layer as ``DecodeStack`` reads it. Weights row-major [N, K], bf16, or int8 with a float32
-    scale per row (``*_scale``); the K/V caches are the pool's per-layer tensors, passed to decode
-    attention as ``NativeKernels.decode_attention`` passes them."""
+    """One layer as ``DecodeStack`` reads it. Weights packed for gemv, all bf16 or all int8; the
+    K/V caches are the pool's per-layer tensors, passed to decode attention as
+    ``NativeKernels.decode_attention`` passes them."""
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(H + 2 KVH) D, hidden]
-    qkv_scale: torch.Tensor | None
+    qkv: GemvWeight  # [(H + 2 KVH) D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2 KVH) D]
-    o: torch.Tensor  # [hidden, H D]
-    o_scale: torch.Tensor | None
+    o: GemvWeight  # [hidden, H D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 inter, hidden]: gate | up
-    gate_up_scale: torch.Tensor | None
-    down: torch.Tensor  # [hidden, inter]
-    down_scale: torch.Tensor | None
+    gate_up: GemvWeight  # [2 inter, hidden]: gate | up, packed as SwiGLU
+    down: GemvWeight  # [hidden, inter]
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 
@@ -284,6 +292,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _weight_ptrs(w: GemvWeight) -> tuple[int, int | None]:
+    return w.data.data_ptr(), _ptr(w.scale)
+
+
 class DecodeStack:
     """A small decode step's layers, final norm and LM head as one native call
     (``cpu_decode_layer.c``): bit-identical to calling ``rms_norm``, ``gemv``, ``rope``, the K/V
@@ -291,37 +303,41 @@ class DecodeStack:
     Holds every tensor it points to, and scratch for ``max_rows`` rows. bf16 activations only."""
 
     def __init__(self, kernels: NativeKernels, shape: DecodeShape, layers: list[DecodeLayerTensors],
-                 final_norm: torch.Tensor, lm_head: torch.Tensor, lm_head_scale: torch.Tensor | None,
-                 cos: torch.Tensor, sin: torch.Tensor, max_rows: int):
+                 final_norm: torch.Tensor, lm_head: GemvWeight, cos: torch.Tensor, sin: torch.Tensor, max_rows: int):
         H, KVH, D = shape.num_heads, shape.num_kv_heads, shape.head_dim
         hidden = final_norm.numel()
-        first = layers[0]
-        inter = first.gate_up.shape[0] // 2
-        int8 = first.qkv.dtype == torch.int8
-        for t in (*(getattr(layer, f) for layer in layers for f in ("input_norm", "qkv", "o", "post_norm", "gate_up",
-                                                                    "down", "k_cache", "v_cache")),
-                  final_norm, lm_head, cos, sin):
-            assert t.is_contiguous() and t.dtype in (torch.bfloat16, torch.int8), "contiguous bf16 or int8 tensors"
-        assert lm_head.shape[1] == hidden and cos.shape[1] == D and (lm_head_scale is not None) == int8
+        inter = layers[0].gate_up.rows // 2
+        int8 = lm_head.scale is not None
+        for t in (*(getattr(layer, f) for layer in layers for f in ("input_norm", "post_norm", "k_cache", "v_cache")),
+                  final_norm, cos, sin):
+            assert t.is_contiguous() and t.dtype == torch.bfloat16, "contiguous bf16 tensors"
+        # the C side trusts these: each weight's shape, SwiGLU packing and type
+        want = {"qkv": ((H + 2 * KVH) * D, hidden, False), "o": (hidden, H * D, False),
+                "gate_up": (2 * inter, hidden, True), "down": (hidden, inter, False)}
+        for layer in layers:
+            for name, (rows, cols, swiglu) in want.items():
+                w = getattr(layer, name)
+                assert (w.rows, w.cols, w.swiglu, w.scale is not None) == (rows, cols, swiglu, int8), name
+        assert lm_head.cols == hidden and not lm_head.swiglu and cos.shape[1] == D
         self._kernels = kernels
-        self._keep = (layers, final_norm, lm_head, lm_head_scale, cos, sin)
+        self._keep = (layers, final_norm, lm_head, cos, sin)
         widths = {"x": hidden, "qkv": (H + 2 * KVH) * D, "qk": (H + KVH) * D, "attn_out": H * D, "attn_sel": H * D,
                   "act": inter, "h_sel": hidden}
         self._scratch = {name: torch.empty(max_rows, n, dtype=torch.bfloat16) for name, n in widths.items()}
         self._layer_descs = (DecodeLayerDesc * len(layers))(*(DecodeLayerDesc(
-            _ptr(layer.input_norm), _ptr(layer.qkv), _ptr(layer.qkv_scale), _ptr(layer.qkv_bias), _ptr(layer.o),
-            _ptr(layer.o_scale), _ptr(layer.post_norm), _ptr(layer.gate_up), _ptr(layer.gate_up_scale),
-            _ptr(layer.down), _ptr(layer.down_scale), _ptr(layer.k_cache), _ptr(layer.v_cache)) for layer in layers))
+            _ptr(layer.input_norm), *_weight_ptrs(layer.qkv), _ptr(layer.qkv_bias), *_weight_ptrs(layer.o),
+            _ptr(layer.post_norm), *_weight_ptrs(layer.gate_up), *_weight_ptrs(layer.down), _ptr(layer.k_cache),
+            _ptr(layer.v_cache)) for layer in layers))
         attn_fn = kernels._decode_attention_fn(torch.bfloat16, D)
         self._desc = DecodeModelDesc(
-            ctypes.addressof(self._layer_descs), len(layers), hidden, H, KVH, D, inter, lm_head.shape[0], int(int8),
+            ctypes.addressof(self._layer_descs), len(layers), hidden, H, KVH, D, inter, lm_head.rows, int(int8),
             shape.page_size, shape.kv_slot_stride, shape.kv_head_stride, _ptr(cos), _ptr(sin), _ptr(final_norm),
-            _ptr(lm_head), _ptr(lm_head_scale), ctypes.cast(attn_fn, _P).value,
+            *_weight_ptrs(lm_head), ctypes.cast(attn_fn, _P).value,
             *(_ptr(self._scratch[name]) for name in widths), max_rows, shape.eps, shape.scale,
         )
         self._desc_ptr = ctypes.addressof(self._desc)
         self.num_layers = len(layers)
-        self.vocab = lm_head.shape[0]
+        self.vocab = lm_head.rows
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, loc: torch.Tensor, page_table: torch.Tensor,
             seq_lens: torch.Tensor, first: int, last: int, sel: torch.Tensor, logits: torch.Tensor | None) -> None:

@@ -97,16 +97,16 @@ def main() -> None:
     }
     native = native_kernels()
     if native is not None and native.has_gemv:
-        head = runners["gemv"].model.lm_head_g  # [vocab, hidden] bf16, row-major
+        head = runners["gemv"].model.lm_head_g  # [vocab, hidden] bf16, packed for gemv
         packed = runners["onednn"].model.lm_head  # the same, prepacked for oneDNN
-        x = torch.randn(1, head.shape[1]).bfloat16()
+        x = torch.randn(1, head.cols).bfloat16()
         lp = torch.ops.mkldnn._linear_pointwise
         parts = {
             "onednn": best_of(lambda: lp(x, packed, None, "none", [], ""), args.repeats),
             "gemv": best_of(lambda: native.gemv(x, head), args.repeats),
-            "sum": best_of(lambda: head.sum(), args.repeats),
+            "sum": best_of(lambda: head.data.sum(), args.repeats),
         }
-        mb = head.numel() * 2 / 1e6
+        mb = head.data.numel() * 2 / 1e6
         result |= {f"lm_head_{k}_gbs": round(mb / 1e3 / v, 1) for k, v in parts.items()}
     print(f"decode step at batch {bs} ({args.threads} threads, load {result['load_avg']}): " + ", ".join(
         f"{n} {t * 1e3:.2f} ms" for n, t in times.items()) + f"; read {bw:.1f} GB/s", file=sys.stderr)

@@ -3,8 +3,9 @@
 A decode step at batch 1 streams every weight once, so its time is the weights' bytes over
 memory bandwidth; int8 halves the bytes of bf16. Activations stay in the model dtype. The
 same int8 weights serve prefill and decode: small steps multiply them in place (the native
-``gemv`` kernel converts int8 to float32 in registers), larger ones dequantize one matrix
-at a time to the model dtype and run the dense product, whose cost the FLOPs dominate.
+``gemv`` kernel widens int8 to bf16 in registers, from its packed layout ``GemvWeight`` where
+it runs), larger ones dequantize one matrix at a time to the model dtype and run the dense
+product, whose cost the FLOPs dominate (``dense``: natively for a packed weight).
 
 Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
 so the largest weight of each row is exact and the error of any weight is at most half a step.
@@ -15,6 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pdserve.kernels.cpu_native import native_kernels
+from pdserve.kernels.gemv_layout import GemvWeight
 
 
 @dataclass
@@ -37,3 +41,14 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
+
+
+def dense(w: torch.Tensor | Int8Weight | GemvWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales, or
+    either packed for native gemv."""
+    if isinstance(w, GemvWeight):
+        native = native_kernels()
+        if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:
+            return native.gemv_dequantize(w)  # the same roundings, in one pass over the packed bytes
+        w = w.unpack() if w.scale is None else Int8Weight(w.unpack(), w.scale)
+    return w.dequantize(dtype) if isinstance(w, Int8Weight) else w.to(dtype)

@@ -12,22 +12,18 @@ import re
 
 import torch
 
-from pdserve.engine.model_executor.quantization import Int8Weight
+from pdserve.engine.model_executor.quantization import dense
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
-def _dense(w) -> torch.Tensor:
-    return w.dequantize(torch.float32) if isinstance(w, Int8Weight) else w.float()
-
-
 def _matrix(model, plain, row_major) -> torch.Tensor:
-    """The dense form of one of a layer's matrices: the plain one, unless it is prepacked (then the
-    row-major copy native gemv reads, when there is one)."""
+    """The dense form of one of a layer's matrices: the plain one, unless it is prepacked for oneDNN
+    (then the copy native gemv reads, when there is one)."""
     if not model.packed:
-        return _dense(plain)
+        return dense(plain, torch.float32)
     if row_major is not None:
-        return _dense(row_major)
+        return dense(row_major, torch.float32)
     raise ValueError("this weight is held only in oneDNN's prepacked layout (bf16 without native gemv); "
                      "start with --dtype float32 or without --disable-decode-gemv to read it")
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pdserve.kernels.cpu_native import native_kernels
+from pdserve.kernels.gemv_layout import GemvWeight
 
 torch.set_num_threads(1)
 native = native_kernels()
@@ -33,13 +34,13 @@ def test_bf16_plain_residual_swiglu(rows, shape):
     w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
     res = torch.randn(rows, n, generator=g).bfloat16()
     ref = x.float() @ w.float().T
-    _bf16_close(native.gemv(x, w), ref)
-    _bf16_close(native.gemv(x, w, residual=res), ref + res.float())
+    _bf16_close(native.gemv(x, GemvWeight.pack(w)), ref)
+    _bf16_close(native.gemv(x, GemvWeight.pack(w), residual=res), ref + res.float())
     half = n // 2
     gate = ref[:, :half]
     # as the oneDNN post-ops round: silu(gate) to bf16, then times up
     swiglu = torch.nn.functional.silu(gate).bfloat16().float() * ref[:, half : 2 * half]
-    _bf16_close(native.gemv(x, w[: 2 * half].contiguous(), swiglu=True), swiglu)
+    _bf16_close(native.gemv(x, GemvWeight.pack(w[: 2 * half], swiglu=True)), swiglu)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
@@ -51,9 +52,9 @@ def test_int8_weights_with_scales(rows, shape):
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) / 100
     ref = x.float() @ (q.float() * scale[:, None]).T
-    _bf16_close(native.gemv(x, q, scale), ref)
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale)), ref)
     res = torch.randn(rows, n, generator=g).bfloat16()
-    _bf16_close(native.gemv(x, q, scale, residual=res), ref + res.float())
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale), residual=res), ref + res.float())
     half = n // 2
     swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
-    _bf16_close(native.gemv(x, q[: 2 * half].contiguous(), scale[: 2 * half].contiguous(), swiglu=True), swiglu)
+    _bf16_close(native.gemv(x, GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])), swiglu)

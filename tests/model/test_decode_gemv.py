@@ -101,3 +101,23 @@ def test_w8a16_portable_torch_path_in_float32(ckpt):
     for g, w in zip(forced_logits(w8, prompts, path), want):
         err = (g - w).abs().max() / w.std()
         assert 0 < err <= W8_LOGIT_ERROR, err
+
+
+@needs_gemv
+@pytest.mark.parametrize("quantization", ["none", "w8a16"])
+def test_weights_by_name_read_back_from_the_packed_gemv_copies(ckpt, quantization):
+    # bf16 prepacked for oneDNN answers from gemv's packed copy; w8a16 holds only the packed int8
+    from safetensors.torch import load_file
+
+    from pdserve.engine.model_executor.quantization import Int8Weight
+    from pdserve.engine.model_executor.weight_names import weight_by_name
+
+    model = bf16_runner(ckpt, quantization=quantization).model
+    checkpoint = load_file(f"{ckpt}/model.safetensors")
+    projections = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                   "mlp.up_proj", "mlp.down_proj")
+    names = [f"model.layers.1.{n}.weight" for n in projections]
+    for name in names + (["lm_head.weight"] if "lm_head.weight" in checkpoint else []):
+        want = checkpoint[name].bfloat16()
+        want = Int8Weight.quantize(want).dequantize(torch.float32) if quantization == "w8a16" else want.float()
+        assert torch.equal(weight_by_name(model, name), want), name

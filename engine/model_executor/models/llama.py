@@ -16,11 +16,13 @@ rope then run as the native kernels' one-pass versions (same roundings).
 Decode steps of up to ``GEMV_MAX_ROWS`` tokens take the native ``gemv`` kernels instead
 (``kernels/cpu_gemv.c``): at one token a step is a stream over the weights, and oneDNN's
 prepacked linear streams them at about half the rate a plain read reaches on this CPU, the
-gemv loop at 55-90% of it (scripts/profile_decode_step.py). They read the weights in the checkpoint's row-major layout, so a
-bf16 model keeps that copy beside the prepacked one (the default model: 270 MB more).
+gemv loop at the plain read's rate (the LM head, one core: 35 GB/s against a sum's 34 and
+oneDNN's 19; scripts/profile_decode_step.py). gemv reads its own copy of each weight, packed
+once at load so that the whole step is one sequential stream (``kernels/gemv_layout.py``), so a
+bf16 model keeps it beside oneDNN's prepacked one (the default model: 270 MB more).
 With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
-(``quantization.Int8Weight``), multiplied in place by gemv and dequantized per matrix for
-larger steps; the embedding lookup stays in the model dtype.
+(``quantization.Int8Weight``), packed the same way where gemv runs: multiplied in place by
+gemv and dequantized per matrix for larger steps; the embedding lookup stays in the model dtype.
 
 Such a step, where every row is a sequence's next token, runs its layers in one native call
 (``cpu_native.DecodeStack``, ``kernels/cpu_decode_layer.c``): the same kernels in the same order
@@ -50,19 +52,20 @@ import torch.nn.functional as F
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
-from pdserve.engine.model_executor.quantization import Int8Weight
+from pdserve.engine.model_executor.quantization import Int8Weight, dense
 from pdserve.engine.model_executor.quantization_names import check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
+from pdserve.kernels.gemv_layout import GemvWeight
 
 # Steps of at most this many tokens run their linears through native gemv. Measured on one
-# Zen 4 core (loaded machine, best of 15) on the default model's LM head against the prepacked
-# oneDNN linear: gemv 1.2-1.7x ahead at 1-4 rows, 1.3x at 6 and 8; whole decode steps at one
-# row 2.2x (scripts/profile_decode_step.py). Kept at 4 until measured on a quiet machine;
-# past a few rows a step is no longer a pure weight stream and oneDNN's blocking catches up.
+# Zen 4 core (load 3.2, best of 15) on the default model's LM head against the prepacked oneDNN
+# linear: gemv 1.6x ahead at 1-2 rows, 1.2x at 3, 0.9x at 4, 0.6x at 6 and 8 (from 3 rows on
+# it is bound by vdpbf16ps, ~1.1 ns each here, not by memory); whole decode steps through the
+# fused step 2.4x oneDNN's at one row, 1.2x at 4 (scripts/profile_decode_step.py, load 3.5-3.8).
 GEMV_MAX_ROWS = 4
 
-Weight = torch.Tensor | Int8Weight
+Weight = torch.Tensor | Int8Weight | GemvWeight
 
 
 @dataclass
@@ -78,10 +81,11 @@ class _Layer:
     down_w: torch.Tensor  # [hidden, inter]
     gate_w: torch.Tensor | None = None  # packed [inter, hidden]
     up_w: torch.Tensor | None = None  # packed [inter, hidden]
-    # the same matrices row-major, bf16 or int8, for native gemv (None where it is off)
+    # the same matrices packed for native gemv, bf16 or int8 (w8a16: Int8Weight where gemv is off,
+    # None in bf16 where it is off)
     qkv_g: Weight | None = None
     o_g: Weight | None = None
-    gate_up_g: Weight | None = None  # [2 * inter, hidden]: gate | up
+    gate_up_g: Weight | None = None  # [2 * inter, hidden]: gate | up, packed as SwiGLU
     down_g: Weight | None = None
 
 
@@ -122,10 +126,6 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 64)
 
 
-def _dense(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    return w.dequantize(dtype) if isinstance(w, Int8Weight) else w
-
-
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
@@ -156,11 +156,14 @@ class LlamaForCausalLM:
         self._stack_pool: tuple[int, int] | None = None
         packed = self.packed
 
-        def small_form(t: torch.Tensor) -> Weight | None:
-            """The row-major form gemv reads (None where gemv is off and the weight is bf16)."""
+        def small_form(t: torch.Tensor, swiglu: bool = False) -> Weight | None:
+            """The form small steps read: packed for gemv where it is on; else int8 (w8a16) or None."""
+            if not use_gemv:
+                return Int8Weight.quantize(t) if quant else None
             if quant:
-                return Int8Weight.quantize(t)
-            return t.contiguous() if use_gemv else None
+                q = Int8Weight.quantize(t)
+                return GemvWeight.pack(q.q, swiglu, q.scale)
+            return GemvWeight.pack(t, swiglu)
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
@@ -211,7 +214,7 @@ class LlamaForCausalLM:
                 down_w=down_w,
                 qkv_g=small_form(qkv_w),
                 o_g=small_form(o_w),
-                gate_up_g=small_form(gate_up_w),
+                gate_up_g=small_form(gate_up_w, swiglu=True),
                 down_g=small_form(down_w),
             )
             if quant:  # one int8 copy serves both paths
@@ -263,10 +266,7 @@ class LlamaForCausalLM:
         lp = torch.ops.mkldnn._linear_pointwise if packed else None
         dtype = self.dtype
 
-        def gemv(x: torch.Tensor, w: Weight, **kw) -> torch.Tensor:
-            if isinstance(w, Int8Weight):
-                return native.gemv(x, w.q, w.scale, **kw)
-            return native.gemv(x, w, **kw)
+        gemv = native.gemv if small else None
 
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -277,7 +277,7 @@ class LlamaForCausalLM:
             elif packed:
                 qkv = lp(x, layer.qkv_w, layer.qkv_b, "none", [], "")
             else:
-                qkv = F.linear(x, _dense(layer.qkv_w, dtype), layer.qkv_b)  # [T, (H + 2 KVH) * D]
+                qkv = F.linear(x, dense(layer.qkv_w, dtype), layer.qkv_b)  # [T, (H + 2 KVH) * D]
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, eps)
@@ -299,11 +299,11 @@ class LlamaForCausalLM:
             if small and fuse_residual:
                 h = gemv(o, layer.o_g, residual=h)  # h + o @ o_w.T, one rounding as oneDNN's post-op
                 x = norm(h, layer.post_norm)
-                h = gemv(gemv(x, layer.gate_up_g, swiglu=True), layer.down_g, residual=h)
+                h = gemv(gemv(x, layer.gate_up_g), layer.down_g, residual=h)  # gate_up_g: SwiGLU
             elif small:
                 h = h + all_reduce(gemv(o, layer.o_g))
                 x = norm(h, layer.post_norm)
-                h = h + all_reduce(gemv(gemv(x, layer.gate_up_g, swiglu=True), layer.down_g))
+                h = h + all_reduce(gemv(gemv(x, layer.gate_up_g), layer.down_g))
             elif packed and fuse_residual:
                 h = lp.binary(o, h, layer.o_w, None, "add")  # h + o @ o_w.T
                 x = norm(h, layer.post_norm)
@@ -315,10 +315,10 @@ class LlamaForCausalLM:
                 act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
                 h = h + all_reduce(lp(act, layer.down_w, None, "none", [], ""))
             else:
-                h = h + all_reduce(F.linear(o, _dense(layer.o_w, dtype)))  # TP 1: no collective
+                h = h + all_reduce(F.linear(o, dense(layer.o_w, dtype)))  # TP 1: no collective
                 x = norm(h, layer.post_norm)
-                gu = F.linear(x, _dense(layer.gate_up_w, dtype))  # [T, 2 * inter]
-                h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], _dense(layer.down_w, dtype)))
+                gu = F.linear(x, dense(layer.gate_up_w, dtype))  # [T, 2 * inter]
+                h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], dense(layer.down_w, dtype)))
         # h: [num_sampled, hidden]
         x = norm(h, self.final_norm)
         if small:
@@ -326,7 +326,7 @@ class LlamaForCausalLM:
         elif packed:
             logits = lp(x, self.lm_head, None, "none", [], "")
         else:
-            logits = F.linear(x, _dense(self.lm_head, dtype))
+            logits = F.linear(x, dense(self.lm_head, dtype))
         return self._full_logits(logits)
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -364,18 +364,13 @@ class LlamaForCausalLM:
         slot_stride, head_stride, dim_stride = pool.k_slots(0).stride()
         assert dim_stride == 1 and pool.v_slots(0).stride() == (slot_stride, head_stride, 1)
 
-        def parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return (w.q, w.scale) if isinstance(w, Int8Weight) else (w, None)
-
-        layers = []
-        for i, layer in enumerate(self.layers):
-            qkv, o, gate_up, down = (parts(w) for w in (layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g))
-            layers.append(DecodeLayerTensors(
-                layer.input_norm, *qkv, layer.qkv_b, *o, layer.post_norm, *gate_up, *down, pool.k[i], pool.v[i]))
+        layers = [DecodeLayerTensors(layer.input_norm, layer.qkv_g, layer.qkv_b, layer.o_g, layer.post_norm,
+                                     layer.gate_up_g, layer.down_g, pool.k[i], pool.v[i])
+                  for i, layer in enumerate(self.layers)]
         arch = self.arch
         shape = DecodeShape(self.num_heads, self.num_kv_heads, arch.head_dim, pool.page_size, arch.rms_norm_eps,
                             attn.scale, slot_stride, head_stride)
-        stack = DecodeStack(self.native, shape, layers, self.final_norm, *parts(self.lm_head_g), self.cos, self.sin,
+        stack = DecodeStack(self.native, shape, layers, self.final_norm, self.lm_head_g, self.cos, self.sin,
                             self.fused_rows)
         self.decode_stack, self._stack_pool = stack, key
         return stack
