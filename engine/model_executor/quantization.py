@@ -1,4 +1,4 @@
-"""Weight-only int8 (``w8a16``): int8 weights with one float32 scale per output channel.
+"""Int8 weights (``w8a16``, ``w8a8``): int8 weights with one float32 scale per output channel.
 
 A decode step at batch 1 streams every weight once, so its time is the weights' bytes over
 memory bandwidth; int8 halves the bytes of bf16. Activations stay in the model dtype. The
@@ -12,8 +12,8 @@ products run at twice the bf16 rate (AVX-512 VNNI): the activations are quantize
 (``quantize_rows``), multiplied in int8 into int32 (``torch._int_mm``, oneDNN, reading the
 row-major int8 weights in place) and scaled back (``int8_linear``). Measured at 4096 tokens on
 the default model's four linears (one Zen 4 core, alternating, best of 5): bf16 prepacked 134 ms,
-int8 products 68 ms; the quantization and scaling as torch ops added 65 ms (no gain), as the
-native passes of ``kernels/cpu_int8_act.c`` a few.
+int8 products 68-92 ms; quantizing and scaling in torch ops added 65 ms (no gain), as the
+native passes of ``kernels/cpu_int8_act.c`` 12 ms (3 quantizing, 9 scaling).
 
 Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
 so the largest weight of each row is exact and the error of any weight is at most half a step.
@@ -70,9 +70,9 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, act: Int8ActKernels | None, resi
     [M, N / 2]. ``act``: the native passes (bf16 only), else the same in torch ops."""
     if act is not None and x.dtype == torch.bfloat16:
         q, a_scale = act.quantize_rows(x)
-        return act.scale_products(torch._int_mm(q, w.q.t()), a_scale, w.scale, residual, swiglu)
+        return act.scale_products(torch.ops.aten._int_mm(q, w.q.t()), a_scale, w.scale, residual, swiglu)
     q, a_scale = quantize_rows(x)
-    y = torch._int_mm(q, w.q.t()).float() * a_scale[:, None] * w.scale  # [M, N] float32
+    y = torch.ops.aten._int_mm(q, w.q.t()).float() * a_scale[:, None] * w.scale  # [M, N] float32
     if swiglu:
         inter = y.shape[1] // 2
         return (y[:, inter:] * F.silu(y[:, :inter]).to(x.dtype)).to(x.dtype)
