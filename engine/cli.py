@@ -60,7 +60,8 @@ _HELP = {
     "max_n": "most choices (n) per OpenAI request",
     "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
-    "quantization": "w8a16: int8 weights, one scale per output channel; prefill and decode servers must match",
+    "quantization": "w8a16: int8 weights, one scale per output channel; w8a8: the same, and prefill's activations "
+                    "int8 per token (int8 x int8 products); prefill and decode servers must match",
     "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disable_fused_decode": "run the gemv decode steps op by op from Python instead of one native call per step",

@@ -29,7 +29,8 @@ class EngineConfig:
     context_length: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
-    # "w8a16": int8 weights with per-channel scales, activations in dtype (quantization_names.QUANTIZATIONS)
+    # "w8a16": int8 weights with per-channel scales, activations in dtype; "w8a8": the same weights,
+    # prefill's activations int8 per token (quantization_names.QUANTIZATIONS)
     quantization: str = UNQUANTIZED
     # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
     # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare

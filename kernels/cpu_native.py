@@ -7,7 +7,9 @@ AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
 packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
-(``DecodeStack``); ``cpu_common.h``, their bf16 conversions and exp.
+(``DecodeStack``); ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of
+its int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions
+and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
 _SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c",
-            "cpu_decode_layer.c")
+            "cpu_decode_layer.c", "cpu_int8_act.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.

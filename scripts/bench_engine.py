@@ -22,7 +22,12 @@ dtype, threads and pool) adds a third side: the same figures measured through
 a running engine server's HTTP API (``/generate`` with ``input_ids``; each
 decode sequence its own streamed request, so ``--batch`` concurrent streams),
 so the API's own overhead shows as ``server_*_vs_engine`` ratios. ``--no-hf``
-leaves the transformers side out.
+leaves the transformers side out. ``--quant-sides none w8a16`` adds a pdserve side per listed
+weight quantization, so ``--quantization w8a8`` shows its speedup over each as a ratio of the
+same run; ``--prefill-only`` measures the prefill figure alone:
+
+    .venv/bin/python scripts/bench_engine.py --no-hf --prefill-only --repeats 5 \
+        --quantization w8a8 --quant-sides none w8a16
 
 Each figure is also given as a fraction of its hardware limit, measured in the
 same run (``benchlib.hw_limits``): decode at 1 sequence against weight bytes /
@@ -47,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
-from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS  # noqa: E402
+from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
 from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
 
@@ -73,6 +78,10 @@ def parse_args(argv=None):
     p.add_argument("--unfused", action="store_true",
                    help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
                         "decode steps op by op from Python), so the fused step's gain shows as a ratio")
+    p.add_argument("--quant-sides", nargs="+", default=[], choices=QUANTIZATIONS, metavar="Q",
+                   help="add a pdserve side per quantization, named q_<Q> (e.g. --quantization w8a8 "
+                        "--quant-sides none w8a16), so pdserve's speedup over each shows as a ratio {fig}_vs_q_<Q>")
+    p.add_argument("--prefill-only", action="store_true", help="the prefill figure alone (no decode runs)")
     args = p.parse_args(argv)
     if args.quick:
         args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
@@ -105,10 +114,10 @@ BASELINES = {
 
 
 class PdserveSide:
-    def __init__(self, args, max_tokens: int, baseline: str | None = None):
+    def __init__(self, args, max_tokens: int, baseline: str | None = None, quantization: str | None = None):
         from pdserve.engine import Engine
 
-        flags = {"quantization": args.quantization, **BASELINES.get(baseline, {})}
+        flags = {"quantization": quantization or args.quantization, **BASELINES.get(baseline, {})}
         self.engine = Engine(
             model_path=args.model_path,
             dtype=args.dtype,
@@ -243,10 +252,10 @@ def hardware_limits(args, arch) -> dict[str, float]:
     several short measurements, since on a shared machine any one of them may be a loaded moment."""
     bw = read_bandwidth_gbs(repeats=10)
     peak = gemm_rate(2048, repeats=10)
-    # the pdserve side's weights: w8a16 reads one byte per weight (its float32 scales, one per row,
-    # are < 1% more)
+    # the pdserve side's weights: w8a16 and w8a8 read one byte per weight (their float32 scales, one
+    # per row, are < 1% more)
     dense_bytes = linear_params(arch) * torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
-    weight_bytes = linear_params(arch) if args.quantization == "w8a16" else dense_bytes
+    weight_bytes = linear_params(arch) if args.quantization != UNQUANTIZED else dense_bytes
     prefill_flops = step_flops(arch, args.prompt_len, 0, 1)  # per prompt
     # decode at --batch: the mean context over the run
     decode_flops = step_flops(arch, 1, args.decode_prompt_len + args.new_tokens // 2, 1)  # per token
@@ -284,6 +293,8 @@ def main(argv=None) -> dict:
             sides["eager"] = PdserveSide(args, max_tokens, baseline="eager")
         if args.unfused:
             sides["unfused"] = PdserveSide(args, max_tokens, baseline="unfused")
+        for q in args.quant_sides:
+            sides[f"q_{q}"] = PdserveSide(args, max_tokens, quantization=q)
         if not args.no_hf:
             sides["hf"] = HFSide(args, hf_dir)
         if args.server:
@@ -295,7 +306,7 @@ def main(argv=None) -> dict:
         for name, (_, dt) in timed(sides, lambda side: side.generate(prefill_prompts, 1), args.repeats).items():
             figures[f"{name}_prefill_tok_s"] = args.num_prompts * args.prompt_len / dt
             print(f"{name:8s} prefill {args.num_prompts}x{args.prompt_len}: {dt:.2f}s", file=sys.stderr)
-        for conc in (1, args.batch):
+        for conc in () if args.prefill_only else (1, args.batch):
             runs = timed(sides, lambda side: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
             for name, (out, dt) in runs.items():
                 outputs[name][conc] = out
@@ -318,30 +329,34 @@ def main(argv=None) -> dict:
         **{k: round(v, 1) for k, v in limits.items()},
         "load_avg": round(os.getloadavg()[0], 1),
     }
-    figs = ("prefill", "decode1", f"decode{args.batch}")
+    figs = ("prefill",) if args.prefill_only else ("prefill", "decode1", f"decode{args.batch}")
+    # the sides whose weights are int8: pdserve and unfused with args.quantization, q_<Q> with Q
+    int8 = {name for name in sides if name in ("pdserve", "unfused") and args.quantization != UNQUANTIZED}
+    int8 |= {f"q_{q}" for q in args.quant_sides if q != UNQUANTIZED}
+
     def limit(name: str, fig: str) -> float:
-        dense = fig == "decode1" and name not in ("pdserve", "unfused")  # the sides with args.quantization
+        dense = fig == "decode1" and name not in int8
         return limits["limit_decode1_dense_tok_s" if dense else f"limit_{fig}_tok_s"]
 
     for name in sides:
         for fig in figs:
             result[f"{name}_{fig}_frac"] = round(figures[f"{name}_{fig}_tok_s"] / limit(name, fig), 3)
     rows = []
-    for other in ("hf", "server", "eager", "unfused"):
+    for other in ("hf", "server", "eager", "unfused", *(f"q_{q}" for q in args.quant_sides)):
         if other not in sides:
             continue
         for fig in figs:
             # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
-            # eager: pdserve / pdserve before issue 17 (the speedup); unfused: pdserve / its steps op by op
+            # eager: pdserve / pdserve before issue 17 (the speedup); unfused: pdserve / its steps op by op;
+            # q_<Q>: pdserve / pdserve with weights Q
             num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)
-            key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine", "eager": f"{fig}_vs_eager",
-                   "unfused": f"{fig}_vs_unfused"}[other]
+            key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine"}.get(other, f"{fig}_vs_{other}")
             result[key] = round(figures[f"{num}_{fig}_tok_s"] / figures[f"{den}_{fig}_tok_s"], 3)
             rows.append((fig, num, den, key))
-    if "hf" in sides:
+    if "hf" in sides and not args.prefill_only:
         # greedy tokens agreeing with HF up to each sequence's first divergence (bf16 near-ties may flip)
         result["greedy_match"] = round(match_fraction(outputs["pdserve"][args.batch], outputs["hf"][args.batch]), 3)
-    if "server" in sides:
+    if "server" in sides and not args.prefill_only:
         result["server_greedy_match"] = round(
             match_fraction(outputs["server"][args.batch], outputs["pdserve"][args.batch]), 3
         )

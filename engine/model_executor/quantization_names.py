@@ -7,7 +7,10 @@ prefill and a decode by it) can name them without importing torch.
 from __future__ import annotations
 
 UNQUANTIZED = "none"
-QUANTIZATIONS = (UNQUANTIZED, "w8a16")
+# w8a16: int8 weights, activations in the model dtype; w8a8: the same weights, and a large step's
+# activations int8 per token (quantization.py)
+W8A16, W8A8 = "w8a16", "w8a8"
+QUANTIZATIONS = (UNQUANTIZED, W8A16, W8A8)
 
 
 def check_quantization(name: str) -> None:

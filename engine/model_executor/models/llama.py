@@ -23,6 +23,10 @@ bf16 model keeps it beside oneDNN's prepacked one (the default model: 270 MB mor
 With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
 (``quantization.Int8Weight``), packed the same way where gemv runs: multiplied in place by
 gemv and dequantized per matrix for larger steps; the embedding lookup stays in the model dtype.
+``quantization="w8a8"`` keeps those int8 weights and small steps, and runs a large step's
+linears as int8 x int8 products over per-token int8 activations (``quantization.int8_linear``),
+which read a row-major int8 copy beside gemv's packed one (the default model: 135 MB more). An
+int8 LM head keeps its input in the model dtype under either (``INT8_HEAD_GEMV_ROWS``).
 
 Such a step, where every row is a sequence's next token, runs its layers in one native call
 (``cpu_native.DecodeStack``, ``kernels/cpu_decode_layer.c``): the same kernels in the same order
@@ -52,9 +56,10 @@ import torch.nn.functional as F
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
-from pdserve.engine.model_executor.quantization import Int8Weight, dense
-from pdserve.engine.model_executor.quantization_names import check_quantization
+from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
 from pdserve.kernels.gemv_layout import GemvWeight
 
@@ -64,6 +69,13 @@ from pdserve.kernels.gemv_layout import GemvWeight
 # it is bound by vdpbf16ps, ~1.1 ns each here, not by memory); whole decode steps through the
 # fused step 2.4x oneDNN's at one row, 1.2x at 4 (scripts/profile_decode_step.py, load 3.5-3.8).
 GEMV_MAX_ROWS = 4
+# An int8 LM head over at most this many sampled rows (a prefill samples one per sequence) runs
+# gemv in place at any step size rather than dequantizing 49152 x 576 weights for a few rows.
+# Measured on one Zen 4 core (loaded machine, best of 5), default model's head: gemv 6.5 ms at 8
+# rows, 62 at 64, 124 at 128; dequantized 190, 230, 316 ms. Its input stays in the model dtype
+# under w8a8 too: per-token int8 there raised the default model's perplexity 2.2% over bf16
+# against 1.6% with the head's input in bf16 (tests/model/test_w8a16_default_model.py's text).
+INT8_HEAD_GEMV_ROWS = 128
 
 Weight = torch.Tensor | Int8Weight | GemvWeight
 
@@ -133,7 +145,7 @@ class LlamaForCausalLM:
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
         norm/rope kernels. ``gemv``: small steps through native gemv where it is available
         (bf16 and AVX-512 BF16). ``fused_decode``: small decode steps' layers in one native call
-        where gemv is on (TP 1, no q/k norm). ``quantization``: ``none`` or ``w8a16``."""
+        where gemv is on (TP 1, no q/k norm). ``quantization``: ``none``, ``w8a16`` or ``w8a8``."""
         check_quantization(quantization)
         arch.check_tp_size(1 if tp is None else tp.size)
         tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
@@ -142,11 +154,15 @@ class LlamaForCausalLM:
         self.dtype = dtype
         self.device = device
         self.quantization = quantization
-        quant = quantization == "w8a16"
+        quant = quantization != UNQUANTIZED
+        # w8a8: a large step's linears int8 x int8; native passes around the product where the model
+        # runs the native kernels (bf16 on CPU), torch ops otherwise
+        self.a8 = quantization == W8A8
         # w8a16 keeps int8 only: the large steps dequantize rather than use prepacked copies
         self.packed = prepack and not quant
         # fused bf16 RMSNorm and rope where the model could run prepacked (CPU, bf16)
         self.native = native_kernels() if prepack else None
+        self.int8_act = Int8ActKernels(self.native) if self.a8 and self.native is not None else None
         use_gemv = gemv and self.native is not None and self.native.has_gemv
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
         # decode steps of at most this many rows run as one DecodeStack call (0: never)
@@ -217,7 +233,10 @@ class LlamaForCausalLM:
                 gate_up_g=small_form(gate_up_w, swiglu=True),
                 down_g=small_form(down_w),
             )
-            if quant:  # one int8 copy serves both paths
+            if self.a8:  # int8 products read the row-major int8 (the same values as the packed copy)
+                layer.qkv_w, layer.o_w = Int8Weight.quantize(qkv_w), Int8Weight.quantize(o_w)
+                layer.gate_up_w, layer.down_w = Int8Weight.quantize(gate_up_w), Int8Weight.quantize(down_w)
+            elif quant:  # one int8 copy serves both paths
                 layer.qkv_w, layer.o_w = layer.qkv_g, layer.o_g
                 layer.gate_up_w, layer.down_w = layer.gate_up_g, layer.down_g
             elif packed:
@@ -227,6 +246,8 @@ class LlamaForCausalLM:
                 layer.gate_up_w = None
             self.layers.append(layer)
         self.lm_head_g = small_form(self.lm_head)
+        # an int8 head that gemv multiplies in place (INT8_HEAD_GEMV_ROWS)
+        self.int8_head_gemv = quant and self.gemv_rows > 0
         if quant:
             self.lm_head = self.lm_head_g
         elif packed:
@@ -263,10 +284,12 @@ class LlamaForCausalLM:
         # a small step: every linear through native gemv (the whole step, so one path per step)
         small = T <= self.gemv_rows
         packed = self.packed and not small
+        a8 = self.a8 and not small
+        ia = self.int8_act
         lp = torch.ops.mkldnn._linear_pointwise if packed else None
         dtype = self.dtype
 
-        gemv = native.gemv if small else None
+        gemv = native.gemv if self.gemv_rows else None  # small steps, and an int8 head at any step
 
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -276,6 +299,9 @@ class LlamaForCausalLM:
                 qkv = qkv if layer.qkv_b is None else qkv + layer.qkv_b
             elif packed:
                 qkv = lp(x, layer.qkv_w, layer.qkv_b, "none", [], "")
+            elif a8:
+                qkv = int8_linear(x, layer.qkv_w, ia)
+                qkv = qkv if layer.qkv_b is None else qkv + layer.qkv_b
             else:
                 qkv = F.linear(x, dense(layer.qkv_w, dtype), layer.qkv_b)  # [T, (H + 2 KVH) * D]
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
@@ -309,6 +335,14 @@ class LlamaForCausalLM:
                 x = norm(h, layer.post_norm)
                 act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
                 h = lp.binary(act, h, layer.down_w, None, "add")
+            elif a8 and fuse_residual:
+                h = int8_linear(o, layer.o_w, ia, residual=h)
+                x = norm(h, layer.post_norm)
+                h = int8_linear(int8_linear(x, layer.gate_up_w, ia, swiglu=True), layer.down_w, ia, residual=h)
+            elif a8:
+                h = h + all_reduce(int8_linear(o, layer.o_w, ia))
+                x = norm(h, layer.post_norm)
+                h = h + all_reduce(int8_linear(int8_linear(x, layer.gate_up_w, ia, swiglu=True), layer.down_w, ia))
             elif packed:
                 h = h + all_reduce(lp(o, layer.o_w, None, "none", [], ""))
                 x = norm(h, layer.post_norm)
@@ -321,7 +355,7 @@ class LlamaForCausalLM:
                 h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], dense(layer.down_w, dtype)))
         # h: [num_sampled, hidden]
         x = norm(h, self.final_norm)
-        if small:
+        if small or (self.int8_head_gemv and x.shape[0] <= INT8_HEAD_GEMV_ROWS):
             logits = gemv(x, self.lm_head_g)
         elif packed:
             logits = lp(x, self.lm_head, None, "none", [], "")

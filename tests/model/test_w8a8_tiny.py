@@ -1,0 +1,70 @@
+"""w8a8 on tiny random checkpoints: the same int8 weights as w8a16, a large step's (prefill's)
+activations int8 per token. Teacher-forced along bf16's token path, so every step compares like
+with like: the prefill (int8 x int8) and the decode steps (int8 weights in place, as w8a16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_executor.model_runner import ModelRunner
+
+torch.set_num_threads(1)
+NEW = 12
+# the stated w8a8 error on these checkpoints: max |logit - bf16 logit| over every step, as a
+# fraction of the bf16 logits' std. Measured 0.08-0.19 (bf16 side), 0.11-0.23 (float32 side)
+# over the three checkpoints (w8a16: 0.11-0.18); the prefill against w8a16 0.07-0.10;
+# a wrong scale or layout gives > 1.
+W8A8_LOGIT_ERROR = 0.3
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def ckpt(request, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp(f"tiny_a8_{request.param}"))
+    make_tiny_checkpoint(request.param, path)
+    return path
+
+
+def max_error(runner, reference, prompts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per sequence: ``runner``'s logits along ``reference``'s greedy path, and the reference's."""
+    path, want = greedy_generate(reference, prompts, NEW)
+    return greedy_generate(runner, prompts, NEW, forced=path)[1], want
+
+
+def test_w8a8_logits_within_stated_error_of_bf16(ckpt):
+    bf16 = bf16_runner(ckpt)
+    a8 = bf16_runner(ckpt, quantization="w8a8")
+    assert a8.model.a8 and a8.model.int8_act is not None  # native passes around the products
+    # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
+    assert a8.page_pool.layout().quantization == "w8a8"
+    prompts = random_prompts([7, 23, 1], seed=5)  # one 31-token prefill step: the int8 x int8 path
+    got, want = max_error(a8, bf16, prompts)
+    for g, w in zip(got, want):
+        err = (g - w).abs().max() / w.std()
+        assert 0 < err <= W8A8_LOGIT_ERROR, err
+
+
+def test_w8a8_prefill_differs_from_w8a16_by_activation_rounding_only(ckpt):
+    # the same int8 weights: the prefill's logits (the first of each sequence) differ by the int8
+    # activations alone
+    a16, a8 = bf16_runner(ckpt, quantization="w8a16"), bf16_runner(ckpt, quantization="w8a8")
+    prompts = random_prompts([9, 4], seed=6)
+    got, want = max_error(a8, a16, prompts)
+    first = torch.stack([g[0] for g in got]), torch.stack([w[0] for w in want])
+    err = ((first[0] - first[1]).abs().amax(dim=1) / first[1].std(dim=1)).max()
+    assert 0 < err <= W8A8_LOGIT_ERROR, err
+
+
+def test_w8a8_portable_torch_path_in_float32(ckpt):
+    # float32: no native kernels (quantize and scale in torch ops around torch._int_mm)
+    f32 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4))
+    a8 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4,
+                                  quantization="w8a8"))
+    assert a8.model.native is None and a8.model.int8_act is None and a8.model.gemv_rows == 0
+    prompts = random_prompts([7, 23, 1], seed=7)
+    got, want = max_error(a8, f32, prompts)
+    for g, w in zip(got, want):
+        err = (g - w).abs().max() / w.std()
+        assert 0 < err <= W8A8_LOGIT_ERROR, err
