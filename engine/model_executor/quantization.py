@@ -11,7 +11,7 @@ product, whose cost the FLOPs dominate (``dense``: natively for a packed weight)
 differs. There the product is compute-bound, so dequantizing the weights saves nothing, but int8
 products run at twice the bf16 rate (AVX-512 VNNI): the activations are quantized per token
 (``quantize_rows``), multiplied in int8 into int32 (``torch._int_mm``, oneDNN, reading the
-row-major int8 weights in place) and scaled back (``int8_linear``). Measured at 4096 tokens on
+row-major int8 weights in place: a copy beside gemv's packed one) and scaled back (``int8_linear``). Measured at 4096 tokens on
 the default model's four linears (one Zen 4 core, alternating, best of 5): bf16 prepacked 134 ms,
 int8 products 68-92 ms; quantizing and scaling in torch ops added 65 ms (no gain), as the
 native passes of ``kernels/cpu_int8_act.c`` 12 ms (3 quantizing, 9 scaling).
