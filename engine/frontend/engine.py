@@ -135,10 +135,11 @@ class Engine:
         self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
         self._watch: asyncio.Future | None = None
         if self.in_process:
-            self.loop = LOOP_BUILDERS[server_config.disaggregation_mode](server_config, LocalRank.DP_RANK, 0)
+            build = LOOP_BUILDERS[server_config.disaggregation_mode]
+            self._rank: LocalRank | None = LocalRank(lambda: build(server_config, LocalRank.DP_RANK, 0))
+            self.loop = self._rank.loop
             self.tokenizer = self.loop.tokenizer
             self.arch = self.loop.arch
-            self._rank: LocalRank | None = LocalRank(self.loop)
         else:
             from pdserve.engine.model_executor.model_loader import load_arch
             from pdserve.engine.model_executor.tokenizer import load_tokenizer
