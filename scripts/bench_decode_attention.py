@@ -18,29 +18,19 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
+from benchlib.timing import best_of  # noqa: E402
 from benchlib.hw_limits import read_bandwidth_gbs  # noqa: E402
 
 from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 
 HEADS, KV_HEADS, DIM, PAGE = 9, 3, 64, 16
 ORDERS = ("contiguous", "strided", "random")
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def page_table(order: str, n: int, per_seq: int) -> torch.Tensor:

@@ -19,13 +19,13 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 from bench_model import prefill_batch  # noqa: E402
+from benchlib.timing import best_of  # noqa: E402
 from benchlib.hw_limits import linear_params, read_bandwidth_gbs  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
@@ -40,16 +40,6 @@ SIDES = {
     "w8a16_ops": dict(quantization="w8a16", disable_fused_decode=True),
     "w8a16": dict(quantization="w8a16"),
 }
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:
