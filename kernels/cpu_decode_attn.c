@@ -134,7 +134,8 @@ int NAME(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache,      
         if (!s) { failed = 1; continue; }                                                     \
         for (int g = 0; g < G; g++) {                                                         \
             const T* qp = q + (int64_t)b * q_stride + (int64_t)(h * G + g) * DIMV;               \
-            for (int d = 0; d < DIMV; d++) qf[g][d] = LD(qp, d) * scale;                         \
+            if (!FAST) /* the scalar scores' scaled float q; qk16_bf16 reads q as it is */   \
+                for (int d = 0; d < DIMV; d++) qf[g][d] = LD(qp, d) * scale;                     \
             mx[g] = -3.0e38f; sum[g] = 0.f;                                                  \
             for (int d = 0; d < DIMV; d++) acc[g][d] = 0.f;                                      \
         }                                                                                     \

@@ -71,10 +71,15 @@ static inline void store_block(float acc[RB][MB], int n0, int rows, int m0, int 
     }
 }
 
+/* the columns of chunk k..k+31 that are below K */
+static inline __mmask32 chunk_mask(int64_t k, int64_t K) {
+    return K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+}
+
 /* x rows m0..m0+MR-1, chunk k..k+31 (masked past K) */
 static inline __attribute__((always_inline)) void load_x(__m512i xv[MB], const uint16_t* x, int64_t x_stride,
                                                          int m0, const int MR, int64_t k, int64_t K) {
-    const __mmask32 mask = K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+    const __mmask32 mask = chunk_mask(k, K);
     for (int m = 0; m < MR; m++) xv[m] = _mm512_maskz_loadu_epi16(mask, x + (int64_t)(m0 + m) * x_stride + k);
 }
 
@@ -110,6 +115,26 @@ __attribute__((constructor)) static void init_tables(void) {
     }
 }
 
+/* the lookup tables in registers, and the sign bit */
+typedef struct { __m512i lo0, lo1, hi0, hi1, sign; } widen_tables;
+
+static inline __attribute__((always_inline)) widen_tables load_widen_tables(void) {
+    const widen_tables t = {_mm512_loadu_si512(bf16_lo), _mm512_loadu_si512(bf16_lo + 64),
+                            _mm512_loadu_si512(bf16_hi), _mm512_loadu_si512(bf16_hi + 64),
+                            _mm512_set1_epi8((char)0x80)};
+    return t;
+}
+
+/* one 64-byte pair of packed int8 rows (sign-magnitude) -> the two rows' 32 bf16 each, w[0] and w[1] */
+static inline __attribute__((always_inline)) void widen_pair(const widen_tables* t, const int8_t* P, __m512i w[2]) {
+    const __m512i q = _mm512_loadu_si512(P);
+    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, q, t->lo1);
+    /* hi | (q & 0x80) */
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, q, t->hi1), q, t->sign, 0xF8);
+    w[0] = _mm512_unpacklo_epi8(lo, hi);
+    w[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+
 /* the same for int8 B (sign-magnitude, rows paired as gemv_layout.py says; sums unscaled): each
    64-byte pair becomes two rows of 32 bf16 by two 128-entry byte lookups (vpermi2b, indexed by
    the low 7 bits), the sign ORed into the high byte, and a byte unpack; then the same dot
@@ -117,9 +142,7 @@ __attribute__((constructor)) static void init_tables(void) {
 static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
                                                            int64_t x_stride, int m0, const int MR,
                                                            float acc[RB][MB]) {
-    const __m512i lo0 = _mm512_loadu_si512(bf16_lo), lo1 = _mm512_loadu_si512(bf16_lo + 64);
-    const __m512i hi0 = _mm512_loadu_si512(bf16_hi), hi1 = _mm512_loadu_si512(bf16_hi + 64);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    const widen_tables t = load_widen_tables();
     __m512 a[RB][MB];
     for (int r = 0; r < RB; r++)
         for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
@@ -127,14 +150,11 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
         __m512i xv[MB];
         load_x(xv, x, x_stride, m0, MR, k, K);
         for (int p = 0; p < RB / 2; p++) {
-            const __m512i q = _mm512_loadu_si512(B + p * 64);
-            const __m512i lo = _mm512_permutex2var_epi8(lo0, q, lo1);
-            /* hi | (q & 0x80) */
-            const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, q, hi1), q, sign, 0xF8);
-            const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi8(lo, hi), w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+            __m512i w[2];
+            widen_pair(&t, B + p * 64, w);
             for (int m = 0; m < MR; m++) {
-                a[2 * p][m] = _mm512_dpbf16_ps(a[2 * p][m], w0, (__m512bh)xv[m]);
-                a[2 * p + 1][m] = _mm512_dpbf16_ps(a[2 * p + 1][m], w1, (__m512bh)xv[m]);
+                a[2 * p][m] = _mm512_dpbf16_ps(a[2 * p][m], (__m512bh)w[0], (__m512bh)xv[m]);
+                a[2 * p + 1][m] = _mm512_dpbf16_ps(a[2 * p + 1][m], (__m512bh)w[1], (__m512bh)xv[m]);
             }
         }
     }
@@ -217,9 +237,7 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int sw
     const int64_t chunks = (K + CW - 1) / CW;
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < nblocks; b++) {
-        const __m512i lo0 = _mm512_loadu_si512(bf16_lo), lo1 = _mm512_loadu_si512(bf16_lo + 64);
-        const __m512i hi0 = _mm512_loadu_si512(bf16_hi), hi1 = _mm512_loadu_si512(bf16_hi + 64);
-        const __m512i sign = _mm512_set1_epi8((char)0x80);
+        const widen_tables t = load_widen_tables();
         const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
         const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
         for (int h = 0; h < halves; h++) {
@@ -227,12 +245,10 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int sw
             const int64_t row0 = (int64_t)h * rows_out + b * RB;
             for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
                 const int64_t k = c * CW;
-                const __mmask32 mask = K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
+                const __mmask32 mask = chunk_mask(k, K);
                 for (int p = 0; p < RB / 2; p++) {
-                    const __m512i q = _mm512_loadu_si512(B + p * 64);
-                    const __m512i lo = _mm512_permutex2var_epi8(lo0, q, lo1);
-                    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, q, hi1), q, sign, 0xF8);
-                    const __m512i w[2] = {_mm512_unpacklo_epi8(lo, hi), _mm512_unpackhi_epi8(lo, hi)};
+                    __m512i w[2];
+                    widen_pair(&t, B + p * 64, w);
                     for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
                         const __m512 s = _mm512_set1_ps(scale[row0 + 2 * p + j]);
                         __m256i half[2];

@@ -35,6 +35,12 @@ ROWS = 4  # rows per block (RB in cpu_gemv.c)
 CHUNK = 32  # columns per chunk: one AVX-512 vector of bf16
 
 
+def _geometry(rows: int, cols: int, swiglu: bool) -> tuple[int, int, int, int]:
+    """(halves, output rows, blocks, chunks) of a [rows, cols] weight packed as ``swiglu`` says."""
+    halves, rows_out = (2, rows // 2) if swiglu else (1, rows)
+    return halves, rows_out, -(-rows_out // ROWS), -(-cols // CHUNK)
+
+
 @dataclass(frozen=True)
 class GemvWeight:
     """A weight [rows, cols] packed for native gemv; int8 with a float32 ``scale`` per row
@@ -57,8 +63,7 @@ class GemvWeight:
             assert scale.dtype == torch.float32 and scale.shape == (n,)
             # sign-magnitude; -q fits int8 as |q| <= 127
             w = torch.where(w < 0, (-w) | -128, w)
-        halves, rows_out = (2, n // 2) if swiglu else (1, n)
-        blocks, chunks = -(-rows_out // ROWS), -(-k // CHUNK)
+        halves, rows_out, blocks, chunks = _geometry(n, k, swiglu)
         padded = w.new_zeros(halves, blocks * ROWS, chunks * CHUNK)
         padded[:, :rows_out, :k] = w.reshape(halves, rows_out, k)
         if int8:  # [h, b, pair, row of pair, c, 4, 8] -> [b, h, c, pair, 4, row of pair, 8]
@@ -69,8 +74,7 @@ class GemvWeight:
 
     def unpack(self) -> torch.Tensor:
         """[rows, cols] row-major, bf16, or int8 two's complement (unscaled)."""
-        halves, rows_out = (2, self.rows // 2) if self.swiglu else (1, self.rows)
-        blocks, chunks = -(-rows_out // ROWS), -(-self.cols // CHUNK)
+        halves, rows_out, blocks, chunks = _geometry(self.rows, self.cols, self.swiglu)
         if self.data.dtype == torch.int8:
             t = self.data.view(blocks, halves, chunks, 2, 4, 2, 8).permute(1, 0, 3, 5, 2, 4, 6)
             t = torch.where(t < 0, -(t & 127), t)

@@ -66,6 +66,7 @@ from pdserve.engine.cluster import Cluster, LaunchConfig  # noqa: E402
 from pdserve.engine.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 SETUPS = ("colocated", "1p1d", "1p1d+local")
+INTERFERENCE_LONG_RATIO = 0.75  # interference's long prompts: lengths uniform from 3/4 of the flag's
 IDLE_PROBES = (4, 2)  # short and long prompts sent one at a time before an interference sweep
 LENGTHS = (  # flag, default, --quick default (tokens)
     ("steady_input_len", 256, 128),
@@ -161,6 +162,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --- workloads -----------------------------------------------------------------------------------
 
 
+def long_rows(tokenizer, n: int, lengths: tuple[int, int], ratio: float, seed: int) -> list:
+    """``n`` random prompts of ``lengths`` = (input, output) tokens, the input's length uniform down to
+    ``ratio`` of it; the output length is fixed (only the prompt's varies)."""
+    rows = datasets.sample_random(tokenizer, n, lengths[0], lengths[1], ratio, seed)
+    return rows if ratio == 1.0 else [dataclasses.replace(r, output_len=lengths[1]) for r in rows]
+
+
 def workload(name: str, rate: float, args, tokenizer) -> tuple[list, list[float], list[str]]:
     """Rows, send offsets (s) and a kind per row ("steady", "stream" or "long"), ordered by offset."""
     seed = args.seed + int(rate * 1000)
@@ -173,15 +181,14 @@ def workload(name: str, rate: float, args, tokenizer) -> tuple[list, list[float]
         long_len, long_ratio = (args.long_input_len, 2), 1.0
     else:
         short_len, period = (args.short_input_len, args.short_output_len), args.interference_period
-        long_len, long_ratio = (args.interference_long_len, args.interference_long_output_len), 0.75
+        long_len = (args.interference_long_len, args.interference_long_output_len)
+        long_ratio = INTERFERENCE_LONG_RATIO
     kind = SHORT_KINDS[name]
     streams = datasets.sample_random(tokenizer, args.num_prompts, *short_len, 1.0, seed)
     offsets = arrival_offsets(len(streams), rate, seed)
     # long prompts over the span of the short arrivals, the first one after the first shorts started
     n_long = max(1, int(offsets[-1] // period))
-    longs = datasets.sample_random(tokenizer, n_long, long_len[0], long_len[1], long_ratio, seed + 7)
-    if long_ratio != 1.0:  # the output length is fixed; only the prompt's varies
-        longs = [dataclasses.replace(r, output_len=long_len[1]) for r in longs]
+    longs = long_rows(tokenizer, n_long, long_len, long_ratio, seed + 7)
     long_offsets = [period * (k + 0.5) for k in range(n_long)]
     merged = sorted(zip(offsets + long_offsets, streams + longs, [kind] * len(streams) + ["long"] * n_long),
                     key=lambda t: t[0])
@@ -194,9 +201,8 @@ def idle_ttft(base_url: str, args, tokenizer) -> dict:
     bounds TTFT at low load (one core per server against two for the colocated one)."""
     short = datasets.sample_random(tokenizer, IDLE_PROBES[0], args.short_input_len, args.short_output_len, 1.0,
                                    args.seed + 1)
-    long = datasets.sample_random(tokenizer, IDLE_PROBES[1], args.interference_long_len,
-                                  args.interference_long_output_len, 0.75, args.seed + 2)
-    long = [dataclasses.replace(r, output_len=args.interference_long_output_len) for r in long]
+    long = long_rows(tokenizer, IDLE_PROBES[1], (args.interference_long_len, args.interference_long_output_len),
+                     INTERFERENCE_LONG_RATIO, args.seed + 2)
     rows = short + long
     outputs, _ = asyncio.run(benchmark(base_url, BACKENDS[args.backend](), rows, [0.0] * len(rows),
                                        max_concurrency=1, warmup_requests=1, request_timeout=600.0))
@@ -206,7 +212,7 @@ def idle_ttft(base_url: str, args, tokenizer) -> dict:
     ttft = [o.ttft * 1000 for o in outputs]
     out = {"short_ttft_ms": statistics.median(ttft[:len(short)]), "long_ttft_ms": statistics.median(ttft[len(short):])}
     print(f"  idle TTFT: short ({args.short_input_len} tokens) {out['short_ttft_ms']:.1f} ms, long "
-          f"({int(0.75 * args.interference_long_len)}-{args.interference_long_len} tokens) {out['long_ttft_ms']:.1f} ms",
+          f"({int(INTERFERENCE_LONG_RATIO * args.interference_long_len)}-{args.interference_long_len} tokens) {out['long_ttft_ms']:.1f} ms",
           flush=True)
     return out
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
+from model_util import bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
@@ -22,15 +22,6 @@ NEW = 12
 # fraction of the bf16 logits' std (per-channel int8 of weights drawn with std 0.1). Measured
 # 0.11-0.18 over the three checkpoints and both paths; a wrong scale or layout gives > 1.
 W8_LOGIT_ERROR = 0.25
-
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def ckpt(request, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp(f"tiny_{request.param}"))
-    make_tiny_checkpoint(request.param, path)
-    return path
-
 
 
 def forced_logits(runner, prompts, path):

@@ -4,9 +4,8 @@ with like: the prefill (int8 x int8) and the decode steps (int8 weights in place
 
 from __future__ import annotations
 
-import pytest
 import torch
-from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
+from model_util import bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
@@ -18,13 +17,6 @@ NEW = 12
 # over the three checkpoints (w8a16: 0.11-0.18); the prefill against w8a16 0.07-0.10;
 # a wrong scale or layout gives > 1.
 W8A8_LOGIT_ERROR = 0.3
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def ckpt(request, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp(f"tiny_a8_{request.param}"))
-    make_tiny_checkpoint(request.param, path)
-    return path
 
 
 def max_error(runner, reference, prompts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

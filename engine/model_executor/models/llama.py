@@ -172,14 +172,13 @@ class LlamaForCausalLM:
         self._stack_pool: tuple[int, int] | None = None
         packed = self.packed
 
-        def small_form(t: torch.Tensor, swiglu: bool = False) -> Weight | None:
-            """The form small steps read: packed for gemv where it is on; else int8 (w8a16) or None."""
+        def forms(t: torch.Tensor, swiglu: bool = False) -> tuple[Weight | None, Int8Weight | None]:
+            """(the form small steps read, the row-major int8): small steps read it packed for gemv
+            where it is on, else the int8 (quantized) or nothing (bf16); int8 quantized once."""
+            q = Int8Weight.quantize(t) if quant else None
             if not use_gemv:
-                return Int8Weight.quantize(t) if quant else None
-            if quant:
-                q = Int8Weight.quantize(t)
-                return GemvWeight.pack(q.q, swiglu, q.scale)
-            return GemvWeight.pack(t, swiglu)
+                return q, q
+            return (GemvWeight.pack(t, swiglu) if q is None else GemvWeight.pack(q.q, swiglu, q.scale)), q
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
@@ -219,6 +218,8 @@ class LlamaForCausalLM:
             o_w = w(a + "o_proj.weight", slice(None), q_rows)
             down_w = w(p + "mlp.down_proj.weight", slice(None), i_rows)
             gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight", i_rows), w(p + "mlp.up_proj.weight", i_rows)])
+            (qkv_g, qkv_8), (o_g, o_8) = forms(qkv_w), forms(o_w)
+            (gate_up_g, gate_up_8), (down_g, down_8) = forms(gate_up_w, swiglu=True), forms(down_w)
             layer = _Layer(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv_w=qkv_w,
@@ -228,14 +229,13 @@ class LlamaForCausalLM:
                 post_norm=w(p + "post_attention_layernorm.weight"),
                 gate_up_w=gate_up_w,
                 down_w=down_w,
-                qkv_g=small_form(qkv_w),
-                o_g=small_form(o_w),
-                gate_up_g=small_form(gate_up_w, swiglu=True),
-                down_g=small_form(down_w),
+                qkv_g=qkv_g,
+                o_g=o_g,
+                gate_up_g=gate_up_g,
+                down_g=down_g,
             )
             if self.a8:  # int8 products read the row-major int8 (the same values as the packed copy)
-                layer.qkv_w, layer.o_w = Int8Weight.quantize(qkv_w), Int8Weight.quantize(o_w)
-                layer.gate_up_w, layer.down_w = Int8Weight.quantize(gate_up_w), Int8Weight.quantize(down_w)
+                layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w = qkv_8, o_8, gate_up_8, down_8
             elif quant:  # one int8 copy serves both paths
                 layer.qkv_w, layer.o_w = layer.qkv_g, layer.o_g
                 layer.gate_up_w, layer.down_w = layer.gate_up_g, layer.down_g
@@ -245,7 +245,7 @@ class LlamaForCausalLM:
                 layer.up_w = _pack(gate_up_w[self.inter :])
                 layer.gate_up_w = None
             self.layers.append(layer)
-        self.lm_head_g = small_form(self.lm_head)
+        self.lm_head_g, _ = forms(self.lm_head)
         # an int8 head that gemv multiplies in place (INT8_HEAD_GEMV_ROWS)
         self.int8_head_gemv = quant and self.gemv_rows > 0
         if quant:
