@@ -65,6 +65,8 @@ _HELP = {
     "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disable_fused_decode": "run the gemv decode steps op by op from Python instead of one native call per step",
+    "disable_native_gemm": "run larger bf16 steps' products through oneDNN's prepacked linears instead of the "
+    "native panel kernels",
     "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
     "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",
     "kv_events_config": 'publish KV cache events (SGLang/vLLM JSON: {"publisher": "zmq", "endpoint": '

@@ -38,6 +38,9 @@ class EngineConfig:
     # those steps' layers in one native call each (kernels/cpu_decode_layer.c) rather than op by op
     # from Python; off: op by op, the same outputs bit for bit, e.g. to compare
     disable_fused_decode: bool = False
+    # larger bf16 steps' products through the native panel kernels (kernels/cpu_gemm.c) where the
+    # CPU has AVX-512 BF16 without AMX; off: oneDNN's prepacked linears, e.g. to compare
+    disable_native_gemm: bool = False
     # KV cache
     page_size: int = 16
     max_total_tokens: int | None = None  # None: derived from mem_fraction_static

@@ -7,7 +7,9 @@ AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
 packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
-(``DecodeStack``); ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of
+(``DecodeStack``); ``cpu_gemm.c``, the bf16 products of every larger step over weights
+packed as ``gemm_layout.PanelWeight`` (``has_gemm``, AVX-512 BF16 without AMX); ``cpu_kv_store.c``, a layer's KV store into
+the head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of
 its int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions
 and exp.
 
@@ -34,13 +36,15 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.gemm_layout import PanelWeight
 from pdserve.kernels.gemv_layout import GemvWeight
 
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
 _SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c",
-            "cpu_decode_layer.c", "cpu_int8_act.c")
+            "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c",
+            "cpu_kv_store.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -112,6 +116,10 @@ class NativeKernels:
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _P])
+        self._kv_store = self._bind("kv_store", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I32, _I32,
+                                                 _I64])
+        self.has_gemm = bool(self.lib.gemm_supported())
+        self._gemm = self._bind("gemm_bf16", [_P, _I64, _P, _P, _I64, _P, _I64, _P] + [_I32] * 5)
         # it runs the gemv kernels, so it is there where they are
         self._decode_layers = self._bind("decode_layers_bf16", [_P, _P, _I32, _P, _P, _P, _I64, _P, _I32, _I32, _P,
                                                                 _I32, _P])
@@ -199,6 +207,48 @@ class NativeKernels:
                             res_stride, M, N, K, mode)
         if rc != 0:
             raise RuntimeError(f"native gemv failed with code {rc}")
+        return out
+
+    def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """``kv_ops.store_kv`` natively: k, v [T, kv_heads, head_dim] (any token and head strides,
+        rows contiguous; or [T, kv_heads * head_dim]) into slots ``loc`` [T] int64 of the
+        head-major caches."""
+        heads, _, _, dim = k_cache.shape
+        k, v = k.view(k.shape[0], heads, dim), v.view(v.shape[0], heads, dim)
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape
+        assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and loc.dtype == torch.int64 and loc.is_contiguous()
+        assert k.shape == v.shape == (loc.numel(), heads, dim) and k.stride(2) == v.stride(2) == 1
+        e = k.element_size()
+        self._kv_store(k.data_ptr(), k.stride(0) * e, k.stride(1) * e, v.data_ptr(), v.stride(0) * e, v.stride(1) * e,
+                       k_cache.data_ptr(), v_cache.data_ptr(), dim * e, k_cache.stride(0) * e, loc.data_ptr(),
+                       loc.numel(), heads, dim * e)
+
+    def gemm(self, x: torch.Tensor, weight: PanelWeight, residual: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``x @ W.T`` for any number of rows ``x`` [M, K] bf16 (row stride free): a new [M, N]
+        tensor, bf16, or float32 holding the bf16-rounded values (``out_dtype``).
+
+        weight: W [N, K] bf16 packed in panels. ``residual`` [M, N] bf16: returns ``residual + x @
+        W.T`` (one rounding); ``bias`` [N] bf16: adds it before that rounding. A SwiGLU weight (gate | up, [2 I, K]): returns ``silu(x @ gate.T) *
+        (x @ up.T)``, [M, I]. Requires ``has_gemm``.
+        """
+        M, K = x.shape
+        N = weight.rows
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K
+        assert not (weight.swiglu and residual is not None) and out_dtype in (torch.bfloat16, torch.float32)
+        out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=out_dtype)
+        mode = 2 if weight.swiglu else 1 if residual is not None else 0
+        if residual is not None:
+            assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
+        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        if bias is not None:
+            assert not weight.swiglu and bias.dtype == torch.bfloat16 and bias.shape == (N,) and bias.is_contiguous()
+        rc = self._gemm(x.data_ptr(), x.stride(0), weight.data.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
+                        res_stride, None if bias is None else bias.data_ptr(), M, N, K, mode,
+                        int(out_dtype == torch.float32))
+        if rc != 0:
+            raise RuntimeError(f"native gemm failed with code {rc}")
         return out
 
     def gemv_dequantize(self, weight: GemvWeight) -> torch.Tensor:

@@ -100,7 +100,10 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]
         k_cache, v_cache = self.page_pool.k[layer], self.page_pool.v[layer]
-        store_kv(k_cache, v_cache, self.loc, k, v)
+        if self.native is not None:
+            self.native.store_kv(k_cache, v_cache, self.loc, k, v)
+        else:
+            store_kv(k_cache, v_cache, self.loc, k, v)
         num_tokens = q.shape[0]
         dec = self.decode
         if dec is not None and dec.rows is None:

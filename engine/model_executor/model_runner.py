@@ -139,7 +139,8 @@ class ModelRunner:
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
         return LlamaForCausalLM(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
                                 quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
-                                fused_decode=not self.config.disable_fused_decode)
+                                fused_decode=not self.config.disable_fused_decode,
+                                gemm=not self.config.disable_native_gemm)
 
     # ------------------------------------------------------------- weights
     def load_weights(self, model_path: str | None) -> None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pdserve.kernels.cpu_int8_act import Int8ActKernels
 
 from pdserve.kernels.cpu_native import native_kernels
+from pdserve.kernels.gemm_layout import PanelWeight
 from pdserve.kernels.gemv_layout import GemvWeight
 
 
@@ -57,9 +58,11 @@ class Int8Weight:
         return self.q.numel() + self.scale.numel() * 4
 
 
-def dense(w: torch.Tensor | Int8Weight | GemvWeight, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales, or
-    either packed for native gemv."""
+def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight, dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales,
+    either packed for native gemv, or bf16 packed in panels for the native products."""
+    if isinstance(w, PanelWeight):
+        return w.unpack().to(dtype)
     if isinstance(w, GemvWeight):
         native = native_kernels()
         if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:

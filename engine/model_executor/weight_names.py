@@ -1,6 +1,6 @@
 """A loaded model's weight by its Hugging Face name (SGLang's ``get_weights_by_name``).
 
-The model holds fused matrices (q|k|v, gate|up), some prepacked for oneDNN or as
+The model holds fused matrices (q|k|v, gate|up), some packed (in panels, for gemv, or for oneDNN) or as
 int8 with scales; this maps a checkpoint name back to its rows of the fused
 matrix, dense float32, so a caller can compare it with the checkpoint.
 Under TP the answer is this rank's shard (its heads, its MLP columns or rows).
@@ -18,9 +18,9 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def _matrix(model, plain, row_major) -> torch.Tensor:
-    """The dense form of one of a layer's matrices: the plain one, unless it is prepacked for oneDNN
-    (then the copy native gemv reads, when there is one)."""
-    if not model.packed:
+    """The dense form of one of a layer's matrices: the plain one (or its panels), unless it is
+    prepacked for oneDNN (then the copy native gemv reads, when there is one)."""
+    if not model.packed or model.gemm:
         return dense(plain, torch.float32)
     if row_major is not None:
         return dense(row_major, torch.float32)

@@ -61,6 +61,7 @@ from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, 
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
+from pdserve.kernels.gemm_layout import PanelWeight
 from pdserve.kernels.gemv_layout import GemvWeight
 
 # Steps of at most this many tokens run their linears through native gemv. Measured on one
@@ -77,20 +78,21 @@ GEMV_MAX_ROWS = 4
 # against 1.6% with the head's input in bf16 (tests/model/test_w8a16_default_model.py's text).
 INT8_HEAD_GEMV_ROWS = 128
 
-Weight = torch.Tensor | Int8Weight | GemvWeight
+Weight = torch.Tensor | Int8Weight | GemvWeight | PanelWeight
 
 
 @dataclass
 class _Layer:
     input_norm: torch.Tensor  # [hidden]
     # H, KVH and inter are this TP rank's shares (the whole model's at TP 1)
-    qkv_w: torch.Tensor  # [(H + 2 KVH) * D, hidden]
+    # the forms larger steps read: plain, oneDNN-prepacked, PanelWeight (native gemm) or int8
+    qkv_w: Weight  # [(H + 2 KVH) * D, hidden]
     qkv_b: torch.Tensor | None  # [(H + 2 KVH) * D]
     qk_norm: torch.Tensor | None  # [H + KVH, D]: q_norm repeated per q head, then k_norm per kv head
-    o_w: torch.Tensor  # [hidden, H * D]
+    o_w: Weight  # [hidden, H * D]
     post_norm: torch.Tensor  # [hidden]
-    gate_up_w: torch.Tensor | None  # [2 * inter, hidden]; None when packed (gate_w, up_w instead)
-    down_w: torch.Tensor  # [hidden, inter]
+    gate_up_w: Weight | None  # [2 * inter, hidden]; None when prepacked for oneDNN (gate_w, up_w instead)
+    down_w: Weight  # [hidden, inter]
     gate_w: torch.Tensor | None = None  # packed [inter, hidden]
     up_w: torch.Tensor | None = None  # packed [inter, hidden]
     # the same matrices packed for native gemv, bf16 or int8 (w8a16: Int8Weight where gemv is off,
@@ -141,11 +143,13 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
-                 quantization: str = "none", gemv: bool = True, fused_decode: bool = True):
+                 quantization: str = "none", gemv: bool = True, fused_decode: bool = True, gemm: bool = True):
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
         norm/rope kernels. ``gemv``: small steps through native gemv where it is available
         (bf16 and AVX-512 BF16). ``fused_decode``: small decode steps' layers in one native call
-        where gemv is on (TP 1, no q/k norm). ``quantization``: ``none``, ``w8a16`` or ``w8a8``."""
+        where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
+        panel kernels where they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked
+        linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``."""
         check_quantization(quantization)
         arch.check_tp_size(1 if tp is None else tp.size)
         tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
@@ -163,6 +167,8 @@ class LlamaForCausalLM:
         # fused bf16 RMSNorm and rope where the model could run prepacked (CPU, bf16)
         self.native = native_kernels() if prepack else None
         self.int8_act = Int8ActKernels(self.native) if self.a8 and self.native is not None else None
+        # a bf16 model's larger steps: native panel products (one packed copy in place of oneDNN's)
+        self.gemm = self.packed and gemm and self.native.has_gemm
         use_gemv = gemv and self.native is not None and self.native.has_gemv
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
         # decode steps of at most this many rows run as one DecodeStack call (0: never)
@@ -239,6 +245,9 @@ class LlamaForCausalLM:
             elif quant:  # one int8 copy serves both paths
                 layer.qkv_w, layer.o_w = layer.qkv_g, layer.o_g
                 layer.gate_up_w, layer.down_w = layer.gate_up_g, layer.down_g
+            elif self.gemm:
+                layer.qkv_w, layer.o_w = PanelWeight.pack(qkv_w), PanelWeight.pack(o_w)
+                layer.gate_up_w, layer.down_w = PanelWeight.pack(gate_up_w, swiglu=True), PanelWeight.pack(down_w)
             elif packed:
                 layer.qkv_w, layer.o_w, layer.down_w = _pack(qkv_w), _pack(o_w), _pack(down_w)
                 layer.gate_w = _pack(gate_up_w[: self.inter])
@@ -250,6 +259,8 @@ class LlamaForCausalLM:
         self.int8_head_gemv = quant and self.gemv_rows > 0
         if quant:
             self.lm_head = self.lm_head_g
+        elif self.gemm:
+            self.lm_head = PanelWeight.pack(self.lm_head)
         elif packed:
             self.lm_head = _pack(self.lm_head)
         # rope tables as transformers builds them: float32 angles, cast to the model dtype
@@ -281,9 +292,11 @@ class LlamaForCausalLM:
             cos = self.cos.index_select(0, batch.positions)[:, None, :]  # [T, 1, D]
             sin = self.sin.index_select(0, batch.positions)[:, None, :]
         half = D // 2
-        # a small step: every linear through native gemv (the whole step, so one path per step)
+        # a small step: every linear through native gemv (the whole step, so one path per step);
+        # a larger bf16 one through the native panel products where the model packed them
         small = T <= self.gemv_rows
-        packed = self.packed and not small
+        mm = native.gemv if small else native.gemm if self.gemm else None
+        packed = self.packed and mm is None  # oneDNN's prepacked linears
         a8 = self.a8 and not small
         ia = self.int8_act
         lp = torch.ops.mkldnn._linear_pointwise if packed else None
@@ -293,10 +306,15 @@ class LlamaForCausalLM:
 
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
+            # the weights mm reads: packed for gemv, or in panels
+            qkv_m, o_m, gate_up_m, down_m = ((layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g) if small
+                                             else (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w))
             x = norm(h, layer.input_norm)
             if small:
-                qkv = gemv(x, layer.qkv_g)
+                qkv = gemv(x, qkv_m)
                 qkv = qkv if layer.qkv_b is None else qkv + layer.qkv_b
+            elif mm is not None:
+                qkv = mm(x, qkv_m, bias=layer.qkv_b)  # one rounding, as oneDNN's
             elif packed:
                 qkv = lp(x, layer.qkv_w, layer.qkv_b, "none", [], "")
             elif a8:
@@ -322,14 +340,14 @@ class LlamaForCausalLM:
                     return torch.empty(0, arch.vocab_size, dtype=torch.float32, device=self.device)
                 o = o.index_select(0, batch.logits_indices)  # [num_sampled, H * D]
                 h = h.index_select(0, batch.logits_indices)
-            if small and fuse_residual:
-                h = gemv(o, layer.o_g, residual=h)  # h + o @ o_w.T, one rounding as oneDNN's post-op
+            if mm is not None and fuse_residual:
+                h = mm(o, o_m, residual=h)  # h + o @ o_w.T, one rounding as oneDNN's post-op
                 x = norm(h, layer.post_norm)
-                h = gemv(gemv(x, layer.gate_up_g), layer.down_g, residual=h)  # gate_up_g: SwiGLU
-            elif small:
-                h = h + all_reduce(gemv(o, layer.o_g))
+                h = mm(mm(x, gate_up_m), down_m, residual=h)  # gate_up_m: SwiGLU
+            elif mm is not None:
+                h = h + all_reduce(mm(o, o_m))
                 x = norm(h, layer.post_norm)
-                h = h + all_reduce(gemv(gemv(x, layer.gate_up_g), layer.down_g))
+                h = h + all_reduce(mm(mm(x, gate_up_m), down_m))
             elif packed and fuse_residual:
                 h = lp.binary(o, h, layer.o_w, None, "add")  # h + o @ o_w.T
                 x = norm(h, layer.post_norm)
@@ -357,6 +375,8 @@ class LlamaForCausalLM:
         x = norm(h, self.final_norm)
         if small or (self.int8_head_gemv and x.shape[0] <= INT8_HEAD_GEMV_ROWS):
             logits = gemv(x, self.lm_head_g)
+        elif self.gemm:
+            logits = native.gemm(x, self.lm_head, out_dtype=torch.float32)  # no widening pass after
         elif packed:
             logits = lp(x, self.lm_head, None, "none", [], "")
         else:
