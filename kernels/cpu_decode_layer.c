@@ -15,7 +15,13 @@
    The K/V store takes the pool's strides (a slot's and a head's, in elements) from the caller,
    so it holds for any layout of the per-layer pool tensors; decode attention is called through
    the pointer cpu_native.py chose for it, with the arguments cpu_native.py passes it.
-   Tensor parallel (an all-reduce after o and after down) is left to the per-op path. */
+   Tensor parallel (an all-reduce after o and after down) is left to the per-op path.
+
+   Larger decode steps (more than ``gemv_rows`` sequences) take the same call where the model
+   holds its bf16 weights in panels (cpu_gemm.c): each product then goes through gemm_bf16, as
+   the per-op path's do, q|k|v's bias fused into its rounding, the LM head writing float32
+   logits. At 64 sequences the per-op path spent ~3.5 ms of a 57 ms step in its ~300 calls from
+   Python (norms, rope, K/V store and attention wrappers, fresh tensors). */
 #include <stdint.h>
 #include <string.h>
 
@@ -31,6 +37,10 @@ int rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16
                   int T, int N, float eps);
 int rope_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos_t, const uint16_t* sin_t,
               const int64_t* pos, uint16_t* out, int T, int NH, int D);
+/* cpu_gemm.c */
+int gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, void* out, int64_t out_stride,
+              const uint16_t* res, int64_t res_stride, const uint16_t* bias, int M, int N, int K, int mode,
+              int out_f32);
 /* decode_attn_bf16* in cpu_decode_attn.c */
 typedef int (*decode_attn_fn)(const uint16_t* q, int64_t q_stride, const uint16_t* k_cache, const uint16_t* v_cache,
                               int64_t head_stride, int64_t page_stride, int64_t tok_stride,
@@ -54,6 +64,8 @@ typedef struct {
     const float* down_scale;
     uint16_t* k_cache;           /* the pool's per-layer tensors, as decode attention takes them */
     uint16_t* v_cache;
+    /* the same four packed in panels (gemm_layout.py), or all NULL: the steps past gemv_rows */
+    const uint16_t *qkv_p, *o_p, *gate_up_p, *down_p;
 } decode_layer_desc;
 
 /* The model and its scratch (mirrored by cpu_native.DecodeModelDesc). Scratch buffers hold
@@ -71,15 +83,22 @@ typedef struct {
     void* attn;  /* decode_attn_fn */
     uint16_t *x, *qkv, *qk, *attn_out, *attn_sel, *act, *h_sel;
     int64_t max_rows;
+    const uint16_t* lm_head_p;  /* [vocab, hidden] in panels, or NULL */
+    int64_t gemv_rows;          /* steps of more rows take the panels */
     float eps, scale;
 } decode_model_desc;
 
-static int linear(const decode_model_desc* m, const uint16_t* x, int64_t x_stride, const void* w, const float* s,
-                  uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
-                  int mode) {
+/* out = x @ W^T through the epilogue ``mode``: gemm over the panels P where the step (``big``)
+   is past gemv's rows (then ``bias`` is added before the rounding and ``out_f32`` writes
+   float32), else gemv over w (its caller adds any bias) */
+static int linear(const decode_model_desc* m, int big, const uint16_t* x, int64_t x_stride, const void* w,
+                  const float* s, const uint16_t* P, const uint16_t* bias, void* out, int64_t out_stride,
+                  const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode, int out_f32) {
+    if (big)
+        return gemm_bf16(x, x_stride, P, out, out_stride, res, res_stride, bias, M, N, K, mode, out_f32);
     if (m->int8)
         return gemv_w8_bf16(x, x_stride, (const int8_t*)w, s, out, out_stride, res, res_stride, M, N, K, mode);
-    return gemv_bf16(x, x_stride, (const uint16_t*)w, out, out_stride, res, res_stride, M, N, K, mode);
+    return gemv_bf16(x, x_stride, (const uint16_t*)w, (uint16_t*)out, out_stride, res, res_stride, M, N, K, mode);
 }
 
 /* Copy row t of k [KVH, D] and v [KVH, D] to slot loc[t] of the layer's caches. */
@@ -97,23 +116,28 @@ static void store_kv(const decode_model_desc* m, const decode_layer_desc* l, con
    h: [M, hidden] bf16 contiguous, the residual stream, updated in place; pos, loc: [M] int64
    positions and slots; page_table: [M, pt_stride] int32; seq_lens: [M] int32. Where the range
    ends at the last layer, the rows ``sel`` [nsel] of its attention output and residual go on
-   (the sampled rows), then the final norm and the LM head write ``logits`` [nsel, vocab].
-   Returns 0, or the first failing kernel's code. */
+   (the sampled rows), then the final norm and the LM head write ``logits`` [nsel, vocab]: bf16,
+   float32 in a step past gemv's rows. Returns 0, or the first failing kernel's code. */
 int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int64_t* pos, const int64_t* loc,
                        const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, int first, int last,
-                       const int64_t* sel, int nsel, uint16_t* logits) {
+                       const int64_t* sel, int nsel, void* logits) {
     if (M < 1 || M > m->max_rows || nsel < 0 || nsel > m->max_rows || first < 0 || last > m->num_layers)
         return -10;
+    /* the step's size picks the products for all its layers, as the per-op path's does */
+    const int big = M > m->gemv_rows;
+    if (big && !m->lm_head_p) return -11;
     const int64_t hidden = m->hidden, H = m->num_heads, KVH = m->num_kv_heads, D = m->head_dim, inter = m->inter;
     const int64_t qkv_n = (H + 2 * KVH) * D, qk_n = (H + KVH) * D, hd = H * D;
     const decode_attn_fn attn = (decode_attn_fn)m->attn;
     int rc = 0;
     for (int i = first; i < last; i++) {
         const decode_layer_desc* l = &m->layers[i];
+        if (big && !(l->qkv_p && l->o_p && l->gate_up_p && l->down_p)) return -11;
         rc = rms_norm_bf16(h, hidden, l->input_norm, m->x, hidden, M, (int)hidden, m->eps);
-        if (!rc) rc = linear(m, m->x, hidden, l->qkv_w, l->qkv_scale, m->qkv, qkv_n, 0, 0, M, (int)qkv_n, (int)hidden, 0);
+        if (!rc) rc = linear(m, big, m->x, hidden, l->qkv_w, l->qkv_scale, l->qkv_p, l->qkv_bias, m->qkv, qkv_n, 0, 0,
+                             M, (int)qkv_n, (int)hidden, 0, 0);
         if (rc) return rc;
-        if (l->qkv_bias)  /* as torch adds bf16: in float32, rounded once */
+        if (l->qkv_bias && !big)  /* as torch adds bf16: in float32, rounded once */
             for (int64_t t = 0; t < M; t++)
                 for (int64_t n = 0; n < qkv_n; n++)
                     m->qkv[t * qkv_n + n] = f32_to_bf16(bf16_to_f32(m->qkv[t * qkv_n + n]) + bf16_to_f32(l->qkv_bias[n]));
@@ -136,18 +160,18 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
             M = nsel;
             if (M == 0) return 0;
         }
-        rc = linear(m, o, hd, l->o_w, l->o_scale, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1);
+        rc = linear(m, big, o, hd, l->o_w, l->o_scale, l->o_p, 0, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1, 0);
         if (!rc) rc = rms_norm_bf16(h, hidden, l->post_norm, m->x, hidden, M, (int)hidden, m->eps);
-        if (!rc) rc = linear(m, m->x, hidden, l->gate_up_w, l->gate_up_scale, m->act, inter, 0, 0, M, (int)(2 * inter),
-                             (int)hidden, 2);
-        if (!rc) rc = linear(m, m->act, inter, l->down_w, l->down_scale, h, hidden, h, hidden, M, (int)hidden,
-                             (int)inter, 1);
+        if (!rc) rc = linear(m, big, m->x, hidden, l->gate_up_w, l->gate_up_scale, l->gate_up_p, 0, m->act, inter, 0, 0,
+                             M, (int)(2 * inter), (int)hidden, 2, 0);
+        if (!rc) rc = linear(m, big, m->act, inter, l->down_w, l->down_scale, l->down_p, 0, h, hidden, h, hidden, M,
+                             (int)hidden, (int)inter, 1, 0);
         if (rc) return rc;
     }
     if (last == m->num_layers && logits) {
         rc = rms_norm_bf16(h, hidden, m->final_norm, m->x, hidden, M, (int)hidden, m->eps);
-        if (!rc) rc = linear(m, m->x, hidden, m->lm_head, m->lm_head_scale, logits, m->vocab, 0, 0, M, (int)m->vocab,
-                             (int)hidden, 0);
+        if (!rc) rc = linear(m, big, m->x, hidden, m->lm_head, m->lm_head_scale, m->lm_head_p, 0, logits, m->vocab, 0,
+                             0, M, (int)m->vocab, (int)hidden, 0, big);
     }
     return rc;
 }

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
 """Offline throughput: the pdserve Engine vs Hugging Face transformers ``generate``.
 
-Both run in this process, on the same dequantized weights (pdserve's loader
-writes them out as an HF checkpoint that transformers loads) and the same
-dtype and thread count, one after the other for each figure:
+Both on the same dequantized weights (pdserve's loader writes them out as an
+HF checkpoint that transformers loads) and the same dtype and thread count,
+one after the other for each figure; transformers in this process, each
+pdserve side (an Engine) in a process of its own (``benchlib.engine_worker``:
+Engines sharing a process slow each other's OpenMP barriers):
 
 - prefill tokens/s: ``--num-prompts`` random prompts of ``--prompt-len`` tokens,
   one new token each (pdserve: one batch, chunked by its scheduler; HF: one
@@ -29,6 +31,12 @@ same run; ``--prefill-only`` measures the prefill figure alone:
     .venv/bin/python scripts/bench_engine.py --no-hf --prefill-only --repeats 5 \
         --quantization w8a8 --quant-sides none w8a16
 
+``--baseline-rev REV`` adds the Engine of an earlier git revision of this checkout as a side
+(its files in a temporary tree), so "faster than before" is a ratio of one run: issue 17's
+figures against 6fc1355, the last commit before it:
+
+    .venv/bin/python scripts/bench_engine.py --no-hf --threads 2 --repeats 3 --baseline-rev 6fc1355
+
 Each figure is also given as a fraction of its hardware limit, measured in the
 same run (``benchlib.hw_limits``): decode at 1 sequence against weight bytes /
 read bandwidth (a 512 MB bf16 sum), prefill and decode at ``--batch`` against
@@ -42,6 +50,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
 
+from benchlib.engine_worker import revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
@@ -73,8 +83,11 @@ def parse_args(argv=None):
     p.add_argument("--no-hf", action="store_true", help="leave out the transformers side")
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights (EngineConfig)")
     p.add_argument("--baseline", action="store_true",
-                   help="add a side 'eager': pdserve with --disable-decode-gemv (and bf16 weights), the step "
-                        "before issue 17, so the speedup shows as a ratio in the same run")
+                   help="add a side 'eager': pdserve with --disable-decode-gemv --disable-native-gemm (and bf16 "
+                        "weights), the step before issue 17 with today's other kernels")
+    p.add_argument("--baseline-rev", default=None, metavar="REV",
+                   help="add a side 'rev': the Engine of git revision REV of this checkout (e.g. 6fc1355, the last "
+                        "commit before issue 17), so the speedup over that code shows as a ratio in the same run")
     p.add_argument("--unfused", action="store_true",
                    help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
                         "decode steps op by op from Python), so the fused step's gain shows as a ratio")
@@ -108,33 +121,55 @@ def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]
 
 # the baseline sides' engine flags over the pdserve side's
 BASELINES = {
-    "eager": dict(quantization="none", disable_decode_gemv=True),  # the step before issue 17
+    # the step before issue 17 as this tree's flags can give it (its kernels are today's):
+    # oneDNN's prepacked linears at every step
+    "eager": dict(quantization="none", disable_decode_gemv=True, disable_native_gemm=True),
     "unfused": dict(disable_fused_decode=True),
 }
 
 
 class PdserveSide:
-    def __init__(self, args, max_tokens: int, baseline: str | None = None, quantization: str | None = None):
-        from pdserve.engine import Engine
+    """An Engine in a process of its own (``benchlib.engine_worker``); ``pythonpath``: import
+    pdserve from there (another revision's tree) rather than this checkout."""
 
-        flags = {"quantization": quantization or args.quantization, **BASELINES.get(baseline, {})}
-        self.engine = Engine(
+    def __init__(self, args, max_tokens: int, baseline: str | None = None, quantization: str | None = None,
+                 pythonpath: str | None = None):
+        kwargs = dict(
             model_path=args.model_path,
             dtype=args.dtype,
-            **flags,
             num_threads=args.threads,
             max_total_tokens=max_tokens,
             max_running_requests=max(args.batch, 1),
             disable_radix_cache=True,  # every prompt is new anyway; no cache hits between runs
         )
+        if pythonpath is None:  # another revision may not know these flags
+            kwargs |= {"quantization": quantization or args.quantization, **BASELINES.get(baseline, {})}
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchlib", "engine_worker.py")
+        self.proc = subprocess.Popen([sys.executable, worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=env)
+        self._call({"engine": kwargs})
+
+    def _call(self, msg: dict) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine worker exited with code {self.proc.wait()}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"engine worker: {reply['error']}")
+        return reply
 
     def generate(self, prompts, new_tokens):
         sp = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
-        res = self.engine.generate(input_ids=prompts, sampling_params=sp)
-        return [r["output_ids"] for r in res]
+        return self._call({"generate": {"input_ids": prompts, "sampling_params": sp}})["output_ids"]
 
     def close(self):
-        self.engine.shutdown()
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
 
 
 class HFSide:
@@ -293,6 +328,10 @@ def main(argv=None) -> dict:
             sides["eager"] = PdserveSide(args, max_tokens, baseline="eager")
         if args.unfused:
             sides["unfused"] = PdserveSide(args, max_tokens, baseline="unfused")
+        if args.baseline_rev:
+            repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            tree = revision_tree(repo, args.baseline_rev, os.path.join(hf_dir, "rev"))
+            sides["rev"] = PdserveSide(args, max_tokens, pythonpath=tree)
         for q in args.quant_sides:
             sides[f"q_{q}"] = PdserveSide(args, max_tokens, quantization=q)
         if not args.no_hf:
@@ -342,12 +381,13 @@ def main(argv=None) -> dict:
         for fig in figs:
             result[f"{name}_{fig}_frac"] = round(figures[f"{name}_{fig}_tok_s"] / limit(name, fig), 3)
     rows = []
-    for other in ("hf", "server", "eager", "unfused", *(f"q_{q}" for q in args.quant_sides)):
+    for other in ("hf", "server", "eager", "rev", "unfused", *(f"q_{q}" for q in args.quant_sides)):
         if other not in sides:
             continue
         for fig in figs:
             # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
-            # eager: pdserve / pdserve before issue 17 (the speedup); unfused: pdserve / its steps op by op;
+            # eager: pdserve / pdserve before issue 17 (the speedup); rev: pdserve / --baseline-rev's code;
+            # unfused: pdserve / its steps op by op;
             # q_<Q>: pdserve / pdserve with weights Q
             num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)
             key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine"}.get(other, f"{fig}_vs_{other}")

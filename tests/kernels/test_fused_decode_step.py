@@ -1,8 +1,11 @@
-"""The fused small decode step (kernels/cpu_decode_layer.c through cpu_native.DecodeStack) against
-the same model stepping op by op (--disable-fused-decode): bit-identical logits and K/V pages on
-the tiny random checkpoints, at every batch size gemv takes, in bf16 and w8a16."""
+"""The fused decode step (kernels/cpu_decode_layer.c through cpu_native.DecodeStack) against the
+same model stepping op by op (--disable-fused-decode): bit-identical logits and K/V pages on the
+tiny random checkpoints, at every batch size gemv takes, in bf16 and w8a16, and in bf16 past
+them where the products are gemm's over the panels."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -34,10 +37,12 @@ def ckpt(request, tmp_path_factory):
 def test_fused_steps_bit_identical_to_op_by_op(ckpt, quantization):
     fused, ops = bf16_runner(ckpt, quantization=quantization), bf16_runner(ckpt, quantization=quantization,
                                                                           disable_fused_decode=True)
-    assert fused.model.fused_rows == GEMV_MAX_ROWS and ops.model.fused_rows == 0
-    # every batch size the fused step takes, ragged prompts (pages of 4: some steps cross a page),
-    # and one past it (op by op on both sides)
-    for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 1]:
+    # bf16 with native gemm: every step size; else gemv's
+    panels = quantization == "none" and native.has_gemm
+    assert fused.model.fused_rows == (sys.maxsize if panels else GEMV_MAX_ROWS) and ops.model.fused_rows == 0
+    # every batch size gemv takes, ragged prompts (pages of 4: some steps cross a page), and past
+    # them (gemm's panels, or op by op on both sides)
+    for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 1, 13]:
         prompts = random_prompts([2 + 5 * i for i in range(bs)], seed=bs)
         want_tokens, want = greedy_generate(ops, prompts, NEW)
         got_tokens, got = greedy_generate(fused, prompts, NEW)
@@ -73,9 +78,10 @@ def _one_step(runner: ModelRunner, prompts: list[list[int]], sampled: list[int],
 
 
 @needs_gemv
-def test_fused_step_sampled_rows_kv_pages_and_after_layer(ckpt):
+@pytest.mark.parametrize("bs", [3, 9])  # gemv's rows; past them, gemm's (where the CPU has it)
+def test_fused_step_sampled_rows_kv_pages_and_after_layer(ckpt, bs):
     fused, ops = bf16_runner(ckpt), bf16_runner(ckpt, disable_fused_decode=True)
-    prompts = random_prompts([5, 9, 2], seed=11)
+    prompts = random_prompts([5, 9, 2, 4, 7, 1, 3, 8, 6][:bs], seed=11)
     sampled = [2, 0]  # fewer rows than the step's, out of order: the last layer's selection
     want, want_kv = _one_step(ops, prompts, sampled)
     called = []

@@ -7,11 +7,16 @@ matmuls. The forward is plain functions over tensors rather than nn.Module
 calls: at decode a step runs ~20 small ops per layer and module dispatch
 would be a visible share of it.
 
-In bfloat16 on a CPU with native bf16, weights are prepacked once for oneDNN
-(``mkldnn._linear_pointwise``, the path torch.compile's CPU backend uses):
-about 2x faster at one token, ~20% at 64, bit-identical products. Its post-ops
-also fuse the residual adds and SiLU(gate) * up into the matmuls. RMSNorm and
-rope then run as the native kernels' one-pass versions (same roundings).
+In bfloat16 on a CPU with AVX-512 BF16 (and no AMX), weights are packed once in panels for the
+native products (``kernels/cpu_gemm.c``, ``gemm_layout.PanelWeight``), which fuse the residual
+adds, q|k|v's bias and SiLU(gate) * up into their epilogues as oneDNN's post-ops do. They run
+the default model's 64-row decode products 1.13-1.18x oneDNN's prepacked linears with the
+weights coming from memory, as in a step (45 ms against 51-53 on two Zen 4 cores), and are
+level with them or ahead at prefill sizes. Elsewhere (``gemm=False``, ``--disable-native-gemm``,
+or AMX, where oneDNN's AMX kernels are the faster path) the weights are prepacked for oneDNN
+(``mkldnn._linear_pointwise``, the path torch.compile's CPU backend uses): about 2x faster than
+plain ``F.linear`` at one token, ~20% at 64, with the same fusions as post-ops. RMSNorm and rope
+run as the native kernels' one-pass versions (same roundings) on either.
 
 Decode steps of up to ``GEMV_MAX_ROWS`` tokens take the native ``gemv`` kernels instead
 (``kernels/cpu_gemv.c``): at one token a step is a stream over the weights, and oneDNN's
@@ -19,7 +24,7 @@ prepacked linear streams them at about half the rate a plain read reaches on thi
 gemv loop at the plain read's rate (the LM head, one core: 35 GB/s against a sum's 34 and
 oneDNN's 19; scripts/profile_decode_step.py). gemv reads its own copy of each weight, packed
 once at load so that the whole step is one sequential stream (``kernels/gemv_layout.py``), so a
-bf16 model keeps it beside oneDNN's prepacked one (the default model: 270 MB more).
+bf16 model keeps it beside the panels (or oneDNN's prepacked copy): the default model, 270 MB more.
 With ``quantization="w8a16"`` every linear (and the LM head) is per-channel int8
 (``quantization.Int8Weight``), packed the same way where gemv runs: multiplied in place by
 gemv and dequantized per matrix for larger steps; the embedding lookup stays in the model dtype.
@@ -47,6 +52,7 @@ logits costs ~0.1 ms, so a replicated head would cost each TP-2 rank ~2 ms of ev
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -171,8 +177,10 @@ class LlamaForCausalLM:
         self.gemm = self.packed and gemm and self.native.has_gemm
         use_gemv = gemv and self.native is not None and self.native.has_gemv
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
-        # decode steps of at most this many rows run as one DecodeStack call (0: never)
-        self.fused_rows = self.gemv_rows if fused_decode and tp.size == 1 and not arch.qk_norm else 0
+        # decode steps of at most this many rows run as one DecodeStack call (0: never); any number
+        # where the model holds panels too (the larger steps' products are then gemm's)
+        fused = fused_decode and self.gemv_rows > 0 and tp.size == 1 and not arch.qk_norm
+        self.fused_rows = (sys.maxsize if self.gemm else self.gemv_rows) if fused else 0
         # built at the first fused step for its page pool, known by (id, first K tensor's address)
         self.decode_stack: DecodeStack | None = None
         self._stack_pool: tuple[int, int] | None = None
@@ -392,12 +400,12 @@ class LlamaForCausalLM:
     def _fused_decode(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
                       pages: tuple[torch.Tensor, torch.Tensor],
                       after_layer: Callable[[int], None] | None) -> torch.Tensor:
-        """``forward`` of a small all-decode step through one DecodeStack call (one per layer with
+        """``forward`` of an all-decode step through one DecodeStack call (one per layer with
         ``after_layer``, called once the layer, K/V store included, is done). h: [T, hidden]."""
         stack = self._decode_stack(attn)
         page_table, seq_lens = pages
         sel = batch.logits_indices.contiguous()
-        logits = torch.empty(sel.numel(), stack.vocab, dtype=torch.bfloat16)
+        logits = torch.empty(sel.numel(), stack.vocab, dtype=stack.logits_dtype(h.shape[0]))
         step = (h, batch.positions.contiguous(), batch.out_cache_loc.contiguous(), page_table, seq_lens)
         last = len(self.layers)
         if after_layer is None:
@@ -419,12 +427,13 @@ class LlamaForCausalLM:
         assert dim_stride == 1 and pool.v_slots(0).stride() == (slot_stride, head_stride, 1)
 
         layers = [DecodeLayerTensors(layer.input_norm, layer.qkv_g, layer.qkv_b, layer.o_g, layer.post_norm,
-                                     layer.gate_up_g, layer.down_g, pool.k[i], pool.v[i])
+                                     layer.gate_up_g, layer.down_g, pool.k[i], pool.v[i],
+                                     (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w) if self.gemm else None)
                   for i, layer in enumerate(self.layers)]
         arch = self.arch
         shape = DecodeShape(self.num_heads, self.num_kv_heads, arch.head_dim, pool.page_size, arch.rms_norm_eps,
                             attn.scale, slot_stride, head_stride)
         stack = DecodeStack(self.native, shape, layers, self.final_norm, self.lm_head_g, self.cos, self.sin,
-                            self.fused_rows)
+                            self.gemv_rows, self.lm_head if self.gemm else None)
         self.decode_stack, self._stack_pool = stack, key
         return stack
