@@ -7,9 +7,10 @@
    for oneDNN to hide the weights' trip from memory behind its arithmetic. Cold (the weights
    evicted, as in a step) its products ran the default model's shapes at 240-380 GFLOP/s on two
    Zen 4 cores against 390-430 in cache. This loop streams each panel once, sequentially, while
-   the dot products run: the same shapes cold at 290-410 GFLOP/s, the step's products 1.13-1.18x
-   oneDNN's (45 ms against 51-53), 1.36x at 16 rows, and level with it or ahead at 256 and 1024
-   rows (scripts/profile_decode_step.py --gemm-rows).
+   the dot products run: the same shapes cold at 365-412 GFLOP/s, the step's products 1.12-1.18x
+   oneDNN's (43.5 ms against 48.7), 1.32x at 16 rows, 1.01-1.06x at 256, 0.97-0.99x at 1024 and
+   4096 (prefill sizes; the LM head's 49152 rows there 0.85x, which a prefill runs only on its
+   sampled rows) (scripts/bench_gemm.py, results/bench_gemm/).
 
    The micro-kernel holds MR x rows' sums for one panel's 64 output columns in 4 x MR registers:
    per pair of columns of x it loads the panel's 64 weight pairs (4 vectors) once and broadcasts

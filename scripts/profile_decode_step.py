@@ -34,7 +34,7 @@ from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 
 SIDES = {
-    "onednn": dict(disable_decode_gemv=True),
+    "onednn": dict(disable_decode_gemv=True, disable_native_gemm=True),
     "gemv": dict(disable_fused_decode=True),
     "fused": {},
     "w8a16_ops": dict(quantization="w8a16", disable_fused_decode=True),

@@ -11,8 +11,8 @@ In bfloat16 on a CPU with AVX-512 BF16 (and no AMX), weights are packed once in 
 native products (``kernels/cpu_gemm.c``, ``gemm_layout.PanelWeight``), which fuse the residual
 adds, q|k|v's bias and SiLU(gate) * up into their epilogues as oneDNN's post-ops do. They run
 the default model's 64-row decode products 1.13-1.18x oneDNN's prepacked linears with the
-weights coming from memory, as in a step (45 ms against 51-53 on two Zen 4 cores), and are
-level with them or ahead at prefill sizes. Elsewhere (``gemm=False``, ``--disable-native-gemm``,
+weights coming from memory, as in a step (43.5 ms against 48.7 on two Zen 4 cores), and within
+3 % of them at prefill sizes (``scripts/bench_gemm.py``). Elsewhere (``gemm=False``, ``--disable-native-gemm``,
 or AMX, where oneDNN's AMX kernels are the faster path) the weights are prepacked for oneDNN
 (``mkldnn._linear_pointwise``, the path torch.compile's CPU backend uses): about 2x faster than
 plain ``F.linear`` at one token, ~20% at 64, with the same fusions as post-ops. RMSNorm and rope
