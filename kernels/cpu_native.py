@@ -7,11 +7,11 @@ AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
 packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
-(``DecodeStack``); ``cpu_gemm.c``, the bf16 products of every larger step over weights
-packed as ``gemm_layout.PanelWeight`` (``has_gemm``, AVX-512 BF16 without AMX); ``cpu_kv_store.c``, a layer's KV store into
-the head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of
-its int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions
-and exp.
+(``DecodeStack``, any decode step where the model holds panels); ``cpu_gemm.c``, the bf16
+products of every larger step over weights packed as ``gemm_layout.PanelWeight``
+(``has_gemm``, AVX-512 BF16 without AMX); ``cpu_kv_store.c``, a layer's KV store into the
+head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of its
+int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions and exp.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -230,8 +230,9 @@ class NativeKernels:
         tensor, bf16, or float32 holding the bf16-rounded values (``out_dtype``).
 
         weight: W [N, K] bf16 packed in panels. ``residual`` [M, N] bf16: returns ``residual + x @
-        W.T`` (one rounding); ``bias`` [N] bf16: adds it before that rounding. A SwiGLU weight (gate | up, [2 I, K]): returns ``silu(x @ gate.T) *
-        (x @ up.T)``, [M, I]. Requires ``has_gemm``.
+        W.T`` (one rounding); ``bias`` [N] bf16: adds it before that rounding. A SwiGLU weight
+        (gate | up, [2 I, K]): returns ``silu(x @ gate.T) * (x @ up.T)``, [M, I]. Requires
+        ``has_gemm``.
         """
         M, K = x.shape
         N = weight.rows

@@ -10,7 +10,7 @@ would be a visible share of it.
 In bfloat16 on a CPU with AVX-512 BF16 (and no AMX), weights are packed once in panels for the
 native products (``kernels/cpu_gemm.c``, ``gemm_layout.PanelWeight``), which fuse the residual
 adds, q|k|v's bias and SiLU(gate) * up into their epilogues as oneDNN's post-ops do. They run
-the default model's 64-row decode products 1.13-1.18x oneDNN's prepacked linears with the
+the default model's 64-row decode products 1.12-1.18x oneDNN's prepacked linears with the
 weights coming from memory, as in a step (43.5 ms against 48.7 on two Zen 4 cores), and within
 3 % of them at prefill sizes (``scripts/bench_gemm.py``). Elsewhere (``gemm=False``, ``--disable-native-gemm``,
 or AMX, where oneDNN's AMX kernels are the faster path) the weights are prepacked for oneDNN
