@@ -398,7 +398,14 @@ def test_client_disconnect_mid_stream_frees_pages(server):
     received = b""
     while received.count(b"data: ") < 3:
         received += sock.recv(65536)
-    running = server.server_info()["internal_states"][0]
+    # a rank's state is published every STATS_INTERVAL (50 ms) while busy, and 3 tokens can
+    # stream out sooner than that: wait for a state taken while the request runs
+    deadline = time.monotonic() + 5
+    while True:
+        running = server.server_info()["internal_states"][0]
+        if running["num_free_pages"] < running["num_total_pages"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert running["inflight"] == 1 and running["num_free_pages"] < running["num_total_pages"]
     sock.close()
     states = server.wait_idle_and_unleaked(timeout=15)
