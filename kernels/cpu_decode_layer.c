@@ -30,7 +30,7 @@
 /* the kernels this file calls, defined in cpu_gemv.c and cpu_norm_rope.c */
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* out, int64_t out_stride,
               const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode);
-int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale,
+int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale, int blocked,
                  uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
                  int mode);
 int rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16_t* out, int64_t out_stride,
@@ -85,6 +85,7 @@ typedef struct {
     int64_t max_rows;
     const uint16_t* lm_head_p;  /* [vocab, hidden] in panels, or NULL */
     int64_t gemv_rows;          /* steps of more rows take the panels */
+    int64_t blocked, head_blocked;  /* int8 scales per 32-column chunk (Q8_0): the layers', the LM head's */
     float eps, scale;
 } decode_model_desc;
 
@@ -93,11 +94,11 @@ typedef struct {
    float32), else gemv over w (its caller adds any bias) */
 static int linear(const decode_model_desc* m, int big, const uint16_t* x, int64_t x_stride, const void* w,
                   const float* s, const uint16_t* P, const uint16_t* bias, void* out, int64_t out_stride,
-                  const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode, int out_f32) {
+                  const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode, int out_f32, int blocked) {
     if (big)
         return gemm_bf16(x, x_stride, P, out, out_stride, res, res_stride, bias, M, N, K, mode, out_f32);
     if (m->int8)
-        return gemv_w8_bf16(x, x_stride, (const int8_t*)w, s, out, out_stride, res, res_stride, M, N, K, mode);
+        return gemv_w8_bf16(x, x_stride, (const int8_t*)w, s, blocked, out, out_stride, res, res_stride, M, N, K, mode);
     return gemv_bf16(x, x_stride, (const uint16_t*)w, (uint16_t*)out, out_stride, res, res_stride, M, N, K, mode);
 }
 
@@ -135,7 +136,7 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
         if (big && !(l->qkv_p && l->o_p && l->gate_up_p && l->down_p)) return -11;
         rc = rms_norm_bf16(h, hidden, l->input_norm, m->x, hidden, M, (int)hidden, m->eps);
         if (!rc) rc = linear(m, big, m->x, hidden, l->qkv_w, l->qkv_scale, l->qkv_p, l->qkv_bias, m->qkv, qkv_n, 0, 0,
-                             M, (int)qkv_n, (int)hidden, 0, 0);
+                             M, (int)qkv_n, (int)hidden, 0, 0, (int)m->blocked);
         if (rc) return rc;
         if (l->qkv_bias && !big)  /* as torch adds bf16: in float32, rounded once */
             for (int64_t t = 0; t < M; t++)
@@ -160,18 +161,19 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
             M = nsel;
             if (M == 0) return 0;
         }
-        rc = linear(m, big, o, hd, l->o_w, l->o_scale, l->o_p, 0, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1, 0);
+        rc = linear(m, big, o, hd, l->o_w, l->o_scale, l->o_p, 0, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1, 0,
+                    (int)m->blocked);
         if (!rc) rc = rms_norm_bf16(h, hidden, l->post_norm, m->x, hidden, M, (int)hidden, m->eps);
         if (!rc) rc = linear(m, big, m->x, hidden, l->gate_up_w, l->gate_up_scale, l->gate_up_p, 0, m->act, inter, 0, 0,
-                             M, (int)(2 * inter), (int)hidden, 2, 0);
+                             M, (int)(2 * inter), (int)hidden, 2, 0, (int)m->blocked);
         if (!rc) rc = linear(m, big, m->act, inter, l->down_w, l->down_scale, l->down_p, 0, h, hidden, h, hidden, M,
-                             (int)hidden, (int)inter, 1, 0);
+                             (int)hidden, (int)inter, 1, 0, (int)m->blocked);
         if (rc) return rc;
     }
     if (last == m->num_layers && logits) {
         rc = rms_norm_bf16(h, hidden, m->final_norm, m->x, hidden, M, (int)hidden, m->eps);
         if (!rc) rc = linear(m, big, m->x, hidden, m->lm_head, m->lm_head_scale, m->lm_head_p, 0, logits, m->vocab, 0,
-                             0, M, (int)m->vocab, (int)hidden, 0, big);
+                             0, M, (int)m->vocab, (int)hidden, 0, big, (int)m->head_blocked);
     }
     return rc;
 }

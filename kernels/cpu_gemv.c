@@ -23,6 +23,8 @@
      1: out = bf16(acc + res)                      the residual add fused into o and down
      2: W is [2 I, K] = gate | up (packed as SwiGLU) and out is [M, I]:
         out = bf16(acc_up * bf16(silu(acc_gate)))
+   int8 weights carry one scale per row, or (Q8_0, ``blocked``) one per row and 32-column chunk,
+   which then multiplies that chunk's dot products before they join the row's sums.
    Returns 0, or -1 where the CPU lacks AVX-512 BF16 or VBMI, the int8 lookups' vpermi2b
    (``gemv_supported``: Zen 4 and Sapphire Rapids have both, Cooper Lake BF16 alone; where it
    is 0 the model's products go through oneDNN). */
@@ -141,11 +143,32 @@ static inline __attribute__((always_inline)) void widen_pair(const widen_tables*
    products as bf16 W, so the sums are those of the dequantized-in-registers row-major loop. */
 static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
                                                            int64_t x_stride, int m0, const int MR,
-                                                           float acc[RB][MB]) {
+                                                           float acc[RB][MB], const float* const cs[RB]) {
     const widen_tables t = load_widen_tables();
     __m512 a[RB][MB];
     for (int r = 0; r < RB; r++)
         for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
+    if (cs) {  /* Q8_0: each chunk's sums times its own scale (cs[r][c]: row r's scale of chunk c) */
+        for (int64_t k = 0, c = 0; k < K; k += CW, c++, B += RB * CW) {
+            __m512i xv[MB];
+            load_x(xv, x, x_stride, m0, MR, k, K);
+            for (int p = 0; p < RB / 2; p++) {
+                __m512i w[2];
+                widen_pair(&t, B + p * 64, w);
+                const __m512 s0 = _mm512_set1_ps(cs[2 * p][c]), s1 = _mm512_set1_ps(cs[2 * p + 1][c]);
+                for (int m = 0; m < MR; m++) {
+                    const __m512 z = _mm512_setzero_ps();
+                    a[2 * p][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(z, (__m512bh)w[0], (__m512bh)xv[m]), s0,
+                                                  a[2 * p][m]);
+                    a[2 * p + 1][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(z, (__m512bh)w[1], (__m512bh)xv[m]), s1,
+                                                      a[2 * p + 1][m]);
+                }
+            }
+        }
+        for (int r = 0; r < RB; r++)
+            for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
+        return;
+    }
     for (int64_t k = 0; k < K; k += CW, B += RB * CW) {
         __m512i xv[MB];
         load_x(xv, x, x_stride, m0, MR, k, K);
@@ -163,21 +186,33 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
 }
 
 /* one block for either weight type and any mrows in 1..MB, each case with a literal MR;
-   ``block`` is the block's index in 32-column chunks of RB rows from the start of W */
+   ``block`` is the block's index in 32-column chunks of RB rows from the start of W; ``cs``: its
+   rows' chunk scales (Q8_0), or null */
 static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int64_t block, const uint16_t* x,
-                      int64_t x_stride, int m0, int mrows, float acc[RB][MB]) {
+                      int64_t x_stride, int m0, int mrows, float acc[RB][MB], const float* const cs[RB]) {
     const int64_t at = block * ((K + CW - 1) / CW) * RB * CW;
 #define BLOCK_CASE(MR) case MR: \
-        if (W8) block_i8(W8 + at, K, x, x_stride, m0, MR, acc); else block_bf16(Wb + at, K, x, x_stride, m0, MR, acc); \
+        if (W8) block_i8(W8 + at, K, x, x_stride, m0, MR, acc, cs); \
+        else block_bf16(Wb + at, K, x, x_stride, m0, MR, acc); \
         break;
     switch (mrows) { BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) }
 #undef BLOCK_CASE
 }
 
+/* Q8_0 (``blocked``): the chunk scales of output rows row0.. of ``rows`` (scale: [N, chunks]);
+   a padding row past N takes row0's, its weights being zero. Null where scales are per row. */
+static inline void chunk_scales(const float* scale, int blocked, int64_t chunks, int64_t row0, int rows,
+                                const float* cs[RB]) {
+    for (int r = 0; r < RB; r++) cs[r] = blocked ? scale + (row0 + (r < rows ? r : 0)) * chunks : 0;
+}
+
 /* One driver for both weight types: ``W8`` non-null selects int8 (with ``scale``). */
 static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, const int8_t* W8, const float* scale,
-                    uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride,
+                    int blocked, uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride,
                     int M, int N, int K, int mode) {
+    const int64_t chunks = (K + CW - 1) / CW;
+    /* the epilogue scales per row; Q8_0's scales were applied per chunk */
+    const float* row_scale = blocked ? 0 : scale;
     /* mode 2: blocks over the I = N / 2 gate rows, each followed in W by its up rows' block */
     const int rows_out = mode == 2 ? N / 2 : N;
     const int nblocks = (rows_out + RB - 1) / RB;
@@ -188,14 +223,18 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
         for (int m0 = 0; m0 < M; m0 += MB) {
             const int mrows = M - m0 < MB ? M - m0 : MB;
             float acc[RB][MB], gate[RB][MB];
+            const float* cs[RB];
             if (mode == 2) {
-                block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, m0, mrows, gate);
-                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc);
-                store_block(acc, n0 + rows_out, rows, m0, mrows, scale, out, out_stride, res, res_stride, mode,
+                chunk_scales(scale, blocked, chunks, n0, rows, cs);
+                block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, m0, mrows, gate, blocked ? cs : 0);
+                chunk_scales(scale, blocked, chunks, n0 + rows_out, rows, cs);
+                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc, blocked ? cs : 0);
+                store_block(acc, n0 + rows_out, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode,
                             rows_out, gate);
             } else {
-                block_any(Wb, W8, K, b, x, x_stride, m0, mrows, acc);
-                store_block(acc, n0, rows, m0, mrows, scale, out, out_stride, res, res_stride, mode, 0, gate);
+                chunk_scales(scale, blocked, chunks, n0, rows, cs);
+                block_any(Wb, W8, K, b, x, x_stride, m0, mrows, acc, blocked ? cs : 0);
+                store_block(acc, n0, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode, 0, gate);
             }
         }
     }
@@ -209,28 +248,30 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* out, int64_t out_stride,
               const uint16_t* res, int64_t res_stride, int M, int N, int K, int mode) {
 #if GEMV_OK
-    return gemv_run(x, x_stride, W, 0, 0, out, out_stride, res, res_stride, M, N, K, mode);
+    return gemv_run(x, x_stride, W, 0, 0, 0, out, out_stride, res, res_stride, M, N, K, mode);
 #else
     return -1;
 #endif
 }
 
-/* As gemv_bf16 with W: [N, K] int8 packed and scale: [N] float32 (row n's weights are W[n] * scale[n]) */
-int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale,
+/* As gemv_bf16 with W: [N, K] int8 packed and scale: [N] float32 (row n's weights are W[n] * scale[n]);
+   ``blocked`` (Q8_0): scale is [N, ceil(K / 32)], one per row and 32-column chunk */
+int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale, int blocked,
                  uint16_t* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
                  int mode) {
 #if GEMV_OK
-    return gemv_run(x, x_stride, 0, W, scale, out, out_stride, res, res_stride, M, N, K, mode);
+    return gemv_run(x, x_stride, 0, W, scale, blocked, out, out_stride, res, res_stride, M, N, K, mode);
 #else
     return -1;
 #endif
 }
 
 /* Dequantize a packed int8 W (N, K, ``swiglu`` as packed) to out: [N, K] bf16 row-major, each
-   weight bf16(q * scale[n]) as ``quantization.Int8Weight.dequantize`` rounds it (exact q, one
+   weight bf16(q * scale[n]) (``blocked``: q * scale[n][k / 32]) as
+   ``quantization.Int8Weight.dequantize`` rounds it (exact q, one
    float32 product, round to nearest even): the larger steps' dense form of the int8 weights
    gemv streams. The same lookups as block_i8; -1 where gemv is not supported. */
-int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int swiglu, uint16_t* out) {
+int gemv_w8_dequantize(const int8_t* W, const float* scale, int blocked, int N, int K, int swiglu, uint16_t* out) {
 #if GEMV_OK
     const int halves = swiglu ? 2 : 1, rows_out = N / halves;
     const int nblocks = (rows_out + RB - 1) / RB;
@@ -250,7 +291,8 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int N, int K, int sw
                     __m512i w[2];
                     widen_pair(&t, B + p * 64, w);
                     for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
-                        const __m512 s = _mm512_set1_ps(scale[row0 + 2 * p + j]);
+                        const int64_t row = row0 + 2 * p + j;
+                        const __m512 s = _mm512_set1_ps(blocked ? scale[row * chunks + c] : scale[row]);
                         __m256i half[2];
                         for (int e = 0; e < 2; e++) {
                             /* bf16 -> float32 is a shift; the product's bits rounded as f32_to_bf16 */

@@ -114,8 +114,8 @@ class NativeKernels:
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
         self.has_gemv = bool(self.lib.gemv_supported())
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
-        self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _P, _I64, _P, _I64] + [_I32] * 4)
-        self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _P])
+        self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _I32, _P, _I64, _P, _I64] + [_I32] * 4)
+        self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _I32, _P])
         self._kv_store = self._bind("kv_store", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I32, _I32,
                                                  _I64])
         self.has_gemm = bool(self.lib.gemm_supported())
@@ -201,7 +201,7 @@ class NativeKernels:
         res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
         if weight.scale is not None:
             rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scale.data_ptr(),
-                               out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode)
+                               int(weight.blocked), out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode)
         else:
             rc = self._gemv(x.data_ptr(), x.stride(0), weight.data.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
                             res_stride, M, N, K, mode)
@@ -253,13 +253,13 @@ class NativeKernels:
         return out
 
     def gemv_dequantize(self, weight: GemvWeight) -> torch.Tensor:
-        """[N, K] bf16 of a packed int8 weight: ``bf16(q[n] * scale[n])``, as
+        """[N, K] bf16 of a packed int8 weight: ``bf16(q[n] * scale[n])`` (or per chunk, Q8_0), as
         ``quantization.Int8Weight.dequantize`` rounds it, without unpacking through torch (25x
         slower than the dequantization itself at one thread). Requires ``has_gemv``."""
         assert weight.scale is not None
         out = torch.empty(weight.rows, weight.cols, dtype=torch.bfloat16)
-        rc = self._gemv_w8_dequantize(weight.data.data_ptr(), weight.scale.data_ptr(), weight.rows, weight.cols,
-                                      int(weight.swiglu), out.data_ptr())
+        rc = self._gemv_w8_dequantize(weight.data.data_ptr(), weight.scale.data_ptr(), int(weight.blocked),
+                                      weight.rows, weight.cols, int(weight.swiglu), out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native gemv dequantize failed with code {rc}")
         return out
@@ -307,7 +307,8 @@ class DecodeModelDesc(ctypes.Structure):
                                      "int8", "page_size", "kv_slot_stride", "kv_head_stride")]
         + [(name, _P) for name in ("cos", "sin", "final_norm", "lm_head", "lm_head_scale", "attn",
                                    "x", "qkv", "qk", "attn_out", "attn_sel", "act", "h_sel")]
-        + [("max_rows", _I64), ("lm_head_p", _P), ("gemv_rows", _I64), ("eps", _F), ("scale", _F)]
+        + [("max_rows", _I64), ("lm_head_p", _P), ("gemv_rows", _I64), ("blocked", _I64), ("head_blocked", _I64),
+           ("eps", _F), ("scale", _F)]
     )
 
 
@@ -376,6 +377,7 @@ class DecodeStack:
             for name, (rows, cols, swiglu) in want.items():
                 w = getattr(layer, name)
                 assert (w.rows, w.cols, w.swiglu, w.scale is not None) == (rows, cols, swiglu, int8), name
+                assert w.blocked == layers[0].qkv.blocked, "the layers' int8 scales all per row or all per chunk"
         assert lm_head.cols == hidden and not lm_head.swiglu and cos.shape[1] == D
         if lm_head_panels is not None:
             assert all(layer.panels is not None for layer in layers) and not int8
@@ -397,7 +399,8 @@ class DecodeStack:
             ctypes.addressof(self._layer_descs), len(layers), hidden, H, KVH, D, inter, lm_head.rows, int(int8),
             shape.page_size, shape.kv_slot_stride, shape.kv_head_stride, _ptr(cos), _ptr(sin), _ptr(final_norm),
             *_weight_ptrs(lm_head), ctypes.cast(attn_fn, _P).value, *(None,) * len(self._widths), 0,
-            None if lm_head_panels is None else _ptr(lm_head_panels.data), gemv_rows, shape.eps, shape.scale,
+            None if lm_head_panels is None else _ptr(lm_head_panels.data), gemv_rows, int(layers[0].qkv.blocked),
+            int(lm_head.blocked), shape.eps, shape.scale,
         )
         self._desc_ptr = ctypes.addressof(self._desc)
         self._scratch: dict[str, torch.Tensor] = {}

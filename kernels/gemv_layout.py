@@ -50,17 +50,25 @@ class GemvWeight:
     rows: int
     cols: int
     swiglu: bool
-    scale: torch.Tensor | None = None  # [rows] float32, int8 only
+    # int8 only, float32: [rows], or [rows, ceil(cols / 32)] for Q8_0's block scales (``blocked``:
+    # one per row and chunk)
+    scale: torch.Tensor | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.scale is not None and self.scale.dim() == 2
 
     @classmethod
     def pack(cls, w: torch.Tensor, swiglu: bool = False, scale: torch.Tensor | None = None) -> "GemvWeight":
-        """``w`` [N, K], bf16, or int8 (values in [-127, 127]) with ``scale`` [N] float32."""
+        """``w`` [N, K], bf16, or int8 (values in [-127, 127]) with ``scale`` [N] float32, or
+        [N, K / 32] (Q8_0: K a multiple of 32)."""
         n, k = w.shape
         int8 = w.dtype == torch.int8
         assert w.dtype in (torch.bfloat16, torch.int8) and (scale is not None) == int8
         assert not swiglu or n % 2 == 0
         if int8:
-            assert scale.dtype == torch.float32 and scale.shape == (n,)
+            assert scale.dtype == torch.float32 and (scale.shape == (n,) or (scale.shape == (n, k // CHUNK)
+                                                                             and k % CHUNK == 0))
             # sign-magnitude; -q fits int8 as |q| <= 127
             w = torch.where(w < 0, (-w) | -128, w)
         halves, rows_out, blocks, chunks = _geometry(n, k, swiglu)

@@ -120,3 +120,31 @@ def make_tiny_checkpoint(kind: str, path: str) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)
+
+
+def write_q8_0_gguf(src: str, dst: str) -> None:
+    """A copy of GGUF file ``src`` at ``dst`` with every 2-D weight whose rows are whole 32-value
+    blocks stored as Q8_0 (quantized from its dequantized values by gguf's reference code), the
+    rest float32, and the metadata (tokenizer included) as it was."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize, quantize
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    for t in reader.tensors:
+        values = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if values.ndim == 2 and values.shape[1] % 32 == 0:
+            writer.add_tensor(t.name, quantize(values, q8_0), raw_dtype=q8_0)
+        else:
+            writer.add_tensor(t.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

@@ -266,6 +266,36 @@ def _load_gguf(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     return arch, weights
 
 
+def read_q8_0_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A GGUF file's Q8_0 matrices as stored, by Hugging Face name: (q [N, K] int8, d [N, K / 32]
+    float32), row-permuted as ``_load_gguf`` permutes their dequantized form, so that
+    ``q * d`` (per block of 32 columns) is exactly the matrix ``load_model`` returns. For
+    ``--quantization w8a16``, which then keeps Q8_0's int8 weights and scales rather than
+    quantizing the dequantized ones again. Empty for a file with no Q8_0 matrices."""
+    import gguf
+
+    meta, infos, blob, data_start = read_gguf_header(path)
+    arch = ModelArch.from_gguf_metadata(meta, {t.name for t in infos})
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    block, type_size = gguf.GGML_QUANT_SIZES[q8_0]  # 32 values: a float16 d, then 32 int8
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for t in infos:
+        hf_name = _hf_name(t.name)
+        if t.qtype != q8_0 or hf_name is None or len(t.shape) != 2:
+            continue
+        rows, cols = t.shape
+        start = data_start + t.offset
+        raw = np.array(blob[start : start + rows * cols // block * type_size]).reshape(rows, cols // block, type_size)
+        d = torch.from_numpy(raw[:, :, :2].copy().view(np.float16)).reshape(rows, cols // block).float()
+        q = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8)).reshape(rows, cols)
+        if arch.arch == "llama" and hf_name.endswith("q_proj.weight"):
+            q, d = _unpermute_rope_rows(q, arch.num_heads), _unpermute_rope_rows(d, arch.num_heads)
+        elif arch.arch == "llama" and hf_name.endswith("k_proj.weight"):
+            q, d = _unpermute_rope_rows(q, arch.num_kv_heads), _unpermute_rope_rows(d, arch.num_kv_heads)
+        out[hf_name] = (q.contiguous(), d.contiguous())
+    return out
+
+
 def _hf_name(gguf_name: str) -> str | None:
     if gguf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[gguf_name]

@@ -23,9 +23,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.host_memory import trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
-from pdserve.engine.model_executor.model_loader import load_model
+from pdserve.engine.model_executor.model_loader import ModelSource, load_model, read_q8_0_blocks
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
+from pdserve.engine.model_executor.quantization_names import W8A16
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.engine.model_executor.tokenizer import load_tokenizer
 from pdserve.kernels.attention_backend import create_attention_backend
@@ -119,7 +120,7 @@ class ModelRunner:
         self.model_path = config.model_path  # what the weights came from (update_weights changes it)
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
-        self.model: LlamaForCausalLM | None = self._build_model(weights)
+        self.model: LlamaForCausalLM | None = self._build_model(weights, source)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads,
@@ -135,12 +136,15 @@ class ModelRunner:
                     arch.arch, self.dtype, config.quantization, time.perf_counter() - t0, tp.rank, tp.size,
                     tp.num_heads, tp.num_kv_heads, self.model.gemv_rows, num_pages - 1, config.page_size)
 
-    def _build_model(self, weights: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    def _build_model(self, weights: dict[str, torch.Tensor], source: ModelSource) -> LlamaForCausalLM:
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
+        # w8a16 keeps a GGUF file's Q8_0 weights as stored rather than quantizing them again
+        keep_q8_0 = self.config.quantization == W8A16 and source.format == "gguf"
+        q8_0 = read_q8_0_blocks(source.path) if keep_q8_0 else None
         return LlamaForCausalLM(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
                                 quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
                                 fused_decode=not self.config.disable_fused_decode,
-                                gemm=not self.config.disable_native_gemm)
+                                gemm=not self.config.disable_native_gemm, q8_0=q8_0)
 
     # ------------------------------------------------------------- weights
     def load_weights(self, model_path: str | None) -> None:
@@ -152,7 +156,7 @@ class ModelRunner:
             raise ValueError(f"{model_path!r} is a different architecture ({arch.shape_key()}) than the loaded "
                              f"model ({self.arch.shape_key()})")
         self.release_weights()  # the old copy goes first: the peak is one model, not two
-        self.model = self._build_model(weights)
+        self.model = self._build_model(weights, source)
         self.model_path, self.model_source = model_path, source
         logger.info("weights updated from %s", source.path)
 

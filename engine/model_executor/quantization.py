@@ -18,6 +18,9 @@ native passes of ``kernels/cpu_int8_act.c`` 12 ms (3 quantizing, 9 scaling).
 
 Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
 so the largest weight of each row is exact and the error of any weight is at most half a step.
+A GGUF file's Q8_0 weights are kept as they are instead (``Int8Weight.from_q8_0``): int8 with one
+scale per block of 32 columns of a row (``scale`` [N, K / 32]), which is gemv's 32-column chunk,
+so gemv scales each chunk's dot products (w8a16 only: w8a8's int8 products take a row's scale).
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ from pdserve.kernels.gemm_layout import PanelWeight
 from pdserve.kernels.gemv_layout import GemvWeight
 
 
+Q8_0_BLOCK = 32  # columns per scale in GGUF's Q8_0 (gemv_layout.CHUNK)
+
+
 @dataclass
 class Int8Weight:
     q: torch.Tensor  # [N, K] int8, contiguous
-    scale: torch.Tensor  # [N] float32
+    scale: torch.Tensor  # [N] float32, or [N, K / 32] for Q8_0's blocks (``blocked``)
 
     @classmethod
     def quantize(cls, w: torch.Tensor) -> "Int8Weight":
@@ -49,13 +55,52 @@ class Int8Weight:
         q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         return cls(q.contiguous(), scale.contiguous())
 
+    @classmethod
+    def from_q8_0(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Weight":
+        """Q8_0 as stored: q [N, K] int8 in [-127, 127], scale [N, K / 32] (each block's d)."""
+        n, k = q.shape
+        assert k % Q8_0_BLOCK == 0 and scale.shape == (n, k // Q8_0_BLOCK) and int(q.min()) >= -127
+        return cls(q.contiguous(), scale.float().contiguous())
+
+    @property
+    def blocked(self) -> bool:
+        return self.scale.dim() == 2
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """[N, K] in ``dtype``: each product rounded once from float32."""
+        if self.blocked:
+            n, k = self.q.shape
+            return (self.q.float().view(n, -1, Q8_0_BLOCK) * self.scale[:, :, None]).view(n, k).to(dtype)
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
+
+
+def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                parts: list[tuple[str, slice, slice]], rows: int | None = None) -> Int8Weight | None:
+    """A model's (fused, TP-sliced) matrix from a GGUF file's Q8_0 blocks (``model_loader.
+    read_q8_0_blocks``): the rows ``parts`` name (checkpoint name, rows, columns) stacked, zero rows
+    appended up to ``rows``. None where a part is not Q8_0, a column slice cuts a block, or a q is
+    -128 (gemv's sign-magnitude int8 holds [-127, 127]): the caller quantizes per channel then."""
+    qs, ds = [], []
+    for name, row_slice, col_slice in parts:
+        if name not in blocks:
+            return None
+        q, d = blocks[name]
+        start, stop, _ = col_slice.indices(q.shape[1])
+        if start % Q8_0_BLOCK or stop % Q8_0_BLOCK:
+            return None
+        qs.append(q[row_slice, start:stop])
+        ds.append(d[row_slice, start // Q8_0_BLOCK : stop // Q8_0_BLOCK])
+    q, d = torch.cat(qs), torch.cat(ds)
+    if int(q.min()) < -127:
+        return None
+    if rows is not None and rows > q.shape[0]:
+        q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
+        d = torch.cat([d, d.new_zeros(rows - d.shape[0], d.shape[1])])
+    return Int8Weight.from_q8_0(q, d)
 
 
 def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight, dtype: torch.dtype) -> torch.Tensor:

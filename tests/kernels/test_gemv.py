@@ -58,3 +58,22 @@ def test_int8_weights_with_scales(rows, shape):
     half = n // 2
     swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
     _bf16_close(native.gemv(x, GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])), swiglu)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 6])
+@pytest.mark.parametrize("shape", [(960, 576), (77, 64)])
+def test_int8_weights_with_q8_0_block_scales(rows, shape):
+    # one scale per row and 32-column chunk (GGUF Q8_0): each chunk's sums scaled before they join
+    n, k = shape
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n, k // 32, generator=g) / 100
+    w = (q.float().view(n, -1, 32) * scale[:, :, None]).view(n, k)
+    ref = x.float() @ w.T
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale)), ref)
+    res = torch.randn(rows, n, generator=g).bfloat16()
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale), residual=res), ref + res.float())
+    half = n // 2
+    swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
+    _bf16_close(native.gemv(x, GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])), swiglu)

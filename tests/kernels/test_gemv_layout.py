@@ -57,3 +57,20 @@ def test_dense_of_packed_int8_is_dequantize(shape, swiglu):
                            q.dequantize(dtype).view(-1).view(torch.uint8)), dtype
     if native is not None and native.has_gemv:
         assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16))
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_dense_of_packed_q8_0_is_dequantize(swiglu):
+    # Q8_0: one scale per row and block of 32 columns, the dequantized weights rounded as q * d
+    n, k = 70, 96
+    g = torch.Generator().manual_seed(1)
+    q = Int8Weight.from_q8_0(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                             torch.rand(n, k // 32, generator=g) / 50)
+    want = (q.q.float().view(n, -1, 32) * q.scale[:, :, None]).view(n, k)
+    assert torch.equal(q.dequantize(torch.float32), want)
+    packed = GemvWeight.pack(q.q, swiglu, q.scale)
+    assert packed.blocked and torch.equal(packed.unpack(), q.q)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), dtype
+    if native is not None and native.has_gemv:
+        assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16))

@@ -62,8 +62,8 @@ import torch.nn.functional as F
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
-from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear
-from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, check_quantization
+from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear, q8_0_matrix
+from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, W8A16, check_quantization
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
@@ -149,13 +149,17 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 class LlamaForCausalLM:
     def __init__(self, arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
-                 quantization: str = "none", gemv: bool = True, fused_decode: bool = True, gemm: bool = True):
+                 quantization: str = "none", gemv: bool = True, fused_decode: bool = True, gemm: bool = True,
+                 q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
         norm/rope kernels. ``gemv``: small steps through native gemv where it is available
         (bf16 and AVX-512 BF16). ``fused_decode``: small decode steps' layers in one native call
         where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
         panel kernels where they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked
-        linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``."""
+        linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``. ``q8_0``: a GGUF file's Q8_0
+        matrices as stored (``model_loader.read_q8_0_blocks``): w8a16 keeps their int8 weights and
+        block scales where every layer's matrices are Q8_0 (and the LM head's where it is),
+        instead of quantizing the dequantized ones again."""
         check_quantization(quantization)
         arch.check_tp_size(1 if tp is None else tp.size)
         tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
@@ -186,10 +190,12 @@ class LlamaForCausalLM:
         self._stack_pool: tuple[int, int] | None = None
         packed = self.packed
 
-        def forms(t: torch.Tensor, swiglu: bool = False) -> tuple[Weight | None, Int8Weight | None]:
+        def forms(t: torch.Tensor, swiglu: bool = False,
+                  q8: Int8Weight | None = None) -> tuple[Weight | None, Int8Weight | None]:
             """(the form small steps read, the row-major int8): small steps read it packed for gemv
-            where it is on, else the int8 (quantized) or nothing (bf16); int8 quantized once."""
-            q = Int8Weight.quantize(t) if quant else None
+            where it is on, else the int8 (quantized, or Q8_0's ``q8``) or nothing (bf16); int8
+            quantized once."""
+            q = q8 if q8 is not None else Int8Weight.quantize(t) if quant else None
             if not use_gemv:
                 return q, q
             return (GemvWeight.pack(t, swiglu) if q is None else GemvWeight.pack(q.q, swiglu, q.scale)), q
@@ -216,6 +222,25 @@ class LlamaForCausalLM:
         if self.lm_head.shape[0] < self.vocab_shard:
             pad = self.lm_head.new_zeros(self.vocab_shard - self.lm_head.shape[0], self.lm_head.shape[1])
             self.lm_head = torch.cat([self.lm_head, pad])
+        # w8a16 from Q8_0: each layer's four matrices in the file's blocks, all layers or none (the
+        # fused step takes one kind of scale for every layer)
+        blocks = q8_0 if quantization == W8A16 and q8_0 else {}
+        all_cols = slice(None)
+
+        def layer_q8(i: int) -> tuple[Int8Weight | None, ...]:
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            return (q8_0_matrix(blocks, [(a + "q_proj.weight", q_rows, all_cols),
+                                         (a + "k_proj.weight", kv_rows, all_cols),
+                                         (a + "v_proj.weight", kv_rows, all_cols)]),
+                    q8_0_matrix(blocks, [(a + "o_proj.weight", all_cols, q_rows)]),
+                    q8_0_matrix(blocks, [(p + "mlp.gate_proj.weight", i_rows, all_cols),
+                                         (p + "mlp.up_proj.weight", i_rows, all_cols)]),
+                    q8_0_matrix(blocks, [(p + "mlp.down_proj.weight", all_cols, i_rows)]))
+
+        q8_layers = [layer_q8(i) for i in range(arch.num_layers)] if blocks else []
+        if not q8_layers or not all(m is not None for layer in q8_layers for m in layer):
+            q8_layers = [(None,) * 4] * arch.num_layers
+        self.q8_0 = bool(blocks) and q8_layers[0][0] is not None  # the layers keep Q8_0's blocks
         self.layers: list[_Layer] = []
         for i in range(arch.num_layers):
             p = f"model.layers.{i}."
@@ -232,8 +257,10 @@ class LlamaForCausalLM:
             o_w = w(a + "o_proj.weight", slice(None), q_rows)
             down_w = w(p + "mlp.down_proj.weight", slice(None), i_rows)
             gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight", i_rows), w(p + "mlp.up_proj.weight", i_rows)])
-            (qkv_g, qkv_8), (o_g, o_8) = forms(qkv_w), forms(o_w)
-            (gate_up_g, gate_up_8), (down_g, down_8) = forms(gate_up_w, swiglu=True), forms(down_w)
+            qkv_q8, o_q8, gate_up_q8, down_q8 = q8_layers[i]
+            (qkv_g, qkv_8), (o_g, o_8) = forms(qkv_w, q8=qkv_q8), forms(o_w, q8=o_q8)
+            (gate_up_g, gate_up_8), (down_g, down_8) = (forms(gate_up_w, swiglu=True, q8=gate_up_q8),
+                                                        forms(down_w, q8=down_q8))
             layer = _Layer(
                 input_norm=w(p + "input_layernorm.weight"),
                 qkv_w=qkv_w,
@@ -262,7 +289,9 @@ class LlamaForCausalLM:
                 layer.up_w = _pack(gate_up_w[self.inter :])
                 layer.gate_up_w = None
             self.layers.append(layer)
-        self.lm_head_g, _ = forms(self.lm_head)
+        head_name = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
+        self.lm_head_g, _ = forms(self.lm_head, q8=q8_0_matrix(blocks, [(head_name, v_rows, all_cols)],
+                                                                rows=self.vocab_shard))
         # an int8 head that gemv multiplies in place (INT8_HEAD_GEMV_ROWS)
         self.int8_head_gemv = quant and self.gemv_rows > 0
         if quant:
