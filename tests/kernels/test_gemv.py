@@ -44,32 +44,19 @@ def test_bf16_plain_residual_swiglu(rows, shape):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_int8_weights_with_scales(rows, shape):
+# blocked: GGUF Q8_0's scale per row and 32-column chunk (whole chunks only)
+@pytest.mark.parametrize("shape, blocked", [*((s, False) for s in SHAPES), ((960, 576), True), ((77, 64), True)])
+def test_int8_weights_with_scales(rows, shape, blocked):
     n, k = shape
     g = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, k, generator=g).bfloat16()
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, generator=g) / 100
-    ref = x.float() @ (q.float() * scale[:, None]).T
-    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale)), ref)
-    res = torch.randn(rows, n, generator=g).bfloat16()
-    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale), residual=res), ref + res.float())
-    half = n // 2
-    swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
-    _bf16_close(native.gemv(x, GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])), swiglu)
-
-
-@pytest.mark.parametrize("rows", [1, 3, 4, 6])
-@pytest.mark.parametrize("shape", [(960, 576), (77, 64)])
-def test_int8_weights_with_q8_0_block_scales(rows, shape):
-    # one scale per row and 32-column chunk (GGUF Q8_0): each chunk's sums scaled before they join
-    n, k = shape
-    g = torch.Generator().manual_seed(rows + n)
-    x = torch.randn(rows, k, generator=g).bfloat16()
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scale = torch.rand(n, k // 32, generator=g) / 100
-    w = (q.float().view(n, -1, 32) * scale[:, :, None]).view(n, k)
+    if blocked:  # each chunk's sums scaled before they join the row's
+        scale = torch.rand(n, k // 32, generator=g) / 100
+        w = (q.float().view(n, -1, 32) * scale[:, :, None]).view(n, k)
+    else:
+        scale = torch.rand(n, generator=g) / 100
+        w = q.float() * scale[:, None]
     ref = x.float() @ w.T
     _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale)), ref)
     res = torch.randn(rows, n, generator=g).bfloat16()
