@@ -12,7 +12,7 @@
      h = h + o @ Wo^T (one rounding); x = rms_norm(h); a = silu(x @ Wg^T) * (x @ Wu^T);
      h = h + a @ Wd^T
 
-   The K/V store takes the pool's strides (a slot's and a head's, in elements) from the caller,
+   The K/V store (cpu_kv_store.c's, as the per-op path's) takes the pool's strides (a slot's and a head's, in elements) from the caller,
    so it holds for any layout of the per-layer pool tensors; decode attention is called through
    the pointer cpu_native.py chose for it, with the arguments cpu_native.py passes it.
    Tensor parallel (an all-reduce after o and after down) is left to the per-op path.
@@ -37,6 +37,10 @@ int rms_norm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, uint16
                   int T, int N, float eps);
 int rope_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* cos_t, const uint16_t* sin_t,
               const int64_t* pos, uint16_t* out, int T, int NH, int D);
+/* cpu_kv_store.c (strides in bytes) */
+int kv_store(const uint8_t* k, int64_t k_tok_stride, int64_t k_head_stride, const uint8_t* v, int64_t v_tok_stride,
+             int64_t v_head_stride, uint8_t* k_cache, uint8_t* v_cache, int64_t slot_stride, int64_t cache_head_stride,
+             const int64_t* loc, int T, int heads, int64_t row_bytes);
 /* cpu_gemm.c */
 int gemm_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, void* out, int64_t out_stride,
               const uint16_t* res, int64_t res_stride, const uint16_t* bias, int M, int N, int K, int mode,
@@ -102,17 +106,6 @@ static int linear(const decode_model_desc* m, int big, const uint16_t* x, int64_
     return gemv_bf16(x, x_stride, (const uint16_t*)w, (uint16_t*)out, out_stride, res, res_stride, M, N, K, mode);
 }
 
-/* Copy row t of k [KVH, D] and v [KVH, D] to slot loc[t] of the layer's caches. */
-static void store_kv(const decode_model_desc* m, const decode_layer_desc* l, const uint16_t* k, const uint16_t* v,
-                     int64_t slot) {
-    const int64_t D = m->head_dim;
-    for (int64_t j = 0; j < m->num_kv_heads; j++) {
-        const int64_t at = slot * m->kv_slot_stride + j * m->kv_head_stride;
-        memcpy(l->k_cache + at, k + j * D, (size_t)D * sizeof(uint16_t));
-        memcpy(l->v_cache + at, v + j * D, (size_t)D * sizeof(uint16_t));
-    }
-}
-
 /* Layers [first, last) of one decode step over M rows (one token of each of M sequences).
    h: [M, hidden] bf16 contiguous, the residual stream, updated in place; pos, loc: [M] int64
    positions and slots; page_table: [M, pt_stride] int32; seq_lens: [M] int32. Where the range
@@ -143,8 +136,12 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
                 for (int64_t n = 0; n < qkv_n; n++)
                     m->qkv[t * qkv_n + n] = f32_to_bf16(bf16_to_f32(m->qkv[t * qkv_n + n]) + bf16_to_f32(l->qkv_bias[n]));
         rope_bf16(m->qkv, qkv_n, m->cos, m->sin, pos, m->qk, M, (int)(H + KVH), (int)D);
-        for (int64_t t = 0; t < M; t++)
-            store_kv(m, l, m->qk + t * qk_n + hd, m->qkv + t * qkv_n + qk_n, loc[t]);
+        {  /* the new K (rope'd, in qk) and V (in qkv) of every row at its slot */
+            const int64_t e = sizeof(uint16_t);
+            kv_store((const uint8_t*)(m->qk + hd), qk_n * e, D * e, (const uint8_t*)(m->qkv + qk_n), qkv_n * e, D * e,
+                     (uint8_t*)l->k_cache, (uint8_t*)l->v_cache, m->kv_slot_stride * e, m->kv_head_stride * e, loc, M,
+                     (int)KVH, D * e);
+        }
         /* a slot's K/V at slot * kv_slot_stride: a page of them at page_size times that */
         rc = attn(m->qk, qk_n, l->k_cache, l->v_cache, m->kv_head_stride, m->page_size * m->kv_slot_stride,
                   m->kv_slot_stride, page_table, pt_stride, seq_lens, m->attn_out, M, (int)H,

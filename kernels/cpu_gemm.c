@@ -37,6 +37,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__) && !defined(__AMX_BF16__)
 #include <immintrin.h>
+#include "cpu_bf16_avx512.h"
 #define GEMM_OK 1
 #else
 #define GEMM_OK 0
@@ -51,20 +52,6 @@ int gemm_supported(void) { return GEMM_OK; }
 #define MR 6             /* x rows per micro-kernel pass: 24 accumulators + 4 weights + 1 broadcast */
 #define MC_BYTES (384 * 1024)  /* x rows per block: their bytes stay in L2 */
 
-/* float32 -> bf16, round to nearest even (NaN stays NaN), as f32_to_bf16 */
-static inline __m256i round_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
-static inline __m512 widen_bf16(__m256i b) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
 /* silu(g) = g * sigmoid(g), sigmoid from exp(-|g|) (exp_nonpos, vectorized by the compiler) */
 static inline void silu_rows(float* g, int n) {
     for (int i = 0; i < n; i++) {
@@ -77,7 +64,7 @@ static inline void silu_rows(float* g, int n) {
 /* one 16-column vector of an output row: v rounded once, stored as bf16 or widened to float32 */
 static inline void store16(void* out, int64_t at, __m512 v, int cnt, int out_f32) {
     const __m256i b = round_bf16(v);
-    const __mmask16 mask = cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
+    const __mmask16 mask = lanes16(cnt);
     if (out_f32)
         _mm512_mask_storeu_ps((float*)out + at, mask, widen_bf16(b));
     else
@@ -96,6 +83,20 @@ typedef struct {
     int mode, out_f32;
 } gemm_args;
 
+/* one column pair of MRR rows against a panel's 4 weight vectors w (its 64 rows' pairs) */
+static inline __attribute__((always_inline)) void pair_step(__m512 acc[MR][4], const uint16_t* w, const uint32_t* xp[MR],
+                                                            int64_t kp, const int MRR) {
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32),
+                  w2 = _mm512_loadu_si512(w + 64), w3 = _mm512_loadu_si512(w + 96);
+    for (int m = 0; m < MRR; m++) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32((int)xp[m][kp]);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, b);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, b);
+        acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, b);
+        acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, b);
+    }
+}
+
 /* rows m0..m0+MRR-1 of x against one panel P ([K/2][64][2] bf16); its output columns start at
    n0 (for SwiGLU: n0 is the panel's first gate row, also its first output column) and ``valid``
    of its 64 (32 for SwiGLU) are real. Always inlined with a literal MRR. */
@@ -107,28 +108,15 @@ static inline __attribute__((always_inline)) void micro(const gemm_args* a, cons
     const uint32_t* xr[MR];
     for (int m = 0; m < MRR; m++) xr[m] = (const uint32_t*)(a->x + (int64_t)(m0 + m) * a->xs);
     const int64_t pairs = a->K / 2;
-    const uint16_t* w = P;
-    for (int64_t kp = 0; kp < pairs; kp++, w += NB * 2) {
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32),
-                      w2 = _mm512_loadu_si512(w + 64), w3 = _mm512_loadu_si512(w + 96);
+    for (int64_t kp = 0; kp < pairs; kp++) pair_step(acc, P + kp * NB * 2, xr, kp, MRR);
+    if (a->K & 1) {  /* the last column alone (x's pair: it and a zero; the weights' second is zero too) */
+        uint32_t last[MR];
+        const uint32_t* lp[MR];
         for (int m = 0; m < MRR; m++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)xr[m][kp]);
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, b);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, b);
-            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, b);
-            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, b);
+            last[m] = a->x[(int64_t)(m0 + m) * a->xs + a->K - 1];
+            lp[m] = last + m;
         }
-    }
-    if (a->K & 1) {  /* the last column alone: its pair's second weight is the packing's zero */
-        const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 32),
-                      w2 = _mm512_loadu_si512(w + 64), w3 = _mm512_loadu_si512(w + 96);
-        for (int m = 0; m < MRR; m++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)a->x[(int64_t)(m0 + m) * a->xs + a->K - 1]);
-            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], (__m512bh)w0, b);
-            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], (__m512bh)w1, b);
-            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], (__m512bh)w2, b);
-            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], (__m512bh)w3, b);
-        }
+        pair_step(acc, P + pairs * NB * 2, lp, 0, MRR);
     }
     for (int m = 0; m < MRR; m++) {
         const int64_t row = (int64_t)(m0 + m) * a->os + n0;
@@ -145,8 +133,7 @@ static inline __attribute__((always_inline)) void micro(const gemm_args* a, cons
         }
         for (int j = 0; j < 4 && 16 * j < valid; j++) {
             __m512 v = acc[m][j];
-            const int cnt = valid - 16 * j;
-            const __mmask16 mask = cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
+            const __mmask16 mask = lanes16(valid - 16 * j);
             if (a->bias) v = _mm512_add_ps(v, widen_bf16(_mm256_maskz_loadu_epi16(mask, a->bias + n0 + 16 * j)));
             if (a->mode == 1) {
                 const __m256i r = _mm256_maskz_loadu_epi16(mask, a->res + (int64_t)(m0 + m) * a->rs + n0 + 16 * j);

@@ -36,6 +36,7 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #include <immintrin.h>
+#include "cpu_bf16_avx512.h"
 #define GEMV_OK 1
 #else
 #define GEMV_OK 0
@@ -199,11 +200,10 @@ static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int64_t b
 #undef BLOCK_CASE
 }
 
-/* Q8_0 (``blocked``): the chunk scales of output rows row0.. of ``rows`` (scale: [N, chunks]);
-   a padding row past N takes row0's, its weights being zero. Null where scales are per row. */
-static inline void chunk_scales(const float* scale, int blocked, int64_t chunks, int64_t row0, int rows,
-                                const float* cs[RB]) {
-    for (int r = 0; r < RB; r++) cs[r] = blocked ? scale + (row0 + (r < rows ? r : 0)) * chunks : 0;
+/* Q8_0: the chunk scales of output rows row0.. of ``rows`` (scale: [N, chunks]); a padding row
+   past N takes row0's, its weights being zero */
+static inline void chunk_scales(const float* scale, int64_t chunks, int64_t row0, int rows, const float* cs[RB]) {
+    for (int r = 0; r < RB; r++) cs[r] = scale + (row0 + (r < rows ? r : 0)) * chunks;
 }
 
 /* One driver for both weight types: ``W8`` non-null selects int8 (with ``scale``). */
@@ -220,19 +220,21 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
     for (int b = 0; b < nblocks; b++) {
         const int n0 = b * RB;
         const int rows = rows_out - n0 < RB ? rows_out - n0 : RB;
+        /* Q8_0: this block's rows' chunk scales (the gate rows' for mode 2, then the up rows') */
+        const float *cs[RB], *cs_up[RB];
+        if (blocked) {
+            chunk_scales(scale, chunks, n0, rows, cs);
+            if (mode == 2) chunk_scales(scale, chunks, n0 + rows_out, rows, cs_up);
+        }
         for (int m0 = 0; m0 < M; m0 += MB) {
             const int mrows = M - m0 < MB ? M - m0 : MB;
             float acc[RB][MB], gate[RB][MB];
-            const float* cs[RB];
             if (mode == 2) {
-                chunk_scales(scale, blocked, chunks, n0, rows, cs);
                 block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, m0, mrows, gate, blocked ? cs : 0);
-                chunk_scales(scale, blocked, chunks, n0 + rows_out, rows, cs);
-                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc, blocked ? cs : 0);
+                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc, blocked ? cs_up : 0);
                 store_block(acc, n0 + rows_out, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode,
                             rows_out, gate);
             } else {
-                chunk_scales(scale, blocked, chunks, n0, rows, cs);
                 block_any(Wb, W8, K, b, x, x_stride, m0, mrows, acc, blocked ? cs : 0);
                 store_block(acc, n0, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode, 0, gate);
             }
@@ -279,7 +281,6 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int blocked, int N, 
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < nblocks; b++) {
         const widen_tables t = load_widen_tables();
-        const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1);
         const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
         for (int h = 0; h < halves; h++) {
             const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
@@ -294,16 +295,9 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int blocked, int N, 
                         const int64_t row = row0 + 2 * p + j;
                         const __m512 s = _mm512_set1_ps(blocked ? scale[row * chunks + c] : scale[row]);
                         __m256i half[2];
-                        for (int e = 0; e < 2; e++) {
-                            /* bf16 -> float32 is a shift; the product's bits rounded as f32_to_bf16 */
-                            const __m512i wb = _mm512_cvtepu16_epi32(e ? _mm512_extracti64x4_epi64(w[j], 1)
-                                                                       : _mm512_castsi512_si256(w[j]));
-                            const __m512i u = _mm512_castps_si512(_mm512_mul_ps(
-                                _mm512_castsi512_ps(_mm512_slli_epi32(wb, 16)), s));
-                            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-                            half[e] = _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-                                _mm512_add_epi32(u, _mm512_add_epi32(round, odd)), 16));
-                        }
+                        for (int e = 0; e < 2; e++)  /* the product rounded as f32_to_bf16 */
+                            half[e] = round_bf16(_mm512_mul_ps(widen_bf16(e ? _mm512_extracti64x4_epi64(w[j], 1)
+                                                                            : _mm512_castsi512_si256(w[j])), s));
                         const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
                         _mm512_mask_storeu_epi16(out + (row0 + 2 * p + j) * K + k, mask, v);
                     }

@@ -1,6 +1,7 @@
 /* The KV store of one layer: T new tokens' K and V rows copied into their slots of the layer's
    head-major pool tensors ([kv_heads, pages, page_size, head_dim], engine/sched/page_pool.py).
-   Built by cpu_native.py.
+   Built by cpu_native.py; the per-op path (``NativeKernels.store_kv``) and the fused decode step
+   (cpu_decode_layer.c) both store through it.
 
    torch's index_copy_ over the pool's [heads, slots, dim] planes took 45-51 us per call for a
    64-sequence decode step (3 heads x 64 dims), 2.7-3 ms of the step's 58-70 ms over 30 layers'

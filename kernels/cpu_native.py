@@ -11,7 +11,8 @@ packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
 products of every larger step over weights packed as ``gemm_layout.PanelWeight``
 (``has_gemm``, AVX-512 BF16 without AMX); ``cpu_kv_store.c``, a layer's KV store into the
 head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of its
-int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions and exp.
+int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions and exp,
+and ``cpu_bf16_avx512.h`` the same conversions on AVX-512 vectors.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -42,9 +43,8 @@ from pdserve.kernels.gemv_layout import GemvWeight
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c",
-            "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c",
-            "cpu_kv_store.c")
+_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c",
+            "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c", "cpu_kv_store.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -408,7 +408,7 @@ class DecodeStack:
         self.num_layers = len(layers)
         self.vocab = lm_head.rows
         self.gemv_rows = gemv_rows
-        self.max_rows = gemv_rows if lm_head_panels is None else None  # None: any
+        self._row_limit = gemv_rows if lm_head_panels is None else None  # None: any (the scratch grows)
 
     def _grow(self, rows: int) -> None:
         """Scratch for steps of up to ``rows`` rows (kept, and grown as larger steps come)."""
@@ -432,7 +432,7 @@ class DecodeStack:
                          (seq_lens, torch.int32), (h, torch.bfloat16)):
             assert t.dtype == dtype and t.is_contiguous()
         rows = h.shape[0]
-        assert self.max_rows is None or rows <= self.max_rows
+        assert self._row_limit is None or rows <= self._row_limit
         assert logits is None or (logits.is_contiguous() and logits.shape == (sel.numel(), self.vocab)
                                   and logits.dtype == self.logits_dtype(rows))
         self._grow(rows)

@@ -59,7 +59,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
 
-from benchlib.engine_worker import revision_tree  # noqa: E402
+from benchlib.baselines import BEFORE_ISSUE_17  # noqa: E402
+from benchlib.revision_tree import revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
@@ -121,9 +122,7 @@ def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]
 
 # the baseline sides' engine flags over the pdserve side's
 BASELINES = {
-    # the step before issue 17 as this tree's flags can give it (its kernels are today's):
-    # oneDNN's prepacked linears at every step
-    "eager": dict(quantization="none", disable_decode_gemv=True, disable_native_gemm=True),
+    "eager": dict(quantization="none", **BEFORE_ISSUE_17),  # the step before issue 17, today's other kernels
     "unfused": dict(disable_fused_decode=True),
 }
 

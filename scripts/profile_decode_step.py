@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 from bench_model import prefill_batch  # noqa: E402
+from benchlib.baselines import BEFORE_ISSUE_17  # noqa: E402
 from benchlib.timing import best_of  # noqa: E402
 from benchlib.hw_limits import linear_params, read_bandwidth_gbs  # noqa: E402
 
@@ -34,7 +35,7 @@ from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 
 SIDES = {
-    "onednn": dict(disable_decode_gemv=True, disable_native_gemm=True),
+    "onednn": BEFORE_ISSUE_17,
     "gemv": dict(disable_fused_decode=True),
     "fused": {},
     "w8a16_ops": dict(quantization="w8a16", disable_fused_decode=True),

@@ -232,6 +232,18 @@ def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, out // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _permuted_heads(arch: ModelArch, hf_name: str) -> int | None:
+    """The head count whose rows llama.cpp permuted in this tensor (a llama q or k weight or
+    bias, for its rope layout), or None."""
+    if arch.arch != "llama":
+        return None
+    if hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return arch.num_heads
+    if hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return arch.num_kv_heads
+    return None
+
+
 def _load_gguf(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     import gguf
     from gguf.quants import dequantize
@@ -258,24 +270,23 @@ def _load_gguf(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
         hf_name = _hf_name(t.name)
         if hf_name is None:
             continue
-        if arch.arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute_rope_rows(tensor, arch.num_heads)
-        elif arch.arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute_rope_rows(tensor, arch.num_kv_heads)
+        heads = _permuted_heads(arch, hf_name)
+        if heads:
+            tensor = _unpermute_rope_rows(tensor, heads)
         weights[hf_name] = tensor.contiguous()
     return arch, weights
 
 
-def read_q8_0_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_q8_0_blocks(path: str, arch: ModelArch) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A GGUF file's Q8_0 matrices as stored, by Hugging Face name: (q [N, K] int8, d [N, K / 32]
     float32), row-permuted as ``_load_gguf`` permutes their dequantized form, so that
     ``q * d`` (per block of 32 columns) is exactly the matrix ``load_model`` returns. For
     ``--quantization w8a16``, which then keeps Q8_0's int8 weights and scales rather than
-    quantizing the dequantized ones again. Empty for a file with no Q8_0 matrices."""
+    quantizing the dequantized ones again (``arch``: the file's, as ``load_model`` read it). Empty
+    for a file with no Q8_0 matrices."""
     import gguf
 
-    meta, infos, blob, data_start = read_gguf_header(path)
-    arch = ModelArch.from_gguf_metadata(meta, {t.name for t in infos})
+    _, infos, blob, data_start = read_gguf_header(path)
     q8_0 = gguf.GGMLQuantizationType.Q8_0
     block, type_size = gguf.GGML_QUANT_SIZES[q8_0]  # 32 values: a float16 d, then 32 int8
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -288,10 +299,9 @@ def read_q8_0_blocks(path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         raw = np.array(blob[start : start + rows * cols // block * type_size]).reshape(rows, cols // block, type_size)
         d = torch.from_numpy(raw[:, :, :2].copy().view(np.float16)).reshape(rows, cols // block).float()
         q = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8)).reshape(rows, cols)
-        if arch.arch == "llama" and hf_name.endswith("q_proj.weight"):
-            q, d = _unpermute_rope_rows(q, arch.num_heads), _unpermute_rope_rows(d, arch.num_heads)
-        elif arch.arch == "llama" and hf_name.endswith("k_proj.weight"):
-            q, d = _unpermute_rope_rows(q, arch.num_kv_heads), _unpermute_rope_rows(d, arch.num_kv_heads)
+        heads = _permuted_heads(arch, hf_name)
+        if heads:
+            q, d = _unpermute_rope_rows(q, heads), _unpermute_rope_rows(d, heads)
         out[hf_name] = (q.contiguous(), d.contiguous())
     return out
 

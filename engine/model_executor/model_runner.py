@@ -140,7 +140,7 @@ class ModelRunner:
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
         # w8a16 keeps a GGUF file's Q8_0 weights as stored rather than quantizing them again
         keep_q8_0 = self.config.quantization == W8A16 and source.format == "gguf"
-        q8_0 = read_q8_0_blocks(source.path) if keep_q8_0 else None
+        q8_0 = read_q8_0_blocks(source.path, self.arch) if keep_q8_0 else None
         return LlamaForCausalLM(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
                                 quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
                                 fused_decode=not self.config.disable_fused_decode,

@@ -36,10 +36,11 @@ if TYPE_CHECKING:
 
 from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.gemm_layout import PanelWeight
-from pdserve.kernels.gemv_layout import GemvWeight
+from pdserve.kernels.gemv_layout import CHUNK, GemvWeight
 
 
-Q8_0_BLOCK = 32  # columns per scale in GGUF's Q8_0 (gemv_layout.CHUNK)
+# columns per scale in GGUF's Q8_0: gemv's chunk, which is why gemv can apply them per chunk
+Q8_0_BLOCK = CHUNK
 
 
 @dataclass
@@ -57,9 +58,10 @@ class Int8Weight:
 
     @classmethod
     def from_q8_0(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Weight":
-        """Q8_0 as stored: q [N, K] int8 in [-127, 127], scale [N, K / 32] (each block's d)."""
+        """Q8_0 as stored: q [N, K] int8 in [-127, 127] (``q8_0_matrix`` checks), scale [N, K / 32]
+        (each block's d)."""
         n, k = q.shape
-        assert k % Q8_0_BLOCK == 0 and scale.shape == (n, k // Q8_0_BLOCK) and int(q.min()) >= -127
+        assert k % Q8_0_BLOCK == 0 and scale.shape == (n, k // Q8_0_BLOCK)
         return cls(q.contiguous(), scale.float().contiguous())
 
     @property

@@ -28,8 +28,8 @@ def q8_file(tmp_path_factory):
 
 def test_blocks_are_the_loaded_matrices(q8_file):
     # q * d per block is exactly what load_model dequantizes (q and k after llama.cpp's row permutation)
-    _, weights, _ = load_model(q8_file)
-    blocks = read_q8_0_blocks(q8_file)
+    arch, weights, _ = load_model(q8_file)
+    blocks = read_q8_0_blocks(q8_file, arch)
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.5.self_attn.k_proj.weight",
                  "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"):
         q, d = blocks[name]
@@ -46,7 +46,7 @@ def test_w8a16_keeps_q8_0_and_agrees_with_bf16(q8_file):
     model = runners["w8a16"].model
     assert model.q8_0
     # the layers' int8 are the file's, with its block scales (q | k | v stacked)
-    blocks = read_q8_0_blocks(q8_file)
+    blocks = read_q8_0_blocks(q8_file, runners["w8a16"].arch)
     a = "model.layers.3.self_attn."
     qkv = model.layers[3].qkv_g
     assert qkv.blocked and torch.equal(qkv.unpack(), torch.cat([blocks[a + p + "_proj.weight"][0] for p in "qkv"]))

@@ -1,0 +1,27 @@
+/* bf16 <-> float32 on 16-lane AVX-512 vectors, shared by the native kernels that need them
+   (cpu_gemm.c, cpu_gemv.c): the vector forms of cpu_common.h's bf16_to_f32 and f32_to_bf16.
+   Include after immintrin.h, inside the translation unit's AVX-512 guard. */
+#ifndef PDSERVE_CPU_BF16_AVX512_H
+#define PDSERVE_CPU_BF16_AVX512_H
+
+/* float32 -> bf16, round to nearest even (NaN stays NaN), as f32_to_bf16 */
+static inline __m256i round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* 16 bf16 -> float32 (exact: a shift) */
+static inline __m512 widen_bf16(__m256i b) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+/* the first ``cnt`` of 16 lanes (all of them from 16 on) */
+static inline __mmask16 lanes16(int cnt) {
+    return cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
+}
+
+#endif
