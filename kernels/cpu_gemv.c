@@ -5,50 +5,63 @@
    At M = 1 a decode step is a stream over the weights, and a product's only job is to keep
    up with memory. oneDNN's prepacked bf16 linear reads W at about 13 GB/s on one Zen 4 core
    where a plain sum over the same bytes reads 25-29 GB/s (scripts/profile_decode_step.py,
-   lm_head_*). These loops stream W once, as one sequential run (the packed layout), through
-   AVX-512 BF16 dot products (vdpbf16ps) with every x row held in L1, at the plain read's rate:
-   the LM head at one row 35 GB/s against a sum's 34 (load 3.5); the same loops over row-major
-   W read 10-21 GB/s (4 short row streams, prefetched or not). int8 is widened to bf16 in
-   registers by byte lookups (exact: |q| <= 127 fits bf16's 8-bit significand), then
-   multiplied as bf16 W, also at the read's rate (the default model's 121 products at one row:
-   6.4 ms for 135 MB, 12.7 ms before the lookups and the layout); torch's
-   ``_weight_int8pack_mm`` reads int8 at ~6 GB/s here. From 3 rows of x on, the dot products
-   (~1.1 ns each on this machine), not memory, set the time.
+   lm_head_*). These loops stream W once, as one sequential run (the packed layout), with every
+   x row held in L1, at the plain read's rate. The block kernels come in two instruction sets,
+   chosen at compile time (``gemv_isa``):
+
+   - AVX-512 BF16 and VBMI (cpu_gemv_avx512.h; Zen 4, Sapphire Rapids): bf16 dot products
+     (vdpbf16ps); the LM head at one row 35 GB/s against a sum's 34 (load 3.5); the same loops
+     over row-major W read 10-21 GB/s (4 short row streams, prefetched or not). int8 is widened
+     to bf16 in registers by byte lookups (exact: |q| <= 127 fits bf16's 8-bit significand),
+     then multiplied as bf16 W, also at the read's rate (the default model's 121 products at one
+     row: 6.4 ms for 135 MB, 12.7 ms before the lookups and the layout); torch's
+     ``_weight_int8pack_mm`` reads int8 at ~6 GB/s there. From 3 rows of x on, the dot products
+     (~1.1 ns each on Zen 4), not memory, set the time.
+   - AVX2 and FMA (cpu_gemv_avx2.h; Haswell, Zen 1-3): both operands widened to float32 in
+     registers, float32 FMAs. Without it such CPUs ran every linear through oneDNN (bf16 without
+     native bf16 instructions) and w8a16 dequantized every matrix in torch at every step.
 
    Output rows are split across OpenMP threads in blocks of 4; each block runs over every x
-   row (4 at a time), so W is read from memory once per call whatever M is. Sums are float32
-   over 32-column chunks in column order, reduced once per row, rounded to bf16 once at the
-   end as oneDNN rounds. Epilogues (``mode``), as the model's oneDNN post-ops do them:
+   row, so W is read from memory once per call whatever M is. Sums are float32 over 32-column
+   chunks in column order, reduced once per row, rounded to bf16 once at the end as oneDNN
+   rounds. Epilogues (``mode``), as the model's oneDNN post-ops do them:
      0: out = bf16(acc)
      1: out = bf16(acc + res)                      the residual add fused into o and down
      2: W is [2 I, K] = gate | up (packed as SwiGLU) and out is [M, I]:
         out = bf16(acc_up * bf16(silu(acc_gate)))
    int8 weights carry one scale per row, or (Q8_0, ``blocked``) one per row and 32-column chunk,
    which then multiplies that chunk's dot products before they join the row's sums.
-   Returns 0, or -1 where the CPU lacks AVX-512 BF16 or VBMI, the int8 lookups' vpermi2b
-   (``gemv_supported``: Zen 4 and Sapphire Rapids have both, Cooper Lake BF16 alone; where it
-   is 0 the model's products go through oneDNN). */
+   Returns 0, or -1 where neither instruction set is there (``gemv_supported``; the model's
+   products then go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
 #include <string.h>
 
 #include "cpu_common.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#include <immintrin.h>
-#include "cpu_bf16_avx512.h"
-#define GEMV_OK 1
-#else
-#define GEMV_OK 0
-#endif
-
-int gemv_supported(void) { return GEMV_OK; }
-
-#if GEMV_OK
-
 #define RB 4   /* W rows per block (gemv_layout.ROWS) */
 #define MB 4   /* x rows per pass */
 #define CW 32  /* columns per chunk (gemv_layout.CHUNK) */
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#include <immintrin.h>
+#include "cpu_bf16_avx512.h"
+#include "cpu_gemv_avx512.h"
+#define GEMV_ISA 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#include "cpu_gemv_avx2.h"
+#define GEMV_ISA 2
+#else
+#define GEMV_ISA 0
+#endif
+#define GEMV_OK (GEMV_ISA != 0)
+
+int gemv_supported(void) { return GEMV_OK; }
+/* which block kernels were compiled: 512 (AVX-512 BF16 and VBMI), 2 (AVX2 and FMA) or 0 (none) */
+int gemv_isa(void) { return GEMV_ISA; }
+
+#if GEMV_OK
 
 static inline float silu_f(float g) { return g / (1.f + expf(-g)); }
 
@@ -72,118 +85,6 @@ static inline void store_block(float acc[RB][MB], int n0, int rows, int m0, int 
             }
         }
     }
-}
-
-/* the columns of chunk k..k+31 that are below K */
-static inline __mmask32 chunk_mask(int64_t k, int64_t K) {
-    return K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
-}
-
-/* x rows m0..m0+MR-1, chunk k..k+31 (masked past K) */
-static inline __attribute__((always_inline)) void load_x(__m512i xv[MB], const uint16_t* x, int64_t x_stride,
-                                                         int m0, const int MR, int64_t k, int64_t K) {
-    const __mmask32 mask = chunk_mask(k, K);
-    for (int m = 0; m < MR; m++) xv[m] = _mm512_maskz_loadu_epi16(mask, x + (int64_t)(m0 + m) * x_stride + k);
-}
-
-/* Sums of one packed block B ([chunks][RB][32] bf16) against x rows m0..m0+MR-1. Always inlined
-   with a literal MR, so the accumulators stay in registers. No software prefetch: the block is
-   one run of memory the hardware prefetcher follows (prefetching 256 B-1 KB ahead measured
-   0-25% slower). */
-static inline __attribute__((always_inline)) void block_bf16(const uint16_t* B, int64_t K, const uint16_t* x,
-                                                             int64_t x_stride, int m0, const int MR,
-                                                             float acc[RB][MB]) {
-    __m512 a[RB][MB];
-    for (int r = 0; r < RB; r++)
-        for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += CW, B += RB * CW) {
-        __m512i xv[MB];
-        load_x(xv, x, x_stride, m0, MR, k, K);
-        for (int r = 0; r < RB; r++) {
-            const __m512i wv = _mm512_loadu_si512(B + r * CW);
-            for (int m = 0; m < MR; m++) a[r][m] = _mm512_dpbf16_ps(a[r][m], (__m512bh)wv, (__m512bh)xv[m]);
-        }
-    }
-    for (int r = 0; r < RB; r++)
-        for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
-}
-
-/* bf16(m) for m = 0..127, low and high bytes: the int8 widening's lookup tables */
-static uint8_t bf16_lo[128], bf16_hi[128];
-__attribute__((constructor)) static void init_tables(void) {
-    for (int m = 0; m < 128; m++) {
-        const uint16_t b = f32_to_bf16((float)m);
-        bf16_lo[m] = (uint8_t)b;
-        bf16_hi[m] = (uint8_t)(b >> 8);
-    }
-}
-
-/* the lookup tables in registers, and the sign bit */
-typedef struct { __m512i lo0, lo1, hi0, hi1, sign; } widen_tables;
-
-static inline __attribute__((always_inline)) widen_tables load_widen_tables(void) {
-    const widen_tables t = {_mm512_loadu_si512(bf16_lo), _mm512_loadu_si512(bf16_lo + 64),
-                            _mm512_loadu_si512(bf16_hi), _mm512_loadu_si512(bf16_hi + 64),
-                            _mm512_set1_epi8((char)0x80)};
-    return t;
-}
-
-/* one 64-byte pair of packed int8 rows (sign-magnitude) -> the two rows' 32 bf16 each, w[0] and w[1] */
-static inline __attribute__((always_inline)) void widen_pair(const widen_tables* t, const int8_t* P, __m512i w[2]) {
-    const __m512i q = _mm512_loadu_si512(P);
-    const __m512i lo = _mm512_permutex2var_epi8(t->lo0, q, t->lo1);
-    /* hi | (q & 0x80) */
-    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t->hi0, q, t->hi1), q, t->sign, 0xF8);
-    w[0] = _mm512_unpacklo_epi8(lo, hi);
-    w[1] = _mm512_unpackhi_epi8(lo, hi);
-}
-
-/* the same for int8 B (sign-magnitude, rows paired as gemv_layout.py says; sums unscaled): each
-   64-byte pair becomes two rows of 32 bf16 by two 128-entry byte lookups (vpermi2b, indexed by
-   the low 7 bits), the sign ORed into the high byte, and a byte unpack; then the same dot
-   products as bf16 W, so the sums are those of the dequantized-in-registers row-major loop. */
-static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
-                                                           int64_t x_stride, int m0, const int MR,
-                                                           float acc[RB][MB], const float* const cs[RB]) {
-    const widen_tables t = load_widen_tables();
-    __m512 a[RB][MB];
-    for (int r = 0; r < RB; r++)
-        for (int m = 0; m < MR; m++) a[r][m] = _mm512_setzero_ps();
-    if (cs) {  /* Q8_0: each chunk's sums times its own scale (cs[r][c]: row r's scale of chunk c) */
-        for (int64_t k = 0, c = 0; k < K; k += CW, c++, B += RB * CW) {
-            __m512i xv[MB];
-            load_x(xv, x, x_stride, m0, MR, k, K);
-            for (int p = 0; p < RB / 2; p++) {
-                __m512i w[2];
-                widen_pair(&t, B + p * 64, w);
-                const __m512 s0 = _mm512_set1_ps(cs[2 * p][c]), s1 = _mm512_set1_ps(cs[2 * p + 1][c]);
-                for (int m = 0; m < MR; m++) {
-                    const __m512 z = _mm512_setzero_ps();
-                    a[2 * p][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(z, (__m512bh)w[0], (__m512bh)xv[m]), s0,
-                                                  a[2 * p][m]);
-                    a[2 * p + 1][m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(z, (__m512bh)w[1], (__m512bh)xv[m]), s1,
-                                                      a[2 * p + 1][m]);
-                }
-            }
-        }
-        for (int r = 0; r < RB; r++)
-            for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
-        return;
-    }
-    for (int64_t k = 0; k < K; k += CW, B += RB * CW) {
-        __m512i xv[MB];
-        load_x(xv, x, x_stride, m0, MR, k, K);
-        for (int p = 0; p < RB / 2; p++) {
-            __m512i w[2];
-            widen_pair(&t, B + p * 64, w);
-            for (int m = 0; m < MR; m++) {
-                a[2 * p][m] = _mm512_dpbf16_ps(a[2 * p][m], (__m512bh)w[0], (__m512bh)xv[m]);
-                a[2 * p + 1][m] = _mm512_dpbf16_ps(a[2 * p + 1][m], (__m512bh)w[1], (__m512bh)xv[m]);
-            }
-        }
-    }
-    for (int r = 0; r < RB; r++)
-        for (int m = 0; m < MR; m++) acc[r][m] = _mm512_reduce_add_ps(a[r][m]);
 }
 
 /* one block for either weight type and any mrows in 1..MB, each case with a literal MR;
@@ -272,39 +173,14 @@ int gemv_w8_bf16(const uint16_t* x, int64_t x_stride, const int8_t* W, const flo
    weight bf16(q * scale[n]) (``blocked``: q * scale[n][k / 32]) as
    ``quantization.Int8Weight.dequantize`` rounds it (exact q, one
    float32 product, round to nearest even): the larger steps' dense form of the int8 weights
-   gemv streams. The same lookups as block_i8; -1 where gemv is not supported. */
+   gemv streams (dequantize_block); -1 where gemv is not supported. */
 int gemv_w8_dequantize(const int8_t* W, const float* scale, int blocked, int N, int K, int swiglu, uint16_t* out) {
 #if GEMV_OK
     const int halves = swiglu ? 2 : 1, rows_out = N / halves;
     const int nblocks = (rows_out + RB - 1) / RB;
     const int64_t chunks = (K + CW - 1) / CW;
     #pragma omp parallel for schedule(static)
-    for (int b = 0; b < nblocks; b++) {
-        const widen_tables t = load_widen_tables();
-        const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
-        for (int h = 0; h < halves; h++) {
-            const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
-            const int64_t row0 = (int64_t)h * rows_out + b * RB;
-            for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
-                const int64_t k = c * CW;
-                const __mmask32 mask = chunk_mask(k, K);
-                for (int p = 0; p < RB / 2; p++) {
-                    __m512i w[2];
-                    widen_pair(&t, B + p * 64, w);
-                    for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
-                        const int64_t row = row0 + 2 * p + j;
-                        const __m512 s = _mm512_set1_ps(blocked ? scale[row * chunks + c] : scale[row]);
-                        __m256i half[2];
-                        for (int e = 0; e < 2; e++)  /* the product rounded as f32_to_bf16 */
-                            half[e] = round_bf16(_mm512_mul_ps(widen_bf16(e ? _mm512_extracti64x4_epi64(w[j], 1)
-                                                                            : _mm512_castsi512_si256(w[j])), s));
-                        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
-                        _mm512_mask_storeu_epi16(out + (row0 + 2 * p + j) * K + k, mask, v);
-                    }
-                }
-            }
-        }
-    }
+    for (int b = 0; b < nblocks; b++) dequantize_block(W, scale, blocked, rows_out, K, halves, chunks, b, out);
     return 0;
 #else
     return -1;

@@ -5,7 +5,8 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
-packed as ``gemv_layout.GemvWeight`` (``has_gemv``, AVX-512 BF16 and VBMI);
+packed as ``gemv_layout.GemvWeight`` (``has_gemv``: AVX-512 BF16 and VBMI, or AVX2 and FMA,
+``gemv_isa`` says which; their block kernels in ``cpu_gemv_avx512.h`` and ``cpu_gemv_avx2.h``);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
 (``DecodeStack``, any decode step where the model holds panels); ``cpu_gemm.c``, the bf16
 products of every larger step over weights packed as ``gemm_layout.PanelWeight``
@@ -43,12 +44,12 @@ from pdserve.kernels.gemv_layout import GemvWeight
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c",
+_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c",
             "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c", "cpu_kv_store.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno",
+_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno",
           "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _lock = threading.Lock()
 _cached: "NativeKernels | None | bool" = False  # False: not tried yet
@@ -70,13 +71,15 @@ def _read_sources() -> dict[str, str]:
     return {name: (package / name).read_text() for name in _SOURCES}
 
 
-def _build() -> str:
+def _build(march: str = "native") -> str:
+    """The library for ``-march=march`` (``native``: this CPU's instruction sets), built or cached."""
+    flags = [f"-march={march}", *_FLAGS]
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     sources = _read_sources()
     key_parts = [text for name in _SOURCES for text in (name, sources[name])]
-    key = hashlib.sha256("\0".join([*key_parts, *_FLAGS, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([*key_parts, *flags, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
     cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels")
     lib_path = os.path.join(cache_dir, f"pdserve_cpu_{key}.so")
     if os.path.isfile(lib_path):
@@ -88,7 +91,7 @@ def _build() -> str:
                 f.write(text)
         units = [os.path.join(tmp, name) for name in _SOURCES if name.endswith(".c")]
         out = os.path.join(tmp, "kernels.so")
-        proc = subprocess.run([compiler, *_FLAGS, *units, "-o", out, "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *flags, *units, "-o", out, "-lm"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
@@ -113,6 +116,7 @@ class NativeKernels:
         self._rms_norm = self._bind("rms_norm_bf16", [_P, _I64, _P, _P, _I64, _I32, _I32, _F])
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
         self.has_gemv = bool(self.lib.gemv_supported())
+        self.gemv_isa = {512: "avx512", 2: "avx2"}.get(self.lib.gemv_isa())  # None: no gemv
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _I32, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _I32, _P])
@@ -453,7 +457,15 @@ def native_kernels() -> NativeKernels | None:
         if _cached is False:
             try:
                 _cached = NativeKernels(_build())
+                logger.info("native CPU kernels built; gemv on %s", _cached.gemv_isa or "none (oneDNN products)")
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
                 _cached = None
         return _cached
+
+
+def kernels_for(march: str) -> NativeKernels:
+    """The kernels compiled for another ``-march`` than this CPU's (e.g. ``x86-64-v3``, AVX2 and
+    FMA), so that the tests run each instruction set's paths where the CPU has several. Raises
+    where the build fails."""
+    return NativeKernels(_build(march))

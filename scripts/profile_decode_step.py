@@ -89,11 +89,15 @@ def main() -> None:
     native = native_kernels()
     if native is not None and native.has_gemv:
         head = runners["gemv"].model.lm_head_g  # [vocab, hidden] bf16, packed for gemv
-        packed = runners["onednn"].model.lm_head  # the same, prepacked for oneDNN
+        base = runners["onednn"].model  # the same, prepacked for oneDNN where the CPU has native bf16
         x = torch.randn(1, head.cols).bfloat16()
-        lp = torch.ops.mkldnn._linear_pointwise
+        if base.packed:
+            lp = torch.ops.mkldnn._linear_pointwise
+            linear = lambda: lp(x, base.lm_head, None, "none", [], "")  # noqa: E731
+        else:
+            linear = lambda: torch.nn.functional.linear(x, base.lm_head)  # noqa: E731
         parts = {
-            "onednn": best_of(lambda: lp(x, packed, None, "none", [], ""), args.repeats),
+            "onednn": best_of(linear, args.repeats),
             "gemv": best_of(lambda: native.gemv(x, head), args.repeats),
             "sum": best_of(lambda: head.data.sum(), args.repeats),
         }

@@ -32,14 +32,19 @@ def read_bandwidth_gbs(mbytes: int = 512, repeats: int = 5) -> float:
     return x.numel() * x.element_size() / best / 1e9
 
 
-def gemm_rate(n: int = 4096, repeats: int = 3) -> float:
-    """Best bf16 GFLOP/s of an n^3 product, plain ``torch.mm`` or a prepacked oneDNN linear (what
-    pdserve's linears use; transformers' go through the same oneDNN)."""
-    a, w = torch.randn(n, n).bfloat16(), torch.randn(n, n).bfloat16()
+def gemm_rate(n: int = 4096, repeats: int = 3, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Best GFLOP/s of an n^3 product in ``dtype``, plain ``torch.mm`` or, for bf16, a prepacked
+    oneDNN linear (what pdserve's linears use; transformers' go through the same oneDNN) where
+    the CPU has the instructions oneDNN's bf16 prepacking needs."""
+    a, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     calls = [lambda: torch.mm(a, w)]
-    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
-        calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    if dtype == torch.bfloat16 and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
+        except RuntimeError:  # e.g. AVX2 only: "bf16 path needs avx_ne_convert or avx512bw, ..."
+            packed = None
+        if packed is not None:
+            calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")
     for call in calls:
         call()

@@ -19,7 +19,8 @@ from pdserve.kernels.cpu_native import native_kernels
 
 torch.set_num_threads(1)
 native = native_kernels()
-needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv, reason="needs AVX-512 BF16 and a C compiler")
+needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv,
+                                reason="needs AVX-512 BF16 or AVX2, and a C compiler")
 NEW = 10
 
 

@@ -1,18 +1,20 @@
 """Native gemv (kernels/cpu_gemv.c) against float32 products of the same bf16/int8 operands:
 every epilogue, row counts across the 4-row passes, K not a multiple of the vector width,
-N not a multiple of the 4-row blocks."""
+N not a multiple of the 4-row blocks; for each instruction set this CPU runs (gemv_builds)."""
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 
-from pdserve.kernels.cpu_native import native_kernels
+from gemv_builds import gemv_builds
+from pdserve.kernels.cpu_native import kernels_for
 from pdserve.kernels.gemv_layout import GemvWeight
 
 torch.set_num_threads(1)
-native = native_kernels()
-pytestmark = pytest.mark.skipif(native is None or not native.has_gemv, reason="needs AVX-512 BF16 and a C compiler")
+BUILDS = gemv_builds()
 
 SHAPES = [(960, 576), (77, 50), (6, 33)]  # (N, K): a model's, and ragged tails of both
 
@@ -24,9 +26,10 @@ def _bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert ((out.float() - ref).abs() <= tol).all(), (out.float() - ref).abs().max()
 
 
+@pytest.mark.parametrize("native", BUILDS)
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 9])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_bf16_plain_residual_swiglu(rows, shape):
+def test_bf16_plain_residual_swiglu(rows, shape, native):
     n, k = shape
     g = torch.Generator().manual_seed(rows * 1000 + n)
     full = torch.randn(rows + 3, k, generator=g).bfloat16()
@@ -46,7 +49,8 @@ def test_bf16_plain_residual_swiglu(rows, shape):
 @pytest.mark.parametrize("rows", [1, 3, 4, 6])
 # blocked: GGUF Q8_0's scale per row and 32-column chunk (whole chunks only)
 @pytest.mark.parametrize("shape, blocked", [*((s, False) for s in SHAPES), ((960, 576), True), ((77, 64), True)])
-def test_int8_weights_with_scales(rows, shape, blocked):
+@pytest.mark.parametrize("native", BUILDS)
+def test_int8_weights_with_scales(rows, shape, blocked, native):
     n, k = shape
     g = torch.Generator().manual_seed(rows + n)
     x = torch.randn(rows, k, generator=g).bfloat16()
@@ -64,3 +68,10 @@ def test_int8_weights_with_scales(rows, shape, blocked):
     half = n // 2
     swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
     _bf16_close(native.gemv(x, GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])), swiglu)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
+def test_instruction_set_chosen_at_build():
+    # gemv's kernels are compiled for the instruction sets the build targets, absent without AVX2
+    assert kernels_for("x86-64-v3").gemv_isa == "avx2"
+    assert kernels_for("x86-64").has_gemv is False and kernels_for("x86-64").gemv_isa is None

@@ -1,17 +1,18 @@
 """The packed weight layout of native gemv (kernels/gemv_layout.py): packing round-trips on any
 CPU, the bytes sit where cpu_gemv.c reads them, and the dense form of a packed int8 weight
-(native where gemv runs, torch elsewhere) is Int8Weight.dequantize's, bit for bit."""
+(native where gemv runs, on each instruction set gemv_builds gives, torch elsewhere) is
+Int8Weight.dequantize's, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gemv_builds import gemv_builds
 from pdserve.engine.model_executor.quantization import Int8Weight, dense
-from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.gemv_layout import GemvWeight
 
-native = native_kernels()
+BUILDS = gemv_builds()
 SHAPES = [(960, 576), (78, 50), (6, 33), (2, 1)]  # (N, K): a model's, ragged rows and columns, tiny
 
 
@@ -55,8 +56,8 @@ def test_dense_of_packed_int8_is_dequantize(shape, swiglu):
     for dtype in (torch.bfloat16, torch.float32):  # bf16: the native pass where gemv runs
         assert torch.equal(dense(packed, dtype).view(-1).view(torch.uint8),
                            q.dequantize(dtype).view(-1).view(torch.uint8)), dtype
-    if native is not None and native.has_gemv:
-        assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16))
+    for native in BUILDS:  # each instruction set's native pass
+        assert torch.equal(native.values[0].gemv_dequantize(packed), q.dequantize(torch.bfloat16)), native.id
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -72,5 +73,5 @@ def test_dense_of_packed_q8_0_is_dequantize(swiglu):
     assert packed.blocked and torch.equal(packed.unpack(), q.q)
     for dtype in (torch.bfloat16, torch.float32):
         assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), dtype
-    if native is not None and native.has_gemv:
-        assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16))
+    for native in BUILDS:
+        assert torch.equal(native.values[0].gemv_dequantize(packed), q.dequantize(torch.bfloat16)), native.id

@@ -16,7 +16,8 @@ from pdserve.kernels.cpu_native import native_kernels
 
 torch.set_num_threads(1)
 native = native_kernels()
-needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv, reason="needs AVX-512 BF16 and a C compiler")
+needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv,
+                                reason="needs AVX-512 BF16 or AVX2, and a C compiler")
 NEW = 12
 # the stated w8a16 error on these checkpoints: max |logit - bf16 logit| over every step, as a
 # fraction of the bf16 logits' std (per-channel int8 of weights drawn with std 0.1). Measured
@@ -42,7 +43,10 @@ def test_gemv_steps_match_onednn_steps(ckpt):
                 assert torch.equal(g, w)  # the same kernels on both sides
             else:
                 # bf16 products summed in another order: logits within a few bf16 ulps of the activations
-                assert (g - w).abs().max() <= 0.05 * w.std(), (bs, (g - w).abs().max(), w.std())
+                # (measured up to 0.036 of their std against oneDNN's bf16 kernel on AVX-512 BF16, 0.061
+                # against torch's bf16 linear on AVX2, where each side is 0.03-0.11 from float32's logits;
+                # a wrong layout or scale gives > 1)
+                assert (g - w).abs().max() <= 0.08 * w.std(), (bs, (g - w).abs().max(), w.std())
         # greedy picks agree wherever the top two are not a near-tie
         ours, _ = greedy_generate(on, prompts, NEW, forced=path)
         for seq_ours, seq_path, logits in zip(ours, path, want):
@@ -55,7 +59,7 @@ def test_gemv_steps_match_onednn_steps(ckpt):
 @pytest.mark.parametrize("gemv", [True, False])
 def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
     if gemv and (native is None or not native.has_gemv):
-        pytest.skip("needs AVX-512 BF16")
+        pytest.skip("needs AVX-512 BF16 or AVX2")
     bf16 = bf16_runner(ckpt)
     w8 = bf16_runner(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
     assert w8.model.quantization == "w8a16"

@@ -15,7 +15,8 @@ from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels
 
 native = native_kernels()
-needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv, reason="needs AVX-512 BF16 and a C compiler")
+needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv,
+                                reason="needs AVX-512 BF16 or AVX2, and a C compiler")
 PROMPTS = ["The capital of France is", "Water boils at", "One, two, three,", "The cat sat on"]
 
 

@@ -151,9 +151,9 @@ class LlamaForCausalLM:
                  device: torch.device, prepack: bool = False, tp: HeadShard | None = None,
                  quantization: str = "none", gemv: bool = True, fused_decode: bool = True, gemm: bool = True,
                  q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
-        """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN linears and the native
-        norm/rope kernels. ``gemv``: small steps through native gemv where it is available
-        (bf16 and AVX-512 BF16). ``fused_decode``: small decode steps' layers in one native call
+        """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN's prepacked linears.
+        A bf16 model on CPU runs the native norm/rope kernels either way. ``gemv``: small steps
+        through native gemv where it is available (bf16 on CPU, AVX-512 BF16 or AVX2). ``fused_decode``: small decode steps' layers in one native call
         where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
         panel kernels where they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked
         linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``. ``q8_0``: a GGUF file's Q8_0
@@ -174,8 +174,9 @@ class LlamaForCausalLM:
         self.a8 = quantization == W8A8
         # w8a16 keeps int8 only: the large steps dequantize rather than use prepacked copies
         self.packed = prepack and not quant
-        # fused bf16 RMSNorm and rope where the model could run prepacked (CPU, bf16)
-        self.native = native_kernels() if prepack else None
+        # the native kernels (fused bf16 RMSNorm and rope, gemv, the fused step) for any bf16 model on
+        # CPU, with native bf16 instructions or not (gemv has AVX2 kernels too)
+        self.native = native_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
         self.int8_act = Int8ActKernels(self.native) if self.a8 and self.native is not None else None
         # a bf16 model's larger steps: native panel products (one packed copy in place of oneDNN's)
         self.gemm = self.packed and gemm and self.native.has_gemm
