@@ -6,9 +6,9 @@
 
    Without bf16 dot products, bf16 W is widened to float32 by two bit operations per 16 values
    (the even columns shifted up 16 bits, the odd ones masked), x the same way, so the products
-   pair column 2i with 2i and 2i + 1 with 2i + 1, no shuffles. int8 W (sign-magnitude) is
-   sign-extended 8 values at a time, its magnitude's sign set from the byte's (vpsignd) and
-   converted to float32. Each x row runs over the block on its own: the block (4 rows x K) stays
+   pair column 2i with 2i and 2i + 1 with 2i + 1, no shuffles. int8 W (sign-magnitude) is turned
+   into two's complement 32 bytes at a time, then sign-extended 8 values at a time and converted
+   to float32. Each x row runs over the block on its own: the block (4 rows x K) stays
    in L1 for the next x row, and 16 ymm registers hold one row's sums. */
 #ifndef PDSERVE_CPU_GEMV_AVX2_H
 #define PDSERVE_CPU_GEMV_AVX2_H
@@ -64,18 +64,20 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t* B, 
     }
 }
 
-/* 8 packed sign-magnitude int8 weights -> float32 */
+/* 8 int8 weights (two's complement) -> float32 */
 static inline __attribute__((always_inline)) __m256 int8_f32(const int8_t* P) {
-    const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)P));
-    return _mm256_cvtepi32_ps(_mm256_sign_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x7f)), q));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)P)));
 }
 
 /* The same for int8 B (rows paired as gemv_layout.py says: in each 64-byte pair, 8 columns of
    one row then the same 8 of the other); sums unscaled, or (``cs``, Q8_0) each chunk's scaled by
-   its own scale before it joins the row's. */
+   its own scale before it joins the row's. Each chunk's 128 bytes go from sign-magnitude to two's
+   complement 32 at a time (vpsignb) into a buffer in L1 first, so that widening 8 weights to
+   float32 is a sign extension from memory and one conversion. */
 static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
                                                            int64_t x_stride, int m0, const int MR,
                                                            float acc[RB][MB], const float* const cs[RB]) {
+    const __m256i low7 = _mm256_set1_epi8(0x7f);
     for (int m = 0; m < MR; m++) {
         const uint16_t* xr = x + (int64_t)(m0 + m) * x_stride;
         __m256 a[RB][2];
@@ -89,8 +91,13 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
             for (int g = 0; g < 4; g++)
                 xf[g] = _mm256_castsi256_ps(
                     _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(xc + 8 * g))), 16));
+            int8_t tc[RB * CW] __attribute__((aligned(32)));
+            for (int v = 0; v < RB * CW / 32; v++) {
+                const __m256i q = _mm256_loadu_si256((const __m256i*)(Bc + 32 * v));
+                _mm256_store_si256((__m256i*)(tc + 32 * v), _mm256_sign_epi8(_mm256_and_si256(q, low7), q));
+            }
             for (int r = 0; r < RB; r++) {
-                const int8_t* P = Bc + (r / 2) * 64 + (r % 2) * 8;
+                const int8_t* P = tc + (r / 2) * 64 + (r % 2) * 8;
                 if (cs) {
                     __m256 t = _mm256_mul_ps(int8_f32(P), xf[0]);
                     for (int g = 1; g < 4; g++) t = _mm256_fmadd_ps(int8_f32(P + 16 * g), xf[g], t);
