@@ -35,6 +35,7 @@
    products then go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cpu_common.h"
@@ -60,6 +61,14 @@
 int gemv_supported(void) { return GEMV_OK; }
 /* which block kernels were compiled: 512 (AVX-512 BF16 and VBMI), 2 (AVX2 and FMA) or 0 (none) */
 int gemv_isa(void) { return GEMV_ISA; }
+/* how the int8 blocks read int8 weights: 1 two's complement, 0 sign-magnitude (gemv_layout.py) */
+int gemv_int8_twos(void) {
+#if GEMV_OK
+    return GEMV_INT8_TWOS;
+#else
+    return 0;
+#endif
+}
 
 #if GEMV_OK
 
@@ -91,14 +100,20 @@ static inline void store_block(float acc[RB][MB], int n0, int rows, int m0, int 
    ``block`` is the block's index in 32-column chunks of RB rows from the start of W; ``cs``: its
    rows' chunk scales (Q8_0), or null */
 static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int64_t block, const uint16_t* x,
-                      int64_t x_stride, int m0, int mrows, float acc[RB][MB], const float* const cs[RB]) {
+                      int64_t x_stride, const xq_rows* xq, int m0, int mrows, float acc[RB][MB],
+                      const float* const cs[RB]) {
     const int64_t at = block * ((K + CW - 1) / CW) * RB * CW;
 #define BLOCK_CASE(MR) case MR: \
-        if (W8) block_i8(W8 + at, K, x, x_stride, m0, MR, acc, cs); \
+        if (W8) block_i8(W8 + at, K, x, x_stride, xq, m0, MR, acc, cs); \
         else block_bf16(Wb + at, K, x, x_stride, m0, MR, acc); \
         break;
     switch (mrows) { BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) }
 #undef BLOCK_CASE
+    if (W8)  /* int8 sums come in units of each x row's scale where the kernels quantized x */
+        for (int m = 0; m < mrows; m++) {
+            const float s = xq_scale(xq, m0 + m);
+            for (int r = 0; r < RB; r++) acc[r][m] *= s;
+        }
 }
 
 /* Q8_0: the chunk scales of output rows row0.. of ``rows`` (scale: [N, chunks]); a padding row
@@ -117,6 +132,10 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
     /* mode 2: blocks over the I = N / 2 gate rows, each followed in W by its up rows' block */
     const int rows_out = mode == 2 ? N / 2 : N;
     const int nblocks = (rows_out + RB - 1) / RB;
+    /* int8: x rows as the instruction set's int8 blocks take them, once for every block */
+    xq_rows xq;
+    memset(&xq, 0, sizeof xq);
+    if (W8 && xq_init(&xq, x, x_stride, M, K) != 0) return -2;
     #pragma omp parallel for schedule(static)
     for (int b = 0; b < nblocks; b++) {
         const int n0 = b * RB;
@@ -131,16 +150,17 @@ static int gemv_run(const uint16_t* x, int64_t x_stride, const uint16_t* Wb, con
             const int mrows = M - m0 < MB ? M - m0 : MB;
             float acc[RB][MB], gate[RB][MB];
             if (mode == 2) {
-                block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, m0, mrows, gate, blocked ? cs : 0);
-                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, m0, mrows, acc, blocked ? cs_up : 0);
+                block_any(Wb, W8, K, 2 * (int64_t)b, x, x_stride, &xq, m0, mrows, gate, blocked ? cs : 0);
+                block_any(Wb, W8, K, 2 * (int64_t)b + 1, x, x_stride, &xq, m0, mrows, acc, blocked ? cs_up : 0);
                 store_block(acc, n0 + rows_out, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode,
                             rows_out, gate);
             } else {
-                block_any(Wb, W8, K, b, x, x_stride, m0, mrows, acc, blocked ? cs : 0);
+                block_any(Wb, W8, K, b, x, x_stride, &xq, m0, mrows, acc, blocked ? cs : 0);
                 store_block(acc, n0, rows, m0, mrows, row_scale, out, out_stride, res, res_stride, mode, 0, gate);
             }
         }
     }
+    xq_free(&xq);
     return 0;
 }
 

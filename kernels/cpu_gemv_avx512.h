@@ -5,6 +5,18 @@
 #ifndef PDSERVE_CPU_GEMV_AVX512_H
 #define PDSERVE_CPU_GEMV_AVX512_H
 
+/* int8 weights stored sign-magnitude (gemv_layout.SIGN_MAGNITUDE): the lookups index |q| */
+#define GEMV_INT8_TWOS 0
+
+/* x as it is: nothing to prepare for the int8 blocks */
+typedef struct { int none; } xq_rows;
+static inline int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int64_t K) {
+    (void)xq; (void)x; (void)x_stride; (void)M; (void)K;
+    return 0;
+}
+static inline void xq_free(xq_rows* xq) { (void)xq; }
+static inline float xq_scale(const xq_rows* xq, int m) { (void)xq; (void)m; return 1.f; }
+
 /* the columns of chunk k..k+31 that are below K */
 static inline __mmask32 chunk_mask(int64_t k, int64_t K) {
     return K - k >= CW ? (__mmask32)0xffffffffu : (__mmask32)((1u << (K - k)) - 1u);
@@ -74,8 +86,10 @@ static inline __attribute__((always_inline)) void widen_pair(const widen_tables*
    the low 7 bits), the sign ORed into the high byte, and a byte unpack; then the same dot
    products as bf16 W, so the sums are those of the dequantized-in-registers row-major loop. */
 static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
-                                                           int64_t x_stride, int m0, const int MR,
-                                                           float acc[RB][MB], const float* const cs[RB]) {
+                                                           int64_t x_stride, const xq_rows* xq, int m0,
+                                                           const int MR, float acc[RB][MB],
+                                                           const float* const cs[RB]) {
+    (void)xq;
     const widen_tables t = load_widen_tables();
     __m512 a[RB][MB];
     for (int r = 0; r < RB; r++)

@@ -112,7 +112,8 @@ def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight, dtype: torch.
         return w.unpack().to(dtype)
     if isinstance(w, GemvWeight):
         native = native_kernels()
-        if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:
+        if (w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv
+                and w.int8_code == native.int8_code):
             return native.gemv_dequantize(w)  # the same roundings, in one pass over the packed bytes
         w = w.unpack() if w.scale is None else Int8Weight(w.unpack(), w.scale)
     return w.dequantize(dtype) if isinstance(w, Int8Weight) else w.to(dtype)

@@ -10,7 +10,7 @@ import torch
 
 from gemv_builds import gemv_builds
 from pdserve.engine.model_executor.quantization import Int8Weight, dense
-from pdserve.kernels.gemv_layout import GemvWeight
+from pdserve.kernels.gemv_layout import SIGN_MAGNITUDE, TWOS_COMPLEMENT, GemvWeight
 
 BUILDS = gemv_builds()
 SHAPES = [(960, 576), (78, 50), (6, 33), (2, 1)]  # (N, K): a model's, ragged rows and columns, tiny
@@ -26,8 +26,9 @@ def test_pack_unpack_round_trip(shape, swiglu):
     assert torch.equal(packed.unpack(), w) and (packed.rows, packed.cols, packed.swiglu) == (n, k, swiglu)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g)
-    packed = GemvWeight.pack(q, swiglu, scale)
-    assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale)
+    for code in (TWOS_COMPLEMENT, SIGN_MAGNITUDE):
+        packed = GemvWeight.pack(q, swiglu, scale, int8_code=code)
+        assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale) and packed.int8_code == code
     # padded to whole blocks of 4 rows (per half) and chunks of 32 columns, nothing more
     rows_out = n // 2 if swiglu else n
     assert packed.data.numel() == (2 if swiglu else 1) * -(-rows_out // 4) * 4 * -(-k // 32) * 32
@@ -45,6 +46,9 @@ def test_packed_positions_are_the_kernels():
     pair0, pair1 = GemvWeight.pack(q, scale=torch.ones(4)).data.view(torch.uint8).view(2, 64)
     assert pair0[:2].tolist() == [0x81, 2] and pair0[8:10].tolist() == [3, 0x84] and pair0[16:].count_nonzero() == 0
     assert pair1[0] == 5 and pair1[8] == 0xFF
+    # two's complement (AVX2's): the same positions, the bytes as they are
+    pair0, pair1 = GemvWeight.pack(q, scale=torch.ones(4), int8_code=TWOS_COMPLEMENT).data.view(torch.uint8).view(2, 64)
+    assert pair0[:2].tolist() == [0xFF, 2] and pair0[8:10].tolist() == [3, 0xFC] and pair1[8] == 0x81
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -52,12 +56,15 @@ def test_packed_positions_are_the_kernels():
 def test_dense_of_packed_int8_is_dequantize(shape, swiglu):
     n, k = shape
     q = Int8Weight.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)).bfloat16())
-    packed = GemvWeight.pack(q.q, swiglu, q.scale)
-    for dtype in (torch.bfloat16, torch.float32):  # bf16: the native pass where gemv runs
-        assert torch.equal(dense(packed, dtype).view(-1).view(torch.uint8),
-                           q.dequantize(dtype).view(-1).view(torch.uint8)), dtype
-    for native in BUILDS:  # each instruction set's native pass
-        assert torch.equal(native.values[0].gemv_dequantize(packed), q.dequantize(torch.bfloat16)), native.id
+    for code in (SIGN_MAGNITUDE, TWOS_COMPLEMENT):
+        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=code)
+        for dtype in (torch.bfloat16, torch.float32):  # bf16: the native pass where gemv runs and reads this code
+            assert torch.equal(dense(packed, dtype).view(-1).view(torch.uint8),
+                               q.dequantize(dtype).view(-1).view(torch.uint8)), (dtype, code)
+    for build in BUILDS:  # each instruction set's native pass, over weights coded as it reads them
+        native = build.values[0]
+        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=native.int8_code)
+        assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16)), build.id
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -69,9 +76,12 @@ def test_dense_of_packed_q8_0_is_dequantize(swiglu):
                              torch.rand(n, k // 32, generator=g) / 50)
     want = (q.q.float().view(n, -1, 32) * q.scale[:, :, None]).view(n, k)
     assert torch.equal(q.dequantize(torch.float32), want)
-    packed = GemvWeight.pack(q.q, swiglu, q.scale)
-    assert packed.blocked and torch.equal(packed.unpack(), q.q)
-    for dtype in (torch.bfloat16, torch.float32):
-        assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), dtype
-    for native in BUILDS:
-        assert torch.equal(native.values[0].gemv_dequantize(packed), q.dequantize(torch.bfloat16)), native.id
+    for code in (SIGN_MAGNITUDE, TWOS_COMPLEMENT):
+        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=code)
+        assert packed.blocked and torch.equal(packed.unpack(), q.q)
+        for dtype in (torch.bfloat16, torch.float32):
+            assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), (dtype, code)
+    for build in BUILDS:
+        native = build.values[0]
+        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=native.int8_code)
+        assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16)), build.id

@@ -199,7 +199,9 @@ class LlamaForCausalLM:
             q = q8 if q8 is not None else Int8Weight.quantize(t) if quant else None
             if not use_gemv:
                 return q, q
-            return (GemvWeight.pack(t, swiglu) if q is None else GemvWeight.pack(q.q, swiglu, q.scale)), q
+            if q is None:
+                return GemvWeight.pack(t, swiglu), q
+            return GemvWeight.pack(q.q, swiglu, q.scale, int8_code=self.native.int8_code), q
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
