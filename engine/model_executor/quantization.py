@@ -85,7 +85,8 @@ def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
     """A model's (fused, TP-sliced) matrix from a GGUF file's Q8_0 blocks (``model_loader.
     read_q8_0_blocks``): the rows ``parts`` name (checkpoint name, rows, columns) stacked, zero rows
     appended up to ``rows``. None where a part is not Q8_0, a column slice cuts a block, or a q is
-    -128 (gemv's sign-magnitude int8 holds [-127, 127]): the caller quantizes per channel then."""
+    -128 (gemv's sign-magnitude int8, the AVX-512 code, holds [-127, 127]): the caller quantizes per
+    channel then."""
     qs, ds = [], []
     for name, row_slice, col_slice in parts:
         if name not in blocks:
