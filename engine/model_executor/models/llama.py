@@ -174,6 +174,10 @@ class LlamaForCausalLM:
         self.a8 = quantization == W8A8
         # w8a16 keeps int8 only: the large steps dequantize rather than use prepacked copies
         self.packed = prepack and not quant
+        # bf16 on a CPU without native bf16 (AVX2 only): torch's bf16 matmul runs there at ~1 GFLOP/s
+        # against float32's ~70 (Zen 1, 2 threads), so the plain path's linears multiply in float32,
+        # each weight widened per call, rounding once to bf16 as the bf16 product does
+        self.upcast = device.type == "cpu" and dtype == torch.bfloat16 and not prepack
         # the native kernels (fused bf16 RMSNorm and rope, gemv, the fused step) for any bf16 model on
         # CPU, with native bf16 instructions or not (gemv has AVX2 kernels too)
         self.native = native_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
@@ -343,6 +347,14 @@ class LlamaForCausalLM:
         dtype = self.dtype
 
         gemv = native.gemv if self.gemv_rows else None  # small steps, and an int8 head at any step
+        upcast = self.upcast
+
+        def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+            """The plain path's linear: in the model dtype, or in float32 where bf16 is upcast."""
+            if upcast:
+                b = None if bias is None else bias.float()
+                return F.linear(x.float(), dense(w, torch.float32), b).to(dtype)
+            return F.linear(x, dense(w, dtype), bias)
 
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -361,7 +373,7 @@ class LlamaForCausalLM:
                 qkv = int8_linear(x, layer.qkv_w, ia)
                 qkv = qkv if layer.qkv_b is None else qkv + layer.qkv_b
             else:
-                qkv = F.linear(x, dense(layer.qkv_w, dtype), layer.qkv_b)  # [T, (H + 2 KVH) * D]
+                qkv = linear(x, layer.qkv_w, layer.qkv_b)  # [T, (H + 2 KVH) * D]
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, eps)
@@ -407,10 +419,10 @@ class LlamaForCausalLM:
                 act = lp.binary(x, lp(x, layer.gate_w, None, "swish", [], ""), layer.up_w, None, "mul")
                 h = h + all_reduce(lp(act, layer.down_w, None, "none", [], ""))
             else:
-                h = h + all_reduce(F.linear(o, dense(layer.o_w, dtype)))  # TP 1: no collective
+                h = h + all_reduce(linear(o, layer.o_w))  # TP 1: no collective
                 x = norm(h, layer.post_norm)
-                gu = F.linear(x, dense(layer.gate_up_w, dtype))  # [T, 2 * inter]
-                h = h + all_reduce(F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], dense(layer.down_w, dtype)))
+                gu = linear(x, layer.gate_up_w)  # [T, 2 * inter]
+                h = h + all_reduce(linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_w))
         # h: [num_sampled, hidden]
         x = norm(h, self.final_norm)
         if small or (self.int8_head_gemv and x.shape[0] <= INT8_HEAD_GEMV_ROWS):
@@ -420,7 +432,7 @@ class LlamaForCausalLM:
         elif packed:
             logits = lp(x, self.lm_head, None, "none", [], "")
         else:
-            logits = F.linear(x, dense(self.lm_head, dtype))
+            logits = linear(x, self.lm_head)
         return self._full_logits(logits)
 
     def _full_logits(self, logits: torch.Tensor) -> torch.Tensor:
