@@ -31,7 +31,7 @@
         out = bf16(acc_up * bf16(silu(acc_gate)))
    int8 weights carry one scale per row, or (Q8_0, ``blocked``) one per row and 32-column chunk,
    which then multiplies that chunk's dot products before they join the row's sums.
-   Returns 0, or -1 where neither instruction set is there (``gemv_supported``; the model's
+   Returns 0, or -1 where neither instruction set is there (``gemv_isa`` 0; the model's
    products then go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
@@ -58,8 +58,8 @@
 #endif
 #define GEMV_OK (GEMV_ISA != 0)
 
-int gemv_supported(void) { return GEMV_OK; }
-/* which block kernels were compiled: 512 (AVX-512 BF16 and VBMI), 2 (AVX2 and FMA) or 0 (none) */
+/* which block kernels were compiled: 512 (AVX-512 BF16 and VBMI), 2 (AVX2 and FMA) or 0 (none,
+   and every entry point returns -1) */
 int gemv_isa(void) { return GEMV_ISA; }
 /* how the int8 blocks read int8 weights: 1 two's complement, 0 sign-magnitude (gemv_layout.py) */
 int gemv_int8_twos(void) {

@@ -44,8 +44,8 @@ from pdserve.kernels.gemv_layout import SIGN_MAGNITUDE, TWOS_COMPLEMENT, GemvWei
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c",
-            "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c", "cpu_kv_store.c")
+_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
+            "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c", "cpu_kv_store.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -56,6 +56,7 @@ _cached: "NativeKernels | None | bool" = False  # False: not tried yet
 
 
 def _cpu_signature() -> str:
+    """/proc/cpuinfo's flags line (``Features`` on Arm), or "" where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -64,6 +65,12 @@ def _cpu_signature() -> str:
     except OSError:
         pass
     return ""
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``avx512_bf16``, ...)."""
+    line = _cpu_signature()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
 def _read_sources() -> dict[str, str]:
@@ -115,8 +122,8 @@ class NativeKernels:
         self.has_prefill = bool(self.lib.prefill_attn_supported())
         self._rms_norm = self._bind("rms_norm_bf16", [_P, _I64, _P, _P, _I64, _I32, _I32, _F])
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
-        self.has_gemv = bool(self.lib.gemv_supported())
         self.gemv_isa = {512: "avx512", 2: "avx2"}.get(self.lib.gemv_isa())  # None: no gemv
+        self.has_gemv = self.gemv_isa is not None
         # how this build's int8 gemv reads int8 weights: pack them so (GemvWeight.pack's int8_code)
         self.int8_code = TWOS_COMPLEMENT if self.lib.gemv_int8_twos() else SIGN_MAGNITUDE
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)

@@ -64,6 +64,7 @@ from benchlib.revision_tree import revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
 from pdserve.engine.model_executor.model_runner import cpu_supports_bf16  # noqa: E402
+from pdserve.engine.model_executor.models.llama import can_prepack  # noqa: E402
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
 from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
@@ -286,8 +287,10 @@ def hardware_limits(args, arch) -> dict[str, float]:
     """Limits in tok/s for each figure, from this run's measured bandwidth and GEMM peak: the best of
     several short measurements, since on a shared machine any one of them may be a loaded moment."""
     bw = read_bandwidth_gbs(repeats=10)
-    # the dtype pdserve's large steps multiply in: bf16 is upcast to float32 on a CPU without native bf16
-    mm_dtype = torch.float32 if args.dtype == "float32" or not cpu_supports_bf16() else torch.bfloat16
+    # the dtype pdserve's large steps multiply in: bf16 is upcast to float32 where it cannot run
+    # prepacked (LlamaForCausalLM.upcast)
+    bf16 = args.dtype == "bfloat16" and can_prepack(torch.bfloat16, torch.device("cpu"), cpu_supports_bf16())
+    mm_dtype = torch.bfloat16 if bf16 else torch.float32
     peak = gemm_rate(2048, repeats=10, dtype=mm_dtype)
     # the pdserve side's weights: w8a16 and w8a8 read one byte per weight (their float32 scales, one
     # per row, are < 1% more)
@@ -296,8 +299,9 @@ def hardware_limits(args, arch) -> dict[str, float]:
     prefill_flops = step_flops(arch, args.prompt_len, 0, 1)  # per prompt
     # decode at --batch: the mean context over the run
     decode_flops = step_flops(arch, 1, args.decode_prompt_len + args.new_tokens // 2, 1)  # per token
-    print(f"limits: read {bw:.1f} GB/s, {str(mm_dtype).removeprefix('torch.')} GEMM {peak:.0f} GFLOP/s, {weight_bytes / 1e6:.0f} MB of weights "
-          f"per decode step, load average {os.getloadavg()[0]:.1f}", file=sys.stderr)
+    print(f"limits: read {bw:.1f} GB/s, {str(mm_dtype).removeprefix('torch.')} GEMM {peak:.0f} GFLOP/s, "
+          f"{weight_bytes / 1e6:.0f} MB of weights per decode step, load average {os.getloadavg()[0]:.1f}",
+          file=sys.stderr)
     return {
         "read_gbs": bw,
         "gemm_gflops": peak,

@@ -6,18 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.kernels.cpu_native import kernels_for, native_kernels
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+from pdserve.kernels.cpu_native import cpu_flags, kernels_for, native_kernels
 
 
 def gemv_builds() -> list:
@@ -26,7 +15,7 @@ def gemv_builds() -> list:
     if native is None or not native.has_gemv:
         return []
     builds = [pytest.param(native, id=native.gemv_isa)]
-    if native.gemv_isa != "avx2" and {"avx2", "fma"} <= _cpu_flags():
+    if native.gemv_isa != "avx2" and {"avx2", "fma"} <= cpu_flags():
         avx2 = kernels_for("x86-64-v3")
         assert avx2.gemv_isa == "avx2"
         builds.append(pytest.param(avx2, id="avx2"))

@@ -30,21 +30,14 @@ from pdserve.engine.model_executor.quantization_names import W8A16
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.engine.model_executor.tokenizer import load_tokenizer
 from pdserve.kernels.attention_backend import create_attention_backend
+from pdserve.kernels.cpu_native import cpu_flags
 
 logger = logging.getLogger(__name__)
 
 
 def cpu_supports_bf16() -> bool:
     """True where the CPU has native bf16 matmul (AVX-512 BF16 or AMX), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

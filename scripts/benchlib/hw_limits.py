@@ -42,8 +42,8 @@ def gemm_rate(n: int = 4096, repeats: int = 3, dtype: torch.dtype = torch.bfloat
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(w, n)
         except RuntimeError:  # e.g. AVX2 only: "bf16 path needs avx_ne_convert or avx512bw, ..."
-            packed = None
-        if packed is not None:
+            pass
+        else:
             calls.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     best = float("inf")
     for call in calls:

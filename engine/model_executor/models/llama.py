@@ -153,8 +153,8 @@ class LlamaForCausalLM:
                  q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN's prepacked linears.
         A bf16 model on CPU runs the native norm/rope kernels either way. ``gemv``: small steps
-        through native gemv where it is available (bf16 on CPU, AVX-512 BF16 or AVX2). ``fused_decode``: small decode steps' layers in one native call
-        where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
+        through native gemv where it is available (bf16 on CPU, AVX-512 BF16 or AVX2).
+        ``fused_decode``: small decode steps' layers in one native call where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
         panel kernels where they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked
         linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``. ``q8_0``: a GGUF file's Q8_0
         matrices as stored (``model_loader.read_q8_0_blocks``): w8a16 keeps their int8 weights and
@@ -177,10 +177,11 @@ class LlamaForCausalLM:
         # bf16 on a CPU without native bf16 (AVX2 only): torch's bf16 matmul runs there at ~1 GFLOP/s
         # against float32's ~70 (Zen 1, 2 threads), so the plain path's linears multiply in float32,
         # each weight widened per call, rounding once to bf16 as the bf16 product does
-        self.upcast = device.type == "cpu" and dtype == torch.bfloat16 and not prepack
+        cpu_bf16 = device.type == "cpu" and dtype == torch.bfloat16
+        self.upcast = cpu_bf16 and not prepack
         # the native kernels (fused bf16 RMSNorm and rope, gemv, the fused step) for any bf16 model on
         # CPU, with native bf16 instructions or not (gemv has AVX2 kernels too)
-        self.native = native_kernels() if device.type == "cpu" and dtype == torch.bfloat16 else None
+        self.native = native_kernels() if cpu_bf16 else None
         self.int8_act = Int8ActKernels(self.native) if self.a8 and self.native is not None else None
         # a bf16 model's larger steps: native panel products (one packed copy in place of oneDNN's)
         self.gemm = self.packed and gemm and self.native.has_gemm
