@@ -9,14 +9,15 @@
    x row held in L1, at the plain read's rate. The block kernels come in two instruction sets,
    chosen at compile time (``gemv_isa``):
 
-   - AVX-512 BF16 and VBMI (cpu_gemv_avx512.h; Zen 4, Sapphire Rapids): bf16 dot products
-     (vdpbf16ps); the LM head at one row 35 GB/s against a sum's 34 (load 3.5); the same loops
-     over row-major W read 10-21 GB/s (4 short row streams, prefetched or not). int8 is widened
-     to bf16 in registers by byte lookups (exact: |q| <= 127 fits bf16's 8-bit significand),
-     then multiplied as bf16 W, also at the read's rate (the default model's 121 products at one
-     row: 6.4 ms for 135 MB, 12.7 ms before the lookups and the layout); torch's
-     ``_weight_int8pack_mm`` reads int8 at ~6 GB/s there. From 3 rows of x on, the dot products
-     (~1.1 ns each on Zen 4), not memory, set the time.
+   - AVX-512 BF16, VBMI and VNNI (cpu_gemv_avx512.h; Zen 4, Sapphire Rapids and later): bf16 dot
+     products (vdpbf16ps); the LM head at one row 35 GB/s against a sum's 34 (Zen 4, load 3.5);
+     the same loops over row-major W read 10-21 GB/s (4 short row streams, prefetched or not).
+     int8 is sign-extended to int16 from memory and multiplied in integers (vpdpwssd) against x
+     in 16-bit fixed point: the default model's w8a16 step at one row 8.7-9.2 ms at 2 threads
+     where widening int8 to bf16 by byte lookups took 10.5-10.9 (Emerald Rapids; 16.0-16.6
+     against 21.0 at one thread, there the read's rate). torch's ``_weight_int8pack_mm`` reads
+     int8 at ~6 GB/s on Zen 4. From 3 rows of x on, the dot products (~1.1 ns each on Zen 4), not
+     memory, set the time.
    - AVX2 and FMA (cpu_gemv_avx2.h; Haswell, Zen 1-3): both operands widened to float32 in
      registers, float32 FMAs. Without it such CPUs ran every linear through oneDNN (bf16 without
      native bf16 instructions) and w8a16 dequantized every matrix in torch at every step.
@@ -44,7 +45,7 @@
 #define MB 4   /* x rows per pass */
 #define CW 32  /* columns per chunk (gemv_layout.CHUNK) */
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include "cpu_bf16_avx512.h"
 #include "cpu_gemv_avx512.h"
@@ -58,17 +59,9 @@
 #endif
 #define GEMV_OK (GEMV_ISA != 0)
 
-/* which block kernels were compiled: 512 (AVX-512 BF16 and VBMI), 2 (AVX2 and FMA) or 0 (none,
+/* which block kernels were compiled: 512 (AVX-512 BF16, VBMI and VNNI), 2 (AVX2 and FMA) or 0 (none,
    and every entry point returns -1) */
 int gemv_isa(void) { return GEMV_ISA; }
-/* how the int8 blocks read int8 weights: 1 two's complement, 0 sign-magnitude (gemv_layout.py) */
-int gemv_int8_twos(void) {
-#if GEMV_OK
-    return GEMV_INT8_TWOS;
-#else
-    return 0;
-#endif
-}
 
 #if GEMV_OK
 

@@ -6,16 +6,12 @@
 
    Without bf16 dot products, bf16 W is widened to float32 by two bit operations per 16 values
    (the even columns shifted up 16 bits, the odd ones masked), x the same way, so the products
-   pair column 2i with 2i and 2i + 1 with 2i + 1, no shuffles. int8 W is stored two's complement
-   here (the AVX-512 kernels' lookups want sign-magnitude; GemvWeight.int8_code says which) and
+   pair column 2i with 2i and 2i + 1 with 2i + 1, no shuffles. int8 W is
    multiplied in integers against x in 30-bit fixed point (block_i8). Each x row runs over the
    block on its own: the block (4 rows x K) stays in L1 for the next x row, and 16 ymm registers
    hold one row's sums. */
 #ifndef PDSERVE_CPU_GEMV_AVX2_H
 #define PDSERVE_CPU_GEMV_AVX2_H
-
-/* int8 weights stored two's complement (gemv_layout.TWOS_COMPLEMENT): sign-extended in place */
-#define GEMV_INT8_TWOS 1
 
 static inline float hsum128(__m128 s) {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));

@@ -5,7 +5,7 @@ The C sources are package data next to this file (each says why it exists):
 ``cpu_prefill_attn.c``, bf16 causal prefill attention, present where the CPU has
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
-packed as ``gemv_layout.GemvWeight`` (``has_gemv``: AVX-512 BF16 and VBMI, or AVX2 and FMA,
+packed as ``gemv_layout.GemvWeight`` (``has_gemv``: AVX-512 BF16, VBMI and VNNI, or AVX2 and FMA,
 ``gemv_isa`` says which; their block kernels in ``cpu_gemv_avx512.h`` and ``cpu_gemv_avx2.h``);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
 (``DecodeStack``, any decode step where the model holds panels); ``cpu_gemm.c``, the bf16
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kernels.gemm_layout import PanelWeight
-from pdserve.kernels.gemv_layout import SIGN_MAGNITUDE, TWOS_COMPLEMENT, GemvWeight
+from pdserve.kernels.gemv_layout import GemvWeight
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +124,6 @@ class NativeKernels:
         self._rope = self._bind("rope_bf16", [_P, _I64] + [_P] * 4 + [_I32] * 3)
         self.gemv_isa = {512: "avx512", 2: "avx2"}.get(self.lib.gemv_isa())  # None: no gemv
         self.has_gemv = self.gemv_isa is not None
-        # how this build's int8 gemv reads int8 weights: pack them so (GemvWeight.pack's int8_code)
-        self.int8_code = TWOS_COMPLEMENT if self.lib.gemv_int8_twos() else SIGN_MAGNITUDE
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _I32, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _I32, _P])
@@ -213,7 +211,6 @@ class NativeKernels:
             assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
         res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
         if weight.scale is not None:
-            self._check_int8_code(weight)
             rc = self._gemv_w8(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scale.data_ptr(),
                                int(weight.blocked), out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode)
         else:
@@ -266,17 +263,11 @@ class NativeKernels:
             raise RuntimeError(f"native gemm failed with code {rc}")
         return out
 
-    def _check_int8_code(self, weight: GemvWeight) -> None:
-        if weight.int8_code != self.int8_code:
-            raise ValueError(f"int8 weights packed {weight.int8_code}, this build's gemv ({self.gemv_isa}) reads "
-                             f"{self.int8_code}")
-
     def gemv_dequantize(self, weight: GemvWeight) -> torch.Tensor:
         """[N, K] bf16 of a packed int8 weight: ``bf16(q[n] * scale[n])`` (or per chunk, Q8_0), as
         ``quantization.Int8Weight.dequantize`` rounds it, without unpacking through torch (25x
         slower than the dequantization itself at one thread). Requires ``has_gemv``."""
         assert weight.scale is not None
-        self._check_int8_code(weight)
         out = torch.empty(weight.rows, weight.cols, dtype=torch.bfloat16)
         rc = self._gemv_w8_dequantize(weight.data.data_ptr(), weight.scale.data_ptr(), int(weight.blocked),
                                       weight.rows, weight.cols, int(weight.swiglu), out.data_ptr())
@@ -398,9 +389,7 @@ class DecodeStack:
                 w = getattr(layer, name)
                 assert (w.rows, w.cols, w.swiglu, w.scale is not None) == (rows, cols, swiglu, int8), name
                 assert w.blocked == layers[0].qkv.blocked, "the layers' int8 scales all per row or all per chunk"
-                assert not int8 or w.int8_code == kernels.int8_code, "int8 coded as this build's gemv reads it"
         assert lm_head.cols == hidden and not lm_head.swiglu and cos.shape[1] == D
-        assert not int8 or lm_head.int8_code == kernels.int8_code
         if lm_head_panels is not None:
             assert all(layer.panels is not None for layer in layers) and not int8
             for layer in layers:

@@ -16,17 +16,12 @@ its up chunks, so gate and up stay one stream. Flat: ``[blocks, halves, chunks, 
 The sums are the row-major kernel's exactly (the same 32-wide chunks in the same order; the
 padding adds zero products).
 
-int8 weights are stored, within each chunk, as rows (0, 1) and (2, 3) in two 64-byte pairs
-interleaved 8 by 8 (``[pair, 4, row of pair, 8]``), and coded as the instruction set's kernels
-read them (``int8_code``, ``NativeKernels.int8_code``):
-
-- ``SIGN_MAGNITUDE`` (bit 7 the sign, 0 always +0), for AVX-512: the kernel widens int8 to bf16
-  with two 128-entry byte lookups (low and high byte of bf16(|q|)) and one OR of the sign, then
-  one byte unpack gives each row's 32 bf16 values in order. That is 2.5 instructions per 32
-  weights instead of the 6 of sign extension, float conversion and bf16 rounding, which held
-  int8 gemv to 20 GB/s; it reads at the plain read's rate too, half the time of bf16.
-- ``TWOS_COMPLEMENT``, for AVX2: 16 weights at a time sign-extended to int16 straight from memory
-  (fixing up sign-magnitude first cost as much as the products).
+int8 weights (two's complement) are stored, within each chunk, as rows (0, 1) and (2, 3) in two
+64-byte pairs interleaved 8 by 8 (``[pair, 4, row of pair, 8]``): the kernels sign-extend them to
+int16 straight from memory (16 or 32 at a time) and multiply them in integers against x in fixed
+point, whose 8-column groups they store twice so that one vector of x meets both rows of a pair
+(AVX2 ``vpmaddwd``, AVX-512 VNNI ``vpdpwssd``). An earlier AVX-512 kernel stored sign-magnitude and
+widened int8 to bf16 by byte lookups; the integer products are faster (README, "Decode step").
 """
 
 from __future__ import annotations
@@ -37,8 +32,6 @@ import torch
 
 ROWS = 4  # rows per block (RB in cpu_gemv.c)
 CHUNK = 32  # columns per chunk: one AVX-512 vector of bf16
-SIGN_MAGNITUDE = "sign-magnitude"  # int8 codes (GemvWeight.int8_code)
-TWOS_COMPLEMENT = "twos-complement"
 
 
 def _geometry(rows: int, cols: int, swiglu: bool) -> tuple[int, int, int, int]:
@@ -52,24 +45,22 @@ class GemvWeight:
     """A weight [rows, cols] packed for native gemv; int8 with a float32 ``scale`` per row
     (row n is ``q[n] * scale[n]``). ``swiglu``: rows are gate | up, multiplied as SwiGLU."""
 
-    data: torch.Tensor  # flat, packed: bf16, or int8 coded as int8_code says
+    data: torch.Tensor  # flat, packed: bf16 or int8
     rows: int
     cols: int
     swiglu: bool
     # int8 only, float32: [rows], or [rows, ceil(cols / 32)] for Q8_0's block scales (``blocked``:
     # one per row and chunk)
     scale: torch.Tensor | None = None
-    int8_code: str = SIGN_MAGNITUDE  # int8 only: SIGN_MAGNITUDE or TWOS_COMPLEMENT
 
     @property
     def blocked(self) -> bool:
         return self.scale is not None and self.scale.dim() == 2
 
     @classmethod
-    def pack(cls, w: torch.Tensor, swiglu: bool = False, scale: torch.Tensor | None = None,
-             int8_code: str = SIGN_MAGNITUDE) -> "GemvWeight":
-        """``w`` [N, K], bf16, or int8 (values in [-127, 127]) with ``scale`` [N] float32, or
-        [N, K / 32] (Q8_0: K a multiple of 32), stored as ``int8_code`` says."""
+    def pack(cls, w: torch.Tensor, swiglu: bool = False, scale: torch.Tensor | None = None) -> "GemvWeight":
+        """``w`` [N, K], bf16, or int8 with ``scale`` [N] float32, or [N, K / 32] (Q8_0: K a
+        multiple of 32)."""
         n, k = w.shape
         int8 = w.dtype == torch.int8
         assert w.dtype in (torch.bfloat16, torch.int8) and (scale is not None) == int8
@@ -77,9 +68,6 @@ class GemvWeight:
         if int8:
             assert scale.dtype == torch.float32 and (scale.shape == (n,) or (scale.shape == (n, k // CHUNK)
                                                                              and k % CHUNK == 0))
-            assert int8_code in (SIGN_MAGNITUDE, TWOS_COMPLEMENT), int8_code
-            if int8_code == SIGN_MAGNITUDE:  # -q fits int8 as |q| <= 127
-                w = torch.where(w < 0, (-w) | -128, w)
         halves, rows_out, blocks, chunks = _geometry(n, k, swiglu)
         padded = w.new_zeros(halves, blocks * ROWS, chunks * CHUNK)
         padded[:, :rows_out, :k] = w.reshape(halves, rows_out, k)
@@ -87,16 +75,13 @@ class GemvWeight:
             data = padded.view(halves, blocks, 2, 2, chunks, 4, 8).permute(1, 0, 4, 2, 5, 3, 6)
         else:  # [h, b, row, c, 32] -> [b, h, c, row, 32]
             data = padded.view(halves, blocks, ROWS, chunks, CHUNK).permute(1, 0, 3, 2, 4)
-        return cls(data.contiguous().view(-1), n, k, swiglu, None if scale is None else scale.contiguous(),
-                   int8_code if int8 else SIGN_MAGNITUDE)
+        return cls(data.contiguous().view(-1), n, k, swiglu, None if scale is None else scale.contiguous())
 
     def unpack(self) -> torch.Tensor:
-        """[rows, cols] row-major, bf16, or int8 two's complement (unscaled)."""
+        """[rows, cols] row-major, bf16, or int8 (unscaled)."""
         halves, rows_out, blocks, chunks = _geometry(self.rows, self.cols, self.swiglu)
         if self.data.dtype == torch.int8:
             t = self.data.view(blocks, halves, chunks, 2, 4, 2, 8).permute(1, 0, 3, 5, 2, 4, 6)
-            if self.int8_code == SIGN_MAGNITUDE:
-                t = torch.where(t < 0, -(t & 127), t)
         else:
             t = self.data.view(blocks, halves, chunks, ROWS, CHUNK).permute(1, 0, 3, 2, 4)
         t = t.reshape(halves, blocks * ROWS, chunks * CHUNK)[:, :rows_out, : self.cols]

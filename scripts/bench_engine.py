@@ -90,7 +90,8 @@ def parse_args(argv=None):
                         "weights), the step before issue 17 with today's other kernels")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="add a side 'rev': the Engine of git revision REV of this checkout (e.g. 6fc1355, the last "
-                        "commit before issue 17), so the speedup over that code shows as a ratio in the same run")
+                        "commit before issue 17), so the speedup over that code shows as a ratio in the same run; "
+                        "with --quantization, in its own int8")
     p.add_argument("--unfused", action="store_true",
                    help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
                         "decode steps op by op from Python), so the fused step's gain shows as a ratio")
@@ -145,6 +146,8 @@ class PdserveSide:
         )
         if pythonpath is None:  # another revision may not know these flags
             kwargs |= {"quantization": quantization or args.quantization, **BASELINES.get(baseline, {})}
+        elif args.quantization != "none":  # the revision's own int8, against this checkout's
+            kwargs["quantization"] = args.quantization
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)

@@ -58,8 +58,7 @@ class Int8Weight:
 
     @classmethod
     def from_q8_0(cls, q: torch.Tensor, scale: torch.Tensor) -> "Int8Weight":
-        """Q8_0 as stored: q [N, K] int8 in [-127, 127] (``q8_0_matrix`` checks), scale [N, K / 32]
-        (each block's d)."""
+        """Q8_0 as stored: q [N, K] int8, scale [N, K / 32] (each block's d)."""
         n, k = q.shape
         assert k % Q8_0_BLOCK == 0 and scale.shape == (n, k // Q8_0_BLOCK)
         return cls(q.contiguous(), scale.float().contiguous())
@@ -84,9 +83,8 @@ def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 parts: list[tuple[str, slice, slice]], rows: int | None = None) -> Int8Weight | None:
     """A model's (fused, TP-sliced) matrix from a GGUF file's Q8_0 blocks (``model_loader.
     read_q8_0_blocks``): the rows ``parts`` name (checkpoint name, rows, columns) stacked, zero rows
-    appended up to ``rows``. None where a part is not Q8_0, a column slice cuts a block, or a q is
-    -128 (gemv's sign-magnitude int8, the AVX-512 code, holds [-127, 127]): the caller quantizes per
-    channel then."""
+    appended up to ``rows``. None where a part is not Q8_0 or a column slice cuts a block: the
+    caller quantizes per channel then."""
     qs, ds = [], []
     for name, row_slice, col_slice in parts:
         if name not in blocks:
@@ -98,8 +96,6 @@ def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
         qs.append(q[row_slice, start:stop])
         ds.append(d[row_slice, start // Q8_0_BLOCK : stop // Q8_0_BLOCK])
     q, d = torch.cat(qs), torch.cat(ds)
-    if int(q.min()) < -127:
-        return None
     if rows is not None and rows > q.shape[0]:
         q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
         d = torch.cat([d, d.new_zeros(rows - d.shape[0], d.shape[1])])
@@ -113,8 +109,7 @@ def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight, dtype: torch.
         return w.unpack().to(dtype)
     if isinstance(w, GemvWeight):
         native = native_kernels()
-        if (w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv
-                and w.int8_code == native.int8_code):
+        if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:
             return native.gemv_dequantize(w)  # the same roundings, in one pass over the packed bytes
         w = w.unpack() if w.scale is None else Int8Weight(w.unpack(), w.scale)
     return w.dequantize(dtype) if isinstance(w, Int8Weight) else w.to(dtype)

@@ -11,7 +11,7 @@ import torch
 
 from gemv_builds import gemv_builds
 from pdserve.kernels.cpu_native import kernels_for
-from pdserve.kernels.gemv_layout import SIGN_MAGNITUDE, TWOS_COMPLEMENT, GemvWeight
+from pdserve.kernels.gemv_layout import GemvWeight
 
 torch.set_num_threads(1)
 BUILDS = gemv_builds()
@@ -62,21 +62,17 @@ def test_int8_weights_with_scales(rows, shape, blocked, native):
         scale = torch.rand(n, generator=g) / 100
         w = q.float() * scale[:, None]
     ref = x.float() @ w.T
-    code = native.int8_code  # as this build's int8 blocks read it
-    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale, int8_code=code)), ref)
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale)), ref)
     res = torch.randn(rows, n, generator=g).bfloat16()
-    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale, int8_code=code), residual=res), ref + res.float())
+    _bf16_close(native.gemv(x, GemvWeight.pack(q, scale=scale), residual=res), ref + res.float())
     half = n // 2
     swiglu = torch.nn.functional.silu(ref[:, :half]).bfloat16().float() * ref[:, half : 2 * half]
-    packed = GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half], int8_code=code)
+    packed = GemvWeight.pack(q[: 2 * half], swiglu=True, scale=scale[: 2 * half])
     _bf16_close(native.gemv(x, packed), swiglu)
-    other = SIGN_MAGNITUDE if code == TWOS_COMPLEMENT else TWOS_COMPLEMENT
-    with pytest.raises(ValueError, match="int8 weights packed"):  # the other code is refused, not misread
-        native.gemv(x, GemvWeight.pack(q, scale=scale, int8_code=other))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="x86-64 builds")
 def test_instruction_set_chosen_at_build():
     # gemv's kernels are compiled for the instruction sets the build targets, absent without AVX2
-    assert kernels_for("x86-64-v3").gemv_isa == "avx2" and kernels_for("x86-64-v3").int8_code == TWOS_COMPLEMENT
+    assert kernels_for("x86-64-v3").gemv_isa == "avx2"
     assert kernels_for("x86-64").has_gemv is False and kernels_for("x86-64").gemv_isa is None

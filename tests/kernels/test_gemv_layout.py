@@ -10,7 +10,7 @@ import torch
 
 from gemv_builds import gemv_builds
 from pdserve.engine.model_executor.quantization import Int8Weight, dense
-from pdserve.kernels.gemv_layout import SIGN_MAGNITUDE, TWOS_COMPLEMENT, GemvWeight
+from pdserve.kernels.gemv_layout import GemvWeight
 
 BUILDS = gemv_builds()
 SHAPES = [(960, 576), (78, 50), (6, 33), (2, 1)]  # (N, K): a model's, ragged rows and columns, tiny
@@ -26,9 +26,8 @@ def test_pack_unpack_round_trip(shape, swiglu):
     assert torch.equal(packed.unpack(), w) and (packed.rows, packed.cols, packed.swiglu) == (n, k, swiglu)
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g)
-    for code in (TWOS_COMPLEMENT, SIGN_MAGNITUDE):
-        packed = GemvWeight.pack(q, swiglu, scale, int8_code=code)
-        assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale) and packed.int8_code == code
+    packed = GemvWeight.pack(q, swiglu, scale)
+    assert torch.equal(packed.unpack(), q) and torch.equal(packed.scale, scale)
     # padded to whole blocks of 4 rows (per half) and chunks of 32 columns, nothing more
     rows_out = n // 2 if swiglu else n
     assert packed.data.numel() == (2 if swiglu else 1) * -(-rows_out // 4) * 4 * -(-k // 32) * 32
@@ -41,14 +40,12 @@ def test_packed_positions_are_the_kernels():
     assert torch.equal(data[0], w[:4, :32]) and torch.equal(data[1], w[:4, 32:]) and torch.equal(data[2], w[4:, :32])
     data = GemvWeight.pack(w, swiglu=True).data.view(-1, 4, 32)
     assert torch.equal(data[0], w[:4, :32]) and torch.equal(data[2], w[4:, :32]) and torch.equal(data[1], w[:4, 32:])
-    # int8: sign-magnitude; per chunk rows (0, 1) then (2, 3), each pair 8 columns of one row, 8 of the other
+    # int8, two's complement: per chunk rows (0, 1) then (2, 3), each pair 8 columns of one row, 8 of the other
     q = torch.tensor([[-1, 2] + [0] * 30, [3, -4] + [0] * 30, [5] + [0] * 31, [-127] + [0] * 31], dtype=torch.int8)
+    q[0, 9] = 7  # column 9: the pair's second group of 8
     pair0, pair1 = GemvWeight.pack(q, scale=torch.ones(4)).data.view(torch.uint8).view(2, 64)
-    assert pair0[:2].tolist() == [0x81, 2] and pair0[8:10].tolist() == [3, 0x84] and pair0[16:].count_nonzero() == 0
-    assert pair1[0] == 5 and pair1[8] == 0xFF
-    # two's complement (AVX2's): the same positions, the bytes as they are
-    pair0, pair1 = GemvWeight.pack(q, scale=torch.ones(4), int8_code=TWOS_COMPLEMENT).data.view(torch.uint8).view(2, 64)
-    assert pair0[:2].tolist() == [0xFF, 2] and pair0[8:10].tolist() == [3, 0xFC] and pair1[8] == 0x81
+    assert pair0[:2].tolist() == [0xFF, 2] and pair0[8:10].tolist() == [3, 0xFC] and pair0[17] == 7
+    assert pair0[18:].count_nonzero() == 0 and pair1[0] == 5 and pair1[8] == 0x81
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
@@ -56,14 +53,12 @@ def test_packed_positions_are_the_kernels():
 def test_dense_of_packed_int8_is_dequantize(shape, swiglu):
     n, k = shape
     q = Int8Weight.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n)).bfloat16())
-    for code in (SIGN_MAGNITUDE, TWOS_COMPLEMENT):
-        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=code)
-        for dtype in (torch.bfloat16, torch.float32):  # bf16: the native pass where gemv runs and reads this code
-            assert torch.equal(dense(packed, dtype).view(-1).view(torch.uint8),
-                               q.dequantize(dtype).view(-1).view(torch.uint8)), (dtype, code)
-    for build in BUILDS:  # each instruction set's native pass, over weights coded as it reads them
+    packed = GemvWeight.pack(q.q, swiglu, q.scale)
+    for dtype in (torch.bfloat16, torch.float32):  # bf16: the native pass where gemv runs
+        assert torch.equal(dense(packed, dtype).view(-1).view(torch.uint8),
+                           q.dequantize(dtype).view(-1).view(torch.uint8)), dtype
+    for build in BUILDS:  # each instruction set's native pass
         native = build.values[0]
-        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=native.int8_code)
         assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16)), build.id
 
 
@@ -76,12 +71,10 @@ def test_dense_of_packed_q8_0_is_dequantize(swiglu):
                              torch.rand(n, k // 32, generator=g) / 50)
     want = (q.q.float().view(n, -1, 32) * q.scale[:, :, None]).view(n, k)
     assert torch.equal(q.dequantize(torch.float32), want)
-    for code in (SIGN_MAGNITUDE, TWOS_COMPLEMENT):
-        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=code)
-        assert packed.blocked and torch.equal(packed.unpack(), q.q)
-        for dtype in (torch.bfloat16, torch.float32):
-            assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), (dtype, code)
+    packed = GemvWeight.pack(q.q, swiglu, q.scale)
+    assert packed.blocked and torch.equal(packed.unpack(), q.q)
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(dense(packed, dtype), q.dequantize(dtype)), dtype
     for build in BUILDS:
         native = build.values[0]
-        packed = GemvWeight.pack(q.q, swiglu, q.scale, int8_code=native.int8_code)
         assert torch.equal(native.gemv_dequantize(packed), q.dequantize(torch.bfloat16)), build.id

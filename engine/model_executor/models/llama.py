@@ -206,7 +206,7 @@ class LlamaForCausalLM:
                 return q, q
             if q is None:
                 return GemvWeight.pack(t, swiglu), q
-            return GemvWeight.pack(q.q, swiglu, q.scale, int8_code=self.native.int8_code), q
+            return GemvWeight.pack(q.q, swiglu, q.scale), q
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
