@@ -12,15 +12,61 @@
 #include "cpu_common.h"
 
 /* x: [M, K] bf16 rows at x_stride -> q: [M, K] int8 contiguous, scale: [M] with
-   x[m, k] ~= q[m, k] * scale[m]; scale = max|x[m]| / 127 (0 for an all-zero row, whose q is 0) */
-int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, float* scale, int M, int K) {
+   x[m, k] ~= q[m, k] * scale[m]; scale = max|x[m]| / 127 (0 for an all-zero row, whose q is 0).
+
+   Outliers (tau > 0): a value with |x| > tau * mean|x[m]| is kept out of the int8 row (q 0, and
+   not in its absmax) and returned exactly: o_idx[m, p] its column, o_val[m, p] its value, o_cnt[m]
+   how many, the first P of the row in column order (any further ones stay in the int8 row). One
+   such value sets the row's absmax, so without this every other value of the row keeps only the
+   few int8 steps below it (LLM.int8()'s observation; here per token, so a token's result does not
+   depend on the rest of its batch). */
+#define OQ 32           /* columns per block of the outlier search */
+#define OQ_MAX_K 65536  /* the longest row (quant_rows_s8 returns -1 past it) */
+int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, float* scale, int M, int K, float tau, int P,
+                  int32_t* o_idx, float* o_val, int32_t* o_cnt) {
+    if (K > OQ_MAX_K) return -1;
     #pragma omp parallel for schedule(static) if (M >= 64)
     for (int m = 0; m < M; m++) {
         const uint16_t* xr = x + (int64_t)m * x_stride;
         int8_t* qr = q + (int64_t)m * K;
-        float amax = 0.f;
-        #pragma omp simd reduction(max:amax)
-        for (int k = 0; k < K; k++) { const float v = fabsf(bf16_to_f32(xr[k])); amax = v > amax ? v : amax; }
+        /* the row's |x| sum and each block's max in one pass; the rows' largest is theirs */
+        float sum = 0.f, amax = 0.f, bmax[(OQ_MAX_K + OQ - 1) / OQ];
+        const int nb = (K + OQ - 1) / OQ;
+        for (int b = 0; b < nb; b++) {
+            const int k0 = b * OQ, n = K - k0 < OQ ? K - k0 : OQ;
+            float mx = 0.f;
+            #pragma omp simd reduction(max:mx) reduction(+:sum)
+            for (int i = 0; i < n; i++) {
+                const float v = fabsf(bf16_to_f32(xr[k0 + i]));
+                mx = v > mx ? v : mx;
+                sum += v;
+            }
+            bmax[b] = mx;
+            amax = mx > amax ? mx : amax;
+        }
+        const float thr = tau * sum / (float)K;
+        int cnt = 0;
+        if (tau > 0.f && amax > thr) {  /* a row with outliers: collect them, absmax of the rest */
+            amax = 0.f;
+            for (int b = 0; b < nb; b++) {  /* only the blocks that hold one, value by value */
+                if (bmax[b] <= thr || cnt == P) {
+                    amax = bmax[b] > amax ? bmax[b] : amax;
+                    continue;
+                }
+                const int k0 = b * OQ, n = K - k0 < OQ ? K - k0 : OQ;
+                for (int k = k0; k < k0 + n; k++) {
+                    const float xv = bf16_to_f32(xr[k]), v = fabsf(xv);
+                    if (v > thr && cnt < P) {
+                        o_idx[(int64_t)m * P + cnt] = k;
+                        o_val[(int64_t)m * P + cnt] = xv;
+                        cnt++;
+                    } else if (v > amax) {
+                        amax = v;
+                    }
+                }
+            }
+        }
+        if (o_cnt) o_cnt[m] = cnt;
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         scale[m] = amax / 127.f;
         #pragma omp simd
@@ -29,6 +75,7 @@ int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, float* scale, 
             v = v > 127.f ? 127.f : v < -127.f ? -127.f : v;
             qr[k] = (int8_t)v;
         }
+        for (int p = 0; p < cnt; p++) qr[o_idx[(int64_t)m * P + p]] = 0;
     }
     return 0;
 }
@@ -38,32 +85,67 @@ static inline float silu_vec(float g) {  /* g * sigmoid(g) through exp of a non-
     return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
 }
 
+/* row m's sums in float for columns n0..n0+len-1 (len <= OB): acc * a_scale plus its outliers'
+   products with the int8 weights, in units of w_scale: wt is W transposed, [K, N] int8 contiguous,
+   so an outlier's column of W is a row here */
+#define OB 256
+static inline void row_sums(const int32_t* a, float s, const int8_t* wt, int N, const int32_t* idx,
+                            const float* val, int cnt, int n0, int len, float t[OB]) {
+    #pragma omp simd
+    for (int i = 0; i < len; i++) t[i] = (float)a[n0 + i] * s;
+    for (int p = 0; p < cnt; p++) {
+        const int8_t* wr = wt + (int64_t)idx[p] * N + n0;
+        const float v = val[p];
+        #pragma omp simd
+        for (int i = 0; i < len; i++) t[i] += v * (float)wr[i];
+    }
+}
+
 /* acc: [M, N] int32 contiguous; a_scale: [M]; w_scale: [N]; out rows at out_stride. mode:
      0: out[m, n] = bf16(acc * a_scale[m] * w_scale[n]), [M, N];
      1: the same plus res[m, n] (bf16, rows at res_stride) before the one rounding, as oneDNN's add;
      2: the columns are gate | up (N = 2 I) and out is [M, I]: bf16(up * bf16(silu(gate))), the
-        rounding of the bf16 path's fused swish and mul post-ops. */
+        rounding of the bf16 path's fused swish and mul post-ops.
+   o_cnt non-null: quant_rows_s8's outliers (P slots a row) join the sums before the scaling,
+   multiplied with wt ([K, N]: the int8 weights transposed); the same results bit for bit where a
+   row has none. */
 int int8_epilogue_bf16(const int32_t* acc, const float* a_scale, const float* w_scale, uint16_t* out,
-                       int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int mode) {
+                       int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int mode,
+                       const int8_t* wt, const int32_t* o_idx, const float* o_val, const int32_t* o_cnt, int P) {
     const int I = N / 2;
     #pragma omp parallel for schedule(static) if (M >= 64)
     for (int m = 0; m < M; m++) {
         const int32_t* a = acc + (int64_t)m * N;
         uint16_t* o = out + (int64_t)m * out_stride;
         const float s = a_scale[m];
+        const int cnt = o_cnt ? o_cnt[m] : 0;
+        const int32_t* idx = cnt ? o_idx + (int64_t)m * P : 0;
+        const float* val = cnt ? o_val + (int64_t)m * P : 0;
+        float g[OB], u[OB];
         if (mode == 2) {
-            #pragma omp simd
-            for (int i = 0; i < I; i++) {
-                const float g = bf16_to_f32(f32_to_bf16(silu_vec((float)a[i] * s * w_scale[i])));
-                o[i] = f32_to_bf16((float)a[I + i] * s * w_scale[I + i] * g);
+            for (int i0 = 0; i0 < I; i0 += OB) {
+                const int len = I - i0 < OB ? I - i0 : OB;
+                row_sums(a, s, wt, N, idx, val, cnt, i0, len, g);
+                row_sums(a, s, wt, N, idx, val, cnt, I + i0, len, u);
+                #pragma omp simd
+                for (int i = 0; i < len; i++) {
+                    const float gate = bf16_to_f32(f32_to_bf16(silu_vec(g[i] * w_scale[i0 + i])));
+                    o[i0 + i] = f32_to_bf16(u[i] * w_scale[I + i0 + i] * gate);
+                }
             }
-        } else if (mode == 1) {
-            const uint16_t* r = res + (int64_t)m * res_stride;
-            #pragma omp simd
-            for (int n = 0; n < N; n++) o[n] = f32_to_bf16((float)a[n] * s * w_scale[n] + bf16_to_f32(r[n]));
-        } else {
-            #pragma omp simd
-            for (int n = 0; n < N; n++) o[n] = f32_to_bf16((float)a[n] * s * w_scale[n]);
+            continue;
+        }
+        const uint16_t* r = mode == 1 ? res + (int64_t)m * res_stride : 0;
+        for (int n0 = 0; n0 < N; n0 += OB) {
+            const int len = N - n0 < OB ? N - n0 : OB;
+            row_sums(a, s, wt, N, idx, val, cnt, n0, len, u);
+            if (r) {
+                #pragma omp simd
+                for (int i = 0; i < len; i++) o[n0 + i] = f32_to_bf16(u[i] * w_scale[n0 + i] + bf16_to_f32(r[n0 + i]));
+            } else {
+                #pragma omp simd
+                for (int i = 0; i < len; i++) o[n0 + i] = f32_to_bf16(u[i] * w_scale[n0 + i]);
+            }
         }
     }
     return 0;

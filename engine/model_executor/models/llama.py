@@ -202,11 +202,13 @@ class LlamaForCausalLM:
             where it is on, else the int8 (quantized, or Q8_0's ``q8``) or nothing (bf16); int8
             quantized once."""
             q = q8 if q8 is not None else Int8Weight.quantize(t) if quant else None
+            # w8a8's large steps read the int8 transposed (int8_linear)
+            big = q.transposed() if q is not None and self.a8 else q
             if not use_gemv:
-                return q, q
+                return big, big
             if q is None:
                 return GemvWeight.pack(t, swiglu), q
-            return GemvWeight.pack(q.q, swiglu, q.scale), q
+            return GemvWeight.pack(q.q, swiglu, q.scale), big
 
         def w(name: str, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
             if name not in weights:
