@@ -45,6 +45,31 @@
 #define MB 4   /* x rows per pass */
 #define CW 32  /* columns per chunk (gemv_layout.CHUNK) */
 
+/* x rows as an instruction set's int8 blocks take them, filled by its xq_init: per x row
+   ``row_elems`` int16 of x in fixed point and the row's scale s (x ~= value * s) */
+typedef struct {
+    int16_t* v;
+    float* scale;
+    int64_t row_elems;
+} xq_rows;
+
+static inline int xq_alloc(xq_rows* xq, int M, int64_t row_elems) {
+    xq->row_elems = row_elems;
+    xq->v = malloc((size_t)M * row_elems * sizeof(int16_t));
+    xq->scale = malloc((size_t)M * sizeof(float));
+    if (!xq->v || !xq->scale) {
+        free(xq->v);
+        free(xq->scale);
+        return -1;
+    }
+    return 0;
+}
+static inline void xq_free(xq_rows* xq) {
+    free(xq->v);
+    free(xq->scale);
+}
+static inline float xq_scale(const xq_rows* xq, int m) { return xq->scale[m]; }
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #include "cpu_bf16_avx512.h"

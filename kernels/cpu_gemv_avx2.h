@@ -70,23 +70,11 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t* B, 
    power of two and |q| < 2^29, split as q = 2^15 h + l (h signed, 0 <= l < 2^15, both int16);
    each group of 8 columns stored twice (the two rows of a packed pair read it), per chunk
    [4 groups][16] of h, then of l after all chunks. Exact for every bf16 value within 2^22 of its
-   row's largest (bf16 has 8 significant bits); smaller ones to 2^-30 of it. */
-typedef struct {
-    int16_t* v;        /* per x row: [chunks][64] h, then [chunks][64] l */
-    float* scale;      /* per x row: s */
-    int64_t row_elems; /* 128 * chunks */
-} xq_rows;
-
+   row's largest (bf16 has 8 significant bits); smaller ones to 2^-30 of it. Per x row
+   [chunks][64] h, then [chunks][64] l. */
 static int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int64_t K) {
     const int64_t chunks = (K + CW - 1) / CW, half = chunks * 64;
-    xq->row_elems = 2 * half;
-    xq->v = malloc((size_t)M * xq->row_elems * sizeof(int16_t));
-    xq->scale = malloc((size_t)M * sizeof(float));
-    if (!xq->v || !xq->scale) {
-        free(xq->v);
-        free(xq->scale);
-        return -1;
-    }
+    if (xq_alloc(xq, M, 2 * half) != 0) return -1;
     for (int m = 0; m < M; m++) {
         const uint16_t* row = x + m * x_stride;
         float amax = 0.f;
@@ -107,11 +95,6 @@ static int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int6
     }
     return 0;
 }
-static inline void xq_free(xq_rows* xq) {
-    free(xq->v);
-    free(xq->scale);
-}
-static inline float xq_scale(const xq_rows* xq, int m) { return xq->scale[m]; }
 
 /* 2^15 h + l as float32 (h, l: int32 sums) */
 static inline __m256 hl_f32(__m256i h, __m256i l) {

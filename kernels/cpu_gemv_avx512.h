@@ -43,23 +43,11 @@ static inline __attribute__((always_inline)) void block_bf16(const uint16_t* B, 
    with s = amax / 32767 (|q| <= 32767); per chunk 64 int16, each group of 8 columns stored twice
    (the two rows of a packed pair read it): [chunks][4 groups][2][8]. Error at most s / 2 per
    value, 2^-16 of the row's largest: below bf16's own rounding of x (2^-9 of each value) for
-   every value within 2^7 of the largest, and smaller ones add at most that much. */
-typedef struct {
-    int16_t* v;        /* per x row: [chunks][64] */
-    float* scale;      /* per x row: s */
-    int64_t row_elems; /* 64 * chunks */
-} xq_rows;
-
+   every value within 2^7 of the largest, and smaller ones add at most that much. Per x row
+   [chunks][64] int16. */
 static int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int64_t K) {
     const int64_t chunks = (K + CW - 1) / CW;
-    xq->row_elems = 64 * chunks;
-    xq->v = malloc((size_t)M * xq->row_elems * sizeof(int16_t));
-    xq->scale = malloc((size_t)M * sizeof(float));
-    if (!xq->v || !xq->scale) {
-        free(xq->v);
-        free(xq->scale);
-        return -1;
-    }
+    if (xq_alloc(xq, M, 64 * chunks) != 0) return -1;
     /* output int16 j of a chunk's 64 is column 8 (j / 16) + j % 8: the chunk's 32 q, permuted */
     int16_t idx[64];
     for (int j = 0; j < 64; j++) idx[j] = (int16_t)(8 * (j / 16) + j % 8);
@@ -87,11 +75,6 @@ static int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int6
     }
     return 0;
 }
-static inline void xq_free(xq_rows* xq) {
-    free(xq->v);
-    free(xq->scale);
-}
-static inline float xq_scale(const xq_rows* xq, int m) { return xq->scale[m]; }
 
 /* Sums of int8 B (two's complement; rows paired as gemv_layout.py says: in each 64-byte pair, 8
    columns of one row then the same 8 of the other) against xq rows m0..m0+MR-1, in units of the

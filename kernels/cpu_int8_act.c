@@ -29,7 +29,7 @@ int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, float* scale, 
     for (int m = 0; m < M; m++) {
         const uint16_t* xr = x + (int64_t)m * x_stride;
         int8_t* qr = q + (int64_t)m * K;
-        /* the row's |x| sum and each block's max in one pass; the rows' largest is theirs */
+        /* the row's sum of |x| and each block's largest |x| in one pass */
         float sum = 0.f, amax = 0.f, bmax[(OQ_MAX_K + OQ - 1) / OQ];
         const int nb = (K + OQ - 1) / OQ;
         for (int b = 0; b < nb; b++) {
