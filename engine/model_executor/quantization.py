@@ -15,7 +15,7 @@ int8 weights in place, stored transposed: a copy beside gemv's packed one) and s
 (``int8_linear``). A token's few activation outliers (over ``OUTLIER_TAU`` x its mean |x|) are
 left out of its int8 row and multiplied exactly, each against its column of W (a row of the
 transposed copy): one such value otherwise sets the row's int8 step for all the others, and
-w8a8's perplexity on the default model was +5.0 % over bf16 without them, +0.1 % with them
+w8a8's perplexity on the default model was +5.0 % over bf16 without them, +0.95 % with them
 (w8a16: +0.4 %; Emerald Rapids). Measured at 4096 tokens on
 the default model's four linears (one Zen 4 core, alternating, best of 5): bf16 prepacked 134 ms,
 int8 products 68-92 ms; quantizing and scaling in torch ops added 65 ms (no gain), as the
