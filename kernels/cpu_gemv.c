@@ -122,7 +122,7 @@ static void block_any(const uint16_t* Wb, const int8_t* W8, int64_t K, int64_t b
                       const float* const cs[RB]) {
     const int64_t at = block * ((K + CW - 1) / CW) * RB * CW;
 #define BLOCK_CASE(MR) case MR: \
-        if (W8) block_i8(W8 + at, K, x, x_stride, xq, m0, MR, acc, cs); \
+        if (W8) block_i8(W8 + at, K, xq, m0, MR, acc, cs); \
         else block_bf16(Wb + at, K, x, x_stride, m0, MR, acc); \
         break;
     switch (mrows) { BLOCK_CASE(1) BLOCK_CASE(2) BLOCK_CASE(3) BLOCK_CASE(4) }

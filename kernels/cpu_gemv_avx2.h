@@ -108,12 +108,9 @@ static inline __m256 hl_f32(__m256i h, __m256i l) {
    float32 every 32 chunks; Q8_0 (``cs``) moves each chunk's, times its scale. Measured on Zen 1
    in L2: 12 G weights/s, against 6.7 for sign extension to int32, conversion and float FMAs
    (the conversions were the bound), so int8 reads at memory speed where bf16 does. */
-static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
-                                                           int64_t x_stride, const xq_rows* xq, int m0,
+static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const xq_rows* xq, int m0,
                                                            const int MR, float acc[RB][MB],
                                                            const float* const cs[RB]) {
-    (void)x;
-    (void)x_stride;
     const int64_t chunks = (K + CW - 1) / CW, half = chunks * 64;
     for (int m = 0; m < MR; m++) {
         const int16_t* xh = xq->v + (m0 + m) * xq->row_elems;

@@ -84,14 +84,10 @@ static int xq_init(xq_rows* xq, const uint16_t* x, int64_t x_stride, int M, int6
    32767 per chunk, so they move to float32 every 64 chunks, and Q8_0 (``cs``) moves each chunk's,
    times its scale. Per 32 weights one sign extension and one dot product per x row, where the
    earlier kernel's byte lookups, sign OR and unpacks to bf16 took 3.5 instructions before its
-   dot product: the default model's w8a16 step at one row 8.7-9.2 ms against 10.5-10.9 (Emerald
-   Rapids, 2 threads), 16.0-16.6 against 21.0 at one thread. */
-static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const uint16_t* x,
-                                                           int64_t x_stride, const xq_rows* xq, int m0,
+   dot product (cpu_gemv.c has the measured steps). */
+static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int64_t K, const xq_rows* xq, int m0,
                                                            const int MR, float acc[RB][MB],
                                                            const float* const cs[RB]) {
-    (void)x;
-    (void)x_stride;
     const int64_t chunks = (K + CW - 1) / CW;
     __m512i a[2][2][MB];  /* [half pair][pair][x row]: two chains per pair */
     __m512 f[2][MB];

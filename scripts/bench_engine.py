@@ -146,7 +146,7 @@ class PdserveSide:
         )
         if pythonpath is None:  # another revision may not know these flags
             kwargs |= {"quantization": quantization or args.quantization, **BASELINES.get(baseline, {})}
-        elif args.quantization != "none":  # the revision's own int8, against this checkout's
+        elif args.quantization != UNQUANTIZED:  # the revision's own int8, against this checkout's
             kwargs["quantization"] = args.quantization
         env = dict(os.environ)
         if pythonpath is not None:

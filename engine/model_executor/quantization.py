@@ -132,7 +132,8 @@ def quantize_rows(x: torch.Tensor, tau: float = 0.0) -> tuple[torch.Tensor, torc
     x32 = x.float()
     outliers = None
     if tau > 0:
-        big = x32.abs() > tau * x32.abs().mean(dim=1, keepdim=True)
+        a = x32.abs()
+        big = a > tau * a.mean(dim=1, keepdim=True)
         big &= big.cumsum(dim=1) <= OUTLIER_SLOTS
         outliers = torch.where(big, x32, 0.0)
         x32 = torch.where(big, 0.0, x32)
@@ -153,7 +154,9 @@ def int8_linear(x: torch.Tensor, w: Int8Weight, act: Int8ActKernels | None, resi
         q, a_scale, outliers = act.quantize_rows(x, OUTLIER_TAU)
         return act.scale_products(torch.ops.aten._int_mm(q, wt), a_scale, w.scale, residual, swiglu, outliers, wt)
     q, a_scale, outliers = quantize_rows(x, OUTLIER_TAU)
-    y = (torch.ops.aten._int_mm(q, wt).float() * a_scale[:, None] + outliers @ wt.float()) * w.scale  # [M, N] float32
+    cols = outliers.any(dim=0).nonzero().flatten()  # the outliers' product over their columns alone
+    y = torch.ops.aten._int_mm(q, wt).float() * a_scale[:, None] + outliers[:, cols] @ wt[cols].float()
+    y = y * w.scale  # [M, N] float32
     if swiglu:
         inter = y.shape[1] // 2
         return (y[:, inter:] * F.silu(y[:, :inter]).to(x.dtype)).to(x.dtype)

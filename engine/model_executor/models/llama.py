@@ -154,9 +154,10 @@ class LlamaForCausalLM:
         """``prepack``: CPU bf16 with native bf16 (``can_prepack``): oneDNN's prepacked linears.
         A bf16 model on CPU runs the native norm/rope kernels either way. ``gemv``: small steps
         through native gemv where it is available (bf16 on CPU, AVX-512 BF16 or AVX2).
-        ``fused_decode``: small decode steps' layers in one native call where gemv is on (TP 1, no q/k norm). ``gemm``: larger steps' bf16 products through the native
-        panel kernels where they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked
-        linears. ``quantization``: ``none``, ``w8a16`` or ``w8a8``. ``q8_0``: a GGUF file's Q8_0
+        ``fused_decode``: small decode steps' layers in one native call where gemv is on (TP 1, no
+        q/k norm). ``gemm``: larger steps' bf16 products through the native panel kernels where
+        they are available (AVX-512 BF16 without AMX), else oneDNN's prepacked linears.
+        ``quantization``: ``none``, ``w8a16`` or ``w8a8``. ``q8_0``: a GGUF file's Q8_0
         matrices as stored (``model_loader.read_q8_0_blocks``): w8a16 keeps their int8 weights and
         block scales where every layer's matrices are Q8_0 (and the LM head's where it is),
         instead of quantizing the dequantized ones again."""
