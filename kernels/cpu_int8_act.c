@@ -11,7 +11,42 @@
 
 #include "cpu_common.h"
 
-/* x: [M, K] bf16 rows at x_stride -> q: [M, K] int8 contiguous, scale: [M] with
+#define OQ 32  /* columns per block of the outlier search */
+
+/* a row's values over thr, the first P in column order, into idx / val (*cnt of them); returns
+   the largest |x| of the rest. Block by block: only a block whose largest |x| is over thr is
+   searched value by value. */
+static float take_outliers(const uint16_t* xr, int K, float thr, int P, int32_t* idx, float* val, int* cnt) {
+    float amax = 0.f;
+    int c = 0;
+    for (int k0 = 0; k0 < K; k0 += OQ) {
+        const int n = K - k0 < OQ ? K - k0 : OQ;
+        float mx = 0.f;
+        #pragma omp simd reduction(max:mx)
+        for (int i = 0; i < n; i++) {
+            const float v = fabsf(bf16_to_f32(xr[k0 + i]));
+            mx = v > mx ? v : mx;
+        }
+        if (mx <= thr || c == P) {
+            amax = mx > amax ? mx : amax;
+            continue;
+        }
+        for (int k = k0; k < k0 + n; k++) {
+            const float xv = bf16_to_f32(xr[k]), v = fabsf(xv);
+            if (v > thr && c < P) {
+                idx[c] = k;
+                val[c] = xv;
+                c++;
+            } else if (v > amax) {
+                amax = v;
+            }
+        }
+    }
+    *cnt = c;
+    return amax;
+}
+
+/* x: [M, K] bf16 rows at x_stride -> q: [M, K] int8 rows at q_stride, scale: [M] with
    x[m, k] ~= q[m, k] * scale[m]; scale = max|x[m]| / 127 (0 for an all-zero row, whose q is 0).
 
    Outliers (tau > 0): a value with |x| > tau * mean|x[m]| is kept out of the int8 row (q 0, and
@@ -20,52 +55,24 @@
    such value sets the row's absmax, so without this every other value of the row keeps only the
    few int8 steps below it (LLM.int8()'s observation; here per token, so a token's result does not
    depend on the rest of its batch). */
-#define OQ 32           /* columns per block of the outlier search */
-#define OQ_MAX_K 65536  /* the longest row (quant_rows_s8 returns -1 past it) */
-int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, float* scale, int M, int K, float tau, int P,
-                  int32_t* o_idx, float* o_val, int32_t* o_cnt) {
-    if (K > OQ_MAX_K) return -1;
+int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, int64_t q_stride, float* scale, int M, int K,
+                  float tau, int P, int32_t* o_idx, float* o_val, int32_t* o_cnt) {
     #pragma omp parallel for schedule(static) if (M >= 64)
     for (int m = 0; m < M; m++) {
         const uint16_t* xr = x + (int64_t)m * x_stride;
-        int8_t* qr = q + (int64_t)m * K;
-        /* the row's sum of |x| and each block's largest |x| in one pass */
-        float sum = 0.f, amax = 0.f, bmax[(OQ_MAX_K + OQ - 1) / OQ];
-        const int nb = (K + OQ - 1) / OQ;
-        for (int b = 0; b < nb; b++) {
-            const int k0 = b * OQ, n = K - k0 < OQ ? K - k0 : OQ;
-            float mx = 0.f;
-            #pragma omp simd reduction(max:mx) reduction(+:sum)
-            for (int i = 0; i < n; i++) {
-                const float v = fabsf(bf16_to_f32(xr[k0 + i]));
-                mx = v > mx ? v : mx;
-                sum += v;
-            }
-            bmax[b] = mx;
-            amax = mx > amax ? mx : amax;
+        int8_t* qr = q + (int64_t)m * q_stride;
+        /* the row's sum of |x| and largest |x| in one pass */
+        float sum = 0.f, amax = 0.f;
+        #pragma omp simd reduction(max:amax) reduction(+:sum)
+        for (int k = 0; k < K; k++) {
+            const float v = fabsf(bf16_to_f32(xr[k]));
+            amax = v > amax ? v : amax;
+            sum += v;
         }
         const float thr = tau * sum / (float)K;
         int cnt = 0;
-        if (tau > 0.f && amax > thr) {  /* a row with outliers: collect them, absmax of the rest */
-            amax = 0.f;
-            for (int b = 0; b < nb; b++) {  /* only the blocks that hold one, value by value */
-                if (bmax[b] <= thr || cnt == P) {
-                    amax = bmax[b] > amax ? bmax[b] : amax;
-                    continue;
-                }
-                const int k0 = b * OQ, n = K - k0 < OQ ? K - k0 : OQ;
-                for (int k = k0; k < k0 + n; k++) {
-                    const float xv = bf16_to_f32(xr[k]), v = fabsf(xv);
-                    if (v > thr && cnt < P) {
-                        o_idx[(int64_t)m * P + cnt] = k;
-                        o_val[(int64_t)m * P + cnt] = xv;
-                        cnt++;
-                    } else if (v > amax) {
-                        amax = v;
-                    }
-                }
-            }
-        }
+        if (tau > 0.f && amax > thr)  /* a row with outliers: collect them, absmax of the rest */
+            amax = take_outliers(xr, K, thr, P, o_idx + (int64_t)m * P, o_val + (int64_t)m * P, &cnt);
         if (o_cnt) o_cnt[m] = cnt;
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         scale[m] = amax / 127.f;

@@ -1,5 +1,6 @@
-"""Bindings of ``cpu_int8_act.c`` (compiled into the native library by ``cpu_native.py``): the
-per-token int8 quantization of activations and the scaling of int8 products for ``w8a8``."""
+"""Bindings of ``cpu_int8_act.c`` and ``cpu_amx_int8.c`` (compiled into the native library by
+``cpu_native.py``): the per-token int8 quantization of activations, the scaling of int8 products
+for ``w8a8``, and on AMX CPUs the int8 products with their scaling in one call."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.kernels.amx_layout import KSTEP, AmxInt8Weight
 from pdserve.kernels.cpu_native import NativeKernels
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -36,26 +38,38 @@ class Int8ActKernels:
     def __init__(self, native: NativeKernels):
         lib = native.lib
         self._quant = lib.quant_rows_s8
-        self._quant.argtypes = [_P, _I64, _P, _P, _I32, _I32, _F32, _I32, _P, _P, _P]
+        self._quant.argtypes = [_P, _I64, _P, _I64, _P, _I32, _I32, _F32, _I32, _P, _P, _P]
         self._quant.restype = ctypes.c_int
         self._epilogue = lib.int8_epilogue_bf16
         self._epilogue.argtypes = [_P, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _P, _P, _P, _P, _I32]
         self._epilogue.restype = ctypes.c_int
+        self._amx = lib.amx_int8_linear_bf16
+        self._amx.argtypes = [_P, _I64, _P, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _I32, _P, _P, _P, _I32]
+        self._amx.restype = ctypes.c_int
+        # AMX-INT8 here (and Linux's permission for its tiles): w8a8's weights are packed for it
+        self.has_amx = bool(lib.amx_int8_supported())
 
-    def quantize_rows(self, x: torch.Tensor, tau: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, Outliers | None]:
+    def quantize_rows(self, x: torch.Tensor, tau: float = 0.0,
+                      for_amx: bool = False) -> tuple[torch.Tensor, torch.Tensor, Outliers | None]:
         """Symmetric per-row int8 of ``x`` [M, K] bf16 (row stride free): q [M, K] int8 and
         scale [M] float32, ``x[m] ~= q[m] * scale[m]`` with ``scale = max|x[m]| / 127``; with
         ``tau`` > 0, the row's values over ``tau`` x its mean |x| (up to OUTLIER_SLOTS) left out
-        of q and its scale and returned as Outliers."""
+        of q and its scale and returned as Outliers. ``for_amx``: q is the A operand of
+        ``amx_linear``, zero padded to [ceil32(M), ceil64(K)]."""
         M, K = x.shape
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1
-        q = torch.empty(M, K, dtype=torch.int8)
+        if for_amx:
+            rows, cols = -(-M // 32) * 32, -(-K // KSTEP) * KSTEP
+            q = (torch.zeros if (rows, cols) != (M, K) else torch.empty)(rows, cols, dtype=torch.int8)
+        else:
+            q = torch.empty(M, K, dtype=torch.int8)
         scale = torch.empty(M, dtype=torch.float32)
         out = None
         if tau > 0:
             out = Outliers(torch.empty(M, OUTLIER_SLOTS, dtype=torch.int32),
                            torch.empty(M, OUTLIER_SLOTS, dtype=torch.float32), torch.empty(M, dtype=torch.int32))
-        rc = self._quant(x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), M, K, tau, OUTLIER_SLOTS,
+        rc = self._quant(x.data_ptr(), x.stride(0), q.data_ptr(), q.stride(0), scale.data_ptr(), M, K, tau,
+                         OUTLIER_SLOTS,
                          *((out.idx.data_ptr(), out.val.data_ptr(), out.count.data_ptr()) if out else (None,) * 3))
         if rc != 0:
             raise RuntimeError(f"native int8 quantization failed with code {rc} (K = {K})")
@@ -88,4 +102,27 @@ class Int8ActKernels:
                             res_ptr, res_stride, M, N, mode, *o_ptrs, OUTLIER_SLOTS)
         if rc != 0:
             raise RuntimeError(f"native int8 scaling failed with code {rc}")
+        return out
+
+    def amx_linear(self, x: torch.Tensor, w: AmxInt8Weight, residual: torch.Tensor | None = None,
+                   swiglu: bool = False, tau: float = OUTLIER_TAU) -> torch.Tensor:
+        """``x @ W.T`` of ``x`` [M, K] bf16 (row stride free) on AMX-INT8 (``has_amx``): x
+        quantized per token with its outliers (``quantize_rows``), multiplied in int8 and scaled
+        as ``scale_products`` scales (``residual``, ``swiglu`` the same), in one pass over W."""
+        assert self.has_amx and w.swiglu == swiglu and x.shape[1] == w.cols
+        M, N = x.shape[0], w.rows
+        q, a_scale, outliers = self.quantize_rows(x, tau, for_amx=True)
+        out = torch.empty(M, N // 2 if swiglu else N, dtype=torch.bfloat16)
+        res_ptr, res_stride = None, 0
+        if residual is not None:
+            assert not swiglu and residual.dtype == torch.bfloat16 and residual.shape == (M, N)
+            assert residual.stride(1) == 1
+            res_ptr, res_stride = residual.data_ptr(), residual.stride(0)
+        mode = 2 if swiglu else 1 if residual is not None else 0
+        o_ptrs = (None,) * 3 if outliers is None else (outliers.idx.data_ptr(), outliers.val.data_ptr(),
+                                                       outliers.count.data_ptr())
+        rc = self._amx(q.data_ptr(), q.stride(0), a_scale.data_ptr(), w.data.data_ptr(), w.scale.data_ptr(),
+                       out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, w.cols, mode, *o_ptrs, OUTLIER_SLOTS)
+        if rc != 0:
+            raise RuntimeError(f"native AMX int8 product failed with code {rc}")
         return out

@@ -12,7 +12,9 @@ packed as ``gemv_layout.GemvWeight`` (``has_gemv``: AVX-512 BF16, VBMI and VNNI,
 products of every larger step over weights packed as ``gemm_layout.PanelWeight``
 (``has_gemm``, AVX-512 BF16 without AMX); ``cpu_kv_store.c``, a layer's KV store into the
 head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of its
-int8 products (bound in ``cpu_int8_act.py``); ``cpu_common.h``, their bf16 conversions and exp,
+int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
+over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
+``cpu_common.h``, their bf16 conversions and exp,
 and ``cpu_bf16_avx512.h`` the same conversions on AVX-512 vectors.
 
 They carry no torch headers, so they compile in well under a second with
@@ -45,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
 _SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
-            "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c", "cpu_gemm.c", "cpu_kv_store.c")
+            "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c",
+            "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.

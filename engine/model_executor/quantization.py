@@ -12,7 +12,9 @@ differs. There the product is compute-bound, so dequantizing the weights saves n
 products run at twice the bf16 rate (AVX-512 VNNI): the activations are quantized per token
 (``quantize_rows``), multiplied in int8 into int32 (``torch._int_mm``, oneDNN, reading the
 int8 weights in place, stored transposed: a copy beside gemv's packed one) and scaled back
-(``int8_linear``). A token's few activation outliers (over ``OUTLIER_TAU`` x its mean |x|) are
+(``int8_linear``). On a CPU with AMX-INT8 the copy is packed for AMX instead
+(``amx_layout.AmxInt8Weight``) and ``cpu_amx_int8.c`` multiplies and scales in one call:
+``torch._int_mm`` does not use AMX, while oneDNN's bf16 products do. A token's few activation outliers (over ``OUTLIER_TAU`` x its mean |x|) are
 left out of its int8 row and multiplied exactly, each against its column of W (a row of the
 transposed copy): one such value otherwise sets the row's int8 step for all the others, and
 w8a8's perplexity on the default model was +5.0 % over bf16 without them, +0.95 % with them
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels.amx_layout import AmxInt8Weight
 from pdserve.kernels.cpu_int8_act import OUTLIER_SLOTS, OUTLIER_TAU, Int8ActKernels
 
 from pdserve.kernels.cpu_native import native_kernels
@@ -110,11 +113,15 @@ def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
     return Int8Weight.from_q8_0(q, d)
 
 
-def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight, dtype: torch.dtype) -> torch.Tensor:
+def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight | AmxInt8Weight,
+          dtype: torch.dtype) -> torch.Tensor:
     """[N, K] in ``dtype`` of a weight in any form a model holds it: plain, int8 with scales,
-    either packed for native gemv, or bf16 packed in panels for the native products."""
+    either packed for native gemv or for AMX's int8 products, or bf16 packed in panels for the
+    native products."""
     if isinstance(w, PanelWeight):
         return w.unpack().to(dtype)
+    if isinstance(w, AmxInt8Weight):
+        return Int8Weight(w.unpack(), w.scale).dequantize(dtype)
     if isinstance(w, GemvWeight):
         native = native_kernels()
         if w.scale is not None and dtype == torch.bfloat16 and native is not None and native.has_gemv:
@@ -143,12 +150,15 @@ def quantize_rows(x: torch.Tensor, tau: float = 0.0) -> tuple[torch.Tensor, torc
     return q, amax / 127.0, outliers
 
 
-def int8_linear(x: torch.Tensor, w: Int8Weight, act: Int8ActKernels | None, residual: torch.Tensor | None = None,
-                swiglu: bool = False) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, w: Int8Weight | AmxInt8Weight, act: Int8ActKernels | None,
+                residual: torch.Tensor | None = None, swiglu: bool = False) -> torch.Tensor:
     """w8a8 ``x @ W.T`` in x's dtype, x [M, K] with per-token int8 activations and their outliers
-    multiplied exactly; ``w``: ``transposed`` (the native passes read it so); ``residual``
-    [M, N]: plus it before the rounding; ``swiglu`` (W = gate | up): ``up * silu(gate)``,
-    [M, N / 2]. ``act``: the native passes (bf16 only), else the same in torch ops."""
+    multiplied exactly; ``w``: ``transposed`` (the native passes read it so), or packed for AMX
+    (``act.has_amx``: product and scaling in one native call); ``residual`` [M, N]: plus it
+    before the rounding; ``swiglu`` (W = gate | up): ``up * silu(gate)``, [M, N / 2]. ``act``:
+    the native passes (bf16 only), else the same in torch ops."""
+    if isinstance(w, AmxInt8Weight):
+        return act.amx_linear(x, w, residual, swiglu)
     wt = w.q.t()  # [K, N]
     if act is not None and x.dtype == torch.bfloat16:
         q, a_scale, outliers = act.quantize_rows(x, OUTLIER_TAU)

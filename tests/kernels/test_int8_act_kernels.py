@@ -1,12 +1,14 @@
 """kernels/cpu_int8_act.c, the passes around w8a8's int8 products, against the same in torch ops
-(quantization.quantize_rows and int8_linear's torch path), and the w8a8 product against float."""
+(quantization.quantize_rows and int8_linear's torch path), the w8a8 product against float, and
+kernels/cpu_amx_int8.c (where the CPU has AMX-INT8) against the path it replaces there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.engine.model_executor.quantization import Int8Weight, int8_linear, quantize_rows
+from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear, quantize_rows
+from pdserve.kernels.amx_layout import AmxInt8Weight
 from pdserve.kernels.cpu_int8_act import OUTLIER_SLOTS, OUTLIER_TAU, Int8ActKernels
 from pdserve.kernels.cpu_native import native_kernels
 
@@ -116,3 +118,54 @@ def test_int8_linear_native_and_torch_paths_agree_and_approximate_float(act, swi
         rest = y - x.float()[:, 17:18] * w.dequantize(torch.float32)[:, 17]
     err = (native_out.float() - y).norm(dim=1) / rest.norm(dim=1)
     assert err.max() <= 0.02, err.max()
+
+
+def amx_position(n: torch.Tensor, k: torch.Tensor, rows: int, cols: int, swiglu: bool) -> torch.Tensor:
+    """Where W[n, k] lies in an AmxInt8Weight, from amx_layout's description: blocks of 32 columns
+    (SwiGLU: 16 gate, then the same 16 up), K / 64 steps each, a step's tile 16 rows (k % 64 / 4) x
+    16 columns x 4 (k % 4)."""
+    if swiglu:
+        half = rows // 2
+        tile, col = (n >= half).long(), n % half
+        block, col = col // 16, col % 16
+    else:
+        block, tile, col = n // 32, n % 32 // 16, n % 16
+    steps = -(-cols // 64)
+    return ((((block * steps + k // 64) * 2 + tile) * 16 + k % 64 // 4) * 16 + col) * 4 + k % 4
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", [(960, 576), (70, 130)])  # (N, K): and neither a multiple of a tile
+def test_amx_layout_is_tdpbssd_operand_and_round_trips(shape, swiglu):
+    N, K = shape
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+    w = AmxInt8Weight.pack(q, torch.rand(N), swiglu)
+    n, k = torch.meshgrid(torch.arange(N), torch.arange(K), indexing="ij")
+    assert torch.equal(w.data[amx_position(n, k, N, K, swiglu)], q)
+    padded = w.data.clone()
+    padded[amx_position(n, k, N, K, swiglu)] = 0
+    assert not padded.any()  # the rest is padding, zero
+    assert torch.equal(w.unpack(), q)
+    torch.testing.assert_close(dense(w, torch.float32), Int8Weight(q, w.scale).dequantize(torch.float32))
+
+
+@pytest.mark.skipif(native is None or not Int8ActKernels(native).has_amx, reason="needs AMX-INT8")
+@pytest.mark.parametrize("mode", ["plain", "residual", "swiglu"])
+@pytest.mark.parametrize("shape", [(80, 576, 512), (37, 130, 70), (300, 1536, 96)])  # (M, K, N)
+def test_amx_linear_is_the_int_mm_path_bit_for_bit(act, mode, shape):
+    """Product, outliers and scaling in one call: the same values as quantize_rows, torch._int_mm
+    and scale_products, with rows, columns and K that fill no whole tile."""
+    M, K, N = shape
+    x = activations(M, K, seed=8)
+    x[::3, 5] = x[::3].float().abs().amax(dim=1).to(torch.bfloat16) * 40  # outliers, every third row
+    x[1, torch.arange(OUTLIER_SLOTS + 4) * 3] = 1e3  # K = 1536: more outliers than the slots in one row
+    gen = torch.Generator().manual_seed(9)
+    w = Int8Weight.quantize(torch.randn(N, K, generator=gen))
+    residual = torch.randn(M, N, generator=gen).to(torch.bfloat16) if mode == "residual" else None
+    swiglu = mode == "swiglu"
+    counts = act.quantize_rows(x, OUTLIER_TAU)[2].count
+    every_third = [r for r in range(0, M, 3) if r != M // 2]  # row M / 2 is all zero
+    assert counts[every_third].min() >= 1 and (K < 1536 or counts[1] == OUTLIER_SLOTS)
+    want = int8_linear(x, w.transposed(), act, residual, swiglu)
+    got = int8_linear(x, AmxInt8Weight.pack(w.q, w.scale, swiglu), act, residual, swiglu)
+    assert got.shape == want.shape and torch.equal(got, want)

@@ -9,6 +9,7 @@ from model_util import bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
+from pdserve.kernels.amx_layout import AmxInt8Weight
 
 torch.set_num_threads(1)
 NEW = 12
@@ -29,6 +30,10 @@ def test_w8a8_logits_within_stated_error_of_bf16(ckpt):
     bf16 = bf16_runner(ckpt)
     a8 = bf16_runner(ckpt, quantization="w8a8")
     assert a8.model.a8 and a8.model.int8_act is not None  # native passes around the products
+    # on a CPU with AMX-INT8 the products and their scaling are one native call over AMX's layout
+    layer = a8.model.layers[0]
+    packed = [isinstance(w, AmxInt8Weight) for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)]
+    assert packed == [a8.model.int8_act.has_amx] * 4 and (not packed[2] or layer.gate_up_w.swiglu)
     # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
     assert a8.page_pool.layout().quantization == "w8a8"
     prompts = random_prompts([7, 23, 1], seed=5)  # one 31-token prefill step: the int8 x int8 path

@@ -64,6 +64,7 @@ from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
 from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear, q8_0_matrix
 from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, W8A16, check_quantization
+from pdserve.kernels.amx_layout import AmxInt8Weight
 from pdserve.kernels.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
@@ -84,7 +85,7 @@ GEMV_MAX_ROWS = 4
 # against 1.6% with the head's input in bf16 (tests/model/test_w8a16_default_model.py's text).
 INT8_HEAD_GEMV_ROWS = 128
 
-Weight = torch.Tensor | Int8Weight | GemvWeight | PanelWeight
+Weight = torch.Tensor | Int8Weight | GemvWeight | PanelWeight | AmxInt8Weight
 
 
 @dataclass
@@ -184,6 +185,7 @@ class LlamaForCausalLM:
         # CPU, with native bf16 instructions or not (gemv has AVX2 kernels too)
         self.native = native_kernels() if cpu_bf16 else None
         self.int8_act = Int8ActKernels(self.native) if self.a8 and self.native is not None else None
+        amx = self.int8_act is not None and self.int8_act.has_amx
         # a bf16 model's larger steps: native panel products (one packed copy in place of oneDNN's)
         self.gemm = self.packed and gemm and self.native.has_gemm
         use_gemv = gemv and self.native is not None and self.native.has_gemv
@@ -203,8 +205,10 @@ class LlamaForCausalLM:
             where it is on, else the int8 (quantized, or Q8_0's ``q8``) or nothing (bf16); int8
             quantized once."""
             q = q8 if q8 is not None else Int8Weight.quantize(t) if quant else None
-            # w8a8's large steps read the int8 transposed (int8_linear)
-            big = q.transposed() if q is not None and self.a8 else q
+            # w8a8's large steps read the int8 transposed (int8_linear), or packed for AMX
+            big = q
+            if q is not None and self.a8:
+                big = AmxInt8Weight.pack(q.q, q.scale, swiglu) if amx else q.transposed()
             if not use_gemv:
                 return big, big
             if q is None:
