@@ -68,6 +68,21 @@ def test_matches_reference_as_closely_as_torch(dim, heads, kv_heads, n, prefix):
     assert err <= 1.25 * torch_err + 1e-3 and err < 4e-2, (err, torch_err)
 
 
+@pytest.mark.parametrize("n,prefix", [(5, 0), (40, 300)])
+def test_keys_read_in_place_from_their_slots_are_the_contiguous_keys(n, prefix):
+    """``key_rows``: each key from its slot of a pool (a cached prefix's pages), the same result
+    bit for bit as the same keys passed in order (the attention backend's path with a prefix)."""
+    heads, kv_heads, dim, slots = 9, 3, 64, 1024
+    gen = torch.Generator().manual_seed(n + prefix)
+    q = torch.randn(n, heads, dim, generator=gen).bfloat16()
+    pool_k, pool_v = (torch.randn(slots, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+    rows = torch.randperm(slots, generator=gen)[: n + prefix]
+    in_place, in_order = (torch.empty(n, heads * dim, dtype=torch.bfloat16) for _ in range(2))
+    NATIVE.prefill_attention(q, pool_k, pool_v, in_place, dim**-0.5, key_rows=rows)
+    NATIVE.prefill_attention(q, pool_k[rows], pool_v[rows], in_order, dim**-0.5)
+    assert torch.equal(in_place, in_order)
+
+
 def test_writes_only_its_rows_of_a_strided_output():
     heads, kv_heads, dim, n = 4, 2, 64, 10
     qkv = torch.randn(n, heads + 2 * kv_heads, dim).bfloat16()
