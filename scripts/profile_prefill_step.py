@@ -3,12 +3,15 @@
 
 Runs one model step of ``--num-prompts`` x ``--prompt-len`` new tokens (no
 prefix) through the ModelRunner, times the native kernel calls (prefill
-attention, RMSNorm, rope) and the KV store by wrapping them, and calls the rest
-"linears and the remainder". Then measures this machine's bf16 GEMM rate on a
+attention, RMSNorm, rope), the KV store and SDPA (the prefill attention where
+the CPU has AMX) by wrapping them, and calls the rest "linears and the
+remainder". Then measures this machine's bf16 GEMM rate on a
 4096^3 product and prints the step's linear FLOPs at that rate: no engine
 running these weights can take less. Last, the native prefill attention
 against PyTorch's CPU flash attention (``scaled_dot_product_attention``) on
-one ``--prompt-len`` sequence of the model's shape. Ends with one JSON line.
+one ``--prompt-len`` sequence of the model's shape, alone and after as many
+cached tokens (read in place from pool slots, or gathered for SDPA). Ends with
+one JSON line.
 
     .venv/bin/python scripts/profile_prefill_step.py [--threads 2] [--num-prompts 4] [--prompt-len 512]
 """
@@ -33,19 +36,28 @@ from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 
 
-def attention_vs_sdpa(native, heads: int, kv_heads: int, dim: int, length: int) -> tuple[float, float]:
-    """Seconds per call: native prefill attention, and causal SDPA (GQA), on the same bf16 q/k/v."""
+def attention_vs_sdpa(native, heads: int, kv_heads: int, dim: int, length: int,
+                      prefix: int = 0) -> tuple[float, float]:
+    """Seconds per call: native prefill attention, and causal SDPA (GQA), on the same bf16 q/k/v.
+    With a ``prefix``: ``length`` new tokens over ``prefix + length`` keys in a pool's slots, read
+    in place by the native kernel, gathered for SDPA (with the mask that aligns the diagonal), as
+    the attention backend runs each."""
     import torch.nn.functional as F
 
-    qkv = torch.randn(length, heads + 2 * kv_heads, dim).bfloat16()
-    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
+    keys = prefix + length
+    pool = torch.randn(2, 4 * keys, kv_heads, dim).bfloat16()
+    rows = torch.randperm(4 * keys)[:keys]
+    q = torch.randn(length, heads, dim).bfloat16()
     out = torch.empty(length, heads * dim, dtype=torch.bfloat16)
-    calls = (
-        lambda: native.prefill_attention(q, k, v, out, dim**-0.5),
-        lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], is_causal=True, scale=dim**-0.5,
-                                               enable_gqa=True),
-    )
+    mask = None if prefix == 0 else torch.arange(keys)[None, :] <= torch.arange(prefix, keys)[:, None]
+
+    def sdpa():
+        k, v = pool[0][rows], pool[1][rows]
+        return F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                              v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                              scale=dim**-0.5, enable_gqa=True)
+
+    calls = (lambda: native.prefill_attention(q, pool[0], pool[1], out, dim**-0.5, key_rows=rows), sdpa)
     times = []
     for call in calls:
         call()
@@ -95,6 +107,7 @@ def main() -> None:
     import pdserve.kernels.torch_backend as backend
 
     timed(backend, "store_kv", "kv_store")
+    timed(backend.TorchAttentionBackend, "_prefill", "attention")  # SDPA, where the step runs it (AMX)
     runner.forward(batch)  # warm: kernels built, caches touched
     best, parts = float("inf"), {}
     for _ in range(args.repeats):
@@ -129,12 +142,15 @@ def main() -> None:
           f"{result['attention_gflop']} GFLOP -> floor {result['floor_s'] * 1e3:.0f} ms, "
           f"ceiling {result['ceiling_tok_s']:.0f} tok/s")
     if native is not None and native.supports_prefill(torch.bfloat16, dim):
-        t_native, t_sdpa = attention_vs_sdpa(native, heads, kvh, dim, length)
-        result["attention_native_ms"] = round(t_native * 1e3, 3)
-        result["attention_sdpa_ms"] = round(t_sdpa * 1e3, 3)
-        result["attention_speedup"] = round(t_sdpa / t_native, 2)
-        print(f"one {length}-token sequence, {heads}/{kvh} heads: native prefill attention {t_native * 1e3:.2f} ms, "
-              f"SDPA {t_sdpa * 1e3:.2f} ms ({result['attention_speedup']}x)")
+        for prefix in (0, length):
+            t_native, t_sdpa = attention_vs_sdpa(native, heads, kvh, dim, length, prefix)
+            tag = "" if prefix == 0 else "_prefix"
+            result[f"attention{tag}_native_ms"] = round(t_native * 1e3, 3)
+            result[f"attention{tag}_sdpa_ms"] = round(t_sdpa * 1e3, 3)
+            result[f"attention{tag}_speedup"] = round(t_sdpa / t_native, 2)
+            print(f"{length} new tokens after {prefix} cached, {heads}/{kvh} heads: native prefill attention "
+                  f"{t_native * 1e3:.2f} ms, SDPA {t_sdpa * 1e3:.2f} ms (native {result[f'attention{tag}_speedup']}x; "
+                  f"the step ran {'native' if runner.attn_backend.native_prefill else 'SDPA'})")
     print(json.dumps(result), flush=True)
 
 
