@@ -15,12 +15,13 @@
    with zero rows to a multiple of 32.
 
    One block is 32 rows x 32 columns in 4 accumulator tiles; per K step 2 A tiles and 2 B tiles
-   feed 4 tdpbssd. The threads share blocks of columns, and the rows go in chunks whose q stays in
-   L2 while each thread's column blocks pass over them (a block's weights stay in L1 across the
-   chunk's rows). Each finished block's int32 sums are scaled at once, from L1: the arithmetic
-   of cpu_int8_act.c's int8_epilogue_bf16, value for value (outliers joined in slot order, then
-   the scales, the residual or SwiGLU, one rounding), its outliers' weights read from the packed
-   bytes. */
+   feed 4 tdpbssd. The column blocks go in groups whose weights stay in L2 (``GROUP_BYTES``); the
+   threads share a group's 32-row blocks, and each passes its rows over the whole group, so its
+   output rows are written left to right (a column strip at a time, 32 rows apart, measured
+   slower: 10.7 against 18 ms at 4096 x 576 x 3072 on one thread). Each finished block's int32
+   sums are scaled at once, from L1: the arithmetic of cpu_int8_act.c's int8_epilogue_bf16, value
+   for value (outliers joined in slot order, then the scales, the residual or SwiGLU, one
+   rounding), its outliers' weights read from the packed bytes. */
 #include <stdint.h>
 #include <omp.h>
 

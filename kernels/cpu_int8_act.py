@@ -72,7 +72,7 @@ class Int8ActKernels:
                          OUTLIER_SLOTS,
                          *((out.idx.data_ptr(), out.val.data_ptr(), out.count.data_ptr()) if out else (None,) * 3))
         if rc != 0:
-            raise RuntimeError(f"native int8 quantization failed with code {rc} (K = {K})")
+            raise RuntimeError(f"native int8 quantization failed with code {rc}")
         return q, scale, out
 
     def scale_products(self, acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,

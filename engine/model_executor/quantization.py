@@ -14,9 +14,10 @@ products run at twice the bf16 rate (AVX-512 VNNI): the activations are quantize
 int8 weights in place, stored transposed: a copy beside gemv's packed one) and scaled back
 (``int8_linear``). On a CPU with AMX-INT8 the copy is packed for AMX instead
 (``amx_layout.AmxInt8Weight``) and ``cpu_amx_int8.c`` multiplies and scales in one call:
-``torch._int_mm`` does not use AMX, while oneDNN's bf16 products do. A token's few activation outliers (over ``OUTLIER_TAU`` x its mean |x|) are
-left out of its int8 row and multiplied exactly, each against its column of W (a row of the
-transposed copy): one such value otherwise sets the row's int8 step for all the others, and
+``torch._int_mm`` does not use AMX, while oneDNN's bf16 products do. A token's few activation
+outliers (over ``OUTLIER_TAU`` x its mean |x|) are left out of its int8 row and multiplied
+exactly, each against its column of W (a row of the transposed copy, or read from AMX's
+tiles): one such value otherwise sets the row's int8 step for all the others, and
 w8a8's perplexity on the default model was +5.0 % over bf16 without them, +0.95 % with them
 (w8a16: +0.4 %; Emerald Rapids). Measured at 4096 tokens on
 the default model's four linears (one Zen 4 core, alternating, best of 5): bf16 prepacked 134 ms,
