@@ -13,7 +13,7 @@
   gathered and ``scaled_dot_product_attention`` runs causal, or with an
   explicit mask that aligns the causal diagonal at the prefix length. Where the
   CPU has AMX-BF16, PyTorch's flash attention multiplies on AMX and the native
-  kernel does not: there it was 1.7-2.5x faster (Emerald Rapids, 2 threads, the
+  kernel does not: there it was 1.7-3x faster (Emerald Rapids, 2 threads, the
   default model's heads, 512 and 2048 new tokens, prefixes of 0-1536 tokens
   gathered), so SDPA runs (``native_prefill``).
 """
