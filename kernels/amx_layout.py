@@ -16,6 +16,7 @@ import torch
 
 COLS = 32  # output columns a block (COLS in cpu_amx_int8.c)
 KSTEP = 64  # K columns a step (KSTEP there)
+ROWS = 32  # activation rows a block (its two A tiles): the activations are padded to a multiple
 TILE = 16
 
 

@@ -52,9 +52,11 @@ int amx_int8_supported(void) {
 
 #if AMX_OK
 
-#define COLS 32       /* output columns a block (two tiles of 16) */
-#define KSTEP 64      /* int8 columns of K a tile holds */
-#define STEP_BYTES 2048
+#define ROWS 32       /* activation rows a block (two A tiles of 16; amx_layout.ROWS) */
+#define COLS 32       /* output columns a block (two B tiles of 16; amx_layout.COLS) */
+#define KSTEP 64      /* int8 columns of K a tile holds (amx_layout.KSTEP) */
+#define TILE_BYTES 1024  /* one tile: 16 rows of 64 bytes */
+#define STEP_BYTES (2 * TILE_BYTES)  /* a block's two B tiles of one K step */
 #define GROUP_BYTES (1 << 20)  /* the packed weights of a group of column blocks: they stay in L2 */
 
 typedef struct {
@@ -102,28 +104,25 @@ static inline __m512 tile_sums(const amx_args* a, const int32_t* c, const int8_t
     const int cnt = a->o_cnt ? a->o_cnt[m] : 0;
     for (int p = 0; p < cnt; p++) {
         const int k = a->o_idx[(int64_t)m * a->P + p];
-        const __m512i w = _mm512_loadu_si512(B + (int64_t)(k / KSTEP) * STEP_BYTES + t * 1024 + (k % KSTEP) / 4 * 64);
+        const __m512i w = _mm512_loadu_si512(B + (int64_t)(k / KSTEP) * STEP_BYTES + t * TILE_BYTES + (k % KSTEP) / 4 * 64);
         const __m512i w32 = _mm512_srai_epi32(_mm512_sll_epi32(w, _mm_cvtsi32_si128(24 - 8 * (k % 4))), 24);
         v = _mm512_fmadd_ps(_mm512_set1_ps(a->o_val[(int64_t)m * a->P + p]), _mm512_cvtepi32_ps(w32), v);
     }
     return v;
 }
 
-/* silu(g) = g * sigmoid(g) of 16 lanes, as cpu_int8_act.c's silu_vec (the compiler vectorizes it) */
+/* silu of 16 lanes (cpu_common.h's, which the compiler vectorizes) */
 static inline __m512 silu16(__m512 v) {
     float g[16] __attribute__((aligned(64)));
     _mm512_store_ps(g, v);
     #pragma omp simd
-    for (int j = 0; j < 16; j++) {
-        const float e = exp_nonpos(-fabsf(g[j]));
-        g[j] = g[j] >= 0.f ? g[j] / (1.f + e) : g[j] * e / (1.f + e);
-    }
+    for (int j = 0; j < 16; j++) g[j] = silu_nonpos_exp(g[j]);
     return _mm512_load_ps(g);
 }
 
-/* block nb's scaled outputs for rows m0..m0+31 (those below M), from its sums c [32][32] */
-static void block_epilogue(const amx_args* a, const int32_t c[32][COLS], const int8_t* B, int m0, int nb) {
-    const int rows = a->M - m0 < 32 ? a->M - m0 : 32;
+/* block nb's scaled outputs for rows m0..m0+ROWS-1 (those below M), from its sums c */
+static void block_epilogue(const amx_args* a, const int32_t c[ROWS][COLS], const int8_t* B, int m0, int nb) {
+    const int rows = a->M - m0 < ROWS ? a->M - m0 : ROWS;
     for (int r = 0; r < rows; r++) {
         const int m = m0 + r;
         uint16_t* o = a->out + (int64_t)m * a->os;
@@ -152,7 +151,7 @@ static void block_epilogue(const amx_args* a, const int32_t c[32][COLS], const i
     }
 }
 
-/* rows m0..m0+31 against column block nb: 4 accumulator tiles (0-3), A in 4-5, B in 6-7 */
+/* rows m0..m0+ROWS-1 against column block nb: 4 accumulator tiles (0-3), A in 4-5, B in 6-7 */
 static void block(const amx_args* a, int m0, int nb) {
     const int8_t* B = a->W + (int64_t)nb * a->steps * STEP_BYTES;
     const int8_t* A = a->q + (int64_t)m0 * a->qs;
@@ -164,13 +163,13 @@ static void block(const amx_args* a, int m0, int nb) {
         _tile_loadd(4, A + s * KSTEP, a->qs);
         _tile_loadd(5, A + 16 * a->qs + s * KSTEP, a->qs);
         _tile_loadd(6, B + (int64_t)s * STEP_BYTES, 64);
-        _tile_loadd(7, B + (int64_t)s * STEP_BYTES + 1024, 64);
+        _tile_loadd(7, B + (int64_t)s * STEP_BYTES + TILE_BYTES, 64);
         _tile_dpbssd(0, 4, 6);
         _tile_dpbssd(1, 4, 7);
         _tile_dpbssd(2, 5, 6);
         _tile_dpbssd(3, 5, 7);
     }
-    int32_t c[32][COLS] __attribute__((aligned(64)));
+    int32_t c[ROWS][COLS] __attribute__((aligned(64)));
     _tile_stored(0, &c[0][0], COLS * 4);
     _tile_stored(1, &c[0][16], COLS * 4);
     _tile_stored(2, &c[16][0], COLS * 4);
@@ -192,7 +191,7 @@ int amx_int8_linear_bf16(const int8_t* q, int64_t q_stride, const float* a_scale
     const amx_args a = {q, q_stride, a_scale, W, w_scale, out, out_stride, res, res_stride, M, N,
                         (K + KSTEP - 1) / KSTEP, mode, o_idx, o_val, o_cnt, P};
     const int blocks = mode == 2 ? (N / 2 + 15) / 16 : (N + COLS - 1) / COLS;
-    const int row_blocks = (M + 31) / 32;
+    const int row_blocks = (M + ROWS - 1) / ROWS;
     int group = (int)(GROUP_BYTES / ((int64_t)a.steps * STEP_BYTES));
     group = group < 1 ? 1 : group;
     #pragma omp parallel
@@ -202,7 +201,7 @@ int amx_int8_linear_bf16(const int8_t* q, int64_t q_stride, const float* a_scale
             const int g1 = g0 + group < blocks ? g0 + group : blocks;
             #pragma omp for schedule(static)
             for (int mb = 0; mb < row_blocks; mb++)
-                for (int nb = g0; nb < g1; nb++) block(&a, mb * 32, nb);
+                for (int nb = g0; nb < g1; nb++) block(&a, mb * ROWS, nb);
         }
         _tile_release();
     }

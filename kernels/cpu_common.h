@@ -1,4 +1,4 @@
-/* bf16 <-> float32 and a vectorizable exp, shared by the native CPU kernels (built by cpu_native.py). */
+/* bf16 <-> float32, a vectorizable exp and silu, shared by the native CPU kernels (built by cpu_native.py). */
 #ifndef PDSERVE_CPU_COMMON_H
 #define PDSERVE_CPU_COMMON_H
 
@@ -25,6 +25,13 @@ static inline float exp_nonpos(float x) {
                     + r * (0.008333334f + r * 0.0013888889f)))));
     union { uint32_t u; float f; } c; c.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * c.f;
+}
+/* silu(g) = g * sigmoid(g) through exp of a non-positive argument (vectorizes): w8a8's SwiGLU,
+   one formula for both of its product paths (cpu_int8_act.c, cpu_amx_int8.c), which are tested
+   to agree bit for bit */
+static inline float silu_nonpos_exp(float g) {
+    const float e = exp_nonpos(-fabsf(g));
+    return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
 }
 
 #endif

@@ -87,11 +87,6 @@ int quant_rows_s8(const uint16_t* x, int64_t x_stride, int8_t* q, int64_t q_stri
     return 0;
 }
 
-static inline float silu_vec(float g) {  /* g * sigmoid(g) through exp of a non-positive argument */
-    const float e = exp_nonpos(-fabsf(g));
-    return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
-}
-
 /* row m's sums in float for columns n0..n0+len-1 (len <= OB): acc * a_scale plus its outliers'
    products with the int8 weights, in units of w_scale: wt is W transposed, [K, N] int8 contiguous,
    so an outlier's column of W is a row here */
@@ -136,7 +131,7 @@ int int8_epilogue_bf16(const int32_t* acc, const float* a_scale, const float* w_
                 row_sums(a, s, wt, N, idx, val, cnt, I + i0, len, u);
                 #pragma omp simd
                 for (int i = 0; i < len; i++) {
-                    const float gate = bf16_to_f32(f32_to_bf16(silu_vec(g[i] * w_scale[i0 + i])));
+                    const float gate = bf16_to_f32(f32_to_bf16(silu_nonpos_exp(g[i] * w_scale[i0 + i])));
                     o[i0 + i] = f32_to_bf16(u[i] * w_scale[I + i0 + i] * gate);
                 }
             }

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.amx_layout import KSTEP, AmxInt8Weight
+from pdserve.kernels.amx_layout import KSTEP, ROWS, AmxInt8Weight
 from pdserve.kernels.cpu_native import NativeKernels
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -55,14 +55,13 @@ class Int8ActKernels:
         scale [M] float32, ``x[m] ~= q[m] * scale[m]`` with ``scale = max|x[m]| / 127``; with
         ``tau`` > 0, the row's values over ``tau`` x its mean |x| (up to OUTLIER_SLOTS) left out
         of q and its scale and returned as Outliers. ``for_amx``: q is the A operand of
-        ``amx_linear``, zero padded to [ceil32(M), ceil64(K)]."""
+        ``amx_linear``, zero padded to [ceil32(M), ceil64(K)] (amx_layout's ROWS, KSTEP)."""
         M, K = x.shape
         assert x.dtype == torch.bfloat16 and x.stride(1) == 1
-        if for_amx:
-            rows, cols = -(-M // 32) * 32, -(-K // KSTEP) * KSTEP
-            q = (torch.zeros if (rows, cols) != (M, K) else torch.empty)(rows, cols, dtype=torch.int8)
-        else:
-            q = torch.empty(M, K, dtype=torch.int8)
+        shape = (-(-M // ROWS) * ROWS, -(-K // KSTEP) * KSTEP) if for_amx else (M, K)
+        q = torch.empty(shape, dtype=torch.int8)
+        q[M:].zero_()  # the padding, if any: the quantization writes the rest
+        q[:M, K:].zero_()
         scale = torch.empty(M, dtype=torch.float32)
         out = None
         if tau > 0:
@@ -105,13 +104,13 @@ class Int8ActKernels:
         return out
 
     def amx_linear(self, x: torch.Tensor, w: AmxInt8Weight, residual: torch.Tensor | None = None,
-                   swiglu: bool = False, tau: float = OUTLIER_TAU) -> torch.Tensor:
+                   swiglu: bool = False) -> torch.Tensor:
         """``x @ W.T`` of ``x`` [M, K] bf16 (row stride free) on AMX-INT8 (``has_amx``): x
         quantized per token with its outliers (``quantize_rows``), multiplied in int8 and scaled
         as ``scale_products`` scales (``residual``, ``swiglu`` the same), in one pass over W."""
         assert self.has_amx and w.swiglu == swiglu and x.shape[1] == w.cols
         M, N = x.shape[0], w.rows
-        q, a_scale, outliers = self.quantize_rows(x, tau, for_amx=True)
+        q, a_scale, outliers = self.quantize_rows(x, OUTLIER_TAU, for_amx=True)
         out = torch.empty(M, N // 2 if swiglu else N, dtype=torch.bfloat16)
         res_ptr, res_stride = None, 0
         if residual is not None:

@@ -14,7 +14,7 @@ products of every larger step over weights packed as ``gemm_layout.PanelWeight``
 head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of its
 int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
-``cpu_common.h``, their bf16 conversions and exp,
+``cpu_common.h``, their bf16 conversions, exp and silu,
 and ``cpu_bf16_avx512.h`` the same conversions on AVX-512 vectors.
 
 They carry no torch headers, so they compile in well under a second with
