@@ -65,6 +65,9 @@ _HELP = {
     "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disable_fused_decode": "run the gemv decode steps op by op from Python instead of one native call per step",
+    "cuda_graph_max_bs": "CUDA: decode steps of up to this many sequences replay CUDA graphs captured at start-up, "
+                         "one per batch-size bucket (0: eager; ignored on CPU)",
+    "disable_cuda_graph": "CUDA: run every decode step eagerly (no graphs captured)",
     "disable_native_gemm": "run larger bf16 steps' products through oneDNN's prepacked linears instead of the "
     "native panel kernels",
     "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "

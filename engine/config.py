@@ -41,6 +41,11 @@ class EngineConfig:
     # larger bf16 steps' products through the native panel kernels (kernels/cpu_gemm.c) where the
     # CPU has AVX-512 BF16 without AMX; off: oneDNN's prepacked linears, e.g. to compare
     disable_native_gemm: bool = False
+    # CUDA: all-decode steps of up to this many sequences replay a CUDA graph captured at start-up
+    # per batch-size bucket (SGLang's flags; model_executor/cuda_graph_runner.py); 0 or
+    # disable_cuda_graph: every step eager. The CPU's decode steps are one native call already.
+    cuda_graph_max_bs: int = 64
+    disable_cuda_graph: bool = False
     # KV cache
     page_size: int = 16
     max_total_tokens: int | None = None  # None: derived from mem_fraction_static
@@ -70,6 +75,8 @@ class EngineConfig:
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
         if not 0.0 < self.mem_fraction_static <= 1.0:

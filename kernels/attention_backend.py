@@ -54,6 +54,21 @@ class AttentionBackend(ABC):
         would. None otherwise (the default: ``forward`` for every layer)."""
         return None
 
+    # ------------------------------------------------- graphs (engine/model_executor/cuda_graph_runner.py)
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        """Allocate the metadata buffers of all-decode steps of up to ``max_bs`` sequences of up to
+        ``max_pages`` pages, for steps replayed from captured graphs. Default: graphs unsupported."""
+        raise NotImplementedError(f"{type(self).__name__} does not support decode graphs")
+
+    def begin_graph_forward(self, bs: int, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                            out_cache_loc: torch.Tensor, host_seq_lens: list[int]) -> None:
+        """``begin_forward`` of an all-decode step of ``bs`` sequences whose inputs are the graph
+        runner's static buffers (page_table [bs, max_pages] int32, seq_lens [bs] int32,
+        out_cache_loc [bs] int64; ``host_seq_lens`` the same lengths on the host): fill this
+        backend's graph buffers in place, so that a graph captured after this call reads the next
+        step's metadata when it is called again before a replay."""
+        raise NotImplementedError(f"{type(self).__name__} does not support decode graphs")
+
 
 # name -> "module:Class"; a backend's module is imported only when it is chosen
 ATTENTION_BACKENDS: dict[str, str] = {

@@ -16,6 +16,11 @@
   kernel does not: there it was 1.7-3x faster (Emerald Rapids, 2 threads, the
   default model's heads, 512 and 2048 new tokens, prefixes of 0-1536 tokens
   gathered), so SDPA runs (``native_prefill``).
+- decode steps replayed from graphs (``begin_graph_forward``): the same decode
+  path over the graph runner's static page table; the torch path then reads
+  every page of its full width, masked past each length (a graph fixes the
+  shape), which costs a long context's reads at every step: FlashInfer's
+  backend reads only each sequence's pages.
 """
 
 from __future__ import annotations
@@ -102,6 +107,27 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.zeros(len(seq_lens), 1, key_pos.numel(), dtype=torch.float32, device=device)
                 mask.masked_fill_(key_pos[None, None, :] >= lens[:, None, None], float("-inf"))
                 self.decode = _DecodeMeta(rows, pages.to(torch.int64), lens, mask)
+
+    def init_graph_state(self, max_bs: int, max_pages: int) -> None:
+        # the native kernel reads the page table and lengths as they are; the torch path masks
+        # every key of the static table's width (a graph fixes it) past each sequence's length
+        if self.native is None:
+            width = max_pages * self.page_pool.page_size
+            device = self.page_pool.device
+            self._graph_mask = torch.zeros(max_bs, 1, width, dtype=torch.float32, device=device)
+            self._graph_key_pos = torch.arange(width, device=device)
+
+    def begin_graph_forward(self, bs: int, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                            out_cache_loc: torch.Tensor, host_seq_lens: list[int]) -> None:
+        self.loc = out_cache_loc
+        self.prefills = []
+        self.num_tokens = bs
+        mask = None
+        if self.native is None:
+            mask = self._graph_mask[:bs]
+            mask.zero_()
+            mask.masked_fill_(self._graph_key_pos[None, None, :] >= seq_lens[:, None, None], float("-inf"))
+        self.decode = _DecodeMeta(None, page_table, seq_lens, mask)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         # q: [T, H, D]; k, v: [T, KVH, D]

@@ -7,6 +7,9 @@ Under tensor parallelism (this process in a TP group, see ``parallel``) the runn
 its rank's shard of the model and a page pool of its KV heads only; every rank has the
 same number of pages (the smallest any rank could afford), so identical scheduling on
 every rank means identical page allocations, and ``forward`` returns the full logits.
+
+On CUDA, all-decode steps replay graphs captured per batch-size bucket at start-up
+(``cuda_graph_runner``; ``--cuda-graph-max-bs``, ``--disable-cuda-graph``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.host_memory import trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
@@ -128,6 +132,22 @@ class ModelRunner:
                     "decode steps of <= %d tokens through native gemv; KV pool %d pages of %d tokens", source.path,
                     arch.arch, self.dtype, config.quantization, time.perf_counter() - t0, tp.rank, tp.size,
                     tp.num_heads, tp.num_kv_heads, self.model.gemv_rows, num_pages - 1, config.page_size)
+        self.graph_runner: DecodeGraphRunner | None = None
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """On CUDA (unless disabled): capture the decode step per batch-size bucket, at start-up
+        and again whenever the weights change (a graph holds their addresses)."""
+        config = self.config
+        self.graph_runner = None
+        if self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0:
+            return
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        max_pages = -(-self.arch.max_context_len // config.page_size)
+        self.graph_runner = DecodeGraphRunner(self.model, self.attn_backend, max_bs, max_pages,
+                                              cuda_graph_capture(self.device))
+        logger.info("captured CUDA graphs of the decode step for batch sizes %s in %.1fs",
+                    self.graph_runner.buckets, self.graph_runner.capture_s)
 
     def _build_model(self, weights: dict[str, torch.Tensor], source: ModelSource) -> LlamaForCausalLM:
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
@@ -151,11 +171,13 @@ class ModelRunner:
         self.release_weights()  # the old copy goes first: the peak is one model, not two
         self.model = self._build_model(weights, source)
         self.model_path, self.model_source = model_path, source
+        self._capture_graphs()
         logger.info("weights updated from %s", source.path)
 
     def release_weights(self) -> None:
         """Free the weights (``resume_weights`` reloads them from ``model_path``)."""
         self.model = None
+        self.graph_runner = None  # its graphs hold the weights too
         gc.collect()
         trim_heap()
 
@@ -170,6 +192,9 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
+        graphs = self.graph_runner
+        if graphs is not None and after_layer is None and graphs.can_run(batch):
+            return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend, after_layer)
 
