@@ -14,6 +14,7 @@ products of every larger step over weights packed as ``gemm_layout.PanelWeight``
 head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the scaling of its
 int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
+``cpu_argmax.c``, the greedy pick over float32 logits;
 ``cpu_common.h``, their bf16 conversions, exp and silu,
 and ``cpu_bf16_avx512.h`` the same conversions on AVX-512 vectors.
 
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 # the C sources, package data next to this file; the .c files are the translation units
 _SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
             "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c",
-            "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c")
+            "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
@@ -134,6 +135,7 @@ class NativeKernels:
                                                  _I64])
         self.has_gemm = bool(self.lib.gemm_supported())
         self._gemm = self._bind("gemm_bf16", [_P, _I64, _P, _P, _I64, _P, _I64, _P] + [_I32] * 5)
+        self._argmax = self._bind("argmax_rows_f32", [_P, _I64, _I32, _I32, _P])
         # it runs the gemv kernels, so it is there where they are
         self._decode_layers = self._bind("decode_layers_bf16", [_P, _P, _I32, _P, _P, _P, _I64, _P, _I32, _I32, _P,
                                                                 _I32, _P])
@@ -221,6 +223,16 @@ class NativeKernels:
                             res_stride, M, N, K, mode)
         if rc != 0:
             raise RuntimeError(f"native gemv failed with code {rc}")
+        return out
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """``x.argmax(-1)`` of float32 ``x`` [M, V] (row stride free), as torch answers it (the first
+        index of the maximum; a NaN is the maximum): a new [M] int64."""
+        M, V = x.shape
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and V > 0
+        out = torch.empty(M, dtype=torch.int64)
+        if M:
+            self._argmax(x.data_ptr(), x.stride(0), M, V, out.data_ptr())
         return out
 
     def store_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,

@@ -17,6 +17,17 @@ from typing import Sequence
 
 import torch
 
+from pdserve.kernels.cpu_native import native_kernels
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, ``[bs]`` int64: natively for float32 on CPU (``cpu_argmax.c``, the
+    same answer 3-4x faster at 64 x 49152), else torch's."""
+    native = native_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if native is None or logits.dim() != 2 or logits.stride(1) != 1 or logits.shape[1] == 0:
+        return logits.argmax(-1)
+    return native.argmax(logits)
+
 
 def seeded_uniform(seed: int, step: int) -> float:
     """A uniform in [0, 1) that depends only on (seed, step): the draw of a seeded request."""
@@ -177,16 +188,16 @@ def _filtered_ids(
 def sample(logits: torch.Tensor, t: SamplingTensors, uniforms: torch.Tensor | None) -> torch.Tensor:
     """``[bs]`` int64 token ids. ``logits`` already penalized; ``uniforms`` ``[bs]`` in [0, 1)."""
     # logits: [bs, vocab] float32
-    greedy_ids = logits.argmax(-1)
+    greedy = greedy_ids(logits)
     if t.all_greedy:
-        return greedy_ids
+        return greedy
     probs = torch.softmax(processed_logits(logits, t), dim=-1)  # [bs, vocab]
     ids = _inverse_cdf(probs, uniforms)
     if t.need_filter:
         vocab = probs.shape[-1]
         rows = ((t.top_ks < vocab) | (t.top_ps < 1.0) | (t.min_ps > 0.0)).nonzero().squeeze(1)
         ids[rows] = _filtered_ids(probs[rows], t.top_ks[rows], t.top_ps[rows], t.min_ps[rows], uniforms[rows])
-    return torch.where(t.greedy, greedy_ids, ids)
+    return torch.where(t.greedy, greedy, ids)
 
 
 def gather_logprobs(

@@ -80,6 +80,16 @@ class Req:
         """All tokens whose KV the sequence needs: prompt then outputs."""
         return self.input_ids + self.output_ids
 
+    def fill_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building ``fill_ids`` (a decode step's one token, of a
+        sequence of any length)."""
+        p = len(self.input_ids)
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        if end <= p:
+            return self.input_ids[start:end]
+        return self.input_ids[start:] + self.output_ids[: end - p]
+
     @property
     def seq_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

@@ -46,6 +46,7 @@ from pdserve.kernels.sampling import (
     SamplingTensors,
     apply_penalties,
     gather_logprobs,
+    greedy_ids,
     processed_logits,
     sample,
     seeded_uniform,
@@ -217,11 +218,11 @@ class SchedulerLoop:
         if mask is not None and self._greedy_fast_path(reqs):
             # greedy: the unmasked argmax stands wherever the grammar allows it, so only rows where
             # it does not are masked and taken again, instead of masking the whole vocabulary of every row
-            ids = logits.argmax(-1)
+            ids = greedy_ids(logits)
             rows = mask.forbidden_rows(ids)
             if rows:
                 mask.apply(logits, rows)
-                ids[rows] = logits[rows].argmax(-1)
+                ids[rows] = greedy_ids(logits[rows])
             out = SampleOutput(ids.tolist())
         else:
             if mask is not None:
@@ -240,7 +241,7 @@ class SchedulerLoop:
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> SampleOutput:
         if self._greedy_fast_path(reqs):
-            return SampleOutput(logits.argmax(-1).tolist())  # the common greedy fast path
+            return SampleOutput(greedy_ids(logits).tolist())  # the common greedy fast path
         params = [r.sampling_params for r in reqs]
         want_logprob = any(r.return_logprob for r in reqs)
         t = SamplingTensors.from_params(params, logits.shape[-1], logits.device)

@@ -413,3 +413,11 @@ def test_mixed_chunk_random_workload_matches_reference():
     assert all(b.num_tokens <= 16 for b in batches)
     for r, expected in reqs:
         assert r.output_ids == expected
+
+
+def test_fill_slice_is_the_slice_of_fill_ids():
+    req = Req(rid="r", input_ids=[1, 2, 3, 4], sampling_params=SamplingParams())
+    req.output_ids = [5, 6, 7]
+    for start in range(8):
+        for end in range(start, 8):
+            assert req.fill_slice(start, end) == req.fill_ids[start:end], (start, end)
