@@ -28,23 +28,17 @@
 #include "cpu_common.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 #include "cpu_bf16_avx512.h"
 #define AMX_OK 1
 #else
 #define AMX_OK 0
 #endif
 
-#define ARCH_REQ_XCOMP_PERM 0x1023  /* Linux: ask for a state component's permission */
-#define XFEATURE_XTILEDATA 18       /* the AMX tiles' data */
-
-/* 1 where the CPU runs AMX-INT8 and Linux lets this process use its tiles (asked here, once for
-   the process: the permission holds for every thread) */
+/* 1 where the CPU runs AMX-INT8 and Linux lets this process use its tiles */
 int amx_int8_supported(void) {
 #if AMX_OK
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return amx_permitted();
 #else
     return 0;
 #endif
@@ -55,29 +49,8 @@ int amx_int8_supported(void) {
 #define ROWS 32       /* activation rows a block (two A tiles of 16; amx_layout.ROWS) */
 #define COLS 32       /* output columns a block (two B tiles of 16; amx_layout.COLS) */
 #define KSTEP 64      /* int8 columns of K a tile holds (amx_layout.KSTEP) */
-#define TILE_BYTES 1024  /* one tile: 16 rows of 64 bytes */
 #define STEP_BYTES (2 * TILE_BYTES)  /* a block's two B tiles of one K step */
 #define GROUP_BYTES (1 << 20)  /* the packed weights of a group of column blocks: they stay in L2 */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* every tile 16 rows of 64 bytes: C 16 x 16 int32, A 16 rows x 64 int8, B 16 x (16 columns x 4) */
-static void tiles_on(void) {
-    tile_config c = {0};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    /* ldtilecfg's intrinsic (gcc 12) does not tell the compiler that it reads c: without this the
-       stores above can be dropped as dead, and ldtilecfg faults on what is left on the stack */
-    __asm__ __volatile__("" : : "r"(&c) : "memory");
-    _tile_loadconfig(&c);
-}
 
 typedef struct {
     const int8_t* q;
@@ -109,15 +82,6 @@ static inline __m512 tile_sums(const amx_args* a, const int32_t* c, const int8_t
         v = _mm512_fmadd_ps(_mm512_set1_ps(a->o_val[(int64_t)m * a->P + p]), _mm512_cvtepi32_ps(w32), v);
     }
     return v;
-}
-
-/* silu of 16 lanes (cpu_common.h's, which the compiler vectorizes) */
-static inline __m512 silu16(__m512 v) {
-    float g[16] __attribute__((aligned(64)));
-    _mm512_store_ps(g, v);
-    #pragma omp simd
-    for (int j = 0; j < 16; j++) g[j] = silu_nonpos_exp(g[j]);
-    return _mm512_load_ps(g);
 }
 
 /* block nb's scaled outputs for rows m0..m0+ROWS-1 (those below M), from its sums c */
@@ -196,7 +160,7 @@ int amx_int8_linear_bf16(const int8_t* q, int64_t q_stride, const float* a_scale
     group = group < 1 ? 1 : group;
     #pragma omp parallel
     {
-        tiles_on();
+        amx_tiles_on();
         for (int g0 = 0; g0 < blocks; g0 += group) {
             const int g1 = g0 + group < blocks ? g0 + group : blocks;
             #pragma omp for schedule(static)

@@ -1,6 +1,7 @@
 /* bf16 <-> float32 on 16-lane AVX-512 vectors, shared by the native kernels that need them
-   (cpu_gemm.c, cpu_gemv.c): the vector forms of cpu_common.h's bf16_to_f32 and f32_to_bf16.
-   Include after immintrin.h, inside the translation unit's AVX-512 guard. */
+   (cpu_gemm.c, cpu_gemv.c, cpu_amx_int8.c): the vector forms of cpu_common.h's bf16_to_f32,
+   f32_to_bf16 and silu. Include after immintrin.h and cpu_common.h, inside the translation
+   unit's AVX-512 guard. */
 #ifndef PDSERVE_CPU_BF16_AVX512_H
 #define PDSERVE_CPU_BF16_AVX512_H
 
@@ -22,6 +23,15 @@ static inline __m512 widen_bf16(__m256i b) {
 /* the first ``cnt`` of 16 lanes (all of them from 16 on) */
 static inline __mmask16 lanes16(int cnt) {
     return cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
+}
+
+/* silu of 16 lanes (cpu_common.h's, which the compiler vectorizes) */
+static inline __m512 silu16(__m512 v) {
+    float g[16] __attribute__((aligned(64)));
+    _mm512_store_ps(g, v);
+    #pragma omp simd
+    for (int j = 0; j < 16; j++) g[j] = silu_nonpos_exp(g[j]);
+    return _mm512_load_ps(g);
 }
 
 #endif

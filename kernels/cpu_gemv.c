@@ -36,6 +36,7 @@
    products then go through oneDNN). */
 #include <stdint.h>
 #include <math.h>
+#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -218,9 +219,264 @@ int gemv_w8_dequantize(const int8_t* W, const float* scale, int blocked, int N, 
     const int nblocks = (rows_out + RB - 1) / RB;
     const int64_t chunks = (K + CW - 1) / CW;
     #pragma omp parallel for schedule(static)
-    for (int b = 0; b < nblocks; b++) dequantize_block(W, scale, blocked, rows_out, K, halves, chunks, b, out);
+    for (int b = 0; b < nblocks; b++)
+        dequantize_block(W, scale, blocked, rows_out, K, halves, chunks, b, out, K, rows_out, 0);
     return 0;
 #else
+    return -1;
+#endif
+}
+
+/* ---- The int8 weights' larger steps on AMX-BF16 ---------------------------------------------
+
+   w8a16 keeps only gemv's packed int8. A step past gemv's rows used to dequantize each matrix to
+   bf16 in memory and multiply it with torch's linear (unprepacked): the default model's step of
+   64 sequences wrote and read back 270 MB of bf16 weights, and took twice bf16's time. Here each
+   thread widens 32 output rows at a time into a scratch that stays in L1/L2 and multiplies them
+   there on AMX-BF16 tiles: q itself, exact in bf16, with the row's scale applied to the sums as
+   gemv applies it (Q8_0's per-block scales go into the weights, dequantize_block's bf16(q * s)).
+   The weights are the A operand (their rows are the scratch's rows) and x is B, packed once per call as
+   tdpbf16ps takes it: [16 column pairs][16 tokens][2] per K step of 32. So the sums come out
+   transposed (output rows by tokens), and each 16 x 16 tile is transposed in registers on its
+   way through the epilogue (mode, out_f32 as cpu_gemm.c's; SwiGLU's silu cpu_common.h's). The tokens
+   go in blocks of AMX_TOKENS that stay in L2 (a weight row group is dequantized once per block);
+   K is padded to a multiple of 32 with zeros in the scratch and in x's packing. */
+
+#if GEMV_ISA == 512 && defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include "cpu_amx.h"
+#define W8_AMX 1
+#else
+#define W8_AMX 0
+#endif
+
+/* 1 where gemv_w8_amx_linear runs: AMX-BF16 compiled in and the tiles permitted */
+int gemv_w8_amx(void) {
+#if W8_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#if W8_AMX
+
+#define AMX_TOKENS 256  /* x rows per block: a block's packed x (<= 256 x K bf16) stays in L2 */
+
+/* t[r][c] -> t[c][r] of a 16 x 16 float32 tile in 16 registers */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    /* now r[4i + j] holds rows 4i..4i+3's column j, 4 + j, 8 + j, 12 + j (a 128-bit lane each) */
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88);       /* lanes 0, 2 of rows 0-3, 4-7 */
+        t[4 + j] = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);   /* lanes 1, 3 */
+        t[8 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+        t[12 + j] = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    }
+    for (int j = 0; j < 4; j++) {
+        r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+        r[4 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0x88);
+        r[12 + j] = _mm512_shuffle_f32x4(t[4 + j], t[12 + j], 0xdd);
+    }
+}
+
+/* x rows 0..T-1 ([., K] bf16 at xs) as B tiles: the tile of K step s and tokens 16 tb.. at
+   xp + (s * nt + tb) * 512 holds token i's columns 32 s + 2 j, + 1 at [j][i][2] (a 16 x 16
+   transpose of the 16 tokens' column pairs), zeros past K and T */
+static void pack_x(const uint16_t* x, int64_t xs, int T, int64_t K, int64_t steps, int nt, uint16_t* xp) {
+    #pragma omp for schedule(static)
+    for (int64_t it = 0; it < steps * nt; it++) {
+        const int64_t s = it / nt;
+        const int tb = (int)(it % nt);
+        const __mmask32 cols = chunk_mask(s * 32, K);
+        __m512 r[16];
+        for (int i = 0; i < 16; i++) {
+            const int m = tb * 16 + i;
+            r[i] = m < T ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(cols, x + (int64_t)m * xs + s * 32))
+                         : _mm512_setzero_ps();
+        }
+        transpose16(r);
+        uint16_t* tile = xp + it / nt * nt * 512 + (int64_t)tb * 512;
+        for (int j = 0; j < 16; j++) _mm512_store_ps((float*)(tile + 32 * j), r[j]);
+    }
+}
+
+/* Block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements placed as
+   dequantize_block places them, each weight q itself (exact in bf16): its scale joins the sums
+   in the epilogue (per-row scales only; Q8_0's blocks are dequantized) */
+static void widen_block(const int8_t* W, int rows_out, int64_t K, int halves, int64_t chunks, int b, uint16_t* out,
+                        int64_t ld, int64_t half_rows, int64_t base) {
+    uint8_t idx[64];  /* output byte j: row j / 32 of the pair, column j % 32 (as dequantize_block) */
+    for (int j = 0; j < 64; j++) idx[j] = (uint8_t)(16 * ((j % 32) / 8) + 8 * (j / 32) + j % 8);
+    const __m512i gather = _mm512_loadu_si512(idx);
+    const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
+    for (int h = 0; h < halves; h++) {
+        const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
+        for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
+            const __mmask32 mask = chunk_mask(c * CW, K);
+            for (int p = 0; p < RB / 2; p++) {
+                const __m512i w = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(B + p * 64));
+                for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
+                    const __m256i q = j ? _mm512_extracti64x4_epi64(w, 1) : _mm512_castsi512_si256(w);
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+                    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                    _mm512_mask_storeu_epi16(out + (h * half_rows + b * RB + 2 * p + j - base) * ld + c * CW, mask, v);
+                }
+            }
+        }
+    }
+}
+
+typedef struct {
+    uint16_t* out;
+    int64_t os;
+    const uint16_t* res;
+    int64_t rs;
+    const float* scale;  /* per output row (the up rows after the gate rows for SwiGLU), or null */
+    int mode, out_f32, out_cols;
+} w8_epilogue;
+
+static inline void w8_store16(const w8_epilogue* e, int64_t at, __m512 v, int cnt) {
+    const __m256i b = round_bf16(v);
+    const __mmask16 mask = lanes16(cnt);
+    if (e->out_f32)
+        _mm512_mask_storeu_ps((float*)e->out + at, mask, widen_bf16(b));
+    else
+        _mm256_mask_storeu_epi16(e->out + at, mask, b);
+}
+
+/* sums c[a][b] (weight rows 16 a.., tokens 16 b..) of output columns n0.. for tokens m0.. (those
+   below end): out through the epilogue; SwiGLU: c[0] gate, c[1] up of the same 16 columns */
+static void w8_epilogue_tiles(const w8_epilogue* e, float c[2][2][16][16], int n0, int m0, int end) {
+    for (int b = 0; b < 2; b++) {
+        __m512 t[2][16];
+        for (int a = 0; a < 2; a++) {
+            for (int i = 0; i < 16; i++) t[a][i] = _mm512_load_ps(c[a][b][i]);
+            transpose16(t[a]);  /* t[a][token]: 16 weight rows */
+        }
+        for (int i = 0; i < 16; i++) {
+            const int m = m0 + 16 * b + i;
+            if (m >= end) return;
+            const int64_t row = (int64_t)m * e->os;
+            if (e->mode == 2) {
+                const __mmask16 mask = lanes16(e->out_cols - n0);
+                __m512 g = t[0][i], u = t[1][i];
+                if (e->scale) {
+                    g = _mm512_mul_ps(g, _mm512_maskz_loadu_ps(mask, e->scale + n0));
+                    u = _mm512_mul_ps(u, _mm512_maskz_loadu_ps(mask, e->scale + e->out_cols + n0));
+                }
+                const __m512 gate = widen_bf16(round_bf16(silu16(g)));
+                w8_store16(e, row + n0, _mm512_mul_ps(u, gate), e->out_cols - n0);
+                continue;
+            }
+            for (int a = 0; a < 2; a++) {
+                const int n = n0 + 16 * a, cnt = e->out_cols - n;
+                if (cnt <= 0) break;
+                __m512 v = t[a][i];
+                if (e->scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes16(cnt), e->scale + n));
+                if (e->mode == 1)
+                    v = _mm512_add_ps(v, widen_bf16(_mm256_maskz_loadu_epi16(lanes16(cnt), e->res + (int64_t)m * e->rs + n)));
+                w8_store16(e, row + n, v, cnt);
+            }
+        }
+    }
+}
+
+#endif
+
+/* x: [M, K] bf16 rows at x_stride; W, scale, blocked: a packed int8 weight as gemv_w8_bf16 takes
+   it ([N, K], SwiGLU for mode 2); out: [M, N or N / 2] rows at out_stride, bf16 or (out_f32)
+   float32 holding bf16-rounded values; res: [M, N] bf16 (mode 1). Any M (meant for more rows
+   than gemv's). Returns 0, -1 without AMX-BF16, -3 when out of memory. */
+int gemv_w8_amx_linear(const uint16_t* x, int64_t x_stride, const int8_t* W, const float* scale, int blocked,
+                       void* out, int64_t out_stride, const uint16_t* res, int64_t res_stride, int M, int N, int K,
+                       int mode, int out_f32) {
+#if W8_AMX
+    const int swiglu = mode == 2, halves = swiglu ? 2 : 1;
+    const int rows_out = N / halves;
+    const int64_t chunks = (K + CW - 1) / CW, steps = chunks, Kp = chunks * CW;
+    /* a group: 32 weight rows, SwiGLU's 16 gate and the same 16 up rows (4 or 8 gemv blocks) */
+    const int group_rows = swiglu ? 16 : 32, groups = (rows_out + group_rows - 1) / group_rows;
+    const int nt_max = (AMX_TOKENS + 31) / 32 * 2;
+    const int threads = omp_get_max_threads();
+    uint16_t* xp = aligned_alloc(64, (size_t)steps * nt_max * 512 * 2);
+    /* per thread: its group's dequantized rows, K padded with zeros, and the group's sums */
+    uint16_t* wr_all = calloc((size_t)threads * 32 * Kp, 2);
+    float* c_all = aligned_alloc(64, sizeof(float) * threads * 4 * 256);
+    if (!xp || !wr_all || !c_all) {
+        free(xp);
+        free(wr_all);
+        free(c_all);
+        return -3;
+    }
+    /* per-row scales join the sums at the end; Q8_0's per-block scales go into the weights */
+    const w8_epilogue e = {(uint16_t*)out, out_stride, res, res_stride, blocked ? NULL : scale, mode, out_f32,
+                           rows_out};
+    #pragma omp parallel
+    {
+        uint16_t* wr = wr_all + (int64_t)omp_get_thread_num() * 32 * Kp;
+        float (*c)[2][16][16] = (float (*)[2][16][16])(c_all + omp_get_thread_num() * 4 * 256);
+        amx_tiles_on();
+        for (int t0 = 0; t0 < M; t0 += AMX_TOKENS) {
+            const int T = M - t0 < AMX_TOKENS ? M - t0 : AMX_TOKENS;
+            const int nt = (T + 31) / 32 * 2;  /* token tiles, in pairs */
+            pack_x(x + (int64_t)t0 * x_stride, x_stride, T, K, steps, nt, xp);  /* omp for: a barrier after */
+            #pragma omp for schedule(static)
+            for (int g = 0; g < groups; g++) {
+                const int b0 = g * group_rows / RB, b1 = (g + 1) * group_rows / RB;
+                const int nblocks = (rows_out + RB - 1) / RB;
+                for (int b = b0; b < b1 && b < nblocks; b++) {
+                    if (blocked)
+                        dequantize_block(W, scale, blocked, rows_out, K, halves, chunks, b, wr, Kp, 16,
+                                         (int64_t)b0 * RB);
+                    else
+                        widen_block(W, rows_out, K, halves, chunks, b, wr, Kp, 16, (int64_t)b0 * RB);
+                }
+                for (int tb = 0; tb < nt; tb += 2) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < steps; s++) {
+                        _tile_loadd(4, wr + s * 32, Kp * 2);
+                        _tile_loadd(5, wr + 16 * Kp + s * 32, Kp * 2);
+                        _tile_loadd(6, xp + (s * nt + tb) * 512, 64);
+                        _tile_loadd(7, xp + (s * nt + tb + 1) * 512, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(2, 5, 6);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                    _tile_stored(0, c[0][0], 64);
+                    _tile_stored(1, c[0][1], 64);
+                    _tile_stored(2, c[1][0], 64);
+                    _tile_stored(3, c[1][1], 64);
+                    w8_epilogue_tiles(&e, c, g * group_rows, t0 + tb * 16, t0 + T);
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xp);
+    free(wr_all);
+    free(c_all);
+    return 0;
+#else
+    (void)x; (void)x_stride; (void)W; (void)scale; (void)blocked; (void)out; (void)out_stride; (void)res;
+    (void)res_stride; (void)M; (void)N; (void)K; (void)mode; (void)out_f32;
     return -1;
 #endif
 }

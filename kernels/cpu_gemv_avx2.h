@@ -147,10 +147,11 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
     }
 }
 
-/* Dequantize block b of a packed int8 W (both halves for SwiGLU) into out [N, K] bf16 row-major,
-   each weight bf16(q * scale) as Int8Weight.dequantize rounds it (q two's complement); plain C */
+/* Dequantize block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements,
+   each weight bf16(q * scale) as Int8Weight.dequantize rounds it (q two's complement); plain C.
+   Rows placed as the AVX-512 version's. */
 static void dequantize_block(const int8_t* W, const float* scale, int blocked, int rows_out, int64_t K, int halves,
-                             int64_t chunks, int b, uint16_t* out) {
+                             int64_t chunks, int b, uint16_t* out, int64_t ld, int64_t half_rows, int64_t base) {
     const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
     for (int h = 0; h < halves; h++) {
         const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
@@ -164,7 +165,7 @@ static void dequantize_block(const int8_t* W, const float* scale, int blocked, i
                     for (int e = 0; e < 8; e++) {
                         const int64_t k = c * CW + 8 * g + e;
                         if (k >= K) break;
-                        out[row * K + k] = f32_to_bf16((float)P[16 * g + e] * s);
+                        out[(h * half_rows + b * RB + r - base) * ld + k] = f32_to_bf16((float)P[16 * g + e] * s);
                     }
             }
     }

@@ -126,11 +126,13 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
         }
 }
 
-/* Dequantize block b of a packed int8 W (both halves for SwiGLU) into out [N, K] bf16 row-major,
+/* Dequantize block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements,
    each weight bf16(q * scale) as Int8Weight.dequantize rounds it: a byte permutation gathers each
-   row of a pair, then sign extension, one float32 product and round to nearest even */
+   row of a pair, then sign extension, one float32 product and round to nearest even. Output row
+   i of half h (i counted over the half's rows) goes to row h * half_rows + i - base of out
+   (the whole [N, K]: ld K, half_rows rows_out, base 0). */
 static void dequantize_block(const int8_t* W, const float* scale, int blocked, int rows_out, int64_t K, int halves,
-                             int64_t chunks, int b, uint16_t* out) {
+                             int64_t chunks, int b, uint16_t* out, int64_t ld, int64_t half_rows, int64_t base) {
     uint8_t idx[64];  /* output byte j: row j / 32 of the pair, column j % 32 */
     for (int j = 0; j < 64; j++) idx[j] = (uint8_t)(16 * ((j % 32) / 8) + 8 * (j / 32) + j % 8);
     const __m512i gather = _mm512_loadu_si512(idx);
@@ -153,7 +155,7 @@ static void dequantize_block(const int8_t* W, const float* scale, int blocked, i
                         half[e] = round_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)), s));
                     }
                     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
-                    _mm512_mask_storeu_epi16(out + row * K + k, mask, v);
+                    _mm512_mask_storeu_epi16(out + (h * half_rows + b * RB + 2 * p + j - base) * ld + k, mask, v);
                 }
             }
         }

@@ -47,7 +47,7 @@ from pdserve.kernels.gemv_layout import GemvWeight
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
+_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_amx.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
             "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c",
             "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c")
 
@@ -131,6 +131,9 @@ class NativeKernels:
         self._gemv = self._bind("gemv_bf16", [_P, _I64, _P, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8 = self._bind("gemv_w8_bf16", [_P, _I64, _P, _P, _I32, _P, _I64, _P, _I64] + [_I32] * 4)
         self._gemv_w8_dequantize = self._bind("gemv_w8_dequantize", [_P, _P, _I32, _I32, _I32, _I32, _P])
+        # int8 gemv weights' larger products on AMX-BF16 (w8a16's steps past gemv's rows)
+        self.has_w8_amx = bool(self.lib.gemv_w8_amx())
+        self._w8_amx = self._bind("gemv_w8_amx_linear", [_P, _I64, _P, _P, _I32, _P, _I64, _P, _I64] + [_I32] * 5)
         self._kv_store = self._bind("kv_store", [_P, _I64, _I64, _P, _I64, _I64, _P, _P, _I64, _I64, _P, _I32, _I32,
                                                  _I64])
         self.has_gemm = bool(self.lib.gemm_supported())
@@ -277,6 +280,29 @@ class NativeKernels:
         if rc != 0:
             raise RuntimeError(f"native gemm failed with code {rc}")
         return out
+
+    def w8_amx_linear(self, x: torch.Tensor, weight: GemvWeight, residual: torch.Tensor | None = None,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """``gemv``'s product for any number of rows over an int8 ``weight``, on AMX-BF16: x [M, K]
+        bf16 (row stride free) times q, each row's sums times its scale (Q8_0: times the weights
+        dequantized as ``gemv_dequantize`` does), a new [M, N] (SwiGLU: [M, N / 2]), bf16 or
+        float32 holding the bf16-rounded values (``out_dtype``). ``bias`` [N] is added after the
+        rounding, as to gemv's output. Requires ``has_w8_amx``."""
+        M, K = x.shape
+        N = weight.rows
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K and weight.scale is not None
+        assert not (weight.swiglu and residual is not None) and out_dtype in (torch.bfloat16, torch.float32)
+        out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=out_dtype)
+        mode = 2 if weight.swiglu else 1 if residual is not None else 0
+        if residual is not None:
+            assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
+        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        rc = self._w8_amx(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scale.data_ptr(),
+                          int(weight.blocked), out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode,
+                          int(out_dtype == torch.float32))
+        if rc != 0:
+            raise RuntimeError(f"native w8 AMX linear failed with code {rc}")
+        return out if bias is None else out + bias
 
     def gemv_dequantize(self, weight: GemvWeight) -> torch.Tensor:
         """[N, K] bf16 of a packed int8 weight: ``bf16(q[n] * scale[n])`` (or per chunk, Q8_0), as

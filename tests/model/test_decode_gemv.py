@@ -63,6 +63,8 @@ def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
     bf16 = bf16_runner(ckpt)
     w8 = bf16_runner(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
     assert w8.model.quantization == "w8a16"
+    # the prefill (31 tokens) on AMX-BF16 over gemv's int8 where the CPU has it (w8_amx_linear)
+    assert w8.model.w8_amx == (gemv and native.has_w8_amx)
     # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
     assert (bf16.page_pool.layout().quantization, w8.page_pool.layout().quantization) == ("none", "w8a16")
     prompts = random_prompts([7, 23, 1], seed=5)  # 3 sequences: gemv takes their decode steps when on
