@@ -47,9 +47,9 @@ from pdserve.kernels.gemv_layout import GemvWeight
 logger = logging.getLogger(__name__)
 
 # the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_amx.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h", "cpu_decode_attn.c",
-            "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c", "cpu_int8_act.c",
-            "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c")
+_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_amx.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h",
+            "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c",
+            "cpu_int8_act.c", "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.

@@ -200,8 +200,9 @@ class LlamaForCausalLM:
         self.gemm = self.packed and gemm and self.native.has_gemm
         use_gemv = gemv and self.native is not None and self.native.has_gemv
         # w8a16's steps past gemv's rows on AMX-BF16 over gemv's int8 (``NativeKernels.w8_amx_linear``)
-        # rather than each matrix dequantized into torch's linear
-        self.w8_amx = quantization == W8A16 and use_gemv and self.native.has_w8_amx
+        # rather than each matrix dequantized into torch's linear; w8a8's decode steps likewise (its
+        # activations stay bf16 in decode steps, as in gemv's: int8 ones are its prefill's)
+        self.w8_amx = quant and use_gemv and self.native.has_w8_amx
         self.gemv_rows = GEMV_MAX_ROWS if use_gemv else 0
         # decode steps of at most this many rows run as one DecodeStack call (0: never); any number
         # where the model holds panels too (the larger steps' products are then gemm's)
@@ -360,10 +361,10 @@ class LlamaForCausalLM:
         # a small step: every linear through native gemv (the whole step, so one path per step);
         # a larger bf16 one through the native panel products where the model packed them
         small = T <= self.gemv_rows
-        w8_amx = self.w8_amx and T <= W8_AMX_MAX_ROWS
+        w8_amx = self.w8_amx and T <= W8_AMX_MAX_ROWS and (not self.a8 or batch.is_decode)
         mm = native.gemv if small else native.gemm if self.gemm else native.w8_amx_linear if w8_amx else None
         packed = self.packed and mm is None  # oneDNN's prepacked linears
-        a8 = self.a8 and not small
+        a8 = self.a8 and not small and not w8_amx
         ia = self.int8_act
         lp = torch.ops.mkldnn._linear_pointwise if packed else None
         dtype = self.dtype
@@ -380,8 +381,9 @@ class LlamaForCausalLM:
 
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            # the weights mm reads: packed for gemv, or in panels
-            qkv_m, o_m, gate_up_m, down_m = ((layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g) if small
+            # the weights mm reads: packed for gemv (its steps and w8_amx_linear's), or in panels
+            gemv_form = small or w8_amx
+            qkv_m, o_m, gate_up_m, down_m = ((layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g) if gemv_form
                                              else (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w))
             x = norm(h, layer.input_norm)
             if small:
