@@ -6,7 +6,8 @@ The C sources are package data next to this file (each says why it exists):
 AVX-512 BF16 (``has_prefill``); ``cpu_norm_rope.c``, the fused bf16 RMSNorm and
 rope; ``cpu_gemv.c``, the decode step's skinny products over bf16 or int8 weights
 packed as ``gemv_layout.GemvWeight`` (``has_gemv``: AVX-512 BF16, VBMI and VNNI, or AVX2 and FMA,
-``gemv_isa`` says which; their block kernels in ``cpu_gemv_avx512.h`` and ``cpu_gemv_avx2.h``);
+``gemv_isa`` says which; their block kernels in ``cpu_gemv_avx512.h`` and ``cpu_gemv_avx2.h``),
+and over the same int8 the larger products of w8a16 on AMX-BF16 (``has_w8_amx``);
 ``cpu_decode_layer.c``, a small decode step's layers in one call of those kernels
 (``DecodeStack``, any decode step where the model holds panels); ``cpu_gemm.c``, the bf16
 products of every larger step over weights packed as ``gemm_layout.PanelWeight``
@@ -15,8 +16,9 @@ head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the s
 int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
 ``cpu_argmax.c``, the greedy pick over float32 logits;
-``cpu_common.h``, their bf16 conversions, exp and silu,
-and ``cpu_bf16_avx512.h`` the same conversions on AVX-512 vectors.
+``cpu_common.h``, their bf16 conversions, exp and silu; ``cpu_amx.h``, the AMX tiles' permission and
+configuration;
+and ``cpu_bf16_avx512.h`` the same conversions and silu on AVX-512 vectors.
 
 They carry no torch headers, so they compile in well under a second with
 ``cc -O3 -march=native -fopenmp`` into one library, cached under
@@ -111,6 +113,23 @@ def _build(march: str = "native") -> str:
 
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _product_args(x: torch.Tensor, weight: GemvWeight | PanelWeight, residual: torch.Tensor | None,
+                  out_dtype: torch.dtype) -> tuple:
+    """A native product's checked operands: (M, N, K, a new output, epilogue mode, residual
+    pointer, residual row stride). x [M, K] bf16 with contiguous rows; out [M, N], or [M, N / 2]
+    for a SwiGLU weight (mode 2); mode 1 with a residual [M, N] bf16, else 0."""
+    M, K = x.shape
+    N = weight.rows
+    assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K
+    assert not (weight.swiglu and residual is not None) and out_dtype in (torch.bfloat16, torch.float32)
+    out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=out_dtype)
+    mode = 2 if weight.swiglu else 1 if residual is not None else 0
+    if residual is not None:
+        assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
+    res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+    return M, N, K, out, mode, res_ptr, res_stride
 
 
 class NativeKernels:
@@ -263,15 +282,7 @@ class NativeKernels:
         (gate | up, [2 I, K]): returns ``silu(x @ gate.T) * (x @ up.T)``, [M, I]. Requires
         ``has_gemm``.
         """
-        M, K = x.shape
-        N = weight.rows
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K
-        assert not (weight.swiglu and residual is not None) and out_dtype in (torch.bfloat16, torch.float32)
-        out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=out_dtype)
-        mode = 2 if weight.swiglu else 1 if residual is not None else 0
-        if residual is not None:
-            assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
-        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        M, N, K, out, mode, res_ptr, res_stride = _product_args(x, weight, residual, out_dtype)
         if bias is not None:
             assert not weight.swiglu and bias.dtype == torch.bfloat16 and bias.shape == (N,) and bias.is_contiguous()
         rc = self._gemm(x.data_ptr(), x.stride(0), weight.data.data_ptr(), out.data_ptr(), out.stride(0), res_ptr,
@@ -288,15 +299,8 @@ class NativeKernels:
         dequantized as ``gemv_dequantize`` does), a new [M, N] (SwiGLU: [M, N / 2]), bf16 or
         float32 holding the bf16-rounded values (``out_dtype``). ``bias`` [N] is added after the
         rounding, as to gemv's output. Requires ``has_w8_amx``."""
-        M, K = x.shape
-        N = weight.rows
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and weight.cols == K and weight.scale is not None
-        assert not (weight.swiglu and residual is not None) and out_dtype in (torch.bfloat16, torch.float32)
-        out = torch.empty(M, N // 2 if weight.swiglu else N, dtype=out_dtype)
-        mode = 2 if weight.swiglu else 1 if residual is not None else 0
-        if residual is not None:
-            assert residual.dtype == torch.bfloat16 and residual.shape == (M, N) and residual.stride(1) == 1
-        res_ptr, res_stride = (residual.data_ptr(), residual.stride(0)) if residual is not None else (None, 0)
+        assert weight.scale is not None
+        M, N, K, out, mode, res_ptr, res_stride = _product_args(x, weight, residual, out_dtype)
         rc = self._w8_amx(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scale.data_ptr(),
                           int(weight.blocked), out.data_ptr(), out.stride(0), res_ptr, res_stride, M, N, K, mode,
                           int(out_dtype == torch.float32))

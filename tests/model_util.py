@@ -80,6 +80,17 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list
     return tokens, [torch.stack(x) for x in logits]
 
 
+def assert_picks_agree_but_near_ties(tokens: list[list[int]], want: list[list[int]], logits: list[torch.Tensor],
+                                     frac: float = 0.05) -> None:
+    """Greedy picks ``tokens`` agree with ``want`` wherever the top two of ``want``'s ``logits``
+    ([steps, vocab] per sequence) are more than ``frac`` of the logits' std apart."""
+    for seq, seq_want, seq_logits in zip(tokens, want, logits):
+        for t, (a, b) in enumerate(zip(seq, seq_want)):
+            if a != b:
+                top2 = seq_logits[t].topk(2).values
+                assert top2[0] - top2[1] < frac * seq_logits[t].std(), (t, a, b)
+
+
 def hf_greedy(model, prompt: list[int], max_new: int):
     """transformers greedy generate, never stopping early: (tokens, [max_new, vocab] logits)."""
     out = model.generate(

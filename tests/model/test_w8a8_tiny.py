@@ -43,6 +43,19 @@ def test_w8a8_logits_within_stated_error_of_bf16(ckpt):
         assert 0 < err <= W8A8_LOGIT_ERROR, err
 
 
+def test_w8a8_decode_steps_past_gemv_rows_within_stated_error(ckpt):
+    # 6 sequences: decode steps of 6 rows, past gemv's 4; where the CPU has AMX-BF16 they run as
+    # w8a16's do (bf16 activations over gemv's int8, NativeKernels.w8_amx_linear)
+    bf16 = bf16_runner(ckpt)
+    a8 = bf16_runner(ckpt, quantization="w8a8")
+    native = a8.model.native
+    assert a8.model.w8_amx == (native is not None and native.has_gemv and native.has_w8_amx)
+    got, want = max_error(a8, bf16, random_prompts([3, 5, 8, 2, 11, 6], seed=7))
+    for g, w in zip(got, want):
+        err = (g[1:] - w[1:]).abs().max() / w.std()  # the decode steps' logits
+        assert 0 < err <= W8A8_LOGIT_ERROR, err
+
+
 def test_w8a8_prefill_differs_from_w8a16_by_activation_rounding_only(ckpt):
     # the same int8 weights: the prefill's logits (the first of each sequence) differ by the int8
     # activations alone
