@@ -25,6 +25,17 @@ static inline __mmask16 lanes16(int cnt) {
     return cnt >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << cnt) - 1u);
 }
 
+/* the first ``cnt`` of 16 output values at out + at: v rounded once to bf16, stored as bf16 or
+   (out_f32) widened to float32 */
+static inline void store16(void* out, int64_t at, __m512 v, int cnt, int out_f32) {
+    const __m256i b = round_bf16(v);
+    const __mmask16 mask = lanes16(cnt);
+    if (out_f32)
+        _mm512_mask_storeu_ps((float*)out + at, mask, widen_bf16(b));
+    else
+        _mm256_mask_storeu_epi16((uint16_t*)out + at, mask, b);
+}
+
 /* silu of 16 lanes (cpu_common.h's, which the compiler vectorizes) */
 static inline __m512 silu16(__m512 v) {
     float g[16] __attribute__((aligned(64)));

@@ -61,16 +61,6 @@ static inline void silu_rows(float* g, int n) {
     }
 }
 
-/* one 16-column vector of an output row: v rounded once, stored as bf16 or widened to float32 */
-static inline void store16(void* out, int64_t at, __m512 v, int cnt, int out_f32) {
-    const __m256i b = round_bf16(v);
-    const __mmask16 mask = lanes16(cnt);
-    if (out_f32)
-        _mm512_mask_storeu_ps((float*)out + at, mask, widen_bf16(b));
-    else
-        _mm256_mask_storeu_epi16((uint16_t*)out + at, mask, b);
-}
-
 typedef struct {
     const uint16_t* x;
     int64_t xs;

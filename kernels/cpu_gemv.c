@@ -313,50 +313,14 @@ static void pack_x(const uint16_t* x, int64_t xs, int T, int64_t K, int64_t step
     }
 }
 
-/* Block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements placed as
-   dequantize_block places them, each weight q itself (exact in bf16): its scale joins the sums
-   in the epilogue (per-row scales only; Q8_0's blocks are dequantized) */
-static void widen_block(const int8_t* W, int rows_out, int64_t K, int halves, int64_t chunks, int b, uint16_t* out,
-                        int64_t ld, int64_t half_rows, int64_t base) {
-    uint8_t idx[64];  /* output byte j: row j / 32 of the pair, column j % 32 (as dequantize_block) */
-    for (int j = 0; j < 64; j++) idx[j] = (uint8_t)(16 * ((j % 32) / 8) + 8 * (j / 32) + j % 8);
-    const __m512i gather = _mm512_loadu_si512(idx);
-    const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
-    for (int h = 0; h < halves; h++) {
-        const int8_t* B = W + ((int64_t)b * halves + h) * chunks * RB * CW;
-        for (int64_t c = 0; c < chunks; c++, B += RB * CW) {
-            const __mmask32 mask = chunk_mask(c * CW, K);
-            for (int p = 0; p < RB / 2; p++) {
-                const __m512i w = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(B + p * 64));
-                for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
-                    const __m256i q = j ? _mm512_extracti64x4_epi64(w, 1) : _mm512_castsi512_si256(w);
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-                    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-                    _mm512_mask_storeu_epi16(out + (h * half_rows + b * RB + 2 * p + j - base) * ld + c * CW, mask, v);
-                }
-            }
-        }
-    }
-}
-
 typedef struct {
-    uint16_t* out;
+    void* out;  /* bf16, or float32 (out_f32) */
     int64_t os;
     const uint16_t* res;
     int64_t rs;
     const float* scale;  /* per output row (the up rows after the gate rows for SwiGLU), or null */
     int mode, out_f32, out_cols;
 } w8_epilogue;
-
-static inline void w8_store16(const w8_epilogue* e, int64_t at, __m512 v, int cnt) {
-    const __m256i b = round_bf16(v);
-    const __mmask16 mask = lanes16(cnt);
-    if (e->out_f32)
-        _mm512_mask_storeu_ps((float*)e->out + at, mask, widen_bf16(b));
-    else
-        _mm256_mask_storeu_epi16(e->out + at, mask, b);
-}
 
 /* sums c[a][b] (weight rows 16 a.., tokens 16 b..) of output columns n0.. for tokens m0.. (those
    below end): out through the epilogue; SwiGLU: c[0] gate, c[1] up of the same 16 columns */
@@ -379,7 +343,7 @@ static void w8_epilogue_tiles(const w8_epilogue* e, float c[2][2][16][16], int n
                     u = _mm512_mul_ps(u, _mm512_maskz_loadu_ps(mask, e->scale + e->out_cols + n0));
                 }
                 const __m512 gate = widen_bf16(round_bf16(silu16(g)));
-                w8_store16(e, row + n0, _mm512_mul_ps(u, gate), e->out_cols - n0);
+                store16(e->out, row + n0, _mm512_mul_ps(u, gate), e->out_cols - n0, e->out_f32);
                 continue;
             }
             for (int a = 0; a < 2; a++) {
@@ -389,7 +353,7 @@ static void w8_epilogue_tiles(const w8_epilogue* e, float c[2][2][16][16], int n
                 if (e->scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(lanes16(cnt), e->scale + n));
                 if (e->mode == 1)
                     v = _mm512_add_ps(v, widen_bf16(_mm256_maskz_loadu_epi16(lanes16(cnt), e->res + (int64_t)m * e->rs + n)));
-                w8_store16(e, row + n, v, cnt);
+                store16(e->out, row + n, v, cnt, e->out_f32);
             }
         }
     }
@@ -423,7 +387,7 @@ int gemv_w8_amx_linear(const uint16_t* x, int64_t x_stride, const int8_t* W, con
         return -3;
     }
     /* per-row scales join the sums at the end; Q8_0's per-block scales go into the weights */
-    const w8_epilogue e = {(uint16_t*)out, out_stride, res, res_stride, blocked ? NULL : scale, mode, out_f32,
+    const w8_epilogue e = {out, out_stride, res, res_stride, blocked ? NULL : scale, mode, out_f32,
                            rows_out};
     #pragma omp parallel
     {
@@ -438,13 +402,10 @@ int gemv_w8_amx_linear(const uint16_t* x, int64_t x_stride, const int8_t* W, con
             for (int g = 0; g < groups; g++) {
                 const int b0 = g * group_rows / RB, b1 = (g + 1) * group_rows / RB;
                 const int nblocks = (rows_out + RB - 1) / RB;
-                for (int b = b0; b < b1 && b < nblocks; b++) {
-                    if (blocked)
-                        dequantize_block(W, scale, blocked, rows_out, K, halves, chunks, b, wr, Kp, 16,
-                                         (int64_t)b0 * RB);
-                    else
-                        widen_block(W, rows_out, K, halves, chunks, b, wr, Kp, 16, (int64_t)b0 * RB);
-                }
+                /* per-row scales: q itself here, the scale on the sums in the epilogue */
+                for (int b = b0; b < b1 && b < nblocks; b++)
+                    dequantize_block(W, blocked ? scale : NULL, blocked, rows_out, K, halves, chunks, b, wr, Kp,
+                                     16, (int64_t)b0 * RB);
                 for (int tb = 0; tb < nt; tb += 2) {
                     _tile_zero(0);
                     _tile_zero(1);

@@ -148,8 +148,8 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
 }
 
 /* Dequantize block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements,
-   each weight bf16(q * scale) as Int8Weight.dequantize rounds it (q two's complement); plain C.
-   Rows placed as the AVX-512 version's. */
+   each weight bf16(q * scale) as Int8Weight.dequantize rounds it (q two's complement; scale null:
+   q itself); plain C. Rows placed as the AVX-512 version's. */
 static void dequantize_block(const int8_t* W, const float* scale, int blocked, int rows_out, int64_t K, int halves,
                              int64_t chunks, int b, uint16_t* out, int64_t ld, int64_t half_rows, int64_t base) {
     const int rows = rows_out - b * RB < RB ? rows_out - b * RB : RB;
@@ -159,7 +159,7 @@ static void dequantize_block(const int8_t* W, const float* scale, int blocked, i
         for (int64_t c = 0; c < chunks; c++, B += RB * CW)
             for (int r = 0; r < rows; r++) {
                 const int64_t row = row0 + r;
-                const float s = blocked ? scale[row * chunks + c] : scale[row];
+                const float s = !scale ? 1.f : blocked ? scale[row * chunks + c] : scale[row];
                 const int8_t* P = B + (r / 2) * 64 + (r % 2) * 8;
                 for (int g = 0; g < 4; g++)
                     for (int e = 0; e < 8; e++) {

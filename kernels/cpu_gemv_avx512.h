@@ -128,9 +128,10 @@ static inline __attribute__((always_inline)) void block_i8(const int8_t* B, int6
 
 /* Dequantize block b of a packed int8 W (both halves for SwiGLU) into bf16 rows of ld elements,
    each weight bf16(q * scale) as Int8Weight.dequantize rounds it: a byte permutation gathers each
-   row of a pair, then sign extension, one float32 product and round to nearest even. Output row
-   i of half h (i counted over the half's rows) goes to row h * half_rows + i - base of out
-   (the whole [N, K]: ld K, half_rows rows_out, base 0). */
+   row of a pair, then sign extension, one float32 product and round to nearest even. ``scale``
+   null: q itself (exact in bf16; the AMX products scale the sums instead). Output row i of half
+   h (i counted over the half's rows) goes to row h * half_rows + i - base of out (the whole
+   [N, K]: ld K, half_rows rows_out, base 0). */
 static void dequantize_block(const int8_t* W, const float* scale, int blocked, int rows_out, int64_t K, int halves,
                              int64_t chunks, int b, uint16_t* out, int64_t ld, int64_t half_rows, int64_t base) {
     uint8_t idx[64];  /* output byte j: row j / 32 of the pair, column j % 32 */
@@ -147,14 +148,17 @@ static void dequantize_block(const int8_t* W, const float* scale, int blocked, i
                 const __m512i w = _mm512_permutexvar_epi8(gather, _mm512_loadu_si512(B + p * 64));
                 for (int j = 0; j < 2 && 2 * p + j < rows; j++) {
                     const int64_t row = row0 + 2 * p + j;
-                    const __m512 s = _mm512_set1_ps(blocked ? scale[row * chunks + c] : scale[row]);
                     const __m256i q = j ? _mm512_extracti64x4_epi64(w, 1) : _mm512_castsi512_si256(w);
-                    __m256i half[2];
-                    for (int e = 0; e < 2; e++) {
-                        const __m128i q16 = e ? _mm256_extracti128_si256(q, 1) : _mm256_castsi256_si128(q);
-                        half[e] = round_bf16(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q16)), s));
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+                    __m512i v;
+                    if (scale) {
+                        const __m512 s = _mm512_set1_ps(blocked ? scale[row * chunks + c] : scale[row]);
+                        v = _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(_mm512_mul_ps(lo, s))),
+                                               round_bf16(_mm512_mul_ps(hi, s)), 1);
+                    } else {
+                        v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
                     }
-                    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
                     _mm512_mask_storeu_epi16(out + (h * half_rows + b * RB + 2 * p + j - base) * ld + k, mask, v);
                 }
             }

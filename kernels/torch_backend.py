@@ -90,7 +90,6 @@ class TorchAttentionBackend(AttentionBackend):
                         mask = torch.arange(seq, device=device)[None, :] <= q_pos
                 self.prefills.append(_PrefillMeta(start, start + ext, slots, mask))
             start += ext
-        self.num_tokens = start
         self.decode = None
         if decode_seqs:
             all_rows = len(decode_seqs) == batch.batch_size
@@ -121,7 +120,6 @@ class TorchAttentionBackend(AttentionBackend):
                             out_cache_loc: torch.Tensor, host_seq_lens: list[int]) -> None:
         self.loc = out_cache_loc
         self.prefills = []
-        self.num_tokens = bs
         mask = None
         if self.native is None:
             mask = self._graph_mask[:bs]

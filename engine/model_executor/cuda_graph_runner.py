@@ -97,7 +97,6 @@ class DecodeGraphRunner:
     def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, max_pages: int,
                  capture: Capture):
         self.model, self.attn = model, attn
-        self.max_bs, self.max_pages = max_bs, max_pages
         self.buckets = decode_buckets(max_bs)
         device = attn.page_pool.device
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
@@ -118,8 +117,8 @@ class DecodeGraphRunner:
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """An all-decode step the static buffers hold."""
-        return (batch.is_decode and 1 <= batch.batch_size <= self.max_bs
-                and batch.page_table.shape[1] <= self.max_pages and batch.logits_indices.numel() > 0)
+        return (batch.is_decode and 1 <= batch.batch_size <= self.buckets[-1]
+                and batch.page_table.shape[1] <= self.page_table.shape[1] and batch.logits_indices.numel() > 0)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """``model.forward(batch)`` through the bucket's graph: float32 logits of the rows
