@@ -7,7 +7,9 @@ collective of the model would mix different batches. So each step, before the lo
 room, the ranks take the element-wise minimum of their rooms' states (``KVPoll`` is ordered
 Failed < Bootstrapping < ... < Success): a room is Success only when it is on every rank, and
 Failed as soon as it is on any; a rank whose own copy of a room the others failed aborts it
-here, which tells its peers and frees (or quarantines) its pages like any failure. A decode
+here, which tells its peers and frees (or quarantines) its pages like any failure. The ranks then
+share why the room failed where it did (one more collective, only at a step where some room
+newly failed), so the client's error and the peer's abort name the cause, not only "another rank". A decode
 room's pages leave quarantine only once every rank's source closed it. The loops read the agreed
 state through ``poll()`` until the next agreement.
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.engine.model_executor.parallel import all_reduce_min_list, tp_size
+import msgspec
+
+from pdserve.engine.model_executor.parallel import all_gather_bytes, all_reduce_min_list, tp_size
 from pdserve.kvtransfer.kv_poll import KVPoll
 
 FAILED_ELSEWHERE = "failed on another TP rank of this server"
@@ -35,13 +39,29 @@ def agree(rooms: Sequence, closing: Sequence = ()) -> None:
     vec = [int(r.state) for r in rooms] + [int(c) for c in closed]
     out = all_reduce_min_list(vec)
     n = len(rooms)
-    for room, state in zip(rooms, out[:n]):
-        state = KVPoll(state)
+    states = [KVPoll(s) for s in out[:n]]
+    # the previous agreement is the same on every rank, so every rank takes this branch alike
+    newly = [r for r, s in zip(rooms, states) if s is KVPoll.Failed and r.agreed is not KVPoll.Failed]
+    causes = _causes(newly) if newly else {}
+    for room, state in zip(rooms, states):
         if state is KVPoll.Failed and not room.state.done:
-            room.abort(FAILED_ELSEWHERE)
+            room.abort(causes.get(id(room), FAILED_ELSEWHERE))
         room.agreed = state
     for room, closed in zip(closing, out[n:]):
         room.agreed_closed = bool(closed)
+
+
+def _causes(rooms: Sequence) -> dict[int, str]:
+    """For each of ``rooms`` (failed on some rank, in the same order on every rank), the reason of the
+    lowest TP rank whose own copy failed, as this rank's abort reason: {id(room): reason}."""
+    mine = [r.failure_reason if r.state is KVPoll.Failed else None for r in rooms]
+    per_rank = [msgspec.json.decode(b) for b in all_gather_bytes(msgspec.json.encode(mine))]
+    out = {}
+    for i, room in enumerate(rooms):
+        origin = next(((rank, why[i]) for rank, why in enumerate(per_rank) if why[i] is not None), None)
+        if origin is not None:
+            out[id(room)] = f"failed on TP rank {origin[0]} of this server: {origin[1]}"
+    return out
 
 
 def agree_values(values: Sequence[int]) -> list[int]:

@@ -112,6 +112,22 @@ def all_reduce_min_list(values: list[int]) -> list[int]:
     return t.tolist()
 
 
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """Every TP rank's ``data``, in rank order (CPU tensors, over gloo: the scheduler's side channel)."""
+    size = tp_size()
+    if size == 1:
+        return [data]
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+    width = max(1, max(int(n) for n in lengths))
+    mine = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine)
+    return [part[: int(n)].numpy().tobytes() for part, n in zip(parts, lengths)]
+
+
 def broadcast_objects(objs: list | None) -> list:
     """Rank 0's picklable ``objs`` on every rank (CPU, over gloo). Others pass None."""
     if tp_size() == 1:

@@ -113,7 +113,7 @@ def test_mismatched_and_matched_tp_pairs_equal_colocated(stand):
         for ids, p, d, fut in jobs:
             pr, dr = fut.result()
             assert not isinstance(pr, Exception) and not isinstance(dr, Exception), (p, d, pr, dr)
-            assert pr.status_code == 200 and dr.status_code == 200, (p, d, pr.text, dr.text)
+            assert pr.status_code == 200 and dr.status_code == 200, (p, d, pr.text, dr.text, stand[p].log(), stand[d].log())
             assert dr.json()["output_ids"] == refs[tuple(ids)], (p, d, len(ids))
     _unleaked(stand)
     # each TP rank counts the rooms and KV bytes of its own heads (/metrics, tp_rank label)
@@ -143,9 +143,8 @@ def test_prefill_with_a_missing_tp_rank_fails_rooms_naming_it(stand):
     """A prefill server whose TP rank 1 never registered: the decode's rooms wait, then fail after
     bootstrap_timeout (BOOTSTRAP_TIMEOUT on this stand) with a message naming the missing rank.
 
-    The decode is TP 1: on a TP 2 decode both ranks time out within a step of each other, and when
-    rank 1's fires first the client (answered by rank 0) reads "failed on another TP rank of this
-    server" instead of the cause; carrying the first rank's reason to rank 0 is left open."""
+    The decode is TP 2: both ranks time out within a step of each other, and when rank 1's fires
+    first the client (answered by rank 0) reads rank 1's reason, carried by the TP agreement."""
     real = _topology(stand["P2"])["ranks"][0]
     fake = BootstrapServer("127.0.0.1", 0, dp_size=1, tp_size=2).start_in_thread()
     try:
@@ -154,7 +153,7 @@ def test_prefill_with_a_missing_tp_rank_fails_rooms_naming_it(stand):
                                      method="PUT", headers={"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=5).close()
         t0 = time.monotonic()
-        r = stand["D1"].post("/generate", dict(greedy_body(PROMPTS[1], 2), bootstrap_host="127.0.0.1",
+        r = stand["D2"].post("/generate", dict(greedy_body(PROMPTS[1], 2), bootstrap_host="127.0.0.1",
                                                bootstrap_port=fake.port, bootstrap_room=12345,
                                                disagg_prefill_dp_rank=0))
         assert time.monotonic() - t0 >= BOOTSTRAP_TIMEOUT - 0.5, "the room waited for the missing rank"
