@@ -99,6 +99,9 @@ class PrefillKVManager(KVManager):
         self._register(self._aux_staging.base_addr, self._aux_staging.nbytes)
         self.senders: dict[int, KVSender] = {}
         self._pending: dict[int, list[tuple[m.RoomRequest, float]]] = {}  # destinations that came before the sender
+        # rooms a decode rank aborted before their sender existed: (reason, when); the sender fails at
+        # creation instead of prefilling for nobody and waiting bootstrap_timeout for a destination
+        self._aborted_early: dict[int, tuple[str, float]] = {}
         self.decode_peers: dict[str, DecodePeer] = {}
         self.registered = threading.Event()  # set once the bootstrap server accepted this rank
         self.registration_error: str | None = None
@@ -129,6 +132,12 @@ class PrefillKVManager(KVManager):
             if room in self.senders and not self.senders[room].state.done:
                 raise KVTransferError(f"room {room} already has an open sender")
             self.senders[room] = sender
+            early = self._aborted_early.pop(room, None)
+            if early is not None:
+                # the decode side knows; its other TP ranks' destinations wait for their own abort
+                self._pending.pop(room, None)
+                self._finish(sender, KVPoll.Failed, early[0])
+                return sender
             if self.silent:
                 sender.state = KVPoll.WaitingForInput  # nothing to wait for: it follows the others
             for req, _ in self._pending.pop(room, []):
@@ -439,6 +448,7 @@ class PrefillKVManager(KVManager):
                     self._fail_sender(sender, f"aborted by decode: {msg.reason}", skip=msg.endpoint)
                     self._maybe_closed(sender, msg.endpoint)
                     return
+                self._aborted_early[msg.room] = (f"aborted by decode: {msg.reason}", self.clock())
             if msg.endpoint:  # a room never started here (or long purged): nothing of it can be in flight
                 self.send_msg(msg.endpoint, m.RoomClosed(msg.room, tp_rank=self.tp.rank))
         elif isinstance(msg, m.Heartbeat):
@@ -506,6 +516,14 @@ class PrefillKVManager(KVManager):
                 self._pending.setdefault(req.room, []).append((req, self.clock()))
             elif sender.state is KVPoll.Bootstrapping:
                 self._attach(sender, req)
+            elif sender.state is KVPoll.Failed and all(d.peer is not peer for d in sender.dests.values()):
+                # the room failed here before this destination came (bootstrap_timeout, an abort):
+                # nothing was written to it, so the decode rank learns why and may free it at once
+                # instead of waiting its waiting_timeout for KV that will never come
+                endpoint = peer.reg.endpoint
+                self.send_msg(endpoint, m.AbortRoom(req.room, sender.failure_reason or "failed", self.endpoint,
+                                                    tp_rank=self.tp.rank))
+                self.send_msg(endpoint, m.RoomClosed(req.room, tp_rank=self.tp.rank))
             else:
                 logger.warning("kv prefill: duplicate destination for room %d ignored", req.room)
 
@@ -517,6 +535,8 @@ class PrefillKVManager(KVManager):
                     self._fail_sender(sender, f"no destination from decode within bootstrap_timeout {timeout}s")
             for room in [r for r, reqs in self._pending.items() if now - reqs[0][1] > timeout]:
                 del self._pending[room]
+            for room in [r for r, (_, at) in self._aborted_early.items() if now - at > timeout]:
+                del self._aborted_early[room]
             self._purge(self.senders, now)
 
     def _close_extra(self) -> None:

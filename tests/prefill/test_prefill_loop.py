@@ -106,6 +106,21 @@ def test_decode_abort_fails_the_prefill_room(pair):
     pair.settle()  # the decode's quarantine was released by the prefill's RoomClosed
 
 
+def test_a_decode_abort_before_the_prefill_saw_the_room_fails_it_at_once(pair):
+    prompt = list(range(70, 80))
+    room = pair.submit("early", prompt, max_new=4, to="D")
+    # the destination went to the prefill, which has no sender for the room yet; the client leaves
+    pair.run(lambda: "early" in pair.decode.transfer, prefill=False)
+    assert pair.decode.abort("early", "client left")
+    pair.run(lambda: not pair.decode.has_work(), prefill=False)  # the prefill's RoomClosed released it
+    # the prefill request comes late: it fails at once, without prefilling, not after bootstrap_timeout
+    pair.submit("early", prompt, max_new=4, to="P", room=room)
+    pair.run(pair.done("early", sides="P"), decode=False)
+    p = pair.final("P", "early")
+    assert p.finish_reason == "error" and "aborted by decode: client left" in p.error, p.error
+    pair.settle()
+
+
 def test_a_failed_write_fails_the_room_on_both_sides(pair):
     # the decode's V buffer of the last layer is no longer registered: the write is refused
     d_kv = pair.decode.kv
@@ -130,6 +145,21 @@ def test_bootstrap_timeout_on_the_injected_clock(pair):
     pair.run(pair.done("lonely", sides="P"))
     p = pair.final("P", "lonely")
     assert p.finish_reason == "error" and "bootstrap_timeout" in p.error
+    pair.settle()
+
+
+def test_a_destination_after_the_room_timed_out_fails_the_decode_at_once(pair):
+    room = pair.submit("late", [5, 6, 7], to="P")
+    pair.step()
+    pair.clock.advance(pair.kv_config.bootstrap_timeout + 1)
+    pair.run(pair.done("late", sides="P"))
+    assert "bootstrap_timeout" in pair.final("P", "late").error
+    # the decode's destination comes after that: it fails now, not after its waiting_timeout, and its
+    # pages leave quarantine on the prefill's RoomClosed (nothing was written to them)
+    pair.submit("late", [5, 6, 7], to="D", room=room)
+    pair.run(pair.done("late", sides="D"), prefill=False)
+    d = pair.final("D", "late")
+    assert d.finish_reason == "error" and "aborted by prefill: no destination from decode within bootstrap_timeout" in d.error
     pair.settle()
 
 
