@@ -113,7 +113,10 @@ def test_mismatched_and_matched_tp_pairs_equal_colocated(stand):
         for ids, p, d, fut in jobs:
             pr, dr = fut.result()
             assert not isinstance(pr, Exception) and not isinstance(dr, Exception), (p, d, pr, dr)
-            assert pr.status_code == 200 and dr.status_code == 200, (p, d, pr.text, dr.text, stand[p].log(), stand[d].log())
+            # a str message is printed whole (a tuple's repr is cut): both answers and both servers' log tails
+            assert pr.status_code == 200 and dr.status_code == 200, (
+                f"{p} -> {d}: prefill {pr.text}\ndecode {dr.text}\n{p} log:\n{stand[p].log(1500)}\n"
+                f"{d} log:\n{stand[d].log(1500)}")
             assert dr.json()["output_ids"] == refs[tuple(ids)], (p, d, len(ids))
     _unleaked(stand)
     # each TP rank counts the rooms and KV bytes of its own heads (/metrics, tp_rank label)
