@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class KVTransferError(RuntimeError):
     """Base of every error this package raises."""
@@ -53,6 +55,8 @@ _CAUSE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # prefixes a side puts in front of the reason it got from elsewhere (its peer, its loop)
 _RELAY_PREFIXES = ("KV transfer failed: ", "aborted by prefill: ", "aborted by decode: ", "prefill failed: ",
                    "prefill ended the request: ")
+# and the TP agreement's, in front of the reason of the rank where the room failed (tp_agreement.py)
+_RELAY_RANK = re.compile(r"failed on TP rank \d+ of this server: ")
 ABORTED = "aborted"  # a request ended by its client, its server or the peer's (no fault of the transfer)
 OTHER = "other"
 FAILURE_CAUSES = tuple(c for c, _ in _CAUSE_MARKERS) + (ABORTED, OTHER)
@@ -63,9 +67,10 @@ def failure_cause(reason: str | None) -> str:
     text, relayed = reason or "", False
     while True:
         prefix = next((p for p in _RELAY_PREFIXES if text.startswith(p)), None)
-        if prefix is None:
+        rank = _RELAY_RANK.match(text) if prefix is None else None
+        if prefix is None and rank is None:
             break
-        text, relayed = text[len(prefix):], True
+        text, relayed = text[len(prefix) if prefix else rank.end():], True
     for cause, markers in _CAUSE_MARKERS:
         if any(m in text for m in markers):
             return cause

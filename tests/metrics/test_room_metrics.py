@@ -134,6 +134,10 @@ def test_the_front_end_serves_each_ranks_families_with_its_ranks():
      "transfer"),
     ("transfer error: RuntimeError('x')", "transfer"),
     ("aborted by decode: aborted by decode: client left", "aborted"),
+    # another TP rank's reason, carried by the agreement (and on to the peer)
+    ("failed on TP rank 1 of this server: no KV from prefill within waiting_timeout 60.0s", "waiting_timeout"),
+    ("aborted by decode: failed on TP rank 0 of this server: aborted by decode: client left", "aborted"),
+    ("failed on another TP rank of this server", "other"),
     ("prefill ended the request: length", "aborted"),
     ("decode preallocated 2 pages for a 40-token prompt that needs 3", "rejected"),
     ("transfer backend mismatch: prefill nixl vs decode mooncake", "rejected"),
