@@ -52,25 +52,27 @@ _CAUSE_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "preallocated", "outside decode pool", "aux slot", "no such DP rank", "bootstrap lookup",
                   "DP size lookup")),
 )
-# prefixes a side puts in front of the reason it got from elsewhere (its peer, its loop)
+# prefixes a side puts in front of the reason it got from elsewhere (its peer, its loop, and the TP
+# agreement's ``failed_on_rank``)
 _RELAY_PREFIXES = ("KV transfer failed: ", "aborted by prefill: ", "aborted by decode: ", "prefill failed: ",
                    "prefill ended the request: ")
-# and the TP agreement's, in front of the reason of the rank where the room failed (tp_agreement.py)
-_RELAY_RANK = re.compile(r"failed on TP rank \d+ of this server: ")
+_RANK_PREFIX = "failed on TP rank {} of this server: "
+_RELAY = re.compile("|".join(map(re.escape, _RELAY_PREFIXES)) + "|" + re.escape(_RANK_PREFIX).replace(r"\{\}", r"\d+"))
 ABORTED = "aborted"  # a request ended by its client, its server or the peer's (no fault of the transfer)
 OTHER = "other"
 FAILURE_CAUSES = tuple(c for c, _ in _CAUSE_MARKERS) + (ABORTED, OTHER)
 
 
+def failed_on_rank(tp_rank: int, reason: str) -> str:
+    """A room's reason on the TP ranks it did not fail on: where it failed, and why."""
+    return _RANK_PREFIX.format(tp_rank) + reason
+
+
 def failure_cause(reason: str | None) -> str:
     """The ``FAILURE_CAUSES`` entry of a failed room's reason (see ``_CAUSE_MARKERS``)."""
     text, relayed = reason or "", False
-    while True:
-        prefix = next((p for p in _RELAY_PREFIXES if text.startswith(p)), None)
-        rank = _RELAY_RANK.match(text) if prefix is None else None
-        if prefix is None and rank is None:
-            break
-        text, relayed = text[len(prefix) if prefix else rank.end():], True
+    while (prefix := _RELAY.match(text)) is not None:
+        text, relayed = text[prefix.end():], True
     for cause, markers in _CAUSE_MARKERS:
         if any(m in text for m in markers):
             return cause

@@ -136,7 +136,7 @@ class PrefillKVManager(KVManager):
             if early is not None:
                 # the decode side knows; its other TP ranks' destinations wait for their own abort
                 self._pending.pop(room, None)
-                self._finish(sender, KVPoll.Failed, early[0])
+                self._fail_sender(sender, early[0], tell_peer=False)
                 return sender
             if self.silent:
                 sender.state = KVPoll.WaitingForInput  # nothing to wait for: it follows the others
@@ -521,7 +521,7 @@ class PrefillKVManager(KVManager):
                 # nothing was written to it, so the decode rank learns why and may free it at once
                 # instead of waiting its waiting_timeout for KV that will never come
                 endpoint = peer.reg.endpoint
-                self.send_msg(endpoint, m.AbortRoom(req.room, sender.failure_reason or "failed", self.endpoint,
+                self.send_msg(endpoint, m.AbortRoom(req.room, sender.failure_reason, self.endpoint,
                                                     tp_rank=self.tp.rank))
                 self.send_msg(endpoint, m.RoomClosed(req.room, tp_rank=self.tp.rank))
             else:

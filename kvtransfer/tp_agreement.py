@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import msgspec
 
 from pdserve.engine.model_executor.parallel import all_gather_bytes, all_reduce_min_list, tp_size
+from pdserve.kvtransfer.errors import failed_on_rank
 from pdserve.kvtransfer.kv_poll import KVPoll
 
 FAILED_ELSEWHERE = "failed on another TP rank of this server"
@@ -60,7 +61,7 @@ def _causes(rooms: Sequence) -> dict[int, str]:
     for i, room in enumerate(rooms):
         origin = next(((rank, why[i]) for rank, why in enumerate(per_rank) if why[i] is not None), None)
         if origin is not None:
-            out[id(room)] = f"failed on TP rank {origin[0]} of this server: {origin[1]}"
+            out[id(room)] = failed_on_rank(*origin)
     return out
 
 

@@ -380,9 +380,9 @@ class LlamaForCausalLM:
             return F.linear(x, dense(w, dtype), bias)
 
         last = len(self.layers) - 1
+        # the weights mm reads: packed for gemv (its steps and w8_amx_linear's), or in panels
+        gemv_form = small or w8_amx
         for i, layer in enumerate(self.layers):
-            # the weights mm reads: packed for gemv (its steps and w8_amx_linear's), or in panels
-            gemv_form = small or w8_amx
             qkv_m, o_m, gate_up_m, down_m = ((layer.qkv_g, layer.o_g, layer.gate_up_g, layer.down_g) if gemv_form
                                              else (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w))
             x = norm(h, layer.input_norm)
