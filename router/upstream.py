@@ -1,16 +1,15 @@
 """A lean HTTP/1.1 client for the two legs: pooled keep-alive connections, one write per request.
 
 The legs are the router's hot path, and a general client (aiohttp's) spends
-more time building a request than the stand-in servers spend answering it:
-with aiohttp's client for the legs (commit 04bfe2e), ``scripts/bench_router.py
---baseline-tree`` measured against this one, in the same runs (3 runs, medians;
-2-core AMD EPYC Zen 4), 36% fewer requests per second (JSON and streamed), 37%
-(JSON) and 44% (streamed) more added p50 latency, and 2.2x the router's CPU time
-per request. This one only POSTs JSON to a known ``http(s)://host:port``: it writes the head
-and body in one ``transport.write``, parses the answer with httptools
-(llhttp), and hands the body over as it arrives. Failures are one typed
-``UpstreamError``. A request that is cancelled aborts its connection, which is
-how a server learns that its client went away (and aborts the room).
+more time building a request than the stand-in servers spend answering it
+(against aiohttp's client for the legs, this one serves more requests per second
+at less added latency and half the router's CPU time per request:
+docs/PERFORMANCE.md, "Design choices"). This one only POSTs JSON to a known
+``http(s)://host:port``: it writes the head and body in one ``transport.write``,
+parses the answer with httptools (llhttp), and hands the body over as it
+arrives. Failures are one typed ``UpstreamError``. A request that is cancelled
+aborts its connection, which is how a server learns that its client went away
+(and aborts the room).
 """
 
 from __future__ import annotations

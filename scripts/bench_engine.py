@@ -32,8 +32,8 @@ same run; ``--prefill-only`` measures the prefill figure alone:
         --quantization w8a8 --quant-sides none w8a16
 
 ``--baseline-rev REV`` adds the Engine of an earlier git revision of this checkout as a side
-(its files in a temporary tree), so "faster than before" is a ratio of one run: issue 17's
-figures against 6fc1355, the last commit before it:
+(its files in a temporary tree), so "faster than before" is a ratio of one run (the decode-step
+figures of docs/PERFORMANCE.md are against 6fc1355, the last commit before the native decode step):
 
     .venv/bin/python scripts/bench_engine.py --no-hf --threads 2 --repeats 3 --baseline-rev 6fc1355
 
@@ -59,7 +59,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
 
-from benchlib.baselines import BEFORE_ISSUE_17  # noqa: E402
+from benchlib.baselines import ONEDNN_LINEARS  # noqa: E402
 from benchlib.revision_tree import revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
@@ -87,10 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--quantization", default="none", choices=QUANTIZATIONS, help="pdserve's weights (EngineConfig)")
     p.add_argument("--baseline", action="store_true",
                    help="add a side 'eager': pdserve with --disable-decode-gemv --disable-native-gemm (and bf16 "
-                        "weights), the step before issue 17 with today's other kernels")
+                        "weights), the decode step without native gemv and panel products, with today's other kernels")
     p.add_argument("--baseline-rev", default=None, metavar="REV",
                    help="add a side 'rev': the Engine of git revision REV of this checkout (e.g. 6fc1355, the last "
-                        "commit before issue 17), so the speedup over that code shows as a ratio in the same run; "
+                        "commit before the native decode step), so the speedup over that code shows as a ratio in the same run; "
                         "with --quantization, in its own int8")
     p.add_argument("--unfused", action="store_true",
                    help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
@@ -125,7 +125,7 @@ def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]
 
 # the baseline sides' engine flags over the pdserve side's
 BASELINES = {
-    "eager": dict(quantization="none", **BEFORE_ISSUE_17),  # the step before issue 17, today's other kernels
+    "eager": dict(quantization="none", **ONEDNN_LINEARS),  # oneDNN linears only, today's other kernels
     "unfused": dict(disable_fused_decode=True),
 }
 
@@ -395,7 +395,7 @@ def main(argv=None) -> dict:
             continue
         for fig in figs:
             # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
-            # eager: pdserve / pdserve before issue 17 (the speedup); rev: pdserve / --baseline-rev's code;
+            # eager: pdserve / pdserve with oneDNN linears only (the native decode step's speedup); rev: pdserve / --baseline-rev's code;
             # unfused: pdserve / its steps op by op;
             # q_<Q>: pdserve / pdserve with weights Q
             num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)

@@ -10,11 +10,10 @@ The baseline is the raw engine (mooncake ``batch_transfer_async_write`` +
 from the same process to the same decode pool. Median (and best) of ``--iters``
 runs, alternating which of the two goes first. Ends with one JSON line.
 
-``--cases mismatched`` (issue 13): prefill TP 2 -> decode TP 1 with the same bytes per token
+``--cases mismatched``: prefill TP 2 -> decode TP 1 with the same bytes per token
 (2 KV heads x 96 dims, so 192 values a token a layer as above): two prefill managers in this
 process, each holding one head, each write their head of every page run into the one decode
-pool (the pools are head-major, so that is one descriptor per run per layer's K or V; with the
-token-major pages of before it was one per token, and 4k tokens took 16 s over Mooncake). The
+pool (the pools are head-major, so that is one descriptor per run per layer's K or V). The
 raw baseline is the two engines writing the same sliced descriptors at once. When both cases
 run, ``mismatched_vs_matched_at_4k`` is the manager's time matched / mismatched at the same
 bytes: what cutting the heads costs.
@@ -22,8 +21,7 @@ bytes: what cutting the heads costs.
 Each side is pinned to its own CPU (prefill CPU 0, decode CPU 1), as if on two
 hosts: unpinned on a 2-CPU machine, where the kernel happens to put the sender's
 poller, the two UCX progress threads and the decode poller decides a run's
-bandwidth (whole runs came out 18 or 28 ms for the same raw write), and the ratio
-swung between 0.6 and 1.2 from run to run. ``--no-pin`` shares every CPU.
+bandwidth, and the ratio swings between 0.6 and 1.2 from run to run. ``--no-pin`` shares every CPU.
 The decode child polls every millisecond throughout, like a scheduler loop,
 during the raw writes too, so both see the same receiving host.
 

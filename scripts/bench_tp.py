@@ -13,11 +13,7 @@ SmolLM2-135M with 8 heads and 2 KV heads (random attention weights; the same hid
 layers, MLPs, vocabulary and tied head: 3% fewer weights in all). Best of ``--repeats``
 for each figure; every config runs in fresh processes. Ends with one JSON summary line.
 
-First run (Zen 4, 2 cores shared with other jobs, load average ~10, bf16): TP 2 / TP 1
-TTFT 0.81x (2.33 s against 2.88 s), decode tok/s 1.00x at 1 sequence and 1.48x at 16;
-the collectives took 71-82% of a TP 2 step, and alone, back to back, 71-81% of it:
-61 gloo collectives per step at ~1.8 ms each whatever their size (a wake-up of a
-sleeping process on oversubscribed cores), so the time goes to latency, not bytes.
+Figures: docs/PERFORMANCE.md, "Tensor parallelism on one machine".
 
     .venv/bin/python scripts/bench_tp.py [--dtype bfloat16] [--repeats 3] [--new-tokens 32]
 """

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of every server")
     p.add_argument("--engine-args", default="",
                    help="more flags for every engine server of every setup, one shell-quoted string after '=' (e.g. "
-                        "--engine-args='--disable-decode-gemv --disable-native-gemm' for the decode step before issue 17)")
+                        "--engine-args='--disable-decode-gemv --disable-native-gemm' for the decode step without native gemv and panel products)")
     p.add_argument("--colocated-threads", type=int, default=None,
                    help="torch threads of the colocated server; default: every core. On a machine shared "
                         "with other work, threads > free cores make every step wait for a descheduled thread")

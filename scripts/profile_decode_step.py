@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One decode step against the floor this CPU's read bandwidth sets, five ways, in one run.
 
-Loads the model five times (bf16 with the decode steps through oneDNN, as before issue 17;
+Loads the model five times (bf16 with the decode steps through oneDNN's prepacked linears;
 bf16 through native gemv op by op from Python (``gemv``) and in one native call per step
 (``fused``); w8a16 through int8 gemv, the same two ways), prefills ``--batch`` sequences in
 each, then times single decode steps, alternating between them so that load from other jobs
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 from bench_model import prefill_batch  # noqa: E402
-from benchlib.baselines import BEFORE_ISSUE_17  # noqa: E402
+from benchlib.baselines import ONEDNN_LINEARS  # noqa: E402
 from benchlib.timing import best_of  # noqa: E402
 from benchlib.hw_limits import linear_params, read_bandwidth_gbs  # noqa: E402
 
@@ -35,7 +35,7 @@ from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 
 SIDES = {
-    "onednn": BEFORE_ISSUE_17,
+    "onednn": ONEDNN_LINEARS,
     "gemv": dict(disable_fused_decode=True),
     "fused": {},
     "w8a16_ops": dict(quantization="w8a16", disable_fused_decode=True),

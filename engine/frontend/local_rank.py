@@ -8,19 +8,15 @@ outputs of each step reach the front end's event loop in one
 
 Why a thread and not a scheduler process: the Engine's callers look inside the
 loop between steps (``call``: ``check_integrity``, exact ``stats``, the
-scheduler's counters in tests), and it starts faster for the same speed.
-Measured on 2 shared Zen 4 cores, bf16, the same tokenizer manager driving a
-scheduler process over ZMQ (no HTTP) against this thread: best walls 4.3 vs
-2.8 s for an 8x512-token prefill and 9.4 vs 9.2 s for 64 x 64 decoded tokens
-(equal within the machine's noise), start-up 14-24 s vs 8-12 s.
+scheduler's counters in tests), and it starts faster for the same speed
+(docs/PERFORMANCE.md, "Design choices").
 
 The loop is built on the rank's thread, which then runs it, so every OpenMP parallel region
 of the model (torch's and the native kernels', one libgomp) starts from that one thread and
-the process has one OpenMP thread pool. Built on the caller's thread, the model left a second
-pool there; with more OpenMP threads than cores in the process, libgomp stops spinning at its
-barriers (its throttled spin count), and every region of a decode step waited for a sleeping
-worker: the fused bf16 step at one sequence, 2 threads, took 12.3 ms on the rank's thread
-against 6.0 ms on the main thread (2 Zen 4 cores, idle).
+the process has one OpenMP thread pool. A model built on the caller's thread would leave a
+second pool there; with more OpenMP threads than cores in the process, libgomp stops spinning at
+its barriers (its throttled spin count), and every region of a decode step waits for a sleeping
+worker (the step took twice as long: docs/PERFORMANCE.md, "One OpenMP pool per process").
 """
 
 from __future__ import annotations
