@@ -1,10 +1,17 @@
 """What prefill and decode KV managers share: the transfer engine, the ZMQ control
 channel and the one control thread that owns every socket.
 
-The scheduler thread never touches a socket: it calls ``create_sender`` /
-``create_receiver`` / ``send`` / ``init`` / ``abort`` (which only update state
-under ``lock`` and queue work) and ``poll()`` (an attribute read). The control
-thread runs queued calls, reads incoming frames and fires timers.
+Life cycle: the manager is built with its rank's page pool (every layer's K and V buffer is
+registered with the transfer engine, and its control socket bound), ``start()`` runs the
+control thread, ``close()`` stops it, closes the sockets, deregisters the memory and releases
+the engine. In between, the scheduler thread never touches a socket: it calls
+``create_sender`` / ``create_receiver`` / ``send`` / ``init`` / ``abort`` (which only update
+state under ``lock`` and queue work) and ``poll()`` (an attribute read). The control thread
+runs queued calls (``call_soon``), reads incoming frames (authenticated when a key is set,
+decoded, handed to ``_on_message``) and fires the timers (``_on_timer``).
+
+Owns the engine and its registrations, the control sockets, the control thread and the lock.
+The subclasses compose the rest (``prefill_kv_manager``, ``decode_kv_manager``).
 """
 
 from __future__ import annotations
@@ -244,9 +251,3 @@ class KVManager(ABC):
 
     def _close_extra(self) -> None:
         pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
