@@ -4,7 +4,7 @@
   this rank's pool registered with each once, heartbeats, dead peers probed);
 - ``receiver_rooms``: the room state machine (receivers from creation to Success or Failed);
 - the data plane, which is passive here: this rank's pool and aux slots are registered with the
-  engine, and the engine's per-room notifications (``kv_writer.room_notification``) are read;
+  engine, and the engine's per-room notifications (``room_notification``) are read;
 
 over ``kv_manager``'s control channel (one control thread owns the sockets and the timers; two
 lookup threads run the blocking bootstrap calls).
@@ -120,9 +120,8 @@ class DecodeKVManager(KVManager):
         fut.add_done_callback(lambda f: self.call_soon(lambda: self._on_route(peer, f)))
 
     def _on_route(self, peer: PrefillPeer, fut: Future) -> None:
-        peer.lookup_inflight = False
         if not self.directory.is_current(peer):
-            return
+            return  # dropped while its lookup ran
         exc = fut.exception()
         reason = self.directory.lookup_failed(peer, exc) if exc is not None else self.directory.accept_route(peer, fut.result())
         if reason is not None:

@@ -33,26 +33,13 @@ from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.layer_signal import Doorbell, LayerSignal
 from pdserve.kvtransfer.page_runs import slice_descriptors, split_by_layer
 from pdserve.kvtransfer.room_metrics import RoomMetrics
+from pdserve.kvtransfer.room_notification import room_notification
 from pdserve.kvtransfer.sender_rooms import Dest
 from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 
 Descriptors = tuple[list[int], list[int], list[int]]  # (src addresses, dst addresses, lengths)
-
-
-def room_notification(room: int, tp_rank: int = 0) -> bytes:
-    """The engine notification a prefill TP rank's last write of a room carries."""
-    return b"pdserve-room:%d:%d" % (room, tp_rank)
-
-
-def parse_room_notification(msg: bytes) -> tuple[int, int] | None:
-    """(room, prefill tp rank) of a ``room_notification``; None for anything else."""
-    prefix, _, rest = msg.partition(b":")
-    room, _, tp = rest.partition(b":")
-    if prefix != b"pdserve-room" or not room.isdigit() or not tp.isdigit():
-        return None
-    return int(room), int(tp)
 
 
 @dataclass(frozen=True)

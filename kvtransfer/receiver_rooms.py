@@ -25,14 +25,13 @@ import pdserve.kvtransfer.messages as m
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
-from pdserve.kvtransfer.kv_writer import parse_room_notification
 from pdserve.kvtransfer.prefill_peers import PrefillPeer
 from pdserve.kvtransfer.room_metrics import RoomMetrics
-from pdserve.kvtransfer.room_table import RoomTable
+from pdserve.kvtransfer.room_notification import parse_room_notification
+from pdserve.kvtransfer.room_table import RoomTable, Tell
 
 logger = logging.getLogger(__name__)
 
-Tell = Callable[[str, m.ControlMessage], None]  # (prefill control endpoint, message): queued, sent in order
 
 
 class ReceiverRooms(RoomTable[KVReceiver]):
@@ -179,7 +178,7 @@ class ReceiverRooms(RoomTable[KVReceiver]):
             self.fail(receiver, f"aborted by prefill: {msg.reason}")
 
     def on_notifications(self, notes: Iterable[bytes]) -> None:
-        """Engine notifications (``kv_writer.room_notification``) that arrived."""
+        """Engine notifications (``room_notification``) that arrived."""
         for note in notes:
             parsed = parse_room_notification(note)
             receiver = self.get(parsed[0]) if parsed is not None else None

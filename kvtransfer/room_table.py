@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+import pdserve.kvtransfer.messages as m
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.room_metrics import RoomMetrics
@@ -34,6 +35,9 @@ class Room(Protocol):
 
 
 R = TypeVar("R", bound=Room)
+
+# how a room state machine sends: (peer control endpoint, message), queued for the control thread in order
+Tell = Callable[[str, m.ControlMessage], None]
 
 
 class RoomTable(Generic[R]):

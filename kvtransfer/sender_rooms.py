@@ -28,11 +28,10 @@ from pdserve.kvtransfer.head_slices import HeadSlice, TPPlace, slices_from
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.room_metrics import RoomMetrics
-from pdserve.kvtransfer.room_table import RoomTable
+from pdserve.kvtransfer.room_table import RoomTable, Tell
 
 logger = logging.getLogger(__name__)
 
-Tell = Callable[[str, m.ControlMessage], None]  # (decode control endpoint, message): queued, sent in order
 
 
 @dataclass

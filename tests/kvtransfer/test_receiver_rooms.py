@@ -10,10 +10,10 @@ import pdserve.kvtransfer.messages as m
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
-from pdserve.kvtransfer.kv_writer import room_notification
 from pdserve.kvtransfer.prefill_peers import PrefillPeer
 from pdserve.kvtransfer.receiver_rooms import ReceiverRooms
 from pdserve.kvtransfer.room_metrics import RoomMetrics
+from pdserve.kvtransfer.room_notification import room_notification
 
 KEY = ("127.0.0.1", 8998, 0)
 
