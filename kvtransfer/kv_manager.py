@@ -1,10 +1,17 @@
 """What prefill and decode KV managers share: the transfer engine, the ZMQ control
 channel and the one control thread that owns every socket.
 
-The scheduler thread never touches a socket: it calls ``create_sender`` /
-``create_receiver`` / ``send`` / ``init`` / ``abort`` (which only update state
-under ``lock`` and queue work) and ``poll()`` (an attribute read). The control
-thread runs queued calls, reads incoming frames and fires timers.
+Life cycle: the manager is built with its rank's page pool (every layer's K and V buffer is
+registered with the transfer engine, and its control socket bound), ``start()`` runs the
+control thread, ``close()`` stops it, closes the sockets, deregisters the memory and releases
+the engine. In between, the scheduler thread never touches a socket: it calls
+``create_sender`` / ``create_receiver`` / ``send`` / ``init`` / ``abort`` (which only update
+state under ``lock`` and queue work) and ``poll()`` (an attribute read). The control thread
+runs queued calls (``call_soon``), reads incoming frames (authenticated when a key is set,
+decoded, handed to ``_on_message``) and fires the timers (``_on_timer``).
+
+Owns the engine and its registrations, the control sockets, the control thread and the lock.
+The subclasses compose the rest (``prefill_kv_manager``, ``decode_kv_manager``).
 """
 
 from __future__ import annotations
@@ -25,31 +32,14 @@ import pdserve.kvtransfer.messages as m
 from pdserve.engine.sched.page_pool import PagePool
 from pdserve.kvtransfer.auth import AuthError
 from pdserve.kvtransfer.config import KVTransferConfig
-from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.room_metrics import RoomMetrics
 from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
 
 logger = logging.getLogger(__name__)
 
-# terminal rooms are forgotten this long after they ended (late messages for them are ignored)
-_ROOM_RETENTION_S = 60.0
 _TIMER_PERIOD_S = 0.05
 _DROP_LINGER_MS = 1000
 _REFUSAL_LOG_PERIOD_S = 5.0  # a flood of unauthenticated frames logs once per period, with its count
-
-
-def room_notification(room: int, tp_rank: int = 0) -> bytes:
-    """The engine notification a prefill TP rank's last write of a room carries."""
-    return b"pdserve-room:%d:%d" % (room, tp_rank)
-
-
-def parse_room_notification(msg: bytes) -> tuple[int, int] | None:
-    """(room, prefill tp rank) of a ``room_notification``; None for anything else."""
-    prefix, _, rest = msg.partition(b":")
-    room, _, tp = rest.partition(b":")
-    if prefix != b"pdserve-room" or not room.isdigit() or not tp.isdigit():
-        return None
-    return int(room), int(tp)
 
 
 class KVManager(ABC):
@@ -101,7 +91,6 @@ class KVManager(ABC):
         self.id = f"{self.role}-{self.endpoint}-{uuid.uuid4().hex[:8]}"
         self._push: dict[str, zmq.Socket] = {}
         self._stop = threading.Event()
-        self._fast_poll = False  # set by subclasses while waiting for engine notifications
         self._thread = threading.Thread(target=self._control_loop, name=f"kv-{self.role}-control", daemon=True)
 
     def _register(self, addr: int, nbytes: int) -> None:
@@ -155,7 +144,7 @@ class KVManager(ABC):
         self._on_start()
         next_timer = 0.0
         while not self._stop.is_set():
-            timeout_ms = 1 if self._fast_poll else int(_TIMER_PERIOD_S * 1000)
+            timeout_ms = 1 if self._wants_fast_poll() else int(_TIMER_PERIOD_S * 1000)
             try:
                 events = dict(poller.poll(timeout_ms))
             except zmq.ZMQError:
@@ -214,24 +203,7 @@ class KVManager(ABC):
         except Exception:  # noqa: BLE001 - one bad event must not kill the control thread
             logger.exception("kv %s: control thread error", self.role)
 
-    # ---------------------------------------------------------------- rooms
-    def _finish(self, obj, state: KVPoll, reason: str | None = None) -> bool:
-        """Move a sender/receiver to a terminal state once; call with ``lock`` held."""
-        if obj.state.done:
-            return False
-        if state is KVPoll.Failed:
-            obj.failure_reason = reason or "failed"
-            logger.info("kv %s: room %d failed: %s", self.role, obj.room, obj.failure_reason)
-        self.metrics.on_done(obj, state)  # before the state changes: it counts where a failure happened
-        obj.state = state
-        obj.done_at = self.clock()
-        return True
-
-    @staticmethod
-    def _purge(rooms: dict, now: float) -> None:
-        for room in [r for r, o in rooms.items() if o.done_at is not None and now - o.done_at > _ROOM_RETENTION_S]:
-            del rooms[room]
-
+    # ---------------------------------------------------------------- hooks
     @abstractmethod
     def abort(self, room: int, reason: str) -> None:
         """Fail the room here and tell the peer (from any thread)."""
@@ -245,6 +217,10 @@ class KVManager(ABC):
 
     def _on_tick(self) -> None:
         pass
+
+    def _wants_fast_poll(self) -> bool:
+        """True while waiting for engine notifications: the loop then polls every millisecond."""
+        return False
 
     @abstractmethod
     def _on_timer(self, now: float) -> None: ...
@@ -275,9 +251,3 @@ class KVManager(ABC):
 
     def _close_extra(self) -> None:
         pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
