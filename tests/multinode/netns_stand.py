@@ -22,7 +22,8 @@ NET = "198.51.100"
 
 @contextlib.contextmanager
 def namespaces(addrs: dict[str, str]):
-    """Yields name -> namespace; ``addrs``: name -> address (its interface is ``eth<name>``)."""
+    """Yields name -> namespace; ``addrs``: name -> address (its interface is ``eth<name>``; the
+    bridge's end of it, in the hub namespace, is cut by ``cut_link(names, name)``)."""
     tag = f"{os.getpid() % 100000}"
     hub = f"pdmn-hub{tag}"
     names = {k: f"pdmn-{k}{tag}" for k in addrs}
@@ -44,6 +45,13 @@ def namespaces(addrs: dict[str, str]):
         yield names
     finally:
         del_netns(*names.values(), hub)
+
+
+def cut_link(names: dict[str, str], key: str) -> None:
+    """Take namespace ``key``'s link to the bridge down (its veth end in the hub): its packets
+    are dropped from now on, with no reset sent to either side."""
+    tag = names[key][len(f"pdmn-{key}"):]
+    ip("-n", f"pdmn-hub{tag}", "link", "set", f"veth{key}{tag}", "down")
 
 
 def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:

@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
+from dataclasses import dataclass
 
 import pytest
-from netns_stand import NET, namespaces, ns_request, wait_unleaked, wait_up
+from netns_stand import NET, cut_link, namespaces, ns_request, wait_unleaked, wait_up
 from pd_stand import Proc, Server
 
 from pdserve.engine.procs import free_port
@@ -26,6 +28,12 @@ pytestmark = pytest.mark.timeout(500)
 
 ADDRS = {"p0": f"{NET}.31", "p1": f"{NET}.32", "d0": f"{NET}.33", "d1": f"{NET}.34", "r": f"{NET}.35"}
 POOL = ["--max-total-tokens", "1024"]
+# how long a TP collective waits for a peer that sends nothing (a cut link: no reset arrives);
+# long enough for the two nodes' start-up rendezvous on a loaded machine
+DIST_TIMEOUT = 30
+# each stand ends with one fault (it takes a server down): a killed node-1 rank on one, the cut link
+# between the prefill server's two nodes on the other, so the two faults cost no extra stand
+FAULT = {"mooncake": "kill", "nixl": "link_down"}
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +65,10 @@ def two_node_server(name: str, mode: str, ns: dict, model: str, backend: str) ->
         # gloo binds the interface of the hostname's address, which no namespace has: name it
         env = {"GLOO_SOCKET_IFNAME": f"eth{key}", "UCX_TLS": "tcp"}
         extra = ["--model-path", model, *POOL, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
-                 "--dist-init-addr", dist]
+                 "--dist-init-addr", dist, "--dist-timeout", str(DIST_TIMEOUT)]
         if mode == "prefill":
             extra += ["--disaggregation-bootstrap-port", bootstrap]  # the same on every node
-        nodes.append(Server(f"mn-{key}", mode, *extra, host=ADDRS[key], backend=backend, env=env,
+        nodes.append(Server(f"mn-{backend}-{key}", mode, *extra, host=ADDRS[key], backend=backend, env=env,
                             cmd_prefix=["ip", "netns", "exec", ns[key]]))
     if mode == "prefill":
         nodes[0].bootstrap_port = int(bootstrap)
@@ -77,35 +85,85 @@ def ref_server(tiny):
         s.stop()
 
 
-@pytest.mark.parametrize("backend", ["mooncake", "nixl"])
-def test_two_node_prefill_and_decode_behind_the_router(tiny, ref_server, backend):
-    """NIXL runs with UCX_TLS=tcp (within one host UCX would take shared memory)."""
+@dataclass
+class Stand:
+    backend: str
+    ns: dict[str, str]
+    p_nodes: list[Server]
+    d_nodes: list[Server]
+    router: Proc
+    router_url: str
+
+    def logs(self) -> str:
+        return "\n".join(p.log() for p in self.p_nodes + self.d_nodes + [self.router])
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def stand(request, tiny, ref_server):
+    """The five namespaces and their servers, per transfer backend (NIXL with UCX_TLS=tcp: within
+    one host UCX would take shared memory). The fault test runs last on each: it kills a node."""
+    backend = request.param
     procs: list[Proc] = []
-    try:
-        with namespaces(ADDRS) as ns:
+    with namespaces(ADDRS) as ns:
+        try:
             p_nodes = two_node_server("p", "prefill", ns, tiny, backend)
             d_nodes = two_node_server("d", "decode", ns, tiny, backend)
             procs += p_nodes + d_nodes
-            ref_server.wait_ready()
-            P, D = p_nodes[0], d_nodes[0]
-            wait_up(ns["p0"], P.url + "/health", p_nodes)
-            wait_up(ns["d0"], D.url + "/health", d_nodes)
+            wait_up(ns["p0"], p_nodes[0].url + "/health", p_nodes)
+            wait_up(ns["d0"], d_nodes[0].url + "/health", d_nodes)
             router_url = f"http://{ADDRS['r']}:30000"
-            router = Proc("mn-router", [sys.executable, "-m", "pdserve.router", "--prefill", P.url,
-                                        str(P.bootstrap_port), "--decode", D.url, "--host", ADDRS["r"],
-                                        "--port", "30000", "--log-level", "warning"],
-                          cmd_prefix=["ip", "netns", "exec", ns["r"]])
+            router = Proc(f"mn-router-{backend}", [
+                sys.executable, "-m", "pdserve.router", "--prefill", p_nodes[0].url,
+                str(p_nodes[0].bootstrap_port), "--decode", d_nodes[0].url, "--host", ADDRS["r"],
+                "--port", "30000", "--log-level", "warning", "--health-check-interval-secs", "1",
+                "--health-failure-threshold", "1", "--request-queue-timeout-secs", "0"],
+                cmd_prefix=["ip", "netns", "exec", ns["r"]])
             procs.append(router)
             wait_up(ns["r"], router_url + "/health", [router], timeout=60)
-            for ids in prompts(4):
-                want = ref_server.post("/generate", greedy(ids)).json()["output_ids"]
-                status, text = ns_request(ns["r"], "POST", router_url + "/generate", greedy(ids))
-                assert status == 200, text + "\n" + P.log() + p_nodes[1].log() + D.log()
-                assert json.loads(text)["output_ids"] == want, len(ids)
-            wait_unleaked(ns["p0"], P.url)
-            wait_unleaked(ns["d0"], D.url)
+            yield Stand(backend, ns, p_nodes, d_nodes, router, router_url)
+        finally:
             for p in procs[::-1]:
                 p.stop()
-    finally:
-        for p in procs[::-1]:
-            p.stop()
+
+
+def test_two_node_prefill_and_decode_behind_the_router(stand, ref_server):
+    ref_server.wait_ready()
+    ns, P, D = stand.ns, stand.p_nodes[0], stand.d_nodes[0]
+    for ids in prompts(4):
+        want = ref_server.post("/generate", greedy(ids)).json()["output_ids"]
+        status, text = ns_request(ns["r"], "POST", stand.router_url + "/generate", greedy(ids))
+        assert status == 200, text + "\n" + stand.logs()
+        assert json.loads(text)["output_ids"] == want, len(ids)
+    wait_unleaked(ns["p0"], P.url)
+    wait_unleaked(ns["d0"], D.url)
+
+
+def test_a_lost_node_takes_its_server_out_fast(stand):
+    """Node 1 of the prefill server lost: SIGKILLed (its TCP peers get a reset), or its link cut
+    (nothing arrives: the collective waits --dist-timeout). Node 0's rank fails its collective
+    with the cause in the log, the server turns unhealthy and stops, the router takes it out of
+    rotation (503 at once, not a hang), and the decode server's pages are free."""
+    ns, P, D = stand.ns, stand.p_nodes[0], stand.d_nodes[0]
+    fault = FAULT[stand.backend]
+    bound = 20 if fault == "kill" else DIST_TIMEOUT + 20  # + the 3 s grace, the monitor, the probe
+    t0 = time.monotonic()
+    if fault == "kill":
+        stand.p_nodes[1].kill()
+    else:
+        cut_link(ns, "p1")
+    while ns_request(ns["p0"], "GET", P.url + "/health", timeout=2)[0] == 200:
+        assert time.monotonic() - t0 < bound, f"prefill node 0 still healthy {bound} s after the {fault}"
+        time.sleep(0.5)
+    took = time.monotonic() - t0
+    deadline = time.monotonic() + 20
+    while "DP rank 0 failed: TP rank 0" not in P.log(20000):
+        assert time.monotonic() < deadline, P.log()
+        time.sleep(0.5)
+    cause = P.log(20000).rsplit("DP rank 0 failed: TP rank 0", 1)[1].splitlines()[0]
+    print(f"\n{stand.backend} stand, node 1 {fault}: prefill unhealthy after {took:.1f} s; cause:{cause[:200]}")
+    # a reset names the lost peer; a cut link only times out
+    assert (ADDRS["p1"] in cause) if fault == "kill" else (f"Timed out waiting {DIST_TIMEOUT * 1000}ms" in cause)
+    t1 = time.monotonic()
+    status, text = ns_request(ns["r"], "POST", stand.router_url + "/generate", greedy(prompts(1)[0]), timeout=60)
+    assert status == 503 and "no healthy prefill" in text and time.monotonic() - t1 < 10, (status, text)
+    wait_unleaked(ns["d0"], D.url)
