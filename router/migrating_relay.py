@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.router.errors import RouterError
+from pdserve.router.leg_failure import LegFailure
 from pdserve.router.migration import SSEEvents, Transcript, continuation_body, parse_event, tokens_left
 from pdserve.router.pairing import Pair, Pairing
 from pdserve.router.upstream import UpstreamError, UpstreamResponse
@@ -175,8 +176,6 @@ class MigratingRelay:
 
     async def _open_legs(self, pair: Pair) -> tuple[UpstreamResponse, bytes]:
         """Send the continuation's two legs; wait for the decode leg's first bytes."""
-        from pdserve.router.pd_proxy import LegFailure  # the proxy imports this module
-
         proxy = self.proxy
         try:
             prompt = await self._prompt(pair)
@@ -193,15 +192,13 @@ class MigratingRelay:
                 if p_task in done and p_task.exception() is not None:
                     raise p_task.exception()
             resp, chunk = d_task.result()
-        except LegFailure as f:
+        except BaseException as e:
             for t in (p_task, d_task):
-                t.cancel() if not t.done() else None
+                if not t.done():
+                    t.cancel()
                 t.add_done_callback(_consume)
-            raise _LegsFailed(f.describe(), f.endpoint.key) from None
-        except BaseException:
-            for t in (p_task, d_task):
-                t.cancel() if not t.done() else None
-                t.add_done_callback(_consume)
+            if isinstance(e, LegFailure):
+                raise _LegsFailed(e.describe(), e.endpoint.key) from None
             raise
         p_task.add_done_callback(_consume)
         self._open.append(resp)
@@ -214,8 +211,6 @@ class MigratingRelay:
         """The prompt's token ids: the client's ``input_ids``, else its text as the prefill server
         tokenizes it (``/tokenize``, the tokenizer /generate uses, special tokens added)."""
         if self._prompt_ids is None:
-            from pdserve.router.pd_proxy import LegFailure
-
             _, _, payload = await self.proxy._leg(
                 "prefill", pair.prefill, "/tokenize", _encode({"prompt": self.body.get("text") or ""}))
             try:

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
+from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
 from pdserve.router.migrating_relay import MigratingRelay
 from pdserve.router.migration import migratable
@@ -47,27 +48,6 @@ log = logging.getLogger("pdserve.router")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _DONE = b"data: [DONE]\n\n"
-
-
-class LegFailure(Exception):
-    """One leg of one attempt failed: a typed value the retry loop decides on."""
-
-    def __init__(self, leg: str, endpoint: Endpoint, message: str, status: int | None = None,
-                 body: bytes | None = None, content_type: str | None = None, cause: str | None = None):
-        """``cause``: what /metrics counts the retry it causes under (``pdserve_router_retries_by_cause``);
-        default: ``http_<status>``."""
-        super().__init__(message)
-        self.leg, self.endpoint, self.message = leg, endpoint, message
-        self.status, self.body, self.content_type = status, body, content_type
-        self.cause = cause or f"http_{status}"
-
-    @property
-    def retryable(self) -> bool:
-        # a client error (bad request) would fail on any pair; pass it through instead
-        return self.status is None or self.status >= 500 or self.status in (408, 429)
-
-    def describe(self) -> str:
-        return f"{self.leg} worker {self.endpoint.key}: {self.message}"
 
 
 async def _drain(resp) -> None:
