@@ -56,6 +56,7 @@ class MigratingRelay:
         self.transcript = Transcript()
         self._prompt_ids: list[int] | None = body.get("input_ids")
         self._open: list[UpstreamResponse] = []  # continuation legs' answers, closed at the end
+        self._first = True  # no byte has reached the client yet (TTFT is observed once)
 
     async def run(self, resp: UpstreamResponse, chunk: bytes, headers: dict[str, str]
                   ) -> tuple[web.StreamResponse, bool]:
@@ -66,7 +67,6 @@ class MigratingRelay:
             "Content-Type": resp.content_type or "text/event-stream", "Cache-Control": "no-cache",
             MIGRATIONS_HEADER: str(limit), **headers})
         await out.prepare(self.request)
-        self._first = True
         exclude: set[str] = set()
         d_ep, first_resp = self.pair.decode, resp
         try:
