@@ -9,6 +9,7 @@ fetched on a worker thread so the scheduler loop never blocks on the network.
 from __future__ import annotations
 
 import time
+import urllib.error
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -54,7 +55,13 @@ class PrefillDPSizes:
 
     @staticmethod
     def _fetch(host: str, port: int) -> int:
-        return fetch_topology(host, port).dp_size
+        try:
+            return fetch_topology(host, port).dp_size
+        except urllib.error.HTTPError as e:
+            # the answer says why (503: which prefill ranks have not registered): keep it, the
+            # client's error is all an operator may see of it
+            detail = e.read().decode(errors="replace").strip()[:300]
+            raise OSError(f"HTTP {e.code}: {detail or e.reason}") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

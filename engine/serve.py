@@ -17,6 +17,7 @@ share of TP ranks, and exits when one of them dies or on SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import multiprocessing as mp
 import os
@@ -33,7 +34,7 @@ from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
-from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
+from pdserve.engine.sched.scheduler_process import RankSpec, bootstrap_host, run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
 
@@ -174,7 +175,9 @@ async def serve(config: ServerConfig) -> int:
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
         transport = ZmqTransport(config.dp_size)
         tm = TokenizerManager(config, None, metrics, transport)
-        # prefill mode: decode ranks find this server's prefill ranks here
+        # prefill mode: decode ranks find this server's prefill ranks here (and every node's
+        # prefill ranks register here, at --dist-init-addr's host when nnodes > 1)
+        _check_bootstrap_host(config)
         bootstrap = await start_bootstrap_server(config, metrics)
         procs = spawn_ranks(config, transport)
         e = config.engine
@@ -244,6 +247,22 @@ def check_model(config: ServerConfig) -> None:
     arch.check_tp_size(config.tp_size)
     if config.engine.context_length is not None:
         arch.with_context_length(config.engine.context_length)
+
+
+def _check_bootstrap_host(config: ServerConfig) -> None:
+    """A multi-node prefill server's ranks register at --dist-init-addr's host: node 0's bootstrap
+    server, which listens on --host, must be reachable there."""
+    if config.disaggregation_mode != "prefill" or config.nnodes == 1:
+        return
+    where = bootstrap_host(config)
+    try:  # two literal addresses that differ (a DNS name, as in Kubernetes, resolves to the pod IP)
+        differ = ipaddress.ip_address(config.host) != ipaddress.ip_address(where)
+    except ValueError:
+        differ = False
+    if differ and config.host not in ("0.0.0.0", "::"):
+        raise ValueError(f"--nnodes {config.nnodes}: every node's prefill ranks register with the bootstrap "
+                         f"server at --dist-init-addr's host {where}, but node 0 listens on --host "
+                         f"{config.host}; give --host {where} or 0.0.0.0")
 
 
 async def serve_node(config: ServerConfig, stop: asyncio.Event) -> int:

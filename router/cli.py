@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-max-backoff-ms", type=float, default=_D["retry_max_backoff_ms"])
     p.add_argument("--retry-backoff-multiplier", type=float, default=_D["retry_backoff_multiplier"])
     p.add_argument("--retry-jitter-factor", type=float, default=_D["retry_jitter_factor"])
+    p.add_argument("--migration-limit", type=int, default=_D["migration_limit"],
+                   help="times a streamed /generate whose decode worker failed mid-stream is continued "
+                   "on another prefill/decode pair, prompt plus the tokens sent (0: off)")
     p.add_argument("--disable-retries", action="store_true", help="same as --retry-max-retries 1")
     p.add_argument("--health-check-interval-secs", type=float, default=_D["health_check_interval_secs"])
     p.add_argument("--health-check-timeout-secs", type=float, default=_D["health_check_timeout_secs"])

@@ -73,6 +73,10 @@ class RouterConfig:
     retry_max_backoff_ms: float = 30000.0
     retry_backoff_multiplier: float = 1.5
     retry_jitter_factor: float = 0.2
+    # request migration (router/migration.py, Dynamo's --migration-limit): how many times a
+    # streamed /generate whose decode leg failed after the first byte is continued on another
+    # pair; 0: never (the stream ends with an error event)
+    migration_limit: int = 0
     # health
     health_check_interval_secs: float = 60.0
     health_check_timeout_secs: float = 5.0
@@ -98,7 +102,7 @@ class RouterConfig:
         if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
             raise ValueError("max_concurrent_requests must be -1 (unlimited) or >= 1")
         for name in ("queue_size", "balance_abs_threshold", "local_prefill_max_tokens",
-                     "prefill_queue_threshold"):
+                     "prefill_queue_threshold", "migration_limit"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("retry_max_retries", "health_failure_threshold", "health_success_threshold",

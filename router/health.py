@@ -126,6 +126,7 @@ class HealthChecker:
                 continue
             if isinstance(info, dict):
                 model = info.get("model_path") or info.get("served_model_name")
+                worker.stream_deltas = bool(info.get("incremental_streaming_output"))
                 self.registry.set_server_info(worker, info.get("dp_size") or 1, model)
                 return True
         log.warning("%s answers /health but neither /get_server_info nor /server_info", worker.url)

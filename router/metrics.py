@@ -51,6 +51,11 @@ class RouterMetrics:
             "Retries of client requests, by the leg that failed and why: connect, timeout, connection_lost, "
             "malformed, empty_stream, error_in_answer (a 200 carrying an error: on a prefill leg, its KV "
             "room failed), http_<status>.", ("leg", "cause"), registry=reg))
+        self.migrations = _Labelled(Counter(
+            "pdserve_router_migrations_total",
+            "Streams continued on another pair after their decode leg failed mid-stream (--migration-limit), "
+            "by why it failed (connection_lost, timeout, eof, error_event) and outcome (migrated; "
+            "limit, no_pair, failed: the stream ended with an error).", ("cause", "outcome"), registry=reg))
         leg_latency = Histogram("pdserve_router_leg_latency_seconds",
                                 "Latency of a leg that succeeded, from its request to its whole answer "
                                 "(a streamed decode leg: to the stream's end).", ("leg",),

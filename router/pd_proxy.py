@@ -4,7 +4,8 @@ For each attempt a new pair and a new room are chosen. Before the first byte
 has gone to the client, a failed leg cancels the other and the request is
 retried on a new pair (bounded attempts, exponential backoff with jitter); the
 last failure becomes a 502 JSON error. After streaming has begun, a failed
-decode stream ends with an SSE error event. A client that goes away cancels
+decode stream ends with an SSE error event, unless it can be migrated
+(``--migration-limit``, router/migrating_relay.py). A client that goes away cancels
 both legs (closing their connections, which is what servers watch for to
 abort the room).
 
@@ -33,7 +34,10 @@ from aiohttp import web
 
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
+from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
+from pdserve.router.migrating_relay import MigratingRelay
+from pdserve.router.migration import migratable
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -44,27 +48,6 @@ log = logging.getLogger("pdserve.router")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _DONE = b"data: [DONE]\n\n"
-
-
-class LegFailure(Exception):
-    """One leg of one attempt failed: a typed value the retry loop decides on."""
-
-    def __init__(self, leg: str, endpoint: Endpoint, message: str, status: int | None = None,
-                 body: bytes | None = None, content_type: str | None = None, cause: str | None = None):
-        """``cause``: what /metrics counts the retry it causes under (``pdserve_router_retries_by_cause``);
-        default: ``http_<status>``."""
-        super().__init__(message)
-        self.leg, self.endpoint, self.message = leg, endpoint, message
-        self.status, self.body, self.content_type = status, body, content_type
-        self.cause = cause or f"http_{status}"
-
-    @property
-    def retryable(self) -> bool:
-        # a client error (bad request) would fail on any pair; pass it through instead
-        return self.status is None or self.status >= 500 or self.status in (408, 429)
-
-    def describe(self) -> str:
-        return f"{self.leg} worker {self.endpoint.key}: {self.message}"
 
 
 async def _drain(resp) -> None:
@@ -288,7 +271,10 @@ class PDProxy:
                     raise p_task.exception()
             resp, chunk = d_task.result()
             self.metrics.prefills.inc("remote")
-            out, draining = await self._relay(request, resp, chunk, d_ep, t0, route_headers(pair))
+            if self.config.migration_limit and migratable(path, body):
+                out, draining = await self._relay_migrating(request, resp, chunk, pair, path, body, t0)
+            else:
+                out, draining = await self._relay(request, resp, chunk, d_ep, t0, route_headers(pair))
             finished = True
             self.metrics.leg_latency["decode"].observe(time.perf_counter() - d_start)  # to the stream's end
             return out
@@ -359,6 +345,13 @@ class PDProxy:
         if first:
             self.metrics.ttft.observe(time.perf_counter() - t0)
         return out, draining
+
+    async def _relay_migrating(self, request: web.Request, resp: UpstreamResponse, chunk: bytes, pair: Pair,
+                               path: str, body: dict, t0: float) -> tuple[web.StreamResponse, bool]:
+        """``_relay`` for a request that may be migrated (``--migration-limit``): continued on
+        another pair if its decode leg fails mid-stream (router/migrating_relay.py)."""
+        relay = MigratingRelay(self, request, pair, path, body, t0)
+        return await relay.run(resp, chunk, route_headers(pair))
 
     async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""

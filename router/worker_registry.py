@@ -48,6 +48,8 @@ class Worker:
         self.model_id: str | None = None
         self.healthy = False
         self.info_known = False  # /get_server_info answered at least once
+        # its /generate streams carry deltas (--incremental-streaming-output), not whole outputs
+        self.stream_deltas = False
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.draining = False

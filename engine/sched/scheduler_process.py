@@ -105,6 +105,16 @@ def _unpinned():
         os.sched_setaffinity(0, mine)
 
 
+def bootstrap_host(config: ServerConfig) -> str:
+    """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
+    only (engine/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
+    the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
+    address would find no bootstrap server there, and decodes would wait for it in vain)."""
+    if config.nnodes > 1:
+        return config.dist_init_addr.rpartition(":")[0].strip("[]")
+    return config.advertise_host
+
+
 def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
@@ -114,7 +124,7 @@ def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     with _unpinned():
         kv = PrefillKVManager(
             config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
-            bootstrap_host=config.advertise_host,
+            bootstrap_host=bootstrap_host(config),
         ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 

@@ -80,19 +80,26 @@ def test_the_kustomization_lists_every_manifest():
             assert container(doc)["image"] in images
 
 
-def _expand(args: list[str]) -> list[str]:
-    return [re.sub(r"\$\((\w+)\)", "10.0.0.7", a) for a in args]  # $(POD_IP) as the kubelet would
+KEY_FILE = "/etc/pdserve/kv-auth/key"  # where the pods mount the Secret
 
 
-def test_container_args_parse_with_pdserve_clis():
+def _expand(args: list[str], key_file: str = KEY_FILE) -> list[str]:
+    """$(POD_IP) as the kubelet would, and the Secret's mount path as a local file."""
+    return [re.sub(r"\$\((\w+)\)", "10.0.0.7", a).replace(KEY_FILE, key_file) for a in args]
+
+
+def test_container_args_parse_with_pdserve_clis(tmp_path):
     from pdserve.engine.cli import parse_serve_args
     from pdserve.router.cli import build_parser, config_from_args
 
+    key = tmp_path / "key"
+    key.write_text(find("Secret", "pdserve-kv-auth")["stringData"]["key"])
     for name, mode in (("pdserve-prefill", "prefill"), ("pdserve-decode", "decode")):
         args = container(find("StatefulSet", name))["args"]
-        assert args[0] == "serve"
-        config = parse_serve_args(_expand(args[1:]))
+        assert args[0] == "serve" and f"--disaggregation-auth-key-file={KEY_FILE}" in args
+        config = parse_serve_args(_expand(args[1:], str(key)))
         assert config.disaggregation_mode == mode and config.host == "10.0.0.7"
+        assert config.kv_transfer.auth_key_file == str(key) and config.tp_size == 1
     args = container(find("Deployment", "pdserve-router"))["args"]
     assert args[0] == "router"
     config_from_args(build_parser().parse_args(args[1:]))
