@@ -60,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-failure-threshold", type=int, default=_D["health_failure_threshold"])
     p.add_argument("--health-success-threshold", type=int, default=_D["health_success_threshold"])
     p.add_argument("--worker-startup-timeout-secs", type=float, default=_D["worker_startup_timeout_secs"],
-                   help="how long a worker that was added or failed is probed often (from 0.5 s, "
-                        "backing off to --health-check-interval-secs) before it is only probed "
-                        "every interval")
+                   help="how long a worker that was added or failed is probed often (every 0.5 s "
+                        "while it was never healthy; from 0.5 s backing off to "
+                        "--health-check-interval-secs once it was) before it is only probed every interval")
     p.add_argument("--request-queue-timeout-secs", type=float, default=_D["request_queue_timeout_secs"],
                    help="how long a request waits for a healthy prefill+decode pair before a 503 "
                         "(0: answer 503 at once)")

@@ -78,9 +78,10 @@ class RouterConfig:
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 1
-    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was added or
-    # failed is probed from 0.5 s with backoff up to health_check_interval_secs, for at most
-    # worker_startup_timeout_secs (sglang-router's default); a request that finds no healthy pair
+    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was never
+    # healthy is probed every 0.5 s, one that was healthy and failed from 0.5 s with backoff up to
+    # health_check_interval_secs, for at most worker_startup_timeout_secs (sglang-router's
+    # default); a request that finds no healthy pair
     # waits request_queue_timeout_secs for one; SIGTERM finishes in-flight requests within
     # graceful_shutdown_timeout (sglang-router's --shutdown-grace-period-secs default)
     worker_startup_timeout_secs: float = 1800.0

@@ -47,6 +47,7 @@ class Worker:
         self.dp_size = 1
         self.model_id: str | None = None
         self.healthy = False
+        self.ever_healthy = False  # healthy at least once (a worker still starting is probed more often)
         self.info_known = False  # /get_server_info answered at least once
         self.consecutive_failures = 0
         self.consecutive_successes = 0
@@ -90,7 +91,7 @@ class WorkerRegistry:
         if url in self._workers:
             raise ValueError(f"worker {url} is already registered")
         worker = Worker(spec)
-        worker.healthy = healthy
+        worker.healthy = worker.ever_healthy = healthy
         self._workers[url] = worker
         self._rebuild()
         return worker
@@ -143,6 +144,7 @@ class WorkerRegistry:
             flip = worker.healthy and worker.consecutive_failures >= failure_threshold
         if flip:
             worker.healthy = not worker.healthy
+            worker.ever_healthy = worker.ever_healthy or worker.healthy
             if worker.url in self._workers:
                 self._rebuild()
         return flip
