@@ -72,7 +72,8 @@ class Router:
         self.prefill_policy = make_policy(config.effective_prefill_policy, config)
         self.decode_policy = make_policy(config.effective_decode_policy, config)
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy)
-        self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy})
+        self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
+                                     INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
         self.gate = PairGate(self.registry)
