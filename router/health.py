@@ -125,6 +125,22 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
+    def _local_prefill_limit(self, worker: Worker, limit) -> None:
+        """Record a decode worker's local-prefill limit; say so when conditional disaggregation is
+        on and the worker would refuse what the router sends it."""
+        worker.max_local_prefill_tokens = limit if isinstance(limit, int) and limit > 0 else 0
+        want = self.config.local_prefill_max_tokens
+        if not want:
+            return
+        if not worker.max_local_prefill_tokens:
+            log.warning("decode worker %s does not accept local prefills (start it with --max-local-prefill-tokens "
+                        "%d): every prompt goes to it through a prefill server, --local-prefill-max-tokens %d "
+                        "notwithstanding", worker.url, want, want)
+        elif worker.max_local_prefill_tokens < want:
+            log.warning("decode worker %s accepts local prefills of at most %d tokens (its "
+                        "--max-local-prefill-tokens), fewer than --local-prefill-max-tokens %d: it gets those "
+                        "only", worker.url, worker.max_local_prefill_tokens, want)
+
     async def _fetch_info(self, worker: Worker) -> bool:
         for path in ("/get_server_info", "/server_info"):
             try:
@@ -137,6 +153,9 @@ class HealthChecker:
                 continue
             if isinstance(info, dict):
                 model = info.get("model_path") or info.get("served_model_name")
+                worker.model_path = info.get("tokenizer_path") or info.get("model_path")
+                if worker.role == "decode":
+                    self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
                 self.registry.set_server_info(worker, info.get("dp_size") or 1, model)
                 return True
         log.warning("%s answers /health but neither /get_server_info nor /server_info", worker.url)

@@ -49,6 +49,10 @@ class Worker:
         self.healthy = False
         self.ever_healthy = False  # healthy at least once (a worker still starting is probed more often)
         self.info_known = False  # /get_server_info answered at least once
+        self.model_path: str | None = None  # its /server_info tokenizer_path or model_path (None: default model)
+        # a decode worker's --max-local-prefill-tokens from its /server_info: 0 when it does not
+        # take local prefills (SGLang's decode servers, pdserve's without the flag)
+        self.max_local_prefill_tokens = 0
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.draining = False
@@ -69,6 +73,7 @@ class Worker:
             "drained": self.draining and self.load == 0,
             "dp_size": self.dp_size,
             "model_id": self.model_id,
+            "max_local_prefill_tokens": self.max_local_prefill_tokens if self.role == "decode" else None,
             "in_flight": self.load,
             "endpoints": {e.key: e.load for e in self.endpoints},
         }
