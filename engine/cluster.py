@@ -22,7 +22,7 @@ anything starts.
     pdserve launch                                   # 1 prefill + 1 decode + router, default model
     pdserve launch --prefill 2 --decode 1 --cpu-split auto --max-total-tokens 4096
 
-Memory: the servers share one budget, ``--mem-fraction-static F`` (default 0.5) of the host's
+Memory: the servers share one budget, ``--mem-fraction-static F`` (default 0.25) of the host's
 memory for every server's weights and KV pages together: each of the ``n`` servers gets
 ``--mem-fraction-static F/n``, which it splits over its own ranks (``pool_sizing``), so servers
 started together never size their pools from what the others have not allocated yet.
@@ -81,7 +81,7 @@ class LaunchConfig:
     stop_grace: float = STOP_GRACE_S  # seconds between SIGTERM and SIGKILL (the whole stop stays under 10 s)
     # share of the host's memory for the weights and KV pages of every server together (each of the
     # n servers gets --mem-fraction-static mem_fraction_static / n)
-    mem_fraction_static: float = 0.5
+    mem_fraction_static: float = 0.25
     # conditional disaggregation: prompts of at most this many uncached tokens prefill on a decode
     # server (the router's --local-prefill-max-tokens, the decode servers' --max-local-prefill-tokens); 0: off
     local_prefill_max_tokens: int = 0
