@@ -157,13 +157,17 @@ class PDProxy:
         accepts = d_ep.worker.max_local_prefill_tokens
         if not accepts:
             return None  # it would refuse a request without bootstrap fields (warned at registration)
-        max_tokens = min(c.local_prefill_max_tokens, accepts)
         policy = self.pairing.prefill_policy
-        uncached = policy.uncached_tokens(body, d_ep) if max_tokens else None
-        if uncached is None and max_tokens and self.prompt_tokenizer is not None:
-            uncached = self.prompt_tokenizer.count(body)  # the whole prompt: no cache view here
+        uncached = whole = None
+        if c.local_prefill_max_tokens:
+            uncached = policy.uncached_tokens(body, d_ep)
+            whole = policy.prompt_tokens(body) if uncached is not None else None
+            if uncached is None and self.prompt_tokenizer is not None:
+                uncached = whole = self.prompt_tokenizer.count(body)  # no cache view: the whole prompt
+        if whole is not None and whole > accepts:
+            return None  # the worker checks the whole prompt against its limit: it would refuse it
         prefill_loads = [e.load for e in self.pairing.registry.healthy_endpoints("prefill")]
-        reason = local_prefill_reason(uncached, max_tokens, prefill_loads,
+        reason = local_prefill_reason(uncached, c.local_prefill_max_tokens, prefill_loads,
                                       c.prefill_queue_threshold, self._local_in_flight.get(d_ep.key, 0))
         if reason is None:
             return None

@@ -82,3 +82,16 @@ async def test_a_decode_worker_without_local_prefill_is_named_and_not_sent_any(c
     status, _ = await cluster.post("/generate", SHORT)
     assert status == 200 and len(cluster.prefills[0].requests) == 1  # through the prefill server
     assert "bootstrap_room" in decode.requests[-1].body
+
+
+async def test_a_prompt_above_the_decode_workers_own_limit_is_not_sent_there(cluster):
+    await cluster.start(1, 1, prefill_behavior=Behavior(model=None),
+                        decode_behavior=Behavior(model=None, max_local_prefill_tokens=4),
+                        policy="round_robin", local_prefill_max_tokens=64)
+    await _ready(cluster)
+    ids = {"input_ids": list(range(10, 20)), "sampling_params": {"max_new_tokens": 2}}  # 10 tokens: 4 < 10 <= 64
+    status, _ = await cluster.post("/generate", ids)
+    assert status == 200 and len(cluster.prefills[0].requests) == 1  # the prefill path, at once
+    status, _ = await cluster.post("/generate", {**ids, "input_ids": [1, 2, 3]})
+    assert status == 200 and len(cluster.prefills[0].requests) == 1  # 3 <= 4: local
+    assert 'pdserve_router_prefills_total{mode="local_refused"} 0.0' in cluster.router.metrics.render().decode()
