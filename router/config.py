@@ -54,8 +54,10 @@ class RouterConfig:
     kv_overlap_score_weight: float = 1.0
     kv_events_timeout_secs: float = 60.0
     tokenizer_path: str | None = None
-    # conditional disaggregation: a prompt of at most this many tokens goes to a decode worker
-    # alone (it prefills it itself); needs a tokenizing prefill policy (kv_aware); 0: never
+    # conditional disaggregation: a prompt of at most this many tokens (kv_aware: uncached on the
+    # decode worker) goes to a decode worker alone, which prefills it itself, under any prefill
+    # policy (router/prompt_tokenizer.py counts it where the policy does not tokenize) and only to
+    # a decode worker whose own --max-local-prefill-tokens admits it; 0: never
     local_prefill_max_tokens: int = 0
     # ... and any request when every prefill endpoint has more than this many requests in flight
     # and the decode endpoint fewer local prefills (router/local_prefill.py); 0: never
