@@ -42,8 +42,10 @@ _HELP = {
     "tokenizer_path": "GGUF file or directory to take the tokenizer from; default: the model's",
     "chat_template": "Jinja chat template file, or a name (chatml, llama-3-instruct), replacing the tokenizer's",
     "context_length": "longest sequence served; default: the model's (longer is refused)",
-    "mem_fraction_static": "share of the memory free at start for the weights and the KV pages together "
-                           "(the pages get what the weights leave); ignored with --max-total-tokens",
+    "mem_fraction_static": "share of memory for the weights and the KV pages together (the pages get what "
+                           "the weights leave): CUDA: of the device's free memory at start (default 0.25); CPU: "
+                           "of the host's memory, one budget split over this server's ranks (default: none, "
+                           "the pool holds 4 full contexts); ignored with --max-total-tokens",
     "random_seed": "seeds the sampling of requests that give no seed",
     "schedule_policy": "admission order: fcfs (arrival), lpm (longest prefix-cache match first)",
     "sampling_defaults": "model: the OpenAI endpoints' defaults come from the model's generation_config.json "

@@ -21,6 +21,15 @@ anything starts.
 
     pdserve launch                                   # 1 prefill + 1 decode + router, default model
     pdserve launch --prefill 2 --decode 1 --cpu-split auto --max-total-tokens 4096
+
+Memory: the servers share one budget, ``--mem-fraction-static F`` (default 0.25) of the host's
+memory for every server's weights and KV pages together: each of the ``n`` servers gets
+``--mem-fraction-static F/n``, which it splits over its own ranks (``pool_sizing``), so servers
+started together never size their pools from what the others have not allocated yet.
+
+``--local-prefill-max-tokens N`` turns conditional disaggregation on: the decode servers prefill
+prompts of up to N uncached tokens themselves (``--max-local-prefill-tokens N``) and the router
+sends them there alone (its ``--local-prefill-max-tokens N``).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ CPU_SPLITS = ("auto", "none")
 # flags of `pdserve serve` that launch sets itself for each server
 _OWNED_SERVE_FLAGS = (
     "--host", "--port", "--dp-size", "--tp-size", "--model-path", "--disaggregation-mode",
-    "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend",
+    "--disaggregation-bootstrap-port", "--disaggregation-transfer-backend", "--max-local-prefill-tokens",
 )
 
 
@@ -70,6 +79,12 @@ class LaunchConfig:
     log_dir: str | None = None  # None: a new temporary directory
     startup_timeout: float = 600.0  # seconds for every server to load its model
     stop_grace: float = STOP_GRACE_S  # seconds between SIGTERM and SIGKILL (the whole stop stays under 10 s)
+    # share of the host's memory for the weights and KV pages of every server together (each of the
+    # n servers gets --mem-fraction-static mem_fraction_static / n)
+    mem_fraction_static: float = 0.25
+    # conditional disaggregation: prompts of at most this many uncached tokens prefill on a decode
+    # server (the router's --local-prefill-max-tokens, the decode servers' --max-local-prefill-tokens); 0: off
+    local_prefill_max_tokens: int = 0
     engine_args: tuple[str, ...] = ()  # extra `pdserve serve` flags for every server
     router_args: tuple[str, ...] = ()  # extra router flags
 
@@ -88,6 +103,10 @@ class LaunchConfig:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.model_path is not None and not os.path.exists(self.model_path):
             raise ValueError(f"--model-path: no such file or directory: {self.model_path}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.startup_timeout <= 0 or self.stop_grace <= 0:
             raise ValueError("--startup-timeout and --stop-grace must be > 0")
         for flag in self.engine_args:
@@ -163,6 +182,10 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
         if shares[i] is not None and "--num-threads" not in config.engine_args:
             # the server pins each of its dp * tp scheduler processes to its own part of this share
             argv += ["--num-threads", str(max(1, len(shares[i]) // (dp * tp)))]
+        # one budget over every server: each its even share (it splits that over its own ranks)
+        argv += ["--mem-fraction-static", f"{config.mem_fraction_static / n_servers:.6g}"]
+        if role == "decode" and config.local_prefill_max_tokens:
+            argv += ["--max-local-prefill-tokens", str(config.local_prefill_max_tokens)]
         argv += list(config.engine_args)
         specs.append(ServerSpec(f"{role}-{idx}", tuple(argv), f"http://{url_host}:{port}", shares[i], bootstrap))
     router_port = config.port or free_port(url_host)
@@ -172,6 +195,8 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
             argv += ["--prefill", s.url, str(s.bootstrap_port)]
         else:
             argv += ["--decode", s.url]
+    if config.local_prefill_max_tokens:
+        argv += ["--local-prefill-max-tokens", str(config.local_prefill_max_tokens)]
     argv += list(config.router_args)
     specs.append(ServerSpec("router", tuple(argv), f"http://{url_host}:{router_port}"))
     return specs
@@ -333,6 +358,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                                 "(default: %(default)s)")
     p.add_argument("--cpu-split", choices=CPU_SPLITS, default=_D["cpu_split"],
                    help="auto: pin each server to its own share of the cores (default: %(default)s)")
+    p.add_argument("--mem-fraction-static", type=float, default=_D["mem_fraction_static"],
+                   help="share of the host's memory for every server's weights and KV pages together; each of "
+                        "the n servers gets --mem-fraction-static F/n (default: %(default)s)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=_D["local_prefill_max_tokens"],
+                   help="conditional disaggregation: decode servers prefill prompts of up to this many uncached "
+                        "tokens themselves, and the router sends those there alone; 0: off (default: %(default)s)")
     p.add_argument("--log-dir", default=None, help="one log file per process; default: a new temp dir")
     p.add_argument("--startup-timeout", type=float, default=_D["startup_timeout"])
     p.add_argument("--stop-grace", type=float, default=_D["stop_grace"],

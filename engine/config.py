@@ -48,11 +48,12 @@ class EngineConfig:
     disable_cuda_graph: bool = False
     # KV cache
     page_size: int = 16
-    max_total_tokens: int | None = None  # None: derived from mem_fraction_static
-    # SGLang's flag: the share of the memory free at start (host memory on CPU, device memory on
-    # CUDA) that the weights and the KV pages may take together; the KV pages get what the weights
-    # leave of it. Lower than SGLang's CUDA default: on CPU the host's memory is shared with the rest.
-    mem_fraction_static: float = 0.25
+    max_total_tokens: int | None = None  # None: sized by model_executor/pool_sizing.py
+    # SGLang's flag: the share of memory the weights and the KV pages may take together; the pages
+    # get what the weights leave of it. CUDA: of the device's memory free at start (None: 0.25).
+    # CPU: of the host's memory, one budget for all of this server's ranks (None: no budget known;
+    # the pool is a fixed pool_sizing.DEFAULT_POOL_CONTEXTS full contexts). See docs/MEMORY.md.
+    mem_fraction_static: float | None = None
     disable_radix_cache: bool = False
     # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
     schedule_policy: str = "fcfs"
@@ -79,7 +80,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"max_total_tokens must be >= page_size, got {self.max_total_tokens}")
-        if not 0.0 < self.mem_fraction_static <= 1.0:
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1], got {self.mem_fraction_static}")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError(f"context_length must be >= 2, got {self.context_length}")

@@ -139,6 +139,7 @@ class SchedulerReady(msgspec.Struct, tag=True):
     page_size: int
     max_total_num_tokens: int
     num_threads: int = 0
+    kv_pool_bytes: int = 0  # the KV pages' bytes over this DP rank's TP ranks
 
 
 class ControlResult(msgspec.Struct, tag=True):

@@ -142,6 +142,11 @@ class ServerConfig:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
+    def host_ranks(self) -> int:
+        """The scheduler ranks of this server on this node: they share one CPU memory budget."""
+        return self.dp_size * len(self.local_tp_ranks())
+
+    @property
     def kv_events(self) -> KVEventsConfig:
         return KVEventsConfig.from_json(self.kv_events_config)
 

@@ -35,10 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-aware", action="store_true", default=_D["dp_aware"])
     p.add_argument("--kv-overlap-score-weight", type=float, default=_D["kv_overlap_score_weight"])
     p.add_argument("--kv-events-timeout-secs", type=float, default=_D["kv_events_timeout_secs"])
-    p.add_argument("--tokenizer-path", default=_D["tokenizer_path"])
+    p.add_argument("--tokenizer-path", default=_D["tokenizer_path"],
+                   help="the workers' tokenizer (kv_aware, --local-prefill-max-tokens); default: the tokenizer_path "
+                        "or model_path of a worker's /server_info")
     p.add_argument("--local-prefill-max-tokens", type=int, default=_D["local_prefill_max_tokens"],
-                   help="prompts whose part uncached on the decode worker is up to this many tokens are "
-                   "prefilled by the decode worker (0: off)")
+                   help="prompts of up to this many tokens (kv_aware: uncached on the decode worker) are "
+                   "prefilled by the decode worker, under any prefill policy; decode workers need "
+                   "--max-local-prefill-tokens (0: off)")
     p.add_argument("--prefill-queue-threshold", type=int, default=_D["prefill_queue_threshold"],
                    help="also prefill on the decode worker when every prefill worker has more than this "
                    "many requests in flight (0: off)")
@@ -63,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-failure-threshold", type=int, default=_D["health_failure_threshold"])
     p.add_argument("--health-success-threshold", type=int, default=_D["health_success_threshold"])
     p.add_argument("--worker-startup-timeout-secs", type=float, default=_D["worker_startup_timeout_secs"],
-                   help="how long a worker that was added or failed is probed often (from 0.5 s, "
-                        "backing off to --health-check-interval-secs) before it is only probed "
-                        "every interval")
+                   help="how long a worker that was added or failed is probed often (every 0.5 s "
+                        "while it was never healthy; from 0.5 s backing off to "
+                        "--health-check-interval-secs once it was) before it is only probed every interval")
     p.add_argument("--request-queue-timeout-secs", type=float, default=_D["request_queue_timeout_secs"],
                    help="how long a request waits for a healthy prefill+decode pair before a 503 "
                         "(0: answer 503 at once)")

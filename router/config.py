@@ -54,8 +54,10 @@ class RouterConfig:
     kv_overlap_score_weight: float = 1.0
     kv_events_timeout_secs: float = 60.0
     tokenizer_path: str | None = None
-    # conditional disaggregation: a prompt of at most this many tokens goes to a decode worker
-    # alone (it prefills it itself); needs a tokenizing prefill policy (kv_aware); 0: never
+    # conditional disaggregation: a prompt of at most this many tokens (kv_aware: uncached on the
+    # decode worker) goes to a decode worker alone, which prefills it itself, under any prefill
+    # policy (router/prompt_tokenizer.py counts it where the policy does not tokenize) and only to
+    # a decode worker whose own --max-local-prefill-tokens admits it; 0: never
     local_prefill_max_tokens: int = 0
     # ... and any request when every prefill endpoint has more than this many requests in flight
     # and the decode endpoint fewer local prefills (router/local_prefill.py); 0: never
@@ -82,9 +84,10 @@ class RouterConfig:
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 1
-    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was added or
-    # failed is probed from 0.5 s with backoff up to health_check_interval_secs, for at most
-    # worker_startup_timeout_secs (sglang-router's default); a request that finds no healthy pair
+    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was never
+    # healthy is probed every 0.5 s, one that was healthy and failed from 0.5 s with backoff up to
+    # health_check_interval_secs, for at most worker_startup_timeout_secs (sglang-router's
+    # default); a request that finds no healthy pair
     # waits request_queue_timeout_secs for one; SIGTERM finishes in-flight requests within
     # graceful_shutdown_timeout (sglang-router's --shutdown-grace-period-secs default)
     worker_startup_timeout_secs: float = 1800.0

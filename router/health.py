@@ -3,12 +3,14 @@
 ``health_success_threshold`` passes. A worker's DP size comes from
 ``/get_server_info`` (``/server_info`` on newer SGLang) the first time it passes.
 
-A worker that was just added, or that just went out of rotation, is not left to
-the interval: ``watch`` probes it from 0.5 s on, doubling the wait up to
-``--health-check-interval-secs``, until it is healthy or
-``--worker-startup-timeout-secs`` have passed (then the interval takes over
-again). So a router started together with its workers serves within a probe
-gap of the moment they answer, not a whole interval later.
+A worker that was never healthy (starting up, or just added through ``/workers``)
+is not left to the interval: ``watch`` probes it every ``STARTUP_PROBE_S``
+(0.5 s, fixed) until it is healthy or ``--worker-startup-timeout-secs`` have
+passed (then the interval takes over again). So a router started together with
+its workers is ready within 0.5 s of the moment they answer, however long they
+took to load. A worker that was healthy and went out of rotation is probed from
+0.5 s on, doubling the wait up to ``--health-check-interval-secs`` (a worker
+that keeps failing is not hammered).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pdserve.router.worker_registry import Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.health")
 PROBE_INITIAL_S = 0.5
+STARTUP_PROBE_S = 0.5  # the fixed wait between probes of a worker that was never healthy
 
 
 def probe_delays(cap: float) -> Iterator[float]:
@@ -33,6 +36,12 @@ def probe_delays(cap: float) -> Iterator[float]:
     while True:
         yield min(delay, cap)
         delay *= 2
+
+
+def startup_probe_delays() -> Iterator[float]:
+    """Waits between the probes of a worker that was never healthy: ``STARTUP_PROBE_S``, fixed."""
+    while True:
+        yield STARTUP_PROBE_S
 
 
 class HealthChecker:
@@ -74,7 +83,9 @@ class HealthChecker:
         timeout = self.config.worker_startup_timeout_secs
         deadline = time.monotonic() + timeout
         try:
-            for delay in probe_delays(self.config.health_check_interval_secs):
+            delays = (probe_delays(self.config.health_check_interval_secs) if worker.ever_healthy
+                      else startup_probe_delays())
+            for delay in delays:
                 if self.registry.get(worker.url) is not worker:
                     return  # removed (or replaced) meanwhile
                 await self.check(worker, first)
@@ -114,6 +125,22 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
 
+    def _local_prefill_limit(self, worker: Worker, limit) -> None:
+        """Record a decode worker's local-prefill limit; say so when conditional disaggregation is
+        on and the worker would refuse what the router sends it."""
+        worker.max_local_prefill_tokens = limit if isinstance(limit, int) and limit > 0 else 0
+        want = self.config.local_prefill_max_tokens
+        if not want:
+            return
+        if not worker.max_local_prefill_tokens:
+            log.warning("decode worker %s does not accept local prefills (start it with --max-local-prefill-tokens "
+                        "%d): every prompt goes to it through a prefill server, --local-prefill-max-tokens %d "
+                        "notwithstanding", worker.url, want, want)
+        elif worker.max_local_prefill_tokens < want:
+            log.warning("decode worker %s accepts local prefills of at most %d tokens (its "
+                        "--max-local-prefill-tokens), fewer than --local-prefill-max-tokens %d: it gets those "
+                        "only", worker.url, worker.max_local_prefill_tokens, want)
+
     async def _fetch_info(self, worker: Worker) -> bool:
         for path in ("/get_server_info", "/server_info"):
             try:
@@ -127,6 +154,9 @@ class HealthChecker:
             if isinstance(info, dict):
                 model = info.get("model_path") or info.get("served_model_name")
                 worker.stream_deltas = bool(info.get("incremental_streaming_output"))
+                worker.model_path = info.get("tokenizer_path") or info.get("model_path")
+                if worker.role == "decode":
+                    self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
                 self.registry.set_server_info(worker, info.get("dp_size") or 1, model)
                 return True
         log.warning("%s answers /health but neither /get_server_info nor /server_info", worker.url)

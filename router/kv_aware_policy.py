@@ -100,6 +100,7 @@ def prompt_ids(tokenizer, body: dict) -> list[int] | None:
 
 class KVAwarePolicy(Policy):
     needs_text = True  # for the cache_aware fallback
+    tokenizes = True
 
     def __init__(self, config: RouterConfig = _DEFAULTS):
         self.config = config
@@ -111,6 +112,7 @@ class KVAwarePolicy(Policy):
         self.avg_uncached_blocks = 1.0
         self.routed = {"kv_routed": 0, "fallback": 0}
         self._tokenizer = None
+        self._tokenizer_failed = False  # it could not be loaded: routing by cache_aware, logged
         self._last_ids: tuple[dict | None, list[int] | None] = (None, None)
         self._tokenizer_lock = threading.Lock()  # discovery threads of several workers race to load it
         self._page_size: int | None = None
@@ -160,6 +162,13 @@ class KVAwarePolicy(Policy):
         with self.lock:
             held = self.index.overlap(hashes, [endpoint.key], time.monotonic())[endpoint.key]
         return len(ids) - held * self._page_size
+
+    def prepare(self, endpoints):
+        self._discover(endpoints)
+
+    @property
+    def ready(self):
+        return self._tokenizer is not None or self._tokenizer_failed
 
     def routed_locally(self, body, endpoint):
         ids = self._prompt_ids(body)
@@ -251,6 +260,13 @@ class KVAwarePolicy(Policy):
         from pdserve.engine.model_executor.tokenizer import load_tokenizer
 
         t0 = time.monotonic()
-        self._tokenizer = load_tokenizer(model_path)
+        try:
+            self._tokenizer = load_tokenizer(model_path)
+        except Exception as e:  # noqa: BLE001 - routing falls back to cache_aware; retried with the next worker
+            self._tokenizer_failed = True
+            log.error("kv_aware: cannot load the tokenizer of %s (%s: %s): routing by cache_aware "
+                      "(--tokenizer-path names the workers' tokenizer)", model_path or "the default model",
+                      type(e).__name__, e)
+            return
         log.info("kv_aware: tokenizer of %s loaded in %.1f s", model_path or "the default model",
                  time.monotonic() - t0)

@@ -4,6 +4,11 @@ The request path counts into labelled counters and histograms; the per-worker
 gauges (in flight, healthy) are read from the ``WorkerRegistry`` when scraped.
 Each ``RouterMetrics`` has its own ``CollectorRegistry`` (never the library's
 global one), so routers and tests in one process do not share counts.
+
+The labelled counters start with a 0 sample for every label value known in
+advance (the retry causes, the prefill modes, the local-prefill reasons, the
+inference routes answered 200): a dashboard panel reads 0 on a healthy cluster,
+not "no data" until the first event.
 """
 
 from __future__ import annotations
@@ -12,17 +17,25 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pdserve.engine.frontend.prometheus_text import exposition
+from pdserve.router.local_prefill import LocalReason
 from pdserve.router.policy import Policy
 from pdserve.router.worker_registry import WorkerRegistry
 
 LEGS = ("prefill", "decode")
+# the causes of a retry known in advance (upstream.UpstreamError's and pd_proxy's); http_<status> is
+# counted when it happens
+RETRY_CAUSES = ("connect", "timeout", "connection_lost", "malformed", "empty_stream", "error_in_answer")
+PREFILL_MODES = ("remote", "local", "local_refused")
+LOCAL_REASONS = tuple(r.value for r in LocalReason)
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                    30.0, 60.0, 120.0, 300.0)
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry, policies: dict[str, Policy] | None = None):
-        """``policies``: role -> the role's policy, whose ``counts()`` are scraped."""
+    def __init__(self, workers: WorkerRegistry, policies: dict[str, Policy] | None = None,
+                 routes: tuple[str, ...] = ()):
+        """``policies``: role -> the role's policy, whose ``counts()`` are scraped; ``routes``: the
+        inference routes, whose requests_total{status="200"} is exported from the start."""
         self.registry = CollectorRegistry()
         reg = self.registry
         self.requests = _Labelled(Counter("pdserve_router_requests_total",
@@ -65,6 +78,15 @@ class RouterMetrics:
                               buckets=LATENCY_BUCKETS, registry=reg)
         self.e2e = Histogram("pdserve_router_e2e_seconds", "End-to-end request latency at the router.",
                              buckets=LATENCY_BUCKETS, registry=reg)
+        for route in routes:
+            self.requests.touch(route, "200")
+        for leg in LEGS:
+            for cause in RETRY_CAUSES:
+                self.retries_by_cause.touch(leg, cause)
+        for mode in PREFILL_MODES:
+            self.prefills.touch(mode)
+        for reason in LOCAL_REASONS:
+            self.local_reasons.touch(reason)
         reg.register(_WorkerGauges(workers))
         reg.register(_PolicyCounts(policies or {}))
 
@@ -84,11 +106,15 @@ class _Labelled:
         self.counter = counter
         self.children: dict[tuple[str, ...], Counter] = {}
 
-    def inc(self, *label_values: str) -> None:
+    def touch(self, *label_values: str) -> Counter:
+        """The child of these label values, created (exported at 0) if new."""
         child = self.children.get(label_values)
         if child is None:
             child = self.children[label_values] = self.counter.labels(*label_values)
-        child.inc()
+        return child
+
+    def inc(self, *label_values: str) -> None:
+        self.touch(*label_values).inc()
 
 
 class _WorkerGauges:

@@ -38,6 +38,7 @@ from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
 from pdserve.router.migrating_relay import MigratingRelay
 from pdserve.router.migration import migratable
+from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -80,7 +81,10 @@ def _consume(task: asyncio.Task) -> None:
 
 class PDProxy:
     def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
-                 upstream: UpstreamPool):
+                 upstream: UpstreamPool, prompt_tokenizer: PromptTokenizer | None = None):
+        """``prompt_tokenizer``: counts prompts for --local-prefill-max-tokens when the prefill
+        policy does not tokenize."""
+        self.prompt_tokenizer = prompt_tokenizer
         self.config = config
         self.pairing = pairing
         self.metrics = metrics
@@ -133,8 +137,18 @@ class PDProxy:
         if not (c.local_prefill_max_tokens or c.prefill_queue_threshold) or batch_size(body) is not None:
             return None
         d_ep = self.pairing.choose_decode(body)
+        accepts = d_ep.worker.max_local_prefill_tokens
+        if not accepts:
+            return None  # it would refuse a request without bootstrap fields (warned at registration)
         policy = self.pairing.prefill_policy
-        uncached = policy.uncached_tokens(body, d_ep) if c.local_prefill_max_tokens else None
+        uncached = whole = None
+        if c.local_prefill_max_tokens:
+            uncached = policy.uncached_tokens(body, d_ep)
+            whole = policy.prompt_tokens(body) if uncached is not None else None
+            if uncached is None and self.prompt_tokenizer is not None:
+                uncached = whole = self.prompt_tokenizer.count(body)  # no cache view: the whole prompt
+        if whole is not None and whole > accepts:
+            return None  # the worker checks the whole prompt against its limit: it would refuse it
         prefill_loads = [e.load for e in self.pairing.registry.healthy_endpoints("prefill")]
         reason = local_prefill_reason(uncached, c.local_prefill_max_tokens, prefill_loads,
                                       c.prefill_queue_threshold, self._local_in_flight.get(d_ep.key, 0))

@@ -30,6 +30,8 @@ class Policy(ABC):
 
     #: True when ``select`` uses the request text (only then does the router extract it)
     needs_text: bool = False
+    #: True when the policy tokenizes prompts (``uncached_tokens`` answers once its tokenizer is loaded)
+    tokenizes: bool = False
 
     @classmethod
     def from_config(cls, config) -> Policy:
@@ -55,6 +57,16 @@ class Policy(ABC):
         the prefix it holds, where this policy knows it (kv_aware, from the endpoint's own KV
         events), else the whole prompt; None when this policy does not tokenize prompts."""
         return self.prompt_tokens(body)
+
+    def prepare(self, endpoints: Sequence[C]) -> None:
+        """``endpoints`` are healthy: start what the policy loads about them (kv_aware: the
+        tokenizer and their event streams), so it is ready before the first request."""
+
+    @property
+    def ready(self) -> bool:
+        """False while the policy still loads what it needs to route as configured (kv_aware:
+        its tokenizer); the router is not ready until then."""
+        return True
 
     def routed_locally(self, body: dict, endpoint: C) -> None:
         """``body`` went to ``endpoint`` to be prefilled there (kv_aware counts its blocks there)."""

@@ -39,6 +39,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
+from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
 from pdserve.router.worker_registry import Worker, WorkerRegistry
@@ -72,10 +73,15 @@ class Router:
         self.prefill_policy = make_policy(config.effective_prefill_policy, config)
         self.decode_policy = make_policy(config.effective_decode_policy, config)
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy)
-        self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy})
+        self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
+                                     INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
         self.gate = PairGate(self.registry)
+        # --local-prefill-max-tokens counts prompts: with the prefill policy's tokenizer if it has one
+        self.prompt_tokenizer = (PromptTokenizer(config.tokenizer_path)
+                                 if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
+        self.registry.on_change(self._prepare_routing)
         self.shutdown = Shutdown(config.graceful_shutdown_timeout)
         self.worker_headers = {"Content-Type": "application/json"}
         if config.api_key:
@@ -98,7 +104,9 @@ class Router:
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
         auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
         self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth)
-        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream)
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.prompt_tokenizer)
+        if self.prompt_tokenizer is not None and self.config.tokenizer_path:
+            self.prompt_tokenizer.start(None)
         self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)
         for spec in self.config.prefill + self.config.decode:
             self.registry.add(spec)
@@ -110,6 +118,29 @@ class Router:
                 log.warning("%s worker %s does not answer /health yet", w.role, w.url)
                 self.health.watch(w, first=True)
         self._health_task = asyncio.ensure_future(self.health.run())
+
+    def _prepare_routing(self) -> None:
+        """On every change of the healthy endpoints: the policies load what they need about them
+        (kv_aware: tokenizer, event streams) and the prompt tokenizer starts loading, so routing is
+        ready when the workers are, not at the first request."""
+        for role, policy in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
+            endpoints = self.registry.healthy_endpoints(role)
+            if endpoints:
+                policy.prepare(endpoints)
+        if self.prompt_tokenizer is not None:
+            known = [w for w in self.registry.workers() if w.info_known]
+            if known:
+                self.prompt_tokenizer.start(known[0].model_path)
+
+    def routing_missing(self) -> str | None:
+        """What the router still loads before it routes as configured (a tokenizer), or None."""
+        for role, policy in (("prefill", self.prefill_policy), ("decode", self.decode_policy)):
+            if not policy.ready:
+                return f"the {role} policy's tokenizer is loading"
+        tok = self.prompt_tokenizer
+        if tok is not None and not tok.ready and tok.error is None:
+            return "the tokenizer for --local-prefill-max-tokens is loading"
+        return None
 
     async def close(self) -> None:
         if self.health is not None:
@@ -237,6 +268,9 @@ class Router:
                                   "in_flight": self.shutdown.in_flight, **body}, 503)
         if not ready:
             return json_response({"status": "not_ready", "message": describe_missing(body), **body}, 503)
+        loading = self.routing_missing()
+        if loading is not None:
+            return json_response({"status": "not_ready", "message": loading, **body}, 503)
         return json_response({"status": "ready", **body})
 
     async def _metrics(self, request: web.Request) -> web.Response:

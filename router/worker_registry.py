@@ -47,9 +47,14 @@ class Worker:
         self.dp_size = 1
         self.model_id: str | None = None
         self.healthy = False
+        self.ever_healthy = False  # healthy at least once (a worker still starting is probed more often)
         self.info_known = False  # /get_server_info answered at least once
         # its /generate streams carry deltas (--incremental-streaming-output), not whole outputs
         self.stream_deltas = False
+        self.model_path: str | None = None  # its /server_info tokenizer_path or model_path (None: default model)
+        # a decode worker's --max-local-prefill-tokens from its /server_info: 0 when it does not
+        # take local prefills (SGLang's decode servers, pdserve's without the flag)
+        self.max_local_prefill_tokens = 0
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.draining = False
@@ -70,6 +75,7 @@ class Worker:
             "drained": self.draining and self.load == 0,
             "dp_size": self.dp_size,
             "model_id": self.model_id,
+            "max_local_prefill_tokens": self.max_local_prefill_tokens if self.role == "decode" else None,
             "in_flight": self.load,
             "endpoints": {e.key: e.load for e in self.endpoints},
         }
@@ -92,7 +98,7 @@ class WorkerRegistry:
         if url in self._workers:
             raise ValueError(f"worker {url} is already registered")
         worker = Worker(spec)
-        worker.healthy = healthy
+        worker.healthy = worker.ever_healthy = healthy
         self._workers[url] = worker
         self._rebuild()
         return worker
@@ -145,6 +151,7 @@ class WorkerRegistry:
             flip = worker.healthy and worker.consecutive_failures >= failure_threshold
         if flip:
             worker.healthy = not worker.healthy
+            worker.ever_healthy = worker.ever_healthy or worker.healthy
             if worker.url in self._workers:
                 self._rebuild()
         return flip

@@ -3,9 +3,9 @@
 
 Both on the same dequantized weights (pdserve's loader writes them out as an
 HF checkpoint that transformers loads) and the same dtype and thread count,
-one after the other for each figure; transformers in this process, each
-pdserve side (an Engine) in a process of its own (``benchlib.engine_worker``:
-Engines sharing a process slow each other's OpenMP barriers):
+one after the other for each figure; each side (an Engine, or transformers) in
+a process of its own (``benchlib.engine_worker``: sides sharing a process slow
+each other's OpenMP barriers), so its figures are what a fresh process gets:
 
 - prefill tokens/s: ``--num-prompts`` random prompts of ``--prompt-len`` tokens,
   one new token each (pdserve: one batch, chunked by its scheduler; HF: one
@@ -176,28 +176,15 @@ class PdserveSide:
         self.proc.wait(timeout=120)
 
 
-class HFSide:
+class HFSide(PdserveSide):
+    """transformers' ``generate`` in a process of its own (``benchlib.engine_worker``), as the
+    pdserve sides: its figures are what a fresh process gets."""
+
     def __init__(self, args, hf_dir: str):
-        from transformers import AutoModelForCausalLM
-
-        dtype = getattr(torch, args.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
-
-    @torch.inference_mode()
-    def generate(self, prompts, new_tokens):
-        ids = torch.tensor(prompts, dtype=torch.int64)  # all prompts of one length: no padding
-        out = self.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        return out[:, ids.shape[1] :].tolist()
-
-    def close(self):
-        pass
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchlib", "engine_worker.py")
+        self.proc = subprocess.Popen([sys.executable, worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        self._call({"hf": {"path": hf_dir, "dtype": args.dtype, "threads": args.threads}})
 
 
 class ServerSide:

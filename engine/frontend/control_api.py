@@ -166,6 +166,8 @@ def server_info(tm: TokenizerManager) -> dict:
             "disaggregation_transfer_backend": c.kv_transfer.backend,
             "page_size": c.engine.page_size,
             "max_total_num_tokens": tm.max_total_num_tokens,
+            # the KV pages' bytes of every DP rank together (each rank's over its TP ranks)
+            "kv_pool_bytes": sum(r.kv_pool_bytes for r in tm.ready),
             "max_context_len": tm.model_info.max_context_len,
             "kv_events_endpoints": advertised_endpoints(c.kv_events, c.dp_size, c.advertise_host),
             "internal_states": [
@@ -176,6 +178,7 @@ def server_info(tm: TokenizerManager) -> dict:
                     "num_free_pages": s.num_free_pages if s else None,
                     "num_total_pages": s.num_total_pages if s else None,
                     "max_total_num_tokens": tm.ready[r].max_total_num_tokens,
+                    "kv_pool_bytes": tm.ready[r].kv_pool_bytes,
                     "inflight": tm.inflight[r],
                 }
                 for r, s in enumerate(tm.stats)

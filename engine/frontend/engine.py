@@ -21,13 +21,19 @@ A call is an in-process ``/generate`` request: its keyword arguments are the
 ``bootstrap_port``, ``bootstrap_room`` (one per prompt, or a list for a batch),
 ``routed_dp_rank``, ``disagg_prefill_dp_rank``), validated by
 ``protocol.generate_sequences``, and the sequences run through the server's
-own ``TokenizerManager``. With ``dp_size = tp_size = 1`` its one scheduler
-rank is a ``LocalRank``: the scheduler processes' loop (built by the same
-``LOOP_BUILDERS`` in every mode) on a thread of this process. With more, the
-ranks are scheduler processes started as ``pdserve serve`` starts them
-(``serve.spawn_ranks``, spawned: a script that makes such an Engine needs an
-``if __name__ == "__main__":`` guard); a dead one fails what is in flight
-with its name. Bad arguments raise ``ValueError`` (a
+own ``TokenizerManager``. The scheduler ranks are processes started as
+``pdserve serve`` starts them (``serve.spawn_ranks``, spawned: a script that
+makes an Engine needs an ``if __name__ == "__main__":`` guard), as SGLang's
+Engine does; a dead one fails what is in flight with its name. So the steps run
+at a fresh process's speed whatever this process did before: a rank on a
+thread of a process whose main thread had run torch shared the process with a
+second OpenMP pool, and with more OpenMP threads than cores libgomp throttles
+its barrier spinning (issue 27 measured 0.56x a fresh process's decode; see
+docs/ENGINE.md). ``Engine(rank_on_thread=True)`` (``dp_size = tp_size = 1``)
+runs the one rank as a ``LocalRank`` on a thread of this process instead (the
+same loop, built by the same ``LOOP_BUILDERS``): it starts faster, and
+``call``, ``loop``, ``stats`` and ``check_integrity`` look inside it; use it in
+a process that has not run torch on another thread. Bad arguments raise ``ValueError`` (a
 ``RequestError``) naming the parameter before anything runs. A batch of
 prompts is submitted at once, so it is scheduled together.
 
@@ -123,13 +129,18 @@ class _Run:
 
 
 class Engine:
-    def __init__(self, model_path: str | None = None, dtype: str = "auto", **flags):
+    def __init__(self, model_path: str | None = None, dtype: str = "auto", rank_on_thread: bool = False, **flags):
+        """``flags``: ``pdserve serve``'s flags by field name; ``rank_on_thread``: the one rank on a
+        thread of this process rather than its own process (see the module's docstring)."""
         if model_path is not None and not os.path.exists(model_path):
             raise ValueError(f"model_path {model_path!r} does not exist")
         try:
             server_config = ServerConfig.from_flags({"model_path": model_path, "dtype": dtype, **flags})
         except TypeError as e:  # a flag of the wrong kind
             raise ValueError(str(e)) from None
+        if rank_on_thread and (server_config.dp_size, server_config.tp_size) != (1, 1):
+            raise ValueError("rank_on_thread runs one rank: it needs dp_size = tp_size = 1")
+        self.rank_on_thread = rank_on_thread
         self.server_config = server_config
         self.config = server_config.engine
         self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
@@ -164,9 +175,9 @@ class Engine:
 
     @property
     def in_process(self) -> bool:
-        """One scheduler rank on a thread of this process (dp_size = tp_size = 1); else scheduler
+        """One scheduler rank on a thread of this process (``rank_on_thread``); else scheduler
         processes, one per DP and TP rank, as ``pdserve serve`` starts them."""
-        return self.server_config.dp_size == 1 and self.server_config.tp_size == 1
+        return self.rank_on_thread
 
     async def _open(self, server_config: ServerConfig) -> TokenizerManager:
         metrics = ServerMetrics(server_config.dp_size, server_config.model_name)
@@ -343,8 +354,8 @@ class Engine:
         """Run ``fn()`` on the scheduler loop's thread between steps, after every request and abort
         sent before, and return its result (to look inside ``self.loop``). In-process rank only."""
         if self._rank is None:
-            raise RuntimeError("call() looks inside the in-process rank; with dp_size or tp_size > 1 the "
-                               "ranks are processes (get_server_info reports their state)")
+            raise RuntimeError("call() looks inside the in-process rank of Engine(rank_on_thread=True); "
+                               "the ranks are processes otherwise (get_server_info reports their state)")
         future = self._rank.call(fn)
         while not concurrent.futures.wait([future], ALIVE_CHECK_S).done:
             if self._closed:

@@ -56,3 +56,20 @@ def rss_bytes() -> int:
     """This process's resident set size (Linux /proc)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * OS_PAGE
+
+
+def host_memory_bytes() -> int:
+    """The memory this host gives its processes: MemTotal, or the cgroup's limit where that is lower
+    (a container). Constant while servers start, unlike what is free."""
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                limit = f.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+        break
+    return total

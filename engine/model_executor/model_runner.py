@@ -25,10 +25,11 @@ import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
 from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.model_executor.host_memory import trim_heap
+from pdserve.engine.model_executor.host_memory import host_memory_bytes, trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import ModelSource, load_model, read_q8_0_blocks
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+from pdserve.engine.model_executor.pool_sizing import PoolSize, size_pool, tensor_bytes
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
 from pdserve.engine.model_executor.quantization_names import W8A16
 from pdserve.engine.sched.page_pool import PagePool
@@ -58,49 +59,46 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory the KV pool may draw a fraction of: MemAvailable on CPU, free device memory on CUDA."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    """Free device memory (CUDA's own rule of sizing reads it before and after the weights)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free)
 
 
 def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
-                   num_kv_heads: int | None = None, free_at_start: int | None = None) -> int:
-    """Pages for ``max_total_tokens``, else for what the weights leave of ``mem_fraction_static`` of
-    the memory free at start (``free_at_start``, measured before the weights loaded; None: the
-    memory free now, the weights already out of it), capped at what ``max_running_requests``
-    full-context sequences could ever hold. ``num_kv_heads``: the heads this pool holds (a TP
-    rank's share; default all of the model's)."""
-    if config.max_total_tokens is not None:
-        tokens = config.max_total_tokens
-    else:
-        kv_heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
-        per_token = PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype)
-        free_now = available_memory_bytes(device)
-        start = free_now if free_at_start is None else free_at_start
-        weights = max(start - free_now, 0)  # SGLang's rule: the fraction covers weights and KV together
-        budget = int(start * config.mem_fraction_static) - weights
-        if budget < per_token * config.page_size:
-            raise ValueError(
-                f"mem_fraction_static {config.mem_fraction_static} of the {start / 2**30:.1f} GiB free at start "
-                f"leaves no room for KV pages once the weights took {weights / 2**30:.1f} GiB: raise "
-                "mem_fraction_static or set max_total_tokens"
-            )
-        tokens = budget // per_token
-        tokens = min(tokens, config.max_running_requests * arch.max_context_len)
-    num_pages = tokens // config.page_size + 1  # + the reserved scratch page 0
-    if num_pages < 2:
+                   num_kv_heads: int | None = None, free_at_start: int | None = None,
+                   weights_bytes: int = 0, ranks: int = 1) -> int:
+    """This rank's pool in pages, the reserved scratch page 0 included (``rank_pool_size``'s arguments)."""
+    return rank_pool_size(config, arch, dtype, device, num_kv_heads, free_at_start, weights_bytes,
+                          ranks).tokens // config.page_size + 1
+
+
+def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
+                   num_kv_heads: int | None = None, free_at_start: int | None = None,
+                   weights_bytes: int = 0, ranks: int = 1) -> PoolSize:
+    """This rank's pool (``pool_sizing.size_pool``). ``num_kv_heads``: the heads this pool holds (a
+    TP rank's share; default all of the model's); ``weights_bytes``: what this rank's weights
+    allocated; ``ranks``: the server's scheduler ranks on this host; ``free_at_start``: CUDA's free
+    memory before the weights loaded."""
+    kv_heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
+    cuda = device.type == "cuda" and config.max_total_tokens is None
+    size = size_pool(
+        max_total_tokens=config.max_total_tokens, mem_fraction_static=config.mem_fraction_static,
+        device_type=device.type, per_token_bytes=PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype),
+        weights_bytes=weights_bytes, max_context_len=arch.max_context_len,
+        max_running_requests=config.max_running_requests, page_size=config.page_size, ranks=ranks,
+        host_bytes=host_memory_bytes() if device.type == "cpu" else None,
+        device_free_at_start=free_at_start if cuda else None,
+        device_free_now=available_memory_bytes(device) if cuda else None,
+    )
+    if size.tokens // config.page_size < 1:
         raise ValueError(f"max_total_tokens too small for one page of {config.page_size} tokens")
-    return num_pages
+    return size
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, ranks: int = 1):
+        """``ranks``: the scheduler ranks of this server on this host, which share one memory budget
+        on CPU (``pool_sizing``)."""
         self.config = config
         threads = config.num_threads or env.PDSERVE_NUM_THREADS
         if threads:
@@ -108,7 +106,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
-        free_at_start = available_memory_bytes(self.device)
+        free_at_start = available_memory_bytes(self.device) if self.device.type == "cuda" else None
         arch, weights, source = load_model(config.model_path)
         if config.context_length is not None:
             arch = arch.with_context_length(config.context_length)
@@ -120,18 +118,25 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = self._build_model(weights, source)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
-        num_pages = all_reduce_min(pool_num_pages(config, arch, self.dtype, self.device, tp.num_kv_heads,
-                                                  free_at_start))
+        weights_bytes = tensor_bytes(self.model)
+        size = rank_pool_size(config, arch, self.dtype, self.device, tp.num_kv_heads, free_at_start,
+                              weights_bytes, ranks)
+        num_pages = all_reduce_min(size.tokens // config.page_size + 1)  # + the reserved scratch page 0
         self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
                                   arch.head_dim, self.dtype, self.device, config.quantization)
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.page_pool, tp.num_heads, tp.num_kv_heads, arch.head_dim,
             arch.head_dim ** -0.5,
         )
-        logger.info("loaded %s (%s) as %s, weights %s, in %.1fs (TP rank %d of %d: %d heads, %d KV heads); "
-                    "decode steps of <= %d tokens through native gemv; KV pool %d pages of %d tokens", source.path,
-                    arch.arch, self.dtype, config.quantization, time.perf_counter() - t0, tp.rank, tp.size,
-                    tp.num_heads, tp.num_kv_heads, self.model.gemv_rows, num_pages - 1, config.page_size)
+        # the KV pages' bytes over the TP ranks of this DP rank (each holds its heads' share)
+        self.kv_pool_bytes = self.page_pool.max_total_tokens * tp.size * PagePool.bytes_per_token(
+            arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype)
+        logger.info("loaded %s (%s) as %s, weights %s (%.2f GiB on this rank), in %.1fs (TP rank %d of %d: %d heads, "
+                    "%d KV heads); decode steps of <= %d tokens through native gemv", source.path, arch.arch,
+                    self.dtype, config.quantization, weights_bytes / 2**30, time.perf_counter() - t0, tp.rank,
+                    tp.size, tp.num_heads, tp.num_kv_heads, self.model.gemv_rows)
+        logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB over %d TP rank(s): %s", self.page_pool.max_total_tokens,
+                    num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, size.rule)
         self.graph_runner: DecodeGraphRunner | None = None
         self._capture_graphs()
 

@@ -67,9 +67,10 @@ class RankSpec:
 
 
 def _build_null_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
+    from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 
-    return SchedulerLoop(config.engine, dp_rank=dp_rank)
+    return SchedulerLoop(config.engine, dp_rank=dp_rank, runner=ModelRunner(config.engine, config.host_ranks))
 
 
 def _tp_place(config: ServerConfig, tp_rank: int, runner):
@@ -120,7 +121,7 @@ def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
     from pdserve.prefill.prefill_loop import PrefillLoop
 
-    runner = ModelRunner(config.engine)
+    runner = ModelRunner(config.engine, config.host_ranks)
     with _unpinned():
         kv = PrefillKVManager(
             config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
@@ -134,7 +135,7 @@ def _build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     from pdserve.engine.model_executor.model_runner import ModelRunner
     from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 
-    runner = ModelRunner(config.engine)
+    runner = ModelRunner(config.engine, config.host_ranks)
     with _unpinned():
         kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
     return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
@@ -167,6 +168,7 @@ def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
         eos_token_ids=list(arch.eos_token_ids),
         page_size=pool.page_size,
         max_total_num_tokens=pool.max_total_tokens,
+        kv_pool_bytes=getattr(loop.runner, "kv_pool_bytes", 0),
         num_threads=num_threads,
     )
 

@@ -30,7 +30,7 @@ MIB = 2**20
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(**FLAGS) as e:
+    with Engine(rank_on_thread=True, **FLAGS) as e:
         yield e
 
 

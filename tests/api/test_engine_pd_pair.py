@@ -35,8 +35,9 @@ def pair(request):
     # UCX_NET_DEVICES; later tests' children (in network namespaces) must not inherit it
     ucx_devices = os.environ.get("UCX_NET_DEVICES")
     try:
-        with Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, **kv) as prefill, \
-                Engine(disaggregation_mode="decode", incremental_streaming_output=True, **kv) as decode:
+        with Engine(disaggregation_mode="prefill", disaggregation_bootstrap_port=port, rank_on_thread=True, **kv) as prefill, \
+                Engine(disaggregation_mode="decode", incremental_streaming_output=True, rank_on_thread=True,
+                       **kv) as decode:
             yield prefill, decode, port
     finally:
         if ucx_devices is None:

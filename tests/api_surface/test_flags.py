@@ -127,18 +127,20 @@ def test_context_length_caps_the_model_and_longer_is_refused(tmp_path):
 
 
 def test_mem_fraction_static_covers_the_weights_and_the_kv_pages(tmp_path, monkeypatch):
+    # CPU: a fraction of the host's memory, one budget split over the server's ranks, less this
+    # rank's weights (rules in model_executor/pool_sizing.py, tested in tests/engine/test_pool_sizing.py)
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     arch = load_arch(str(tmp_path))
     per_token = PagePool.bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.float32)
     gib = 2**30
-    monkeypatch.setattr(model_runner, "available_memory_bytes", lambda device: 8 * gib)  # after the weights
+    monkeypatch.setattr(model_runner, "host_memory_bytes", lambda: 10 * gib)
     config = EngineConfig(mem_fraction_static=0.5, page_size=16, max_running_requests=10**6)
-    pages = model_runner.pool_num_pages(config, arch, torch.float32, torch.device("cpu"), free_at_start=10 * gib)
-    # half of the 10 GiB free at start, less the 2 GiB the weights took
+    pages = model_runner.pool_num_pages(config, arch, torch.float32, torch.device("cpu"), weights_bytes=2 * gib)
+    # half of the host's 10 GiB, less the 2 GiB the weights took
     assert pages == (3 * gib // per_token) // 16 + 1
     with pytest.raises(ValueError, match="leaves no room for KV pages"):
         model_runner.pool_num_pages(EngineConfig(mem_fraction_static=0.2), arch, torch.float32,
-                                    torch.device("cpu"), free_at_start=10 * gib)
+                                    torch.device("cpu"), weights_bytes=2 * gib)
 
 
 def test_lpm_admits_the_longest_cached_prefix_first():

@@ -39,7 +39,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(dtype="float32", max_total_tokens=8192, num_threads=2) as e:
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=8192, num_threads=2) as e:
         yield e
 
 
@@ -195,7 +195,7 @@ def test_engine_validates_as_the_server_does(engine):
 
 
 def test_a_dead_loop_fails_calls_in_flight_and_later_ones():
-    with Engine(dtype="float32", max_total_tokens=2048, num_threads=2) as dying:
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=2048, num_threads=2) as dying:
         stream = dying.generate("Count: 1, 2,", {"max_new_tokens": 100, "ignore_eos": True}, stream=True)
         next(stream)
 
@@ -231,7 +231,7 @@ def test_mixed_chunk_same_greedy_output_as_alone():
     # chunks of 64 tokens: the long prompt takes several steps, which also carry the short ones' decodes
     long_prompt = " ".join(f"item {i} costs {i * 7 % 13} coins;" for i in range(60))
     prompts = PROMPTS[:4] + [long_prompt]
-    with Engine(dtype="float32", max_total_tokens=8192, num_threads=2, chunked_prefill_size=64,
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=8192, num_threads=2, chunked_prefill_size=64,
                 enable_mixed_chunk=True) as mixed:
         together = mixed.generate(prompts, GREEDY)
         mixed.check_integrity()

@@ -16,7 +16,7 @@ SP = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
 
 def test_tiny_pool_preempts_and_matches_roomy_pool():
     # 8 prompts of ~12 tokens growing to ~36: 8 * 3 pages needed, 8 pages (128 tokens) available
-    with Engine(dtype="float32", max_total_tokens=128, num_threads=2, num_reserved_decode_tokens=0) as tiny:
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=128, num_threads=2, num_reserved_decode_tokens=0) as tiny:
         got = tiny.generate(PROMPTS, SP)
         tiny.check_integrity()
         retractions = tiny.call(lambda: tiny.loop.scheduler.num_retractions)
@@ -28,7 +28,7 @@ def test_tiny_pool_preempts_and_matches_roomy_pool():
         assert r["meta_info"]["finish_reason"]["type"] == "length"
     for alone, batched in zip(roomy_alone, got):
         assert alone["output_ids"] == batched["output_ids"]
-    with Engine(dtype="float32", max_total_tokens=4096, num_threads=2, disable_radix_cache=True) as roomy:
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=4096, num_threads=2, disable_radix_cache=True) as roomy:
         ref = roomy.generate(PROMPTS, SP)
         roomy.check_integrity()
         assert roomy.stats().num_free_pages == roomy.stats().num_total_pages

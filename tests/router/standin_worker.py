@@ -47,6 +47,8 @@ class Behavior:
     model: str = "standin-model"
     record: bool = True  # keep the request bodies (off in benchmarks)
     control_status: int = 200  # the answer to the control endpoints (/flush_cache, ...)
+    # a decode stand-in's /server_info max_local_prefill_tokens (pdserve's flag; 0: refuses local prefills)
+    max_local_prefill_tokens: int = 1 << 20
 
 
 @dataclass
@@ -119,8 +121,11 @@ class StandinWorker:
 
     async def _server_info(self, request):
         b = self.behavior
-        return web.json_response({"dp_size": b.dp_size, "model_path": b.model, "tp_size": 1,
-                                  "disaggregation_mode": self.role, "version": "standin"})
+        info = {"dp_size": b.dp_size, "model_path": b.model, "tp_size": 1, "disaggregation_mode": self.role,
+                "version": "standin"}
+        if self.role == "decode":
+            info["max_local_prefill_tokens"] = b.max_local_prefill_tokens
+        return web.json_response(info)
 
     async def _model_info(self, request):
         b = self.behavior
