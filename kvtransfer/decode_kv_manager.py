@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxPool
 from pdserve.kvtransfer.bootstrap_client import fetch_rank, fetch_topology
 from pdserve.kvtransfer.config import KVTransferConfig

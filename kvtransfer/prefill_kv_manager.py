@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import zmq
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxData, AuxPool
 from pdserve.kvtransfer.bootstrap_client import register_rank
 from pdserve.kvtransfer.config import KVTransferConfig

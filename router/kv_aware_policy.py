@@ -34,7 +34,7 @@ import time
 import urllib.request
 from typing import Sequence
 
-from pdserve.engine.sched.kv_events import block_hashes
+from pdserve.engine.mem_cache.kv_events import block_hashes
 from pdserve.router.cache_aware_policy import CacheAwarePolicy
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_index import KVIndex

@@ -39,7 +39,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.kv_event_publisher import END_SEQ
-from pdserve.engine.sched.kv_events import decode_batch
+from pdserve.engine.mem_cache.kv_events import decode_batch
 from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker
 
 log = logging.getLogger("pdserve.router.kv_events")

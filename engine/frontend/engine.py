@@ -79,8 +79,8 @@ from pdserve.engine.frontend.protocol import GenerateRequest, convert_body, gene
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 from pdserve.engine.sched.scheduler_process import LOOP_BUILDERS
-from pdserve.engine.serve import spawn_ranks, stop_ranks, watch_ranks
-from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.entrypoints.serve import spawn_ranks, stop_ranks, watch_ranks
+from pdserve.engine.entrypoints.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
 SHUTDOWN = "engine is shut down"

@@ -37,7 +37,7 @@ from pdserve.engine.frontend.protocol import (
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.frontend.tool_calls import ToolCallStream
-from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.entrypoints.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 
 logger = logging.getLogger(__name__)

@@ -43,7 +43,7 @@ from pdserve.engine.frontend.protocol import (
 from pdserve.engine.frontend.rank_transport import RankTransport
 from pdserve.engine.model_executor.sampling_defaults import model_sampling_defaults
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
-from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

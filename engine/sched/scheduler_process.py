@@ -38,7 +38,7 @@ import zmq
 
 from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerReady, SchedulerStats
 from pdserve.engine.sched.rank_control import RankControl
-from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.entrypoints.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

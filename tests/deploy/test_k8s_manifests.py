@@ -85,7 +85,7 @@ def _expand(args: list[str]) -> list[str]:
 
 
 def test_container_args_parse_with_pdserve_clis():
-    from pdserve.engine.cli import parse_serve_args
+    from pdserve.engine.entrypoints.cli import parse_serve_args
     from pdserve.router.cli import build_parser, config_from_args
 
     for name, mode in (("pdserve-prefill", "prefill"), ("pdserve-decode", "decode")):

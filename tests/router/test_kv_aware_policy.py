@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_aware_policy import choose_by_overlap, kv_cost, prompt_ids
 from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker

@@ -27,14 +27,14 @@ import uvloop
 from aiohttp import web
 
 import pdserve.engine.env as env
-from pdserve.engine.cluster import free_port, split_cpus
+from pdserve.engine.entrypoints.cluster import free_port, split_cpus
 from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
-from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.entrypoints.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
 
 logger = logging.getLogger("pdserve.server")
