@@ -16,12 +16,11 @@ import argparse
 import dataclasses
 import sys
 
-from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
-from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
-from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from pdserve.engine.quantization_names import QUANTIZATIONS
+from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
-from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
-from pdserve.engine.entrypoints.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
+from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 from pdserve.engine.model_executor.attention.attention_backend import attention_backend_names

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.entrypoints.server_config import ServerConfig
+from pdserve.engine.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 

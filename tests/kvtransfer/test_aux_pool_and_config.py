@@ -63,7 +63,7 @@ def test_import_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, pdserve.kvtransfer, pdserve.kvtransfer.config, pdserve.engine.entrypoints.server_config; "
+    code = ("import sys, pdserve.kvtransfer, pdserve.kvtransfer.config, pdserve.engine.server_config; "
             "print(sorted(m for m in ('torch', 'zmq', 'mooncake', 'nixl') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

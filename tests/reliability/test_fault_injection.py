@@ -78,7 +78,7 @@ def test_injection_is_off_by_default():
     import importlib.util
 
     from pdserve.engine.entrypoints.cli import parse_serve_args
-    from pdserve.engine.entrypoints.server_config import ServerConfig
+    from pdserve.engine.server_config import ServerConfig
     from pdserve.kvtransfer.config import KVTransferConfig
 
     def faulty(name: str) -> bool:  # a word of the name, so that sampling_defaults does not count

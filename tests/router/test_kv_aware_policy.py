@@ -84,7 +84,7 @@ def tokenizer():
 
 
 def test_prompt_ids_match_the_servers_tokenization(tokenizer):
-    from pdserve.engine.frontend.protocol import ChatPrompt
+    from pdserve.engine.frontend.sequences import ChatPrompt
     from pdserve.engine.frontend.tokenizer_manager import encode_prompt
 
     body = {"messages": [{"role": "developer", "content": "Be brief."},

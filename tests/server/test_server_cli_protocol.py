@@ -13,18 +13,11 @@ from pdserve.engine.entrypoints.cli import build_serve_parser, main, parse_serve
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    RequestError,
-    RequestLimits,
-    chat_sequences,
-    completion_sequences,
-    decode_body,
-    generate_sequences,
-)
-from pdserve.engine.entrypoints.server_config import ServerConfig
+from pdserve.engine.frontend.request_error import RequestError, decode_body
+from pdserve.engine.frontend.request_schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from pdserve.engine.frontend.sequences import chat_sequences, completion_sequences, generate_sequences
+from pdserve.engine.frontend.value_checks import RequestLimits
+from pdserve.engine.server_config import ServerConfig
 
 LIMITS = RequestLimits(model_names=frozenset({"m", "default"}), max_n=4, dp_size=2, vocab_size=1000)
 

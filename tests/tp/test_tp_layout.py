@@ -15,7 +15,7 @@ from pdserve.engine.model_executor.model_config import check_tp_heads
 from pdserve.engine.model_executor.model_loader import load_arch
 from pdserve.engine.model_executor.parallel import head_shard
 from pdserve.engine.entrypoints.serve import plan_ranks
-from pdserve.engine.entrypoints.server_config import ServerConfig
+from pdserve.engine.server_config import ServerConfig
 
 
 def test_heads_split_or_replicated_as_sglang_does():

@@ -20,10 +20,10 @@ A call is an in-process ``/generate`` request: its keyword arguments are the
 ``top_logprobs_num``, ``logprob_start_len``, ``bootstrap_host``,
 ``bootstrap_port``, ``bootstrap_room`` (one per prompt, or a list for a batch),
 ``routed_dp_rank``, ``disagg_prefill_dp_rank``), validated by
-``protocol.generate_sequences``, and the sequences run through the server's
+``sequences.generate_sequences``, and the sequences run through the server's
 own ``TokenizerManager``. With ``dp_size = tp_size = 1`` its one scheduler
 rank is a ``LocalRank``: the scheduler processes' loop (built by the same
-``LOOP_BUILDERS`` in every mode) on a thread of this process. With more, the
+loop builders in every mode, ``entrypoints/loops.py``) on a thread of this process. With more, the
 ranks are scheduler processes started as ``pdserve serve`` starts them
 (``serve.spawn_ranks``, spawned: a script that makes such an Engine needs an
 ``if __name__ == "__main__":`` guard); a dead one fails what is in flight
@@ -75,12 +75,14 @@ from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.local_rank import STOP_JOIN_TIMEOUT, LocalRank
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import GenerateRequest, convert_body, generate_sequences
+from pdserve.engine.frontend.request_error import convert_body
+from pdserve.engine.frontend.request_schemas import GenerateRequest
+from pdserve.engine.frontend.sequences import generate_sequences
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
-from pdserve.engine.sched.scheduler_process import LOOP_BUILDERS
+from pdserve.engine.entrypoints.loops import rank_loop_builder
 from pdserve.engine.entrypoints.serve import spawn_ranks, stop_ranks, watch_ranks
-from pdserve.engine.entrypoints.server_config import ServerConfig
+from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
 SHUTDOWN = "engine is shut down"
@@ -135,7 +137,7 @@ class Engine:
         self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
         self._watch: asyncio.Future | None = None
         if self.in_process:
-            build = LOOP_BUILDERS[server_config.disaggregation_mode]
+            build = rank_loop_builder(server_config.disaggregation_mode)
             self._rank: LocalRank | None = LocalRank(lambda: build(server_config, LocalRank.DP_RANK, 0))
             self.loop = self._rank.loop
             self.tokenizer = self.loop.tokenizer
