@@ -39,7 +39,7 @@ import msgspec
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats
-from pdserve.engine.frontend.protocol import local_prefill_refusal
+from pdserve.engine.pd_rules import local_prefill_refusal
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager

@@ -7,7 +7,7 @@ need the config or message types do not pay for torch and the model code.
 
 def __getattr__(name):
     if name == "Engine":
-        from pdserve.engine.frontend.engine import Engine
+        from pdserve.engine.entrypoints.engine import Engine
 
         return Engine
     raise AttributeError(f"module 'pdserve.engine' has no attribute {name!r}")

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from pdserve.engine.model_executor.chat_templates import check_chat_template
-from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, check_quantization
-from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
-from pdserve.kernels.attention_backend import check_attention_backend
+from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
+from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DTYPES = ("auto", "bfloat16", "float32")
+SCHEDULE_POLICIES = ("fcfs", "lpm")  # sched/schedule_policy.py orders the waiting queue by each
 
 
 @dataclass(frozen=True)

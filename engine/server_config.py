@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
-from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.kvtransfer.config import KVTransferConfig

@@ -1,5 +1,5 @@
 /* The KV store of one layer: T new tokens' K and V rows copied into their slots of the layer's
-   head-major pool tensors ([kv_heads, pages, page_size, head_dim], engine/sched/page_pool.py).
+   head-major pool tensors ([kv_heads, pages, page_size, head_dim], engine/mem_cache/page_pool.py).
    Built by cpu_native.py; the per-op path (``NativeKernels.store_kv``) and the fused decode step
    (cpu_decode_layer.c) both store through it.
 

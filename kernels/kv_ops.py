@@ -1,7 +1,7 @@
 """KV store and gather over the page pool's per-layer tensors.
 
 A pool tensor is head-major, ``[num_kv_heads, num_pages, page_size, head_dim]``
-(``engine/sched/page_pool.py`` says why); a slot is ``page * page_size + offset``
+(``engine/mem_cache/page_pool.py`` says why); a slot is ``page * page_size + offset``
 into each head's flat ``[num_slots, dim]`` plane.
 """
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxPool
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.errors import TransferEngineError

@@ -29,7 +29,7 @@ import msgspec
 import zmq
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.auth import AuthError
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.room_metrics import RoomMetrics

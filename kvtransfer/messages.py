@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.engine.model_executor.quantization_names import UNQUANTIZED
+from pdserve.engine.quantization_names import UNQUANTIZED
 
 
 class LayoutInfo(msgspec.Struct, frozen=True):

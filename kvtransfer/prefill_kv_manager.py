@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_peers import DecodePeer, DecodePeers

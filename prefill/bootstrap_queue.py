@@ -8,7 +8,7 @@ destination of the wrong size) ends its request before any compute.
 
 from __future__ import annotations
 
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.kvtransfer import KVPoll, KVSender, KVTransferError, PrefillKVManager
 

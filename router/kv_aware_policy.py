@@ -34,7 +34,7 @@ import time
 import urllib.request
 from typing import Sequence
 
-from pdserve.engine.sched.kv_events import block_hashes
+from pdserve.engine.mem_cache.kv_events import block_hashes
 from pdserve.router.cache_aware_policy import CacheAwarePolicy
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_index import KVIndex
@@ -69,7 +69,7 @@ def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, int], num_bloc
 
 def prompt_ids(tokenizer, body: dict) -> list[int] | None:
     """The prompt's token ids as the worker computes them; None for a batch or an unknown shape."""
-    from pdserve.engine.frontend.protocol import ChatPrompt
+    from pdserve.engine.frontend.sequences import ChatPrompt
     from pdserve.engine.frontend.tokenizer_manager import encode_prompt
 
     ids = body.get("input_ids")

@@ -1,7 +1,7 @@
 """Which prefill endpoint holds which KV block, rebuilt from the workers' KV events.
 
 Pure bookkeeping, no sockets: ``KVIndex`` maps chained block hashes (see
-``pdserve.engine.sched.kv_events``) to the endpoint keys that hold them, and
+``pdserve.engine.mem_cache.kv_events``) to the endpoint keys that hold them, and
 answers how many leading blocks of a prompt each endpoint holds.
 Between routing a request and its worker's ``BlockStored`` event, the blocks
 are *predicted* on the chosen endpoint (``predict``, until a deadline), as
@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 from typing import Iterable, Sequence
 
-from pdserve.engine.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 class KVIndex:

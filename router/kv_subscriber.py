@@ -2,7 +2,7 @@
 
 One thread owns every socket (one SUB per worker DP rank, and a DEALER per rank
 that has a replay endpoint) and applies each batch to the shared index under
-the caller's lock. The wire is vLLM's (see ``pdserve.engine.kv_event_publisher``).
+the caller's lock. The wire is vLLM's (see ``pdserve.engine.mem_cache.kv_event_publisher``).
 
 Faults never stop the thread; each is logged and counted in ``counts``:
 - ``malformed``: a message that is not ``[topic, seq, payload]`` or a payload
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from pdserve.engine.kv_event_publisher import END_SEQ
-from pdserve.engine.sched.kv_events import decode_batch
+from pdserve.engine.mem_cache.kv_event_publisher import END_SEQ
+from pdserve.engine.mem_cache.kv_events import decode_batch
 from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker
 
 log = logging.getLogger("pdserve.router.kv_events")

@@ -122,8 +122,8 @@ class MigratingRelay:
                     if resp.at_eof():
                         return False
                     drain = asyncio.ensure_future(_drain(resp))
-                    self.proxy._background.add(drain)
-                    drain.add_done_callback(self.proxy._background.discard)
+                    self.proxy.background.add(drain)
+                    drain.add_done_callback(self.proxy.background.discard)
                     return True
                 if sends:
                     await out.write(b"".join(sends))
@@ -183,8 +183,8 @@ class MigratingRelay:
             raise _LegsFailed(f.describe(), f.endpoint.key) from None
         body = continuation_body(self.body, prompt, self.transcript.ids)
         p_body, d_body = Pairing.leg_bodies(body, pair)
-        p_task = asyncio.ensure_future(proxy._leg("prefill", pair.prefill, self.path, p_body))
-        d_task = asyncio.ensure_future(proxy._open_stream(pair.decode, self.path, d_body))
+        p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, self.path, p_body))
+        d_task = asyncio.ensure_future(proxy.open_stream(pair.decode, self.path, d_body))
         pending = {p_task, d_task}
         try:
             while d_task in pending:
@@ -203,15 +203,15 @@ class MigratingRelay:
         p_task.add_done_callback(_consume)
         self._open.append(resp)
         if not p_task.done():  # the prefill leg answers once its KV left: let it finish
-            proxy._background.add(p_task)
-            p_task.add_done_callback(proxy._background.discard)
+            proxy.background.add(p_task)
+            p_task.add_done_callback(proxy.background.discard)
         return resp, chunk
 
     async def _prompt(self, pair: Pair) -> list[int]:
         """The prompt's token ids: the client's ``input_ids``, else its text as the prefill server
         tokenizes it (``/tokenize``, the tokenizer /generate uses, special tokens added)."""
         if self._prompt_ids is None:
-            _, _, payload = await self.proxy._leg(
+            _, _, payload = await self.proxy.leg(
                 "prefill", pair.prefill, "/tokenize", _encode({"prompt": self.body.get("text") or ""}))
             try:
                 tokens = _decode(payload)["tokens"]

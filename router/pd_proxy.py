@@ -90,7 +90,7 @@ class PDProxy:
         self.metrics = metrics
         self.upstream = upstream  # pooled connections to the workers (sends --api-key as bearer)
         self._rng = random.Random()
-        self._background: set[asyncio.Task] = set()  # prefill legs outliving their stream
+        self.background: set[asyncio.Task] = set()  # prefill legs outliving their stream
         self._local_in_flight: dict[str, int] = {}  # decode endpoint key -> local prefills in flight
 
     async def handle(self, request: web.Request, path: str, body: dict,
@@ -183,7 +183,7 @@ class PDProxy:
                 d_ep.load += 1
                 resp = None
                 try:
-                    resp, chunk = await self._open_stream(d_ep, path, data)
+                    resp, chunk = await self.open_stream(d_ep, path, data)
                     prefilled()
                     self.metrics.prefills.inc(LOCAL)
                     out, draining = await self._relay(request, resp, chunk, d_ep, t0, headers)
@@ -196,7 +196,7 @@ class PDProxy:
                     raise
                 finally:
                     d_ep.load -= 1
-            status, ctype, payload = await self._leg("decode", d_ep, path, data)
+            status, ctype, payload = await self.leg("decode", d_ep, path, data)
         finally:
             prefilled()
         if _has_error(payload):
@@ -209,8 +209,8 @@ class PDProxy:
     # one attempt, JSON answer ---------------------------------------------
     async def _attempt_json(self, path: str, body: dict, pair: Pair, t0: float) -> web.Response:
         p_body, d_body = Pairing.leg_bodies(body, pair)
-        p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
-        d_task = asyncio.ensure_future(self._leg("decode", pair.decode, path, d_body))
+        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
+        d_task = asyncio.ensure_future(self.leg("decode", pair.decode, path, d_body))
         # one future woken by the first failure or by both successes (lighter than asyncio.wait)
         waiter = asyncio.get_running_loop().create_future()
 
@@ -241,7 +241,7 @@ class PDProxy:
         return web.Response(body=d_data, status=status, content_type=ctype or "application/json",
                             headers=route_headers(pair))
 
-    async def _leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
+    async def leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
         """POST one leg and read its whole answer; raises LegFailure."""
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, leg)
@@ -270,8 +270,8 @@ class PDProxy:
                               t0: float) -> web.StreamResponse:
         p_body, d_body = Pairing.leg_bodies(body, pair)
         d_ep = pair.decode
-        p_task = asyncio.ensure_future(self._leg("prefill", pair.prefill, path, p_body))
-        d_task = asyncio.ensure_future(self._open_stream(d_ep, path, d_body))
+        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
+        d_task = asyncio.ensure_future(self.open_stream(d_ep, path, d_body))
         d_start = time.perf_counter()
         d_ep.load += 1
         resp: UpstreamResponse | None = None
@@ -305,16 +305,16 @@ class PDProxy:
                     t.cancel()
                 t.add_done_callback(_consume)
             if finished and not p_task.done():
-                self._background.add(p_task)
-                p_task.add_done_callback(self._background.discard)
+                self.background.add(p_task)
+                p_task.add_done_callback(self.background.discard)
 
     async def finish_background(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for the legs still answering after their client's stream
         ended (a shutdown would otherwise cut them, and a prefill server would abort a room that
         succeeded); returns how many are left."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=timeout)
-        return len(self._background)
+        if self.background:
+            await asyncio.wait(set(self.background), timeout=timeout)
+        return len(self.background)
 
     async def _relay(self, request: web.Request, resp: UpstreamResponse, chunk: bytes, d_ep: Endpoint,
                      t0: float, headers: dict[str, str]) -> tuple[web.StreamResponse, bool]:
@@ -337,8 +337,8 @@ class PDProxy:
                     # the client's close cannot cancel it
                     await out.write_eof(chunk)
                     drain = asyncio.ensure_future(_drain(resp))
-                    self._background.add(drain)
-                    drain.add_done_callback(self._background.discard)
+                    self.background.add(drain)
+                    drain.add_done_callback(self.background.discard)
                     draining = True
                     break
                 await out.write(chunk)
@@ -367,7 +367,7 @@ class PDProxy:
         relay = MigratingRelay(self, request, pair, path, body, t0)
         return await relay.run(resp, chunk, route_headers(pair))
 
-    async def _open_stream(self, ep: Endpoint, path: str, data: bytes):
+    async def open_stream(self, ep: Endpoint, path: str, data: bytes):
         """POST the decode leg and wait for its first bytes: (response, first chunk)."""
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, "decode")

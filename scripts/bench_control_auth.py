@@ -24,7 +24,7 @@ import time
 import torch
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import BootstrapServer, DecodeKVManager, KVPoll, KVTransferConfig, PrefillKVManager
 from pdserve.kvtransfer.auth import FrameAuth
 

@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 
 import bench_serving  # noqa: E402
 
-from pdserve.engine.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
+from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
 from pdserve.router.policy import POLICY_NAMES  # noqa: E402
 
 HOST = "127.0.0.1"

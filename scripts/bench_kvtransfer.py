@@ -41,7 +41,7 @@ import time
 import numpy as np
 import torch
 
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import (
     AuxData,
     BootstrapServer,

@@ -19,7 +19,7 @@ import time
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_executor.model_runner import ModelRunner
 

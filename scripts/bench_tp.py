@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from bench_model import ours_generate
-from pdserve.engine.cluster import free_port, split_cpus
+from pdserve.engine.entrypoints.cluster import free_port, split_cpus
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor import parallel
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint

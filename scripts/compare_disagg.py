@@ -62,8 +62,8 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.cluster import Cluster, LaunchConfig  # noqa: E402
-from pdserve.engine.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
+from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig  # noqa: E402
+from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 SETUPS = ("colocated", "1p1d", "1p1d+local")
 INTERFERENCE_LONG_RATIO = 0.75  # interference's long prompts: lengths uniform from 3/4 of the flag's

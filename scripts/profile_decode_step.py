@@ -30,7 +30,7 @@ from benchlib.timing import best_of  # noqa: E402
 from benchlib.hw_limits import linear_params, read_bandwidth_gbs  # noqa: E402
 
 from pdserve.engine.config import EngineConfig  # noqa: E402
-from pdserve.engine.model_executor.forward_batch import ForwardBatch  # noqa: E402
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch  # noqa: E402
 from pdserve.engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from pdserve.kernels.cpu_native import native_kernels  # noqa: E402
 

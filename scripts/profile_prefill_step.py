@@ -104,7 +104,7 @@ def main() -> None:
         timed(native, "prefill_attention", "attention")
         timed(native, "rms_norm", "rms_norm")
         timed(native, "rope", "rope")
-    import pdserve.kernels.torch_backend as backend
+    import pdserve.engine.model_executor.attention.torch_backend as backend
 
     timed(backend, "store_kv", "kv_store")
     timed(torch.nn.functional, "scaled_dot_product_attention", "attention")  # where the step runs it (AMX)

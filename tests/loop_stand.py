@@ -25,7 +25,7 @@ from pdserve.decode.decode_loop import DecodeLoop
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import BootstrapInfo, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 
 
 def bf16_runner(path: str, **kw):

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 import pdserve.engine.env as env
-from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.kv_events_config import advertised_endpoints
 from pdserve.engine.frontend.tokenizer_manager import TokenizerManager
 from pdserve.engine.messages import (

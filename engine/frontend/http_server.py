@@ -21,19 +21,20 @@ from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend import tokenize_api
 from pdserve.engine.frontend.drain import DRAIN_KEY, Drain, drain_middleware
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import (
+from pdserve.engine.frontend.request_error import RequestError, decode_body
+from pdserve.engine.frontend.request_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
-    RequestError,
+    include_usage,
+)
+from pdserve.engine.frontend.sequences import (
     SequenceSpec,
     chat_sequences,
     completion_sequences,
-    decode_body,
     generate_sequences,
-    include_usage,
-    new_rid,
 )
+from pdserve.engine.frontend.value_checks import new_rid
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.frontend.tool_calls import ToolCallStream

@@ -1,6 +1,6 @@
 """Request fields that pdserve accepts in its schema but does not implement: refused, never ignored.
 
-The request Structs (``protocol.py``) forbid unknown fields, so a typo is a 400
+The request Structs (``request_schemas.py``) forbid unknown fields, so a typo is a 400
 naming it. Fields of OpenAI's or SGLang's schema that pdserve has no feature for
 stay in the Structs (SGLang's router sends some of them with their default
 value on every request), and this table lists, per body, the values such a

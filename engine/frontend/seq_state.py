@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.frontend.protocol import SequenceSpec
+from pdserve.engine.frontend.sequences import SequenceSpec
 
 
 @dataclass

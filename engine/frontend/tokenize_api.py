@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.frontend.request_error import RequestError
 
 
 class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):

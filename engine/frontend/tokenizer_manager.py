@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from pdserve.engine.frontend.detokenizer import Detokenizer
+from pdserve.engine.model_executor.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
     RankMetrics,
@@ -33,13 +33,10 @@ from pdserve.engine.messages import (
     TokenOutput,
 )
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import (
-    ChatPrompt,
-    RequestError,
-    RequestLimits,
-    SequenceSpec,
-    local_prefill_refusal,
-)
+from pdserve.engine.frontend.request_error import RequestError
+from pdserve.engine.frontend.sequences import ChatPrompt, SequenceSpec
+from pdserve.engine.frontend.value_checks import RequestLimits
+from pdserve.engine.pd_rules import local_prefill_refusal
 from pdserve.engine.frontend.rank_transport import RankTransport
 from pdserve.engine.model_executor.sampling_defaults import model_sampling_defaults
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob

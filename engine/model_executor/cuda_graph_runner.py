@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from pdserve.engine.model_executor.models.llama import LlamaForCausalLM
-    from pdserve.kernels.attention_backend import AttentionBackend
+    from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
 
 Step = Callable[[], torch.Tensor]
 # records ``step`` (run on the static buffers) and returns what replays it: the replay returns

@@ -24,17 +24,17 @@ import torch
 import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.model_executor.host_memory import host_memory_bytes, trim_heap
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import ModelSource, load_model, read_q8_0_blocks
 from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
 from pdserve.engine.model_executor.pool_sizing import PoolSize, size_pool, tensor_bytes
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
-from pdserve.engine.model_executor.quantization_names import W8A16
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.quantization_names import W8A16
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.model_executor.tokenizer import load_tokenizer
-from pdserve.kernels.attention_backend import create_attention_backend
+from pdserve.engine.model_executor.attention.attention_backend import create_attention_backend
 from pdserve.kernels.cpu_native import cpu_flags
 
 logger = logging.getLogger(__name__)

@@ -1,1 +1,1 @@
-"""Scheduling: requests, the page pool, the radix cache, the scheduler and its loop."""
+"""Scheduling: requests, the scheduler and its loop, the scheduler rank process."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.sched.scheduler import ScheduledBatch
 
 

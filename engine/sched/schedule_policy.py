@@ -1,5 +1,7 @@
 """The order in which waiting requests are admitted (SGLang's ``--schedule-policy``).
 
+The policies' names are ``config.SCHEDULE_POLICIES``.
+
 - ``fcfs``: arrival order.
 - ``lpm`` (longest prefix match): the requests with the most tokens already in the
   prefix cache first, arrival order among equals. They need the fewest new pages
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 
-SCHEDULE_POLICIES = ("fcfs", "lpm")
 LPM_MAX_WAITING = 128  # SGLang's threshold for falling back to fcfs
 
 

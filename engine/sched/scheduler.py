@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.engine.sched.radix_cache import PrefixCache
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.mem_cache.radix_cache import PrefixCache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.schedule_policy import order_waiting
 

@@ -37,7 +37,7 @@ from pdserve.engine.sched.batch_builder import build_forward_batch, input_logpro
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
-from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.mem_cache.radix_cache import make_prefix_cache
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents

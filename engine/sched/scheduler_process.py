@@ -1,8 +1,9 @@
 """Entry function of one scheduler process: a DP rank, or one TP rank of it.
 
-``run_scheduler_process`` builds the rank's loop (``SchedulerLoop`` in
-colocated mode; the prefill and decode loops register themselves in
-``LOOP_BUILDERS``), announces itself with ``SchedulerReady``, then runs
+``run_scheduler_process`` builds the rank's loop with the builder it is
+given (``sched/loop_builders.py``: ``SchedulerLoop`` in colocated mode; the
+prefill and decode loops register themselves there), announces itself with
+``SchedulerReady``, then runs
 ``serve_rank``: receive ``SchedulerInput``s from the HTTP process, step while
 there is work, send the ``TokenOutput``s of each step (one message per step)
 and a ``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it
@@ -37,6 +38,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerReady, SchedulerStats
+from pdserve.engine.sched.loop_builders import LoopBuilder
 from pdserve.engine.sched.rank_control import RankControl
 from pdserve.engine.server_config import ServerConfig
 
@@ -66,26 +68,12 @@ class RankSpec:
         return f"dp{self.dp_rank}-tp{self.tp_rank}"
 
 
-def _build_null_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
-    from pdserve.engine.model_executor.model_runner import ModelRunner
-    from pdserve.engine.sched.scheduler_loop import SchedulerLoop
-
-    return SchedulerLoop(config.engine, dp_rank=dp_rank, runner=ModelRunner(config.engine, config.host_ranks))
-
-
-def _tp_place(config: ServerConfig, tp_rank: int, runner):
-    """This TP rank's place for its KV manager: its pool holds its share of the model's KV heads."""
-    from pdserve.kvtransfer.head_slices import TPPlace
-
-    return TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
-
-
 # The CPUs of the whole server, before this rank pinned itself to its share (None: not pinned).
 _server_cpus: set[int] | None = None
 
 
 @contextlib.contextmanager
-def _unpinned():
+def unpinned():
     """Threads started inside run on every CPU of the server, not only on the rank's share.
 
     A rank pinned to its share (``RankSpec.cpus``: one core per TP rank on a 2-core machine) would
@@ -108,46 +96,12 @@ def _unpinned():
 
 def bootstrap_host(config: ServerConfig) -> str:
     """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
-    only (engine/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
+    only (engine/entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
     the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
     address would find no bootstrap server there, and decodes would wait for it in vain)."""
     if config.nnodes > 1:
         return config.dist_init_addr.rpartition(":")[0].strip("[]")
     return config.advertise_host
-
-
-def _build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
-    from pdserve.engine.model_executor.model_runner import ModelRunner
-    from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
-    from pdserve.prefill.prefill_loop import PrefillLoop
-
-    runner = ModelRunner(config.engine, config.host_ranks)
-    with _unpinned():
-        kv = PrefillKVManager(
-            config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=_tp_place(config, tp_rank, runner),
-            bootstrap_host=bootstrap_host(config),
-        ).start()
-    return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
-
-
-def _build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
-    from pdserve.decode.decode_loop import DecodeLoop
-    from pdserve.engine.model_executor.model_runner import ModelRunner
-    from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
-
-    runner = ModelRunner(config.engine, config.host_ranks)
-    with _unpinned():
-        kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=_tp_place(config, tp_rank, runner)).start()
-    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
-                      max_local_prefill_tokens=config.max_local_prefill_tokens)
-
-
-# disaggregation mode -> builder of one (DP, TP) rank's loop (add_request, abort, step, has_work, stats)
-LOOP_BUILDERS: dict[str, Callable[[ServerConfig, int, int], object]] = {
-    "null": _build_null_loop,
-    "prefill": _build_prefill_loop,
-    "decode": _build_decode_loop,
-}
 
 
 def _die_with_parent(name: str) -> None:
@@ -174,10 +128,12 @@ def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
 
 
 def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | None, out_addr: str | None,
-                          parent_pid: int) -> None:
+                          parent_pid: int, build_loop: LoopBuilder) -> None:
     """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets; ``in_addr`` for TP
     rank 0 only, which sends everything to ``out_addr``; the other TP ranks send only their own
-    ``RankMetrics`` there (None: a node > 0 of a multi-node DP rank, which sends nothing)."""
+    ``RankMetrics`` there (None: a node > 0 of a multi-node DP rank, which sends nothing).
+    ``build_loop``: the mode's loop builder (a module-level function, so it reaches a spawned
+    process by name)."""
     _die_with_parent(rank.name)
     # Ctrl-C, and a SIGTERM to the whole group (systemd, `pdserve launch`), reach the ranks too; the
     # parent alone decides when ranks stop (after its drain), so they keep serving it until then
@@ -221,7 +177,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     try:
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
-        loop = LOOP_BUILDERS[config.disaggregation_mode](config, dp_rank, rank.tp_rank)
+        loop = build_loop(config, dp_rank, rank.tp_rank)
         # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks
         publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx) if leader else None
         send([ready_info(loop, dp_rank, rank.num_threads)])
@@ -248,7 +204,7 @@ def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Cont
     calls after each iteration (None without)."""
     if not config.kv_events.enabled:
         return None
-    from pdserve.engine.kv_event_publisher import ZmqEventPublisher
+    from pdserve.engine.mem_cache.kv_event_publisher import ZmqEventPublisher
 
     publisher = ZmqEventPublisher(config.kv_events, dp_rank, ctx)
     cache.enable_events()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine import Engine
-from pdserve.engine.model_executor.host_memory import rss_bytes
+from pdserve.engine.mem_cache.host_memory import rss_bytes
 from pdserve.engine.model_executor.model_loader import resolve_model_path
 
 pytestmark = pytest.mark.timeout(600)

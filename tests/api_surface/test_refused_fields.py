@@ -8,19 +8,16 @@ import msgspec
 import pytest
 
 from pdserve.engine.frontend import refused_fields
-from pdserve.engine.frontend.protocol import (
+from pdserve.engine.frontend.request_error import RequestError, decode_body
+from pdserve.engine.frontend.request_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
     GenerateSamplingParams,
-    RequestError,
-    RequestLimits,
     StreamOptions,
-    chat_sequences,
-    completion_sequences,
-    decode_body,
-    generate_sequences,
 )
+from pdserve.engine.frontend.sequences import chat_sequences, completion_sequences, generate_sequences
+from pdserve.engine.frontend.value_checks import RequestLimits
 
 LIMITS = RequestLimits(model_names=frozenset({"m"}), max_n=4, dp_size=1, vocab_size=1000)
 MSG = [{"role": "user", "content": "hi"}]

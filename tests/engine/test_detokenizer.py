@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.frontend.detokenizer import Detokenizer, IncrementalDecoder
+from pdserve.engine.model_executor.detokenizer import Detokenizer, IncrementalDecoder
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.stop_checker import StopChecker

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from pdserve.engine import Engine
-from pdserve.engine.frontend.protocol import RequestError
+from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 pytestmark = pytest.mark.timeout(300)

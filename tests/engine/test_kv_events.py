@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdserve.engine.kv_events_config import KVEventsConfig, advertised_endpoints, rank_endpoint
-from pdserve.engine.sched.kv_events import (
+from pdserve.engine.mem_cache.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -20,8 +20,8 @@ from pdserve.engine.sched.kv_events import (
     decode_batch,
     encode_batch,
 )
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.engine.sched.radix_cache import RadixCache
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.mem_cache.radix_cache import RadixCache
 
 PS = 4
 

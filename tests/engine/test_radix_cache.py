@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.engine.sched.radix_cache import NoPrefixCache, RadixCache
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.mem_cache.radix_cache import NoPrefixCache, RadixCache
 
 PS = 4
 

@@ -15,8 +15,8 @@ import torch
 
 from pdserve.engine.sched.batch_builder import build_forward_batch
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.mem_cache.radix_cache import make_prefix_cache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, Scheduler

@@ -12,7 +12,7 @@ import torch
 from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels

@@ -13,14 +13,14 @@ import random
 import pytest
 import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.config import EngineConfig
-from pdserve.kernels.attention_backend import (ATTENTION_BACKENDS, AttentionBackend, attention_backend_names,
+from pdserve.engine.model_executor.attention.attention_backend import (ATTENTION_BACKENDS, AttentionBackend, attention_backend_names,
                                                create_attention_backend)
 from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.kv_ops import gather_pages, slots_of, store_kv
-from pdserve.kernels.torch_backend import TorchAttentionBackend
+from pdserve.engine.model_executor.attention.torch_backend import TorchAttentionBackend
 
 torch.set_num_threads(1)
 PAGE = 4

@@ -15,7 +15,7 @@ import traceback
 
 import torch
 
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import (
     AuxData,
     BootstrapServer,

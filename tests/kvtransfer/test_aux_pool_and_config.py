@@ -43,7 +43,7 @@ def test_config_defaults_and_validation():
 
 
 def test_serve_cli_kv_flags_come_from_kvtransferconfig():
-    from pdserve.engine.cli import KV_FLAGS, build_serve_parser, parse_serve_args
+    from pdserve.engine.entrypoints.cli import KV_FLAGS, build_serve_parser, parse_serve_args
 
     ns = build_serve_parser().parse_args([])
     cfg = KVTransferConfig()

@@ -10,7 +10,7 @@ import torch
 import zmq
 
 import pdserve.kvtransfer.messages as m
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import MAX_TOP_LOGPROBS, AuxData, AuxPool
 from pdserve.kvtransfer.decode_peers import DecodePeer
 from pdserve.kvtransfer.head_slices import slices_from

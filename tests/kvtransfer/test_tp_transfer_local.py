@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import AuxData, BootstrapServer, DecodeKVManager, KVPoll, KVTransferConfig, PrefillKVManager
 from pdserve.kvtransfer.head_slices import TPPlace, kv_head_range
 

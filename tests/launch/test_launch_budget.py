@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.cli import build_serve_parser
-from pdserve.engine.cluster import LaunchConfig, parse_launch_args, plan
+from pdserve.engine.entrypoints.cli import build_serve_parser
+from pdserve.engine.entrypoints.cluster import LaunchConfig, parse_launch_args, plan
 
 
 def _flag(argv, name):

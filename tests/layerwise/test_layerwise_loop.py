@@ -157,7 +157,7 @@ def test_a_write_failing_at_a_later_layer_fails_the_room_on_both_sides(rid):
 
 
 def test_the_serve_flag_sets_the_kv_config():
-    from pdserve.engine.cli import parse_serve_args
+    from pdserve.engine.entrypoints.cli import parse_serve_args
     from pdserve.kvtransfer.config import KVTransferConfig
 
     assert parse_serve_args([]).kv_transfer.layerwise is KVTransferConfig.layerwise

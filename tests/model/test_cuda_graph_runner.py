@@ -14,9 +14,9 @@ from model_util import assert_picks_agree_but_near_ties, greedy_generate, make_t
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import (DecodeGraphRunner, bucket_for, decode_buckets,
                                                              eager_capture)
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.kernels.torch_backend import TorchAttentionBackend
+from pdserve.engine.model_executor.attention.torch_backend import TorchAttentionBackend
 
 torch.set_num_threads(1)
 NEW = 8

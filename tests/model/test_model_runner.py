@@ -9,7 +9,7 @@ import torch
 from model_util import make_tiny_checkpoint
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
 
 torch.set_num_threads(1)
@@ -74,8 +74,8 @@ def test_prepacked_bf16_linears_match_plain_ones(kind, tmp_path):
     from pdserve.engine.model_executor.model_loader import load_model
     from pdserve.engine.model_executor.model_runner import cpu_supports_bf16
     from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
-    from pdserve.engine.sched.page_pool import PagePool
-    from pdserve.kernels.torch_backend import TorchAttentionBackend
+    from pdserve.engine.mem_cache.page_pool import PagePool
+    from pdserve.engine.model_executor.attention.torch_backend import TorchAttentionBackend
 
     if not can_prepack(torch.bfloat16, torch.device("cpu"), cpu_supports_bf16()):
         pytest.skip("no oneDNN bf16 prepacking on this CPU")

@@ -22,7 +22,7 @@ import pytest
 from netns_stand import NET, cut_link, namespaces, ns_request, wait_unleaked, wait_up
 from pd_stand import Proc, Server
 
-from pdserve.engine.procs import free_port
+from pdserve.engine.entrypoints.procs import free_port
 
 pytestmark = pytest.mark.timeout(500)
 

@@ -77,7 +77,7 @@ def test_injection_is_off_by_default():
     """Fault injection is no part of the package: no config field, no module; only the external spec."""
     import importlib.util
 
-    from pdserve.engine.cli import parse_serve_args
+    from pdserve.engine.entrypoints.cli import parse_serve_args
     from pdserve.engine.server_config import ServerConfig
     from pdserve.kvtransfer.config import KVTransferConfig
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sched.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
+from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_aware_policy import choose_by_overlap, kv_cost, prompt_ids
 from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker
@@ -84,7 +84,7 @@ def tokenizer():
 
 
 def test_prompt_ids_match_the_servers_tokenization(tokenizer):
-    from pdserve.engine.frontend.protocol import ChatPrompt
+    from pdserve.engine.frontend.sequences import ChatPrompt
     from pdserve.engine.frontend.tokenizer_manager import encode_prompt
 
     body = {"messages": [{"role": "developer", "content": "Be brief."},

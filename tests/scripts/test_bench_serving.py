@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.engine.procs import free_port, spawn, stop_group, wait_healthy
+from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_serving.py"

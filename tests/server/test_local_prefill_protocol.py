@@ -7,7 +7,10 @@ import dataclasses
 import msgspec
 import pytest
 
-from pdserve.engine.frontend.protocol import GenerateRequest, RequestError, RequestLimits, generate_sequences
+from pdserve.engine.frontend.request_error import RequestError
+from pdserve.engine.frontend.request_schemas import GenerateRequest
+from pdserve.engine.frontend.sequences import generate_sequences
+from pdserve.engine.frontend.value_checks import RequestLimits
 
 LIMITS = RequestLimits(model_names=frozenset({"default"}), max_n=8, dp_size=1, vocab_size=1000,
                        disaggregation_mode="decode")

@@ -9,21 +9,14 @@ import sys
 import msgspec
 import pytest
 
-from pdserve.engine.cli import build_serve_parser, main, parse_serve_args
+from pdserve.engine.entrypoints.cli import build_serve_parser, main, parse_serve_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    RequestError,
-    RequestLimits,
-    chat_sequences,
-    completion_sequences,
-    decode_body,
-    generate_sequences,
-)
+from pdserve.engine.frontend.request_error import RequestError, decode_body
+from pdserve.engine.frontend.request_schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from pdserve.engine.frontend.sequences import chat_sequences, completion_sequences, generate_sequences
+from pdserve.engine.frontend.value_checks import RequestLimits
 from pdserve.engine.server_config import ServerConfig
 
 LIMITS = RequestLimits(model_names=frozenset({"m", "default"}), max_n=4, dp_size=2, vocab_size=1000)
@@ -65,12 +58,12 @@ try:
 finally:
     print("imported:", [m for m in {heavy} if m in sys.modules])
 """
-_MODEL_MODULES = ["pdserve.engine.serve", "pdserve.engine.model_executor.model_runner",
+_MODEL_MODULES = ["pdserve.engine.entrypoints.serve", "pdserve.engine.model_executor.model_runner",
                   "pdserve.engine.sched.scheduler_process"]
 
 
 def test_unknown_attention_backend_is_a_cli_error_before_anything_starts():
-    code = _RUN_CLI.format(module="pdserve.engine.cli", heavy=_MODEL_MODULES)
+    code = _RUN_CLI.format(module="pdserve.engine.entrypoints.cli", heavy=_MODEL_MODULES)
     out = subprocess.run([sys.executable, "-c", code, "serve", "--attention-backend", "troch"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out

@@ -59,13 +59,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard, all_gather_last_dim, all_reduce, head_shard
 from pdserve.engine.model_executor.quantization import Int8Weight, dense, int8_linear, q8_0_matrix
-from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, W8A8, W8A16, check_quantization
+from pdserve.engine.quantization_names import UNQUANTIZED, W8A8, W8A16, check_quantization
 from pdserve.kernels.amx_layout import AmxInt8Weight
-from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack, native_kernels
 from pdserve.kernels.gemm_layout import PanelWeight

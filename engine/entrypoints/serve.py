@@ -28,7 +28,8 @@ import uvloop
 from aiohttp import web
 
 import pdserve.engine.env as env
-from pdserve.engine.cluster import free_port, split_cpus
+from pdserve.engine.entrypoints.cluster import free_port, split_cpus
+from pdserve.engine.entrypoints.loops import rank_loop_builder
 from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
@@ -87,6 +88,7 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
 def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tuple[int, int], mp.Process]:
     """Start this node's scheduler processes, keyed by (dp_rank, tp_rank). ``transport`` None: a node > 0."""
     ctx = mp.get_context("spawn")
+    build_loop = rank_loop_builder(config.disaggregation_mode)
     procs = {}
     for spec in plan_ranks(config):
         leader = spec.tp_rank == 0 and transport is not None
@@ -94,7 +96,7 @@ def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tu
             target=run_scheduler_process,
             # every TP rank sends its own RankMetrics (its KV manager moves its own heads)
             args=(config, spec, transport.rank_in_addrs[spec.dp_rank] if leader else None,
-                  transport.out_addr if transport is not None else None, os.getpid()),
+                  transport.out_addr if transport is not None else None, os.getpid(), build_loop),
             name=f"pdserve-{spec.name}",
             daemon=True,
         )

@@ -20,18 +20,17 @@ A call is an in-process ``/generate`` request: its keyword arguments are the
 ``top_logprobs_num``, ``logprob_start_len``, ``bootstrap_host``,
 ``bootstrap_port``, ``bootstrap_room`` (one per prompt, or a list for a batch),
 ``routed_dp_rank``, ``disagg_prefill_dp_rank``), validated by
-``protocol.generate_sequences``, and the sequences run through the server's
+``sequences.generate_sequences``, and the sequences run through the server's
 own ``TokenizerManager``. The scheduler ranks are processes started as
 ``pdserve serve`` starts them (``serve.spawn_ranks``, spawned: a script that
 makes an Engine needs an ``if __name__ == "__main__":`` guard), as SGLang's
 Engine does; a dead one fails what is in flight with its name. So the steps run
 at a fresh process's speed whatever this process did before: a rank on a
-thread of a process whose main thread had run torch shared the process with a
+thread of a process whose main thread had run torch shares the process with a
 second OpenMP pool, and with more OpenMP threads than cores libgomp throttles
-its barrier spinning (issue 27 measured 0.56x a fresh process's decode; see
-docs/ENGINE.md). ``Engine(rank_on_thread=True)`` (``dp_size = tp_size = 1``)
+its barrier spinning (docs/ENGINE.md). ``Engine(rank_on_thread=True)`` (``dp_size = tp_size = 1``)
 runs the one rank as a ``LocalRank`` on a thread of this process instead (the
-same loop, built by the same ``LOOP_BUILDERS``): it starts faster, and
+same loop, built by the same loop builders, ``entrypoints/loops.py``): it starts faster, and
 ``call``, ``loop``, ``stats`` and ``check_integrity`` look inside it; use it in
 a process that has not run torch on another thread. Bad arguments raise ``ValueError`` (a
 ``RequestError``) naming the parameter before anything runs. A batch of
@@ -81,11 +80,13 @@ from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.local_rank import STOP_JOIN_TIMEOUT, LocalRank
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.protocol import GenerateRequest, convert_body, generate_sequences
+from pdserve.engine.frontend.request_error import convert_body
+from pdserve.engine.frontend.request_schemas import GenerateRequest
+from pdserve.engine.frontend.sequences import generate_sequences
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
-from pdserve.engine.sched.scheduler_process import LOOP_BUILDERS
-from pdserve.engine.serve import spawn_ranks, stop_ranks, watch_ranks
+from pdserve.engine.entrypoints.loops import rank_loop_builder
+from pdserve.engine.entrypoints.serve import spawn_ranks, stop_ranks, watch_ranks
 from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
@@ -146,7 +147,7 @@ class Engine:
         self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
         self._watch: asyncio.Future | None = None
         if self.in_process:
-            build = LOOP_BUILDERS[server_config.disaggregation_mode]
+            build = rank_loop_builder(server_config.disaggregation_mode)
             self._rank: LocalRank | None = LocalRank(lambda: build(server_config, LocalRank.DP_RANK, 0))
             self.loop = self._rank.loop
             self.tokenizer = self.loop.tokenizer

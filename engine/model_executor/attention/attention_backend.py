@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from pdserve.engine.model_executor.forward_batch import ForwardBatch
-    from pdserve.engine.sched.page_pool import PagePool
+    from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+    from pdserve.engine.mem_cache.page_pool import PagePool
 
 
 class AttentionBackend(ABC):
@@ -72,8 +72,8 @@ class AttentionBackend(ABC):
 
 # name -> "module:Class"; a backend's module is imported only when it is chosen
 ATTENTION_BACKENDS: dict[str, str] = {
-    "torch": "pdserve.kernels.torch_backend:TorchAttentionBackend",
-    "flashinfer": "pdserve.kernels.flashinfer_backend:FlashInferAttentionBackend",
+    "torch": "pdserve.engine.model_executor.attention.torch_backend:TorchAttentionBackend",
+    "flashinfer": "pdserve.engine.model_executor.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 
 

@@ -12,7 +12,7 @@ block's tokens and its parent's hash, so one hash names a whole prefix, and the
 router computes the same hashes from a prompt with ``block_hashes``.
 
 Pure: no sockets. The radix cache appends events to a list; the scheduler
-process drains it into a publisher (``pdserve.engine.kv_event_publisher``).
+process drains it into a publisher (``pdserve.engine.mem_cache.kv_event_publisher``).
 """
 
 from __future__ import annotations

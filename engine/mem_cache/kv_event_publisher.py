@@ -25,7 +25,7 @@ from collections import deque
 import zmq
 
 from pdserve.engine.kv_events_config import KVEventsConfig, rank_endpoint
-from pdserve.engine.sched.kv_events import KVEvent, KVEventBatch, encode_batch
+from pdserve.engine.mem_cache.kv_events import KVEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
 

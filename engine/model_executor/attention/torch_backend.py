@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
 from pdserve.kernels.cpu_native import cpu_flags, native_kernels
 from pdserve.kernels.kv_ops import gather_pages, gather_slots, slots_of, store_kv
 

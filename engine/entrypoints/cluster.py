@@ -46,7 +46,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
-from pdserve.engine.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
+from pdserve.engine.entrypoints.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 
 CPU_SPLITS = ("auto", "none")
@@ -376,7 +376,7 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> LaunchConfig:
     """LaunchConfig from the command line; ValueError with a clear message on a bad value.
 
-    ``build_serve_parser`` (``pdserve.engine.cli``'s, handed in by the console script, which
+    ``build_serve_parser`` (``pdserve.engine.entrypoints.cli``'s, handed in by the console script, which
     imports this module) checks the flags passed on to every server."""
     parser = build_parser()
     ns, rest = parser.parse_known_args(argv)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.model_executor.quantization_names import UNQUANTIZED
+from pdserve.engine.quantization_names import UNQUANTIZED
 
 
 class OutOfPagesError(RuntimeError):
@@ -158,7 +158,7 @@ class PagePool:
         registered with a transfer engine); only with no page in use. Returns the bytes released."""
         if self._used:
             raise RuntimeError(f"cannot release the KV pool with {len(self._used)} pages in use")
-        from pdserve.engine.model_executor.host_memory import discard_pages
+        from pdserve.engine.mem_cache.host_memory import discard_pages
 
         return sum(discard_pages(t) for t in (*self.k, *self.v))
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine.model_executor.forward_batch import ForwardBatch
-from pdserve.engine.sched.page_pool import PagePool
-from pdserve.kernels.attention_backend import AttentionBackend
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
 from pdserve.kernels.kv_ops import store_kv
 
 _WORKSPACE_BYTES = 256 * 1024 * 1024

@@ -27,8 +27,8 @@ import heapq
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from pdserve.engine.sched.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
-from pdserve.engine.sched.page_pool import PagePool
+from pdserve.engine.mem_cache.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
+from pdserve.engine.mem_cache.page_pool import PagePool
 
 
 class PrefixCache(ABC):

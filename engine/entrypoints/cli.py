@@ -2,7 +2,7 @@
 
 ``pdserve serve [flags]``  engine server (this package; ``python -m pdserve.engine`` is the same)
 ``pdserve router [flags]`` the router (``pdserve.router.cli``)
-``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.cluster``)
+``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.entrypoints.cluster``)
 
 The flags of ``serve`` are built from the fields of ``EngineConfig``,
 ``ServerConfig`` and ``KVTransferConfig`` (the ``--disaggregation-*`` KV flags):
@@ -16,15 +16,14 @@ import argparse
 import dataclasses
 import sys
 
-from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
-from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
-from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from pdserve.engine.quantization_names import QUANTIZATIONS
+from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
-from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
 from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
-from pdserve.kernels.attention_backend import attention_backend_names
+from pdserve.engine.model_executor.attention.attention_backend import attention_backend_names
 
 _CHOICES = {
     "dtype": DTYPES,
@@ -140,7 +139,7 @@ def serve_main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"pdserve serve: error: {e}", file=sys.stderr)
         return 2
-    from pdserve.engine.serve import run_server
+    from pdserve.engine.entrypoints.serve import run_server
 
     return run_server(config)
 
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return router_main(rest) or 0
     if command == "launch":
-        from pdserve.engine.cluster import launch_main
+        from pdserve.engine.entrypoints.cluster import launch_main
 
         return launch_main(rest, build_serve_parser)
     print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)

@@ -1,0 +1,26 @@
+"""Registers the decode rank's loop: a ``DecodeLoop`` over its model and a started
+``DecodeKVManager`` (the entry points import this module; ``sched/loop_builders.py``)."""
+
+from __future__ import annotations
+
+from pdserve.engine.sched.loop_builders import register_loop_builder
+from pdserve.engine.sched.scheduler_process import unpinned
+from pdserve.engine.server_config import ServerConfig
+
+
+def build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
+    from pdserve.decode.decode_loop import DecodeLoop
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
+    from pdserve.kvtransfer.head_slices import TPPlace
+
+    runner = ModelRunner(config.engine, config.host_ranks)
+    # this TP rank's place for its KV manager: its pool holds its share of the model's KV heads
+    tp = TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
+    with unpinned():
+        kv = DecodeKVManager(config.kv_transfer_config(), runner.page_pool, tp=tp).start()
+    return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
+                      max_local_prefill_tokens=config.max_local_prefill_tokens)
+
+
+register_loop_builder("decode", build_decode_loop)

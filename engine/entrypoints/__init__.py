@@ -1,0 +1,1 @@
+"""Entry points: the CLI, the engine server, the cluster launcher, process groups, the server config."""

@@ -1,0 +1,1 @@
+"""Attention backends: the paged-KV attention of one forward batch (torch, flashinfer)."""

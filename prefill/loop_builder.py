@@ -1,0 +1,28 @@
+"""Registers the prefill rank's loop: a ``PrefillLoop`` over its model and a started
+``PrefillKVManager`` (the entry points import this module; ``sched/loop_builders.py``)."""
+
+from __future__ import annotations
+
+from pdserve.engine.sched.loop_builders import register_loop_builder
+from pdserve.engine.sched.scheduler_process import bootstrap_host, unpinned
+from pdserve.engine.server_config import ServerConfig
+
+
+def build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from pdserve.kvtransfer.head_slices import TPPlace
+    from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
+    from pdserve.prefill.prefill_loop import PrefillLoop
+
+    runner = ModelRunner(config.engine, config.host_ranks)
+    # this TP rank's place for its KV manager: its pool holds its share of the model's KV heads
+    tp = TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
+    with unpinned():
+        kv = PrefillKVManager(
+            config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=tp,
+            bootstrap_host=bootstrap_host(config),
+        ).start()
+    return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
+
+
+register_loop_builder("prefill", build_prefill_loop)
