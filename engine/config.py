@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdserve.engine.mem_cache.hicache_names import check_hicache
 from pdserve.engine.model_executor.chat_templates import check_chat_template
 from pdserve.engine.model_executor.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.sched.schedule_policy import SCHEDULE_POLICIES
@@ -54,6 +55,12 @@ class EngineConfig:
     # leave of it. Lower than SGLang's CUDA default: on CPU the host's memory is shared with the rest.
     mem_fraction_static: float = 0.25
     disable_radix_cache: bool = False
+    # hierarchical cache (SGLang's flags; docs/HICACHE.md): pages evicted from the KV pool go to a
+    # host-memory tier of hicache_ratio times the pool (or hicache_size GiB when > 0) and load back on a match
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
     # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
     schedule_policy: str = "fcfs"
     chunked_prefill_size: int = 2048
@@ -89,6 +96,8 @@ class EngineConfig:
         if self.schedule_policy == "lpm" and self.disable_radix_cache:
             raise ValueError("schedule_policy 'lpm' orders requests by their prefix-cache match: it needs the "
                              "radix cache (drop disable_radix_cache, or use 'fcfs')")
+        check_hicache(self.enable_hierarchical_cache, self.hicache_ratio, self.hicache_size,
+                      self.hicache_write_policy, self.disable_radix_cache)
         check_chat_template(self.chat_template)
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")

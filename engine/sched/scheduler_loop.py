@@ -37,7 +37,7 @@ from pdserve.engine.sched.batch_builder import build_forward_batch, input_logpro
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
-from pdserve.engine.sched.radix_cache import make_prefix_cache
+from pdserve.engine.mem_cache.cache_factory import make_cache
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
@@ -74,7 +74,7 @@ class SchedulerLoop:
         self.tokenizer = runner.tokenizer
         self.pool = runner.page_pool
         self.device = runner.device
-        self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
+        self.cache = make_cache(self.pool, config)
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         # structured output: xgrammar is loaded on the first request that names a grammar
