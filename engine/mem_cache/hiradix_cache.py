@@ -53,6 +53,7 @@ class TierStats:
 
     l1_hit_pages: int = 0  # matched pages already in the KV pool
     host_hit_pages: int = 0  # matched pages loaded back from host memory
+    store_hit_pages: int = 0  # matched pages loaded from host memory where storage prefetched them
     host_write_pages: int = 0  # L1 -> L2 copies
     host_write_s: float = 0.0
     host_read_s: float = 0.0
@@ -60,12 +61,13 @@ class TierStats:
 
 
 class _HiNode(_Node):
-    __slots__ = ("host", "hits")
+    __slots__ = ("host", "hits", "from_store")
 
     def __init__(self, key, page, parent):
         super().__init__(key, page, parent)
         self.host: int | None = None
         self.hits = 0
+        self.from_store = False  # its host copy was fetched from the storage tier and not yet used
 
 
 class HiRadixCache(RadixCache):
@@ -134,9 +136,13 @@ class HiRadixCache(RadixCache):
             self.unlock(node)
         for c, p in zip(chain, pages):
             c.page = p
+            if c.from_store:
+                self.stats.store_hit_pages += 1
+                c.from_store = False
+            else:
+                self.stats.host_hit_pages += 1
         self._num_nodes += n
         self._evictable += n
-        self.stats.host_hit_pages += n
         if chain and self.record_events:
             self.events.append(BlockStored(
                 block_hashes=[c.hash for c in chain], parent_block_hash=chain[0].parent.hash,

@@ -94,6 +94,21 @@ class PrefixCache(ABC):
         """Drop every unlocked page; return how many pages were freed."""
         return self.evict(self.evictable_pages)
 
+    # a cache with a storage tier (mem_cache/store_cache.py) fetches a queued request's pages
+    # while it waits; the scheduler admits it once the prefetch policy says so
+    def start_prefetch(self, rid: str, token_ids: Sequence[int]) -> None:
+        """A request was queued: start fetching the pages of ``token_ids`` it may reuse."""
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """Whether the request's prefetch lets it be admitted now."""
+        return True
+
+    def cancel_prefetch(self, rid: str) -> None:
+        """The request ended: drop its prefetch."""
+
+    def close(self) -> None:
+        """Stop background work (a storage tier's thread)."""
+
 
 class NoPrefixCache(PrefixCache):
     def match_prefix(self, token_ids):

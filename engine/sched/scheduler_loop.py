@@ -74,7 +74,7 @@ class SchedulerLoop:
         self.tokenizer = runner.tokenizer
         self.pool = runner.page_pool
         self.device = runner.device
-        self.cache = make_cache(self.pool, config)
+        self.cache = make_cache(self.pool, config, *_namespace_of(runner))
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         # structured output: xgrammar is loaded on the first request that names a grammar
@@ -117,8 +117,10 @@ class SchedulerLoop:
         error = self.validate(req) or self._attach_grammar(req)
         if error is None:
             self.request_log.mark(req.rid, "queued")
+            self.cache.start_prefetch(req.rid, req.fill_ids)  # storage tier: fetch while it waits
         reason = FinishReason("error", message=error) if error else self.admit(req)
         if reason is not None:
+            self.cache.cancel_prefetch(req.rid)
             req.finish_reason = reason
             req.status = ReqStatus.FINISHED
             self._outbox.append(self._output(req))
@@ -282,6 +284,7 @@ class SchedulerLoop:
 
     def finish_unscheduled(self, req: Req, reason: FinishReason) -> None:
         """End a request the scheduler never held (still queued outside it, e.g. for a PD peer)."""
+        self.cache.cancel_prefetch(req.rid)
         req.finish_reason = reason
         req.status = ReqStatus.FINISHED
         self._outbox.append(self._output(req))
@@ -331,7 +334,16 @@ class SchedulerLoop:
         self.scheduler.check_integrity()
 
     def close(self) -> None:
-        """Release what the loop holds beyond memory (the PD modes: their KV manager)."""
+        """Release what the loop holds beyond memory (the storage tier's thread; the PD modes: their
+        KV manager)."""
+        self.cache.close()
+
+
+def _namespace_of(runner) -> tuple[str, int]:
+    """The model path and first KV head of ``runner`` (a storage tier's key namespace)."""
+    source = getattr(runner, "model_source", None)
+    tp = getattr(runner, "tp", None)
+    return (source.path if source is not None else ""), (tp.kv_start if tp is not None else 0)
 
 
 def _any_penalty(params) -> bool:
