@@ -30,6 +30,7 @@ import contextlib
 import msgspec
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler import ScheduledBatch
@@ -199,7 +200,7 @@ class PrefillLoop(SchedulerLoop):
                                        num_prefill_inflight_queue_reqs=len(self.inflight))
 
     def rank_metrics(self) -> RankMetrics:
-        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache))
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -38,6 +38,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
 from pdserve.engine.mem_cache.cache_factory import make_cache
+from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
@@ -327,8 +328,10 @@ class SchedulerLoop:
         )
 
     def rank_metrics(self) -> RankMetrics | None:
-        """This rank's own Prometheus families (the PD modes' KV rooms); None: it has none."""
-        return None
+        """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
+        KV rooms); None: it has none."""
+        families = hicache_families(self.cache)
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), families) if families else None
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
