@@ -204,7 +204,7 @@ class DecodeKVManager(KVManager):
             receiver.state = KVPoll.Transferring
             receiver.requested_at = self.clock()
             receiver.sources = peer.sources
-        msg = m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot)
+        msg = m.RoomRequest(receiver.room, self.id, receiver.dst_pages, receiver.aux_slot, receiver.held_pages)
         for endpoint in peer.endpoints:
             self.send_msg(endpoint, msg)
 

@@ -186,10 +186,11 @@ class PrefillLoop(SchedulerLoop):
     @staticmethod
     def _queue_pages(sender: KVSender, pages: list[int], end: int, layers: LayerSignal | None = None,
                      is_last: bool = False, aux: AuxData | None = None) -> None:
-        """Queue ``pages[sender.pages_sent:end]`` (the last chunk even when empty: it carries the aux data)."""
+        """Queue ``pages[held + sender.pages_sent:end]`` (the last chunk even when empty: it carries the aux
+        data); the decode's ``held`` leading pages are not sent."""
         if sender.poll() is KVPoll.Failed:
             return
-        start = sender.pages_sent
+        start = sender.num_held_pages + sender.pages_sent
         if end > start or is_last:
             sender.send(pages[start:end], is_last, aux, layers)
 
