@@ -185,6 +185,11 @@ class SchedulerLoop:
             events = self.scheduler.postprocess(batch, self.run_batch(batch))
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
+            s = self.scheduler
+            if s.waiting and not s.running and s.chunked is None:
+                # the queue head waits (on its storage prefetch, or for pages its KV senders hold):
+                # yield the CPU and the GIL to what it waits on instead of spinning
+                time.sleep(QUEUE_POLL_S[0])
         done = set(map(id, events.finished))
         for req in events.updated:
             if req.stream and id(req) not in done:
