@@ -104,7 +104,8 @@ def main() -> int:
     pool_tokens = max(args.conversations * final_len // 4, final_len + 2 * PAGE)
     common = {"max_total_tokens": pool_tokens, "num_threads": args.num_threads, "page_size": PAGE,
               "num_reserved_decode_tokens": args.answer_len}
-    store = tempfile.mkdtemp(prefix="bench-hicache-")
+    store_dir = tempfile.TemporaryDirectory(prefix="bench-hicache-")  # removed at exit
+    store = store_dir.name
     l2 = {"enable_hierarchical_cache": True, "hicache_ratio": 4.0 * args.conversations * final_len / pool_tokens}
     l3 = {**l2, "hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "wait_complete",
           "hicache_storage_backend_extra_config": json.dumps({"path": store})}
