@@ -38,6 +38,7 @@ from pdserve.decode.quarantine import Quarantine
 import msgspec
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.pd_rules import local_prefill_refusal
 from pdserve.engine.sched.request import FinishReason, Req
@@ -222,7 +223,7 @@ class DecodeLoop(SchedulerLoop):
                                        num_quarantine_pages=self.quarantine.num_pages)
 
     def rank_metrics(self) -> RankMetrics:
-        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache))
 
     def check_integrity(self) -> None:
         super().check_integrity()

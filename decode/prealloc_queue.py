@@ -17,6 +17,7 @@ from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.errors import KVTransferError
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_receiver import KVReceiver
+from pdserve.engine.model_executor.parallel import tp_size
 from pdserve.kvtransfer.tp_agreement import hold_new
 
 
@@ -84,6 +85,18 @@ class PreallocQueue:
                 failed.append((e.req, f"KV transfer failed: {e.receiver.failure_reason}"))
         return failed
 
+    def _match(self, req: Req) -> tuple[list[int], object]:
+        """The prompt's leading pages this decode's prefix cache holds (locked), all but the last
+        page at least, so the prefill sends one or more (with TP > 1 none: the ranks' caches may
+        differ, and each would ask its prefill ranks for a different split)."""
+        s = self.scheduler
+        if tp_size() > 1:
+            return [], None
+        limit = (req.prompt_len - 1) // self.pool.page_size * self.pool.page_size
+        cached, node = s.cache.match_prefix(req.input_ids[:limit])
+        s.cache.lock(node)
+        return cached, node
+
     def pop_allocated(self, promised: int, max_new: int) -> list[tuple[Req, KVReceiver]]:
         """Give pages to bootstrapped requests, oldest first, while the scheduler's admission rule allows.
 
@@ -99,16 +112,23 @@ class PreallocQueue:
             if e.receiver is None or e.receiver.poll() is not KVPoll.WaitingForInput:
                 continue  # not bootstrapped yet; later ones may be (different prefill peers)
             req = e.req
-            need = self.pool.pages_for(req.prompt_len)
+            total = self.pool.pages_for(req.prompt_len)
+            cached, node = self._match(req)
+            need = total - len(cached)
             # it decodes from one token past its prompt (the first token comes with the KV)
-            reserve = s.reserve_pages(req, req.seq_len + 1) - need
+            reserve = s.reserve_pages(req, req.seq_len + 1) - total
             if not s.fits(need, reserve, promised, alone=not s.reqs):
+                s.cache.unlock(node)
                 break  # FIFO: no overtaking, so a large prompt is not starved by small ones
             slot = self.kv.aux_pool.alloc()
             if slot is None:
+                s.cache.unlock(node)
                 break
-            s.hold(req, s.try_alloc(need))  # the scheduler owns the pages from now on
-            e.receiver.init(req.pages, slot)
+            new = s.try_alloc(need)
+            s.hold(req, cached + new)  # the scheduler owns the pages from now on
+            req.num_cache_pages, req.cache_node = len(cached), node
+            e.receiver.held_pages = len(cached)
+            e.receiver.init(new, slot)
             promised += reserve
             del self.entries[rid]
             out.append((req, e.receiver))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdserve.engine.mem_cache.hicache_names import check_hicache
+from pdserve.engine.mem_cache.storage_backend import parse_extra_config
 from pdserve.engine.model_executor.chat_templates import check_chat_template
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend
@@ -55,6 +57,17 @@ class EngineConfig:
     # the pool is a fixed pool_sizing.DEFAULT_POOL_CONTEXTS full contexts). See docs/MEMORY.md.
     mem_fraction_static: float | None = None
     disable_radix_cache: bool = False
+    # hierarchical cache (SGLang's flags; docs/HICACHE.md): pages evicted from the KV pool go to a
+    # host-memory tier of hicache_ratio times the pool (or hicache_size GiB when > 0) and load back on a match
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0
+    hicache_write_policy: str = "write_through"
+    # the storage tier under the host tier, shared by servers and restarts: "file" or "mooncake"
+    # (extra config: a JSON object of the backend's keys, docs/HICACHE.md); None: no storage tier
+    hicache_storage_backend: str | None = None
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_backend_extra_config: str | None = None
     # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
     schedule_policy: str = "fcfs"
     chunked_prefill_size: int = 2048
@@ -90,6 +103,10 @@ class EngineConfig:
         if self.schedule_policy == "lpm" and self.disable_radix_cache:
             raise ValueError("schedule_policy 'lpm' orders requests by their prefix-cache match: it needs the "
                              "radix cache (drop disable_radix_cache, or use 'fcfs')")
+        check_hicache(self.enable_hierarchical_cache, self.hicache_ratio, self.hicache_size,
+                      self.hicache_write_policy, self.disable_radix_cache, self.hicache_storage_backend,
+                      self.hicache_storage_prefetch_policy)
+        parse_extra_config(self.hicache_storage_backend_extra_config)
         check_chat_template(self.chat_template)
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")

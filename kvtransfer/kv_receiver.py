@@ -35,6 +35,7 @@ class KVReceiver:
         self.peer: Any = None  # the manager's record of the prefill peer, once attached
         self.dst_pages: list[int] | None = None
         self.aux_slot: int | None = None
+        self.held_pages = 0  # leading prompt pages the decode holds already (RoomRequest.held_pages)
         self.requested_at: float | None = None
         # the prefill has no write of this room queued or in flight any more (RoomClosed, or its RoomStatus)
         self.closed_here = False

@@ -61,6 +61,11 @@ class KVSender:
         """Pages the decode side allocated for this room, once known."""
         return None if self.request is None else len(self.request.dst_pages)
 
+    @property
+    def num_held_pages(self) -> int:
+        """Leading prompt pages the decode holds already: not sent (0 until the destination is known)."""
+        return 0 if self.request is None else self.request.held_pages
+
     def send(self, page_indices: Sequence[int], is_last: bool, aux: AuxData | None = None,
              layers: LayerSignal | None = None) -> None:
         """Queue the next chunk of this room's pages (local page indices, in prompt order).

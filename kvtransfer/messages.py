@@ -82,6 +82,9 @@ class RoomRequest(msgspec.Struct, frozen=True, tag=True):
     decode_id: str
     dst_pages: list[int]
     aux_slot: int
+    # leading pages of the prompt the decode already holds (its prefix cache): the prefill sends
+    # only the pages after them, into dst_pages (SGLang's decode radix cache in PD)
+    held_pages: int = 0
 
 
 class RoomStatus(msgspec.Struct, frozen=True, tag=True):

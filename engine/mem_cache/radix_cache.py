@@ -94,6 +94,21 @@ class PrefixCache(ABC):
         """Drop every unlocked page; return how many pages were freed."""
         return self.evict(self.evictable_pages)
 
+    # a cache with a storage tier (mem_cache/store_cache.py) fetches a queued request's pages
+    # while it waits; the scheduler admits it once the prefetch policy says so
+    def start_prefetch(self, rid: str, token_ids: Sequence[int]) -> None:
+        """A request was queued: start fetching the pages of ``token_ids`` it may reuse."""
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """Whether the request's prefetch lets it be admitted now."""
+        return True
+
+    def cancel_prefetch(self, rid: str) -> None:
+        """The request ended: drop its prefetch."""
+
+    def close(self) -> None:
+        """Stop background work (a storage tier's thread)."""
+
 
 class NoPrefixCache(PrefixCache):
     def match_prefix(self, token_ids):
@@ -124,27 +139,27 @@ class NoPrefixCache(PrefixCache):
         pass
 
 
-class _Node:
+class TreeNode:
     __slots__ = ("key", "page", "parent", "children", "lock_ref", "last_access", "hash")
 
-    def __init__(self, key: tuple[int, ...], page: int, parent: "_Node | None"):
+    def __init__(self, key: tuple[int, ...], page: int, parent: "TreeNode | None"):
         self.key = key
         self.page = page
         self.parent = parent
         # chained block hash, what KV events name this block by (None for the root)
         self.hash = None if parent is None else block_hash(parent.hash, key)
-        self.children: dict[tuple[int, ...], _Node] = {}
+        self.children: dict[tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = 0
 
-    def __lt__(self, other: "_Node") -> bool:  # heap order for LRU eviction
+    def __lt__(self, other: "TreeNode") -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
 
 
 class RadixCache(PrefixCache):
     def __init__(self, pool: PagePool):
         super().__init__(pool)
-        self.root = _Node((), 0, None)
+        self.root = TreeNode((), 0, None)
         self.root.lock_ref = 1  # the root holds no page and is never evicted
         self._clock = 0
         self._num_nodes = 0  # nodes holding a page (all but the root)
@@ -196,13 +211,13 @@ class RadixCache(PrefixCache):
         num_full = min(len(token_ids) // self.page_size, len(pages))
         node = self.root
         to_free: list[int] = []
-        stored: list[_Node] = []  # new nodes: a chain, since once one is new so are its descendants here
+        stored: list[TreeNode] = []  # new nodes: a chain, since once one is new so are its descendants here
         for i, key in enumerate(self._keys(token_ids, num_full)):
             child = node.children.get(key)
             if child is None:
                 if i < num_cache_pages:
                     raise AssertionError("a locked cache page vanished from the tree")
-                child = _Node(key, pages[i], node)
+                child = TreeNode(key, pages[i], node)
                 stored.append(child)
                 node.children[key] = child
                 self._num_nodes += 1
@@ -229,7 +244,7 @@ class RadixCache(PrefixCache):
         return node
 
     # --------------------------------------------------------------- eviction
-    def _leaves(self) -> list[_Node]:
+    def _leaves(self) -> list[TreeNode]:
         out, stack = [], [self.root]
         while stack:
             n = stack.pop()

@@ -161,6 +161,7 @@ class Scheduler:
         if self.chunked is req:
             self.chunked = None
         self.release(req)
+        self.cache.cancel_prefetch(req.rid)
         req.status = ReqStatus.FINISHED
         self.reqs.pop(req.rid, None)
         self.newly_finished.append(req)
@@ -270,6 +271,8 @@ class Scheduler:
             if len(self.running) + len(batch.reqs) >= self.config.max_running_requests:
                 break
             req = self.waiting[0]
+            if not self.cache.prefetch_ready(req.rid):
+                break
             # leave at least one token to compute: its logits give the next token
             match_len = req.seq_len - 1
             if req.wants_input_logprobs:  # positions whose logits are wanted must be computed

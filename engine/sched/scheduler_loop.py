@@ -37,7 +37,8 @@ from pdserve.engine.sched.batch_builder import build_forward_batch, input_logpro
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
-from pdserve.engine.mem_cache.radix_cache import make_prefix_cache
+from pdserve.engine.sched.cache_factory import make_cache
+from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
@@ -74,7 +75,7 @@ class SchedulerLoop:
         self.tokenizer = runner.tokenizer
         self.pool = runner.page_pool
         self.device = runner.device
-        self.cache = make_prefix_cache(self.pool, config.disable_radix_cache)
+        self.cache = make_cache(self.pool, config, *_namespace_of(runner))
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         # structured output: xgrammar is loaded on the first request that names a grammar
@@ -117,8 +118,10 @@ class SchedulerLoop:
         error = self.validate(req) or self._attach_grammar(req)
         if error is None:
             self.request_log.mark(req.rid, "queued")
+            self.cache.start_prefetch(req.rid, req.fill_ids)  # storage tier: fetch while it waits
         reason = FinishReason("error", message=error) if error else self.admit(req)
         if reason is not None:
+            self.cache.cancel_prefetch(req.rid)
             req.finish_reason = reason
             req.status = ReqStatus.FINISHED
             self._outbox.append(self._output(req))
@@ -182,6 +185,11 @@ class SchedulerLoop:
             events = self.scheduler.postprocess(batch, self.run_batch(batch))
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
+            s = self.scheduler
+            if s.waiting and not s.running and s.chunked is None:
+                # the queue head waits (on its storage prefetch, or for pages its KV senders hold):
+                # yield the CPU and the GIL to what it waits on instead of spinning
+                time.sleep(QUEUE_POLL_S[0])
         done = set(map(id, events.finished))
         for req in events.updated:
             if req.stream and id(req) not in done:
@@ -282,6 +290,7 @@ class SchedulerLoop:
 
     def finish_unscheduled(self, req: Req, reason: FinishReason) -> None:
         """End a request the scheduler never held (still queued outside it, e.g. for a PD peer)."""
+        self.cache.cancel_prefetch(req.rid)
         req.finish_reason = reason
         req.status = ReqStatus.FINISHED
         self._outbox.append(self._output(req))
@@ -324,14 +333,25 @@ class SchedulerLoop:
         )
 
     def rank_metrics(self) -> RankMetrics | None:
-        """This rank's own Prometheus families (the PD modes' KV rooms); None: it has none."""
-        return None
+        """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
+        KV rooms); None: it has none."""
+        families = hicache_families(self.cache)
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), families) if families else None
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
     def close(self) -> None:
-        """Release what the loop holds beyond memory (the PD modes: their KV manager)."""
+        """Release what the loop holds beyond memory (the storage tier's thread; the PD modes: their
+        KV manager)."""
+        self.cache.close()
+
+
+def _namespace_of(runner) -> tuple[str, int]:
+    """The model path and first KV head of ``runner`` (a storage tier's key namespace)."""
+    source = getattr(runner, "model_source", None)
+    tp = getattr(runner, "tp", None)
+    return (source.path if source is not None else ""), (tp.kv_start if tp is not None else 0)
 
 
 def _any_penalty(params) -> bool:

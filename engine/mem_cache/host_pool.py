@@ -1,0 +1,126 @@
+"""The host tier (L2) of the hierarchical KV cache: pages of KV in host memory.
+
+The KV pool (L1, ``PagePool``) is what the scheduler admits against; the host
+pool is a larger budget of the same pages where the prefix cache keeps pages it
+evicts from L1, so that a later match loads them back (one copy) instead of
+recomputing them. On CPU both tiers are DRAM and the copy is a memcpy; on CUDA
+the host tensor is pinned, so the copies are DMA transfers.
+
+Layout: page-major, ``[num_slots, 2 (K, V), num_layers, num_kv_heads, page_size,
+head_dim]``: one slot's bytes are one contiguous range, which is what the
+storage tier (L3) puts and gets as one object. The KV pool is head-major per
+layer (``[heads, pages, page_size, dim]``), so a copy between them is one gather
+or scatter per layer and per K/V.
+
+Slot 0 is not reserved (unlike the KV pool's scratch page): nothing pads into
+the host tier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pdserve.engine.mem_cache.page_pool import PagePool
+
+
+class HostKVPool:
+    def __init__(self, pool: PagePool, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"the host tier needs >= 1 page, got {num_slots}")
+        self.num_slots = num_slots
+        self.page_size = pool.page_size
+        self.num_layers = pool.num_layers
+        self.dtype = pool.dtype
+        pin = pool.device.type == "cuda"
+        # data: [num_slots, 2, num_layers, num_kv_heads, page_size, head_dim]
+        self.data = torch.zeros(
+            (num_slots, 2, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
+            dtype=pool.dtype, pin_memory=pin,
+        )
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @staticmethod
+    def slots_for(pool: PagePool, ratio: float, size_gb: float) -> int:
+        """Pages of the host tier: ``size_gb`` GiB if > 0 (SGLang's ``--hicache-size``), else
+        ``ratio`` times the KV pool (``--hicache-ratio``)."""
+        if size_gb > 0:
+            page_bytes = 2 * pool.num_layers * pool.layout().page_bytes
+            return int(size_gb * 2**30) // page_bytes
+        return int(pool.capacity * ratio)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def capacity(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of one page of every layer's K and V (one slot, one storage object)."""
+        return self.data[0].numel() * self.data.element_size()
+
+    def used_slots(self) -> frozenset[int]:
+        return frozenset(self._used)
+
+    # ------------------------------------------------------------- allocation
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` slots, or None if fewer are free (the caller evicts and retries, or skips)."""
+        if n > len(self._free):
+            return None
+        slots = [self._free.pop() for _ in range(n)]
+        self._used.update(slots)
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        for s in slots:
+            if s not in self._used:
+                raise ValueError(f"host slot {s} freed but not in use")
+            self._used.remove(s)
+            self._free.append(s)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a host slot is on the free list twice")
+        if free & self._used:
+            raise AssertionError(f"host slots both free and used: {sorted(free & self._used)[:8]}")
+        if len(free) + len(self._used) != self.num_slots:
+            raise AssertionError(f"host free {len(free)} + used {len(self._used)} != {self.num_slots}")
+
+    # ------------------------------------------------------------------ copies
+    def write(self, pool: PagePool, pages: list[int], slots: list[int]) -> None:
+        """Copy KV pool ``pages`` into host ``slots`` (L1 -> L2)."""
+        if not pages:
+            return
+        p = torch.tensor(pages, device=pool.device)
+        s = torch.tensor(slots)
+        for layer in range(self.num_layers):
+            for kv, src in ((0, pool.k[layer]), (1, pool.v[layer])):
+                # src[:, p]: [heads, n, page_size, dim] -> [n, heads, page_size, dim]
+                self.data[s, kv, layer] = src[:, p].transpose(0, 1).to("cpu", non_blocking=True)
+        if pool.device.type == "cuda":
+            torch.cuda.current_stream(pool.device).synchronize()
+
+    def read(self, pool: PagePool, slots: list[int], pages: list[int]) -> None:
+        """Copy host ``slots`` into KV pool ``pages`` (L2 -> L1)."""
+        if not pages:
+            return
+        p = torch.tensor(pages, device=pool.device)
+        s = torch.tensor(slots)
+        for layer in range(self.num_layers):
+            for kv, dst in ((0, pool.k[layer]), (1, pool.v[layer])):
+                # data[s, kv, layer]: [n, heads, page_size, dim] -> dst[:, p]: [heads, n, page_size, dim]
+                dst[:, p] = self.data[s, kv, layer].to(pool.device, non_blocking=True).transpose(0, 1)
+
+    # ------------------------------------------------------------ storage view
+    def slot_bytes_view(self, slot: int) -> torch.Tensor:
+        """One slot as a flat uint8 tensor (a view: writing it fills the slot)."""
+        return self.data[slot].view(-1).view(torch.uint8)

@@ -1,0 +1,45 @@
+"""Keys of the storage tier: a page's chained hash, namespaced by what makes its KV bytes differ.
+
+Two servers may share a page only if they compute the same bytes for it: the
+same model and weights (path, file sizes and modification times: a fine-tune
+in place changes them), dtype, weight quantization, page size, layer count,
+and the same KV heads (a TP rank holds a head range; ranks of different TP
+sizes hold different ranges). All of that is hashed into the namespace, so an
+incompatible server never reads another's pages: it simply misses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from pdserve.engine.mem_cache.page_pool import KVLayout
+
+
+def weights_identity(path: str) -> str:
+    """The model files' names, sizes and mtimes (a file, or a directory's top level)."""
+    entries = []
+    if os.path.isdir(path):
+        for name in sorted(os.listdir(path)):
+            full = os.path.join(path, name)
+            if os.path.isfile(full):
+                st = os.stat(full)
+                entries.append(f"{name}:{st.st_size}:{int(st.st_mtime)}")
+    elif os.path.exists(path):
+        st = os.stat(path)
+        entries.append(f"{os.path.basename(path)}:{st.st_size}:{int(st.st_mtime)}")
+    return ";".join(entries)
+
+
+def kv_namespace(model_path: str, layout: KVLayout, kv_start: int) -> str:
+    """16 hex digits naming the KV bytes this rank computes (see the module docstring)."""
+    parts = [
+        os.path.realpath(model_path), weights_identity(model_path), layout.dtype, layout.quantization,
+        str(layout.page_size), str(layout.num_layers), str(layout.head_dim),
+        f"heads {kv_start}..{kv_start + layout.num_kv_heads}",
+    ]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def page_key(namespace: str, block_hash: int) -> str:
+    return f"pdserve-kv/{namespace}/{block_hash:016x}"

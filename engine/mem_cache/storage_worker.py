@@ -1,0 +1,195 @@
+"""The one thread that talks to the storage backend, so the scheduler never blocks on it.
+
+The cache submits puts (a page's bytes, copied out of the host tier) and
+fetches (a request's chain of page keys past what the tree holds); the worker
+runs them, fetches first, and the cache drains finished fetches between steps.
+
+Faults: a backend error (master killed or unreachable, setup refused) opens a
+circuit breaker: the backend is dropped, and for a backoff (1 s doubling to
+30 s) fetches finish empty at once and puts are skipped; then the worker
+connects again. A fetched object of the wrong length ends the chain there (the
+rest is recomputed). Every failure is counted; none reaches a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdserve.engine.mem_cache.storage_backend import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+BACKOFF_S = (1.0, 30.0)
+MAX_PENDING_PUTS = 4096  # beyond this, new puts are dropped (the store is behind; L1/L2 still serve)
+
+
+@dataclass
+class FetchResult:
+    rid: str
+    start: int  # page index of values[0] in the request's prompt
+    values: list[bytes] = field(default_factory=list)  # the leading pages found, in order
+
+
+@dataclass
+class StorageStats:
+    put_pages: int = 0
+    put_bytes: int = 0
+    put_s: float = 0.0
+    get_pages: int = 0
+    get_bytes: int = 0
+    get_s: float = 0.0
+    errors: int = 0  # backend calls that failed (unreachable, refused)
+    corrupt: int = 0  # objects of the wrong length
+    dropped_puts: int = 0  # skipped while the breaker was open or the queue full
+    prefetch_done: int = 0
+    prefetch_empty: int = 0
+
+
+class StorageWorker:
+    def __init__(self, connect: Callable[[], StorageBackend], object_bytes: int):
+        self._connect = connect
+        self.object_bytes = object_bytes
+        self.stats = StorageStats()
+        self._backend: StorageBackend | None = None
+        self._backoff = BACKOFF_S[0]
+        self._down_until = 0.0
+        self._cond = threading.Condition()
+        self._puts: deque[tuple[str, bytes]] = deque()
+        self._fetches: deque[tuple[str, int, list[str]]] = deque()
+        self._cancelled: set[str] = set()
+        self._done: deque[FetchResult] = deque()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="hicache-storage", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ the cache's side
+    def submit_put(self, key: str, value: bytes) -> None:
+        with self._cond:
+            if len(self._puts) >= MAX_PENDING_PUTS or time.monotonic() < self._down_until:
+                self.stats.dropped_puts += 1
+                return
+            self._puts.append((key, value))
+            self._cond.notify()
+
+    def submit_fetch(self, rid: str, start: int, keys: list[str]) -> None:
+        with self._cond:
+            self._cancelled.discard(rid)
+            self._fetches.append((rid, start, keys))
+            self._cond.notify()
+
+    def cancel(self, rid: str) -> None:
+        with self._cond:
+            self._cancelled.add(rid)
+
+    def drain(self) -> list[FetchResult]:
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (the last call failed and the backoff runs)."""
+        return time.monotonic() >= self._down_until
+
+    def idle(self) -> bool:
+        with self._cond:
+            return not self._puts and not self._fetches
+
+    def close(self) -> None:
+        """Send the puts still queued (a breaker open drops them at once), then disconnect."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+        if self._backend is not None:
+            self._backend.close()
+
+    # ----------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._puts or self._fetches):
+                    self._cond.wait()
+                if self._closed:
+                    self._fetches.clear()  # nobody waits for them; the puts still go (flush on close)
+                    if not self._puts:
+                        return
+                fetch = self._fetches.popleft() if self._fetches else None
+                put = None if fetch else self._puts.popleft()
+            if fetch is not None:
+                self._fetch(*fetch)
+            else:
+                self._put(*put)
+
+    def _ready(self) -> StorageBackend | None:
+        if time.monotonic() < self._down_until:
+            return None
+        if self._backend is None:
+            try:
+                self._backend = self._connect()
+            except Exception as e:  # noqa: BLE001 - any failure to connect opens the breaker
+                self._fail(e)
+                return None
+        return self._backend
+
+    def _fail(self, e: Exception) -> None:
+        self.stats.errors += 1
+        self._down_until = time.monotonic() + self._backoff
+        logger.warning("hicache storage failed (%s); retrying in %.0f s, serving from the pool and host "
+                       "memory meanwhile", e, self._backoff)
+        self._backoff = min(self._backoff * 2, BACKOFF_S[1])
+        backend, self._backend = self._backend, None
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001 - closing a broken client may fail too
+                pass
+
+    def _put(self, key: str, value: bytes) -> None:
+        backend = self._ready()
+        if backend is None:
+            self.stats.dropped_puts += 1
+            return
+        t0 = time.perf_counter()
+        try:
+            backend.put(key, value)
+        except Exception as e:  # noqa: BLE001
+            self._fail(e)
+            return
+        self._backoff = BACKOFF_S[0]
+        self.stats.put_s += time.perf_counter() - t0
+        self.stats.put_pages += 1
+        self.stats.put_bytes += len(value)
+
+    def _fetch(self, rid: str, start: int, keys: list[str]) -> None:
+        result = FetchResult(rid, start)
+        backend = None if rid in self._cancelled else self._ready()
+        t0 = time.perf_counter()
+        for key in keys if backend is not None else ():
+            if rid in self._cancelled:
+                break
+            try:
+                value = backend.get(key)
+            except Exception as e:  # noqa: BLE001
+                self._fail(e)
+                break
+            if value is None:
+                break
+            if len(value) != self.object_bytes:
+                self.stats.corrupt += 1
+                break
+            result.values.append(value)
+        self.stats.get_s += time.perf_counter() - t0
+        self.stats.get_pages += len(result.values)
+        self.stats.get_bytes += sum(map(len, result.values))
+        self.stats.prefetch_done += 1
+        self.stats.prefetch_empty += not result.values
+        with self._cond:
+            self._cancelled.discard(rid)
+        self._done.append(result)

@@ -1,0 +1,166 @@
+"""The hierarchical cache with a storage tier (L3) under the host tier: pages shared by servers.
+
+``StoreHiRadixCache`` is the two-tier ``HiRadixCache`` plus a ``StorageWorker``:
+
+- Write: every page that gets a host copy (by the write policy) is also put in
+  the store under its namespaced chained hash (``storage_key``), once per page
+  per process.
+- Prefetch: when a request is queued (``start_prefetch``), the pages of its
+  prompt past what the tree holds in any tier are fetched by the worker, while
+  the request waits (for the queue, or in PD for the decode's destination).
+  A finished fetch becomes host-only nodes below the tree's path, and the
+  request's match then loads them into the pool like any host page.
+- Prefetch policy (SGLang's ``--hicache-storage-prefetch-policy``): how long a
+  request at the head of the queue waits for its prefetch. ``best_effort``:
+  not at all (what arrived is used); ``wait_complete``: until it finished;
+  ``timeout``: until it finished or ``prefetch_timeout_base`` +
+  ``prefetch_timeout_per_ki_token`` per 1024 prompt tokens seconds passed
+  (extra-config keys, SGLang's names; defaults 1 s and 0.25 s).
+- A prefetch outliving its request is cancelled (``cancel_prefetch``); its
+  result, if it comes, is dropped without taking host slots.
+- A fetched chain attaches only where the tree still holds its ancestors: if
+  they were evicted meanwhile, the pages are dropped (the match recomputes).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.mem_cache.hiradix_cache import HiRadixCache, HiTreeNode
+from pdserve.engine.mem_cache.host_pool import HostKVPool
+from pdserve.engine.mem_cache.storage_key import page_key
+from pdserve.engine.mem_cache.storage_worker import FetchResult, StorageWorker
+from pdserve.engine.mem_cache.kv_events import block_hashes
+from pdserve.engine.mem_cache.page_pool import PagePool
+
+MAX_REMEMBERED_PUTS = 1 << 20  # hashes known to be stored; the set restarts empty past this
+
+
+@dataclass
+class _Prefetch:
+    token_ids: list[int]
+    started: float
+    deadline: float
+    done: bool = False
+
+
+class StoreHiRadixCache(HiRadixCache):
+    def __init__(self, pool: PagePool, host: HostKVPool, write_policy: str, storage: StorageWorker,
+                 namespace: str, prefetch_policy: str = "best_effort", extra: dict | None = None):
+        super().__init__(pool, host, write_policy)
+        self.storage = storage
+        self.namespace = namespace
+        self.prefetch_policy = prefetch_policy
+        extra = extra or {}
+        self.timeout_base = float(extra.get("prefetch_timeout_base", 1.0))
+        self.timeout_per_ki_token = float(extra.get("prefetch_timeout_per_ki_token", 0.25))
+        self._put: set[int] = set()
+        self._prefetches: dict[str, _Prefetch] = {}
+        self.prefetch_outcomes = {"complete": 0, "timeout": 0, "best_effort": 0, "cancelled": 0}
+
+    # ------------------------------------------------------------------ write
+    def _backup(self, nodes):
+        super()._backup(nodes)
+        for n in nodes:
+            if n.host is not None and n.hash not in self._put:
+                if len(self._put) >= MAX_REMEMBERED_PUTS:
+                    self._put.clear()
+                self._put.add(n.hash)
+                # a copy: the slot may be reused before the worker sends it
+                data = self.host.slot_bytes_view(n.host).numpy().tobytes()
+                self.storage.submit_put(page_key(self.namespace, n.hash), data)
+
+    # --------------------------------------------------------------- prefetch
+    def start_prefetch(self, rid, token_ids):
+        tokens = list(token_ids[: len(token_ids) - 1])  # the last token is always computed
+        num_pages = len(tokens) // self.page_size
+        held = self._held_prefix(tokens, num_pages)
+        if held >= num_pages or not self.storage.available:
+            return
+        hashes = block_hashes(tokens, self.page_size)[held:num_pages]
+        now = time.monotonic()
+        timeout = self.timeout_base + self.timeout_per_ki_token * len(tokens) / 1024
+        self._prefetches[rid] = _Prefetch(tokens, now, now + timeout)
+        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes])
+
+    def _held_prefix(self, tokens, num_pages: int) -> int:
+        """Pages of ``tokens`` the tree holds in any tier."""
+        node, n = self.root, 0
+        for key in self._keys(tokens, num_pages):
+            node = node.children.get(key)
+            if node is None:
+                break
+            n += 1
+        return n
+
+    def prefetch_ready(self, rid):
+        self.poll_storage()
+        p = self._prefetches.get(rid)
+        if p is None:
+            return True
+        if p.done or self.prefetch_policy == "best_effort":
+            self.prefetch_outcomes["complete" if p.done else "best_effort"] += 1
+        elif self.prefetch_policy == "timeout" and time.monotonic() >= p.deadline:
+            self.prefetch_outcomes["timeout"] += 1
+        else:
+            return False
+        del self._prefetches[rid]
+        if not p.done:
+            self.storage.cancel(rid)
+        return True
+
+    def cancel_prefetch(self, rid):
+        if self._prefetches.pop(rid, None) is not None:
+            self.prefetch_outcomes["cancelled"] += 1
+            self.storage.cancel(rid)
+
+    def poll_storage(self) -> None:
+        """Attach the fetches that finished (for requests still waiting) as host-only nodes."""
+        for result in self.storage.drain():
+            p = self._prefetches.get(result.rid)
+            if p is None:
+                continue  # its request was admitted (best effort, timeout) or ended
+            p.done = True
+            self._attach(p.token_ids, result)
+
+    def _attach(self, tokens: list[int], result: FetchResult) -> None:
+        keys = list(self._keys(tokens, result.start + len(result.values)))
+        node = self.root
+        path = []
+        for key in keys[: result.start]:
+            node = node.children.get(key)
+            if node is None:
+                return  # the chain's ancestors left the tree meanwhile
+            path.append(node)
+        todo = [(k, v) for k, v in zip(keys[result.start :], result.values)]
+        self._loading = {id(n) for n in path}
+        try:
+            if len(todo) > self.host.num_free:
+                self._evict_host(len(todo) - self.host.num_free)
+        finally:
+            self._loading = set()
+        now = self._tick()
+        for key, value in todo:
+            child = node.children.get(key)
+            if child is None:
+                slots = self.host.alloc(1)
+                if slots is None:
+                    return
+                child = HiTreeNode(key, None, node)
+                child.host = slots[0]
+                child.from_store = True
+                self.host.slot_bytes_view(child.host).copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
+                node.children[key] = child
+                self._put.add(child.hash)
+            child.last_access = now
+            node = child
+
+    def match_prefix(self, token_ids):
+        self.poll_storage()
+        return super().match_prefix(token_ids)
+
+    def close(self):
+        self.storage.close()
