@@ -1,0 +1,220 @@
+"""The scaling rule: from the profiles, the predicted load, the SLOs and the limits, how many
+prefill and decode servers. Pure functions over plain values, tested as a table of cases.
+
+Prefill. A prefill server serves prompts one after another; a prompt of the mean input length
+takes ``s = ttft_profile(isl) x correction``. Arrivals are taken as Poisson and service times as
+fixed, so each server is an M/D/1 queue: at utilisation ``rho`` a prompt waits
+``rho s / (2 (1 - rho))`` before its ``s``. The largest ``rho`` whose TTFT meets the SLO is
+``2 (x - 1) / (2 x - 1)`` with ``x = SLO / s`` (capped by ``max_utilization``), and the pool needs
+``ceil(rate x s / rho)`` servers.
+
+Decode. A decode server runs ``b`` sequences at a time at ``itl_profile(b, context) x correction``
+per token, ``context`` being the input length plus half the output. The largest ``b`` that meets
+the ITL SLO (and fits the KV capacity the profile states) is one server's concurrency; by Little's
+law the pool holds ``rate x osl x itl`` sequences, so it needs ``ceil(rate x osl x itl(b) /
+(b x max_utilization))`` servers.
+
+Then the limits, in this order: the counts are clamped to [min, max] per role; a budget cap on the
+cost (servers x TP size) shrinks the pools toward their minima, always taking from the role that
+keeps the larger share of its need; and a role scales down only when its last change is at least
+``cooldown`` seconds old (scaling up is never delayed: the SLO is at stake).
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
+
+INF = float("inf")
+
+
+class Slo(msgspec.Struct, frozen=True):
+    ttft_s: float
+    itl_s: float
+
+    def __post_init__(self):
+        if not (self.ttft_s > 0 and self.itl_s > 0):
+            raise ValueError(f"SLOs must be > 0: ttft {self.ttft_s}, itl {self.itl_s}")
+
+
+class Load(msgspec.Struct, frozen=True):
+    rate: float  # requests per second
+    input_len: float  # mean prompt tokens
+    output_len: float  # mean generated tokens
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    min_prefill: int = 1
+    max_prefill: int = 8
+    min_decode: int = 1
+    max_decode: int = 8
+    budget: float = INF  # the most cost (servers x their TP size) the pools may take together
+    prefill_cost: float = 1.0  # cost of one prefill server (its TP size, or chips)
+    decode_cost: float = 1.0
+    cooldown_s: float = 60.0  # a role scales down only this long after its last change
+    max_utilization: float = 0.85  # the highest load a server is planned at
+
+    def __post_init__(self):
+        if not 0 <= self.min_prefill <= self.max_prefill or not 0 <= self.min_decode <= self.max_decode:
+            raise ValueError("need 0 <= min <= max for each role: "
+                             f"prefill {self.min_prefill}..{self.max_prefill}, decode {self.min_decode}..{self.max_decode}")
+        if self.min_prefill * self.prefill_cost + self.min_decode * self.decode_cost > self.budget:
+            raise ValueError(f"budget {self.budget} is below the minimum pools' cost")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown must be >= 0, got {self.cooldown_s}")
+        if not 0 < self.max_utilization <= 1:
+            raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
+
+
+class Counts(msgspec.Struct, frozen=True):
+    prefill: int
+    decode: int
+
+
+class Decision(msgspec.Struct, frozen=True, kw_only=True):
+    counts: Counts  # what to run now
+    needed: Counts  # what the SLOs need, before limits, budget and cooldown
+    reasons: tuple[str, ...] = ()  # why counts differ from needed (max, budget, cooldown, infeasible)
+
+
+# --- prefill ------------------------------------------------------------------------------------
+
+def prefill_service_s(model: PrefillModel, load: Load, correction: float = 1.0) -> float:
+    return model.ttft(load.input_len) * correction
+
+
+def max_prefill_utilization(service_s: float, ttft_slo: float, cap: float) -> float:
+    """The M/D/1 utilisation at which the mean TTFT (wait + service) equals the SLO, capped;
+    0 when one prompt alone already misses it."""
+    x = ttft_slo / service_s
+    if x <= 1.0:
+        return 0.0
+    return min(cap, 2 * (x - 1) / (2 * x - 1))
+
+
+def predict_ttft(model: PrefillModel, load: Load, servers: int, correction: float = 1.0) -> float:
+    """Mean TTFT of the pool at this load (inf when it cannot keep up)."""
+    s = prefill_service_s(model, load, correction)
+    if load.rate <= 0:
+        return s
+    if servers <= 0:
+        return INF
+    rho = load.rate * s / servers
+    return INF if rho >= 1 else s + rho * s / (2 * (1 - rho))
+
+
+def needed_prefill(model: PrefillModel, load: Load, slo: Slo, correction: float, cap: float) -> int | None:
+    """Servers the prefill SLO needs (None: no count meets it, a prompt alone is too slow)."""
+    if load.rate <= 0:
+        return 0
+    s = prefill_service_s(model, load, correction)
+    rho = max_prefill_utilization(s, slo.ttft_s, cap)
+    if rho <= 0:
+        return None
+    return math.ceil(load.rate * s / rho - 1e-9)
+
+
+# --- decode -------------------------------------------------------------------------------------
+
+def decode_context(load: Load) -> float:
+    return load.input_len + load.output_len / 2
+
+
+def predict_itl(model: DecodeModel, load: Load, servers: int, correction: float = 1.0) -> tuple[float, float]:
+    """(mean ITL, mean batch per server) of the pool at this load: the batch ``b`` solves
+    ``b = rate x osl x itl(b) / servers`` (Little's law); inf when no batch does (overload)."""
+    ctx = decode_context(load)
+    if load.rate <= 0 or load.output_len <= 0:
+        return model.itl(1, ctx) * correction, 0.0
+    if servers <= 0:
+        return INF, INF
+    per_token = load.rate * load.output_len / servers  # sequences per unit of ITL
+    b = 1.0
+    for _ in range(100):
+        nxt = per_token * model.itl(b, ctx) * correction
+        if abs(nxt - b) < 1e-6:
+            break
+        b = nxt
+        if b > 1e5:
+            return INF, INF
+    return model.itl(max(b, 1.0), ctx) * correction, b
+
+
+def needed_decode(model: DecodeModel, load: Load, slo: Slo, correction: float, cap: float) -> int | None:
+    """Servers the ITL SLO needs (None: not even one sequence per server meets it)."""
+    if load.rate <= 0 or load.output_len <= 0:
+        return 0
+    ctx = decode_context(load)
+    b = model.max_batch(slo.itl_s / correction, ctx)
+    if b < 1:
+        return None
+    itl = model.itl(b, ctx) * correction
+    return math.ceil(load.rate * load.output_len * itl / (b * cap) - 1e-9)
+
+
+# --- limits -------------------------------------------------------------------------------------
+
+def _fit_budget(want: Counts, limits: Limits) -> Counts:
+    """The largest counts <= ``want`` within the budget, grown from the minima one server at a
+    time, each to the role with the smaller share of its want."""
+    p, d = limits.min_prefill, limits.min_decode
+    left = limits.budget - p * limits.prefill_cost - d * limits.decode_cost
+    while True:
+        options = []
+        if p < want.prefill and limits.prefill_cost <= left + 1e-9:
+            options.append((p / want.prefill, 0))
+        if d < want.decode and limits.decode_cost <= left + 1e-9:
+            options.append((d / want.decode, 1))
+        if not options:
+            return Counts(p, d)
+        _, role = min(options)
+        if role == 0:
+            p += 1
+            left -= limits.prefill_cost
+        else:
+            d += 1
+            left -= limits.decode_cost
+
+
+def decide(prefill_model: PrefillModel, decode_model: DecodeModel, load: Load, slo: Slo, limits: Limits,
+           current: Counts, since_change: tuple[float, float],
+           corrections: tuple[float, float] = (1.0, 1.0)) -> Decision:
+    """The counts to run next. ``since_change``: seconds since each role's (prefill, decode) last
+    change; ``corrections``: (prefill TTFT, decode ITL) factors."""
+    reasons = []
+    need_p = needed_prefill(prefill_model, load, slo, corrections[0], limits.max_utilization)
+    need_d = needed_decode(decode_model, load, slo, corrections[1], limits.max_utilization)
+    if need_p is None:
+        reasons.append("prefill: one prompt alone misses the TTFT SLO; max servers")
+        need_p = limits.max_prefill
+    if need_d is None:
+        reasons.append("decode: one sequence alone misses the ITL SLO; max servers")
+        need_d = limits.max_decode
+    needed = Counts(need_p, need_d)
+    p = min(max(need_p, limits.min_prefill), limits.max_prefill)
+    d = min(max(need_d, limits.min_decode), limits.max_decode)
+    if p < need_p:
+        reasons.append(f"prefill: capped at max {limits.max_prefill}")
+    if d < need_d:
+        reasons.append(f"decode: capped at max {limits.max_decode}")
+    if p * limits.prefill_cost + d * limits.decode_cost > limits.budget + 1e-9:
+        fitted = _fit_budget(Counts(p, d), limits)
+        reasons.append(f"budget {limits.budget:g}: {p}+{d} -> {fitted.prefill}+{fitted.decode}")
+        p, d = fitted.prefill, fitted.decode
+    if p < current.prefill and since_change[0] < limits.cooldown_s:
+        reasons.append(f"prefill: scale-down to {p} waits for the cooldown")
+        p = current.prefill
+    if d < current.decode and since_change[1] < limits.cooldown_s:
+        reasons.append(f"decode: scale-down to {d} waits for the cooldown")
+        d = current.decode
+    over = p * limits.prefill_cost + d * limits.decode_cost - limits.budget
+    if over > 1e-9:  # a role held by its cooldown leaves less budget for the other's rise
+        if d > current.decode:
+            d = max(current.decode, d - math.ceil(over / limits.decode_cost - 1e-9))
+        elif p > current.prefill:
+            p = max(current.prefill, p - math.ceil(over / limits.prefill_cost - 1e-9))
+        reasons.append(f"budget {limits.budget:g}: a role in cooldown holds its servers")
+    return Decision(counts=Counts(p, d), needed=needed, reasons=tuple(reasons))
