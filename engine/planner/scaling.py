@@ -2,17 +2,19 @@
 prefill and decode servers. Pure functions over plain values, tested as a table of cases.
 
 Prefill. A prefill server serves prompts one after another; a prompt of the mean input length
-takes ``s = ttft_profile(isl) x correction``. Arrivals are taken as Poisson and service times as
-fixed, so each server is an M/D/1 queue: at utilisation ``rho`` a prompt waits
-``rho s / (2 (1 - rho))`` before its ``s``. The largest ``rho`` whose TTFT meets the SLO is
-``2 (x - 1) / (2 x - 1)`` with ``x = SLO / s`` (capped by ``max_utilization``), and the pool needs
-``ceil(rate x s / rho)`` servers.
+takes ``s = ttft_profile(isl) x correction``. Each server is planned as an M/M/1 queue (prompt
+lengths vary, and exponential service is the conservative stand-in; arrivals come in bursts), and
+the SLO must hold for the ``quantile`` of requests (the attainment target, 95% by default), not on
+average: at utilisation ``rho`` a prompt waits longer than ``t`` with probability
+``rho exp(-(1 - rho) t / s)``. The largest ``rho`` (<= ``max_utilization``) whose TTFT quantile
+meets the SLO is found by bisection, and the pool needs ``ceil(rate x s / rho)`` servers.
 
 Decode. A decode server runs ``b`` sequences at a time at ``itl_profile(b, context) x correction``
 per token, ``context`` being the input length plus half the output. The largest ``b`` that meets
-the ITL SLO (and fits the KV capacity the profile states) is one server's concurrency; by Little's
-law the pool holds ``rate x osl x itl`` sequences, so it needs ``ceil(rate x osl x itl(b) /
-(b x max_utilization))`` servers.
+the ITL SLO (and fits the KV capacity the profile states) bounds a server's batch; a server's
+batch fluctuates about its mean by about its square root, so the mean planned is ``m`` with
+``m + z_quantile sqrt(m) <= b``. By Little's law the pool holds ``rate x osl x itl`` sequences
+(or more: those in flight now, after a rise), so it needs ``ceil(sequences / m)`` servers.
 
 Then the limits, in this order: the counts are clamped to [min, max] per role; a budget cap on the
 cost (servers x TP size) shrinks the pools toward their minima, always taking from the role that
@@ -23,6 +25,7 @@ keeps the larger share of its need; and a role scales down only when its last ch
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import msgspec
 
@@ -34,16 +37,22 @@ INF = float("inf")
 class Slo(msgspec.Struct, frozen=True):
     ttft_s: float
     itl_s: float
+    quantile: float = 0.95  # the share of requests that must meet both (the attainment target)
 
     def __post_init__(self):
         if not (self.ttft_s > 0 and self.itl_s > 0):
             raise ValueError(f"SLOs must be > 0: ttft {self.ttft_s}, itl {self.itl_s}")
+        if not 0.5 <= self.quantile < 1:
+            raise ValueError(f"SLO quantile must be in [0.5, 1), got {self.quantile}")
 
 
 class Load(msgspec.Struct, frozen=True):
     rate: float  # requests per second
     input_len: float  # mean prompt tokens
     output_len: float  # mean generated tokens
+    # sequences the decode pool must hold now, whatever the rate says (those in flight, counted
+    # at the ITL the SLO allows): after a rise they outnumber the rate's share for a while
+    decode_inflight: float = 0.0
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True):
@@ -86,20 +95,49 @@ def prefill_service_s(model: PrefillModel, load: Load, correction: float = 1.0) 
     return model.ttft(load.input_len) * correction
 
 
-def max_prefill_utilization(service_s: float, ttft_slo: float, cap: float) -> float:
-    """The M/D/1 utilisation at which the mean TTFT (wait + service) equals the SLO, capped;
-    0 when one prompt alone already misses it."""
-    x = ttft_slo / service_s
-    if x <= 1.0:
+def ttft_quantile(service_s: float, rho: float, quantile: float) -> float:
+    """The ``quantile`` of TTFT in an M/M/1 queue of mean service ``service_s`` at utilisation
+    ``rho``: the wait exceeds ``t`` with probability ``rho exp(-(1 - rho) t / s)``."""
+    if rho >= 1:
+        return INF
+    tail = 1.0 - quantile
+    wait = 0.0 if rho <= tail else service_s / (1 - rho) * math.log(rho / tail)
+    return service_s + wait
+
+
+def max_prefill_utilization(service_s: float, ttft_slo: float, cap: float, quantile: float) -> float:
+    """The highest utilisation (<= ``cap``) at which the TTFT ``quantile`` meets the SLO; 0 when
+    one prompt alone already misses it."""
+    if service_s >= ttft_slo:
         return 0.0
-    return min(cap, 2 * (x - 1) / (2 * x - 1))
+    if ttft_quantile(service_s, cap, quantile) <= ttft_slo:
+        return cap
+    lo, hi = 0.0, cap  # the quantile rises with rho: bisect
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if ttft_quantile(service_s, mid, quantile) <= ttft_slo:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
-def predict_ttft(model: PrefillModel, load: Load, servers: int, correction: float = 1.0) -> float:
-    """Mean TTFT of the pool at this load (inf when it cannot keep up)."""
+def predict_ttft(model: PrefillModel, load: Load, servers: float, correction: float = 1.0,
+                 quantile: float = 0.5) -> float:
+    """TTFT ``quantile`` of the pool at this load, as planned (M/M/1); inf when it cannot keep up."""
     s = prefill_service_s(model, load, correction)
     if load.rate <= 0:
         return s
+    if servers <= 0:
+        return INF
+    return ttft_quantile(s, load.rate * s / servers, quantile)
+
+
+def mean_ttft_lower(model: PrefillModel, load: Load, servers: float) -> float:
+    """Mean TTFT with every prompt of the mean length (M/D/1): the least queueing this load can
+    have. Corrections compare with it, so that a factor above 1 is slowness or spread, never the
+    planning model's own pessimism read as fast servers."""
+    s = prefill_service_s(model, load)
     if servers <= 0:
         return INF
     rho = load.rate * s / servers
@@ -111,7 +149,7 @@ def needed_prefill(model: PrefillModel, load: Load, slo: Slo, correction: float,
     if load.rate <= 0:
         return 0
     s = prefill_service_s(model, load, correction)
-    rho = max_prefill_utilization(s, slo.ttft_s, cap)
+    rho = max_prefill_utilization(s, slo.ttft_s, cap, slo.quantile)
     if rho <= 0:
         return None
     return math.ceil(load.rate * s / rho - 1e-9)
@@ -123,7 +161,7 @@ def decode_context(load: Load) -> float:
     return load.input_len + load.output_len / 2
 
 
-def predict_itl(model: DecodeModel, load: Load, servers: int, correction: float = 1.0) -> tuple[float, float]:
+def predict_itl(model: DecodeModel, load: Load, servers: float, correction: float = 1.0) -> tuple[float, float]:
     """(mean ITL, mean batch per server) of the pool at this load: the batch ``b`` solves
     ``b = rate x osl x itl(b) / servers`` (Little's law); inf when no batch does (overload)."""
     ctx = decode_context(load)
@@ -143,31 +181,41 @@ def predict_itl(model: DecodeModel, load: Load, servers: int, correction: float 
     return model.itl(max(b, 1.0), ctx) * correction, b
 
 
+def planned_batch(max_batch: int, quantile: float, cap: float) -> float:
+    """The mean batch to plan a decode server at: the batch of a server fluctuates about its mean
+    (Poisson: by its square root), and its ``quantile`` must stay within ``max_batch``:
+    ``m + z sqrt(m) <= max_batch``; and at most ``cap x max_batch``."""
+    z = max(0.0, NormalDist().inv_cdf(quantile))
+    m = ((-z + math.sqrt(z * z + 4 * max_batch)) / 2) ** 2
+    return max(min(m, cap * max_batch), min(1.0, max_batch))
+
+
 def needed_decode(model: DecodeModel, load: Load, slo: Slo, correction: float, cap: float) -> int | None:
     """Servers the ITL SLO needs (None: not even one sequence per server meets it)."""
-    if load.rate <= 0 or load.output_len <= 0:
+    if (load.rate <= 0 or load.output_len <= 0) and load.decode_inflight <= 0:
         return 0
     ctx = decode_context(load)
     b = model.max_batch(slo.itl_s / correction, ctx)
     if b < 1:
         return None
     itl = model.itl(b, ctx) * correction
-    return math.ceil(load.rate * load.output_len * itl / (b * cap) - 1e-9)
+    sequences = max(load.rate * load.output_len * itl, load.decode_inflight)
+    return math.ceil(sequences / planned_batch(b, slo.quantile, cap) - 1e-9)
 
 
 # --- limits -------------------------------------------------------------------------------------
 
-def _fit_budget(want: Counts, limits: Limits) -> Counts:
+def _fit_budget(want: Counts, need: Counts, limits: Limits) -> Counts:
     """The largest counts <= ``want`` within the budget, grown from the minima one server at a
-    time, each to the role with the smaller share of its want."""
+    time, each to the role with the smaller share of its ``need``."""
     p, d = limits.min_prefill, limits.min_decode
     left = limits.budget - p * limits.prefill_cost - d * limits.decode_cost
     while True:
         options = []
         if p < want.prefill and limits.prefill_cost <= left + 1e-9:
-            options.append((p / want.prefill, 0))
+            options.append((p / max(need.prefill, 1), 0))
         if d < want.decode and limits.decode_cost <= left + 1e-9:
-            options.append((d / want.decode, 1))
+            options.append((d / max(need.decode, 1), 1))
         if not options:
             return Counts(p, d)
         _, role = min(options)
@@ -201,7 +249,7 @@ def decide(prefill_model: PrefillModel, decode_model: DecodeModel, load: Load, s
     if d < need_d:
         reasons.append(f"decode: capped at max {limits.max_decode}")
     if p * limits.prefill_cost + d * limits.decode_cost > limits.budget + 1e-9:
-        fitted = _fit_budget(Counts(p, d), limits)
+        fitted = _fit_budget(Counts(p, d), needed, limits)
         reasons.append(f"budget {limits.budget:g}: {p}+{d} -> {fitted.prefill}+{fitted.decode}")
         p, d = fitted.prefill, fitted.decode
     if p < current.prefill and since_change[0] < limits.cooldown_s:

@@ -11,6 +11,7 @@ the failure.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 import msgspec
 
@@ -18,8 +19,10 @@ from pdserve.engine.planner.correction import Correction
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
 from pdserve.engine.planner.predictor import make_predictor
 from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import Counts, Decision, Limits, Load, Slo, decide, predict_itl, predict_ttft
+from pdserve.engine.planner.scaling import (Counts, Decision, Limits, Load, Slo, decide, decode_context,
+                                            mean_ttft_lower)
 
+LENGTH_WINDOW = 10  # intervals the mean input and output lengths are taken over
 MAX_RATE = 1e6  # requests/s no router reports: a counter reset or a parse error
 
 
@@ -32,6 +35,13 @@ class Observation(msgspec.Struct, frozen=True, kw_only=True):
     output_len: float | None = None
     ttft_s: float | None = None
     itl_s: float | None = None
+    # servers that served in the interval (ready, not starting); None: the planner's own counts
+    prefill_servers: float | None = None
+    decode_servers: float | None = None
+    # sequences running per serving decode server (the batch the ITL was measured at)
+    decode_batch: float | None = None
+    # prompts waiting at the prefill servers at the interval's end: a backlog to clear
+    prefill_queue: float | None = None
 
 
 class Step(msgspec.Struct, frozen=True, kw_only=True):
@@ -51,7 +61,9 @@ def check_observation(obs: Observation | None) -> str:
     if obs is None:
         return "scrape failed"
     values = {"interval_s": obs.interval_s, "rate": obs.rate, "input_len": obs.input_len,
-              "output_len": obs.output_len, "ttft_s": obs.ttft_s, "itl_s": obs.itl_s}
+              "output_len": obs.output_len, "ttft_s": obs.ttft_s, "itl_s": obs.itl_s,
+              "prefill_servers": obs.prefill_servers, "decode_servers": obs.decode_servers,
+              "decode_batch": obs.decode_batch, "prefill_queue": obs.prefill_queue}
     for name, v in values.items():
         if v is not None and (not math.isfinite(v) or v < 0):
             return f"{name} is {v}"
@@ -69,7 +81,11 @@ class SlaPlanner:
         self.prefill_model = PrefillModel(prefill_profile)
         self.decode_model = DecodeModel(decode_profile)
         self.slo, self.limits = slo, limits
-        self.predictors = {k: make_predictor(predictor, window) for k in ("rate", "input_len", "output_len")}
+        self.rate = make_predictor(predictor, window)
+        # lengths: means over the last LENGTH_WINDOW intervals, weighted by their requests. The
+        # requests that finish first after a rise are the short ones: one interval's mean output
+        # length is biased short exactly when the pool must grow
+        self.lengths: deque[tuple[float, float, float]] = deque(maxlen=LENGTH_WINDOW)
         self.prefill_corr, self.decode_corr = Correction(smoothing), Correction(smoothing)
         self.counts = initial
         self.last_change = [now, now]
@@ -77,30 +93,32 @@ class SlaPlanner:
         self.last_load: Load | None = None
 
     def _observe(self, obs: Observation) -> None:
-        # corrections compare what was seen with what the model predicts for the load just seen
-        # at the counts that served it
+        # corrections compare what was seen with what the profile predicts for the same conditions
         load = Load(obs.rate, obs.input_len or 0.0, obs.output_len or 0.0)
-        if obs.rate > 0 and obs.input_len:
-            expected = predict_ttft(self.prefill_model, load, self.counts.prefill)
-            if math.isfinite(expected):
-                self.prefill_corr.observe(obs.ttft_s, expected)
-        if obs.rate > 0 and obs.input_len and obs.output_len:
-            expected, _ = predict_itl(self.decode_model, load, self.counts.decode)
-            if math.isfinite(expected):
-                self.decode_corr.observe(obs.itl_s, expected)
-        self.predictors["rate"].observe(obs.rate)
-        # lengths are kept from the last interval that had requests: an idle interval says nothing
-        if obs.input_len:
-            self.predictors["input_len"].observe(obs.input_len)
-        if obs.output_len:
-            self.predictors["output_len"].observe(obs.output_len)
+        served_p = obs.prefill_servers if obs.prefill_servers is not None else self.counts.prefill
+        if obs.rate > 0 and obs.input_len and served_p > 0:
+            # only a pool below its planned utilisation: above it, the queue's transients (a
+            # backlog from a burst) would be read as slow servers
+            s = self.prefill_model.ttft(load.input_len) * self.prefill_corr.factor
+            if load.rate * s / served_p <= self.limits.max_utilization:
+                self.prefill_corr.observe(obs.ttft_s, mean_ttft_lower(self.prefill_model, load, served_p))
+        if obs.itl_s and obs.decode_batch and obs.input_len and obs.output_len:
+            # at the batch the servers ran: their speed, whatever the load did in between
+            ctx = decode_context(load)
+            self.decode_corr.observe(obs.itl_s, self.decode_model.itl(obs.decode_batch, ctx))
+        self.rate.observe(obs.rate)
+        n = obs.rate * obs.interval_s  # an idle interval says nothing of the lengths
+        if n > 0 and obs.input_len and obs.output_len:
+            self.lengths.append((n, obs.input_len * n, obs.output_len * n))
 
     def predicted_load(self) -> Load | None:
-        rate = self.predictors["rate"].predict()
+        rate = self.rate.predict()
         if rate is None:
             return None
-        return Load(rate, self.predictors["input_len"].predict() or 1.0,
-                    self.predictors["output_len"].predict() or 1.0)
+        n = sum(w for w, _, _ in self.lengths)
+        if not n:
+            return Load(rate, 1.0, 1.0)
+        return Load(rate, sum(i for _, i, _ in self.lengths) / n, sum(o for _, _, o in self.lengths) / n)
 
     def step(self, now: float, obs: Observation | None, current: Counts | None = None) -> Step:
         """One interval. ``current``: the servers the connector counts as capacity now (those that
@@ -116,6 +134,12 @@ class SlaPlanner:
                         held=True, why_held=why)
         self._observe(obs)
         load = self.predicted_load()
+        if obs.prefill_queue:  # the backlog must clear within the next interval, on top of the load
+            load = Load(load.rate + obs.prefill_queue / obs.interval_s, load.input_len, load.output_len)
+        if obs.decode_batch and obs.decode_servers and obs.itl_s:
+            # the sequences in flight, as many as they would be at the ITL the SLO allows
+            inflight = obs.decode_batch * obs.decode_servers * min(1.0, self.slo.itl_s / obs.itl_s)
+            load = Load(load.rate, load.input_len, load.output_len, decode_inflight=inflight)
         self.last_load = load
         corrections = (self.prefill_corr.factor, self.decode_corr.factor)
         since = (now - self.last_change[0], now - self.last_change[1])

@@ -79,24 +79,39 @@ def test_planner_follows_the_load_and_holds_on_bad_scrapes():
     pl = _planner()
     obs = Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, ttft_s=None, itl_s=None)
     s = pl.step(10, obs)
-    assert s.decision.counts == Counts(2, 8) and not s.held
+    assert s.decision.counts == Counts(4, 12) and not s.held  # (test_scaling's by-hand case)
     for bad in (None, Observation(interval_s=10, rate=-1.0), Observation(interval_s=10, rate=float("nan")),
                 Observation(interval_s=10, rate=1e9)):
         s = pl.step(20, bad)
-        assert s.held and s.decision.counts == Counts(2, 8)
+        assert s.held and s.decision.counts == Counts(4, 12)
     assert pl.failures == 4
     # load gone: decode waits out its cooldown (last change at t=10), then falls to the minimum
     quiet = Observation(interval_s=10, rate=0.0)
-    assert pl.step(30, quiet).decision.counts == Counts(2, 8)
+    assert pl.step(30, quiet).decision.counts == Counts(4, 12)
     assert pl.step(40, quiet).decision.counts == Counts(1, 1)
 
 
 def test_planner_corrects_by_what_it_sees():
     pl = _planner()
     pl.step(10, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200))
-    # the decode pool of 8 is observed 3x slower than the profile predicts at that load
-    from pdserve.engine.planner.scaling import Load, predict_itl
-    expected, _ = predict_itl(pl.decode_model, Load(2.0, 1000, 200), 8)
-    s = pl.step(20, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, itl_s=3 * expected))
+    # the decode servers ran 6 sequences each of context 1000 + 200/2, 3x slower than profiled
+    s = pl.step(20, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, itl_s=3 * itl(6, 1100),
+                                decode_batch=6, decode_servers=12))
     assert s.corrections[1] == pytest.approx(math.sqrt(3))
-    assert s.decision.counts.decode == 16  # more than 8: capped at max
+    assert s.decision.counts.decode == 16  # more than 12: capped at max
+    # a prefill pool far beyond its planned utilisation teaches nothing (a burst's backlog)
+    s = pl.step(30, Observation(interval_s=10, rate=20.0, input_len=1000, output_len=200, ttft_s=60.0,
+                                prefill_servers=1))
+    assert s.corrections[0] == 1.0
+    # ... one below it does: prompts alone took twice the profile's time
+    s = pl.step(40, Observation(interval_s=10, rate=0.01, input_len=1000, output_len=200, ttft_s=2 * ttft(1000),
+                                prefill_servers=4))
+    assert s.corrections[0] == pytest.approx(math.sqrt(2), rel=0.01)
+
+
+def test_prefill_backlog_adds_to_the_load():
+    pl = _planner()
+    quiet = pl.step(10, Observation(interval_s=10, rate=0.2, input_len=1000, output_len=200))
+    backlog = pl.step(20, Observation(interval_s=10, rate=0.2, input_len=1000, output_len=200, prefill_queue=20))
+    assert backlog.predicted.rate == pytest.approx(0.2 + 20 / 10)
+    assert backlog.decision.counts.prefill > quiet.decision.counts.prefill

@@ -9,26 +9,32 @@ import pytest
 
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
 from pdserve.engine.planner.scaling import (Counts, Limits, Load, Slo, decide, max_prefill_utilization,
-                                            predict_itl, predict_ttft)
+                                            planned_batch, predict_itl, predict_ttft)
 
 from planner_synthetic import itl, synthetic_profile, ttft
 
 P, D = PrefillModel(synthetic_profile()), DecodeModel(synthetic_profile())
 SLO = Slo(ttft_s=2.0, itl_s=0.1)
 LIMITS = Limits(min_prefill=1, max_prefill=8, min_decode=1, max_decode=8, cooldown_s=60)
+LIMITS_WIDE = Limits(max_prefill=64, max_decode=64)
 LONG_AGO = (1e9, 1e9)
 LOAD = Load(rate=2.0, input_len=1000, output_len=200)
 
 
 def test_moderate_load_by_hand():
-    # prefill: s = 0.55 s; x = 2/0.55; rho = 2(x-1)/(2x-1) = 0.8405; 2 x 0.55 / 0.8405 = 1.31 -> 2
+    # prefill: s = 0.55 s; the p95 TTFT s + s/(1-rho) ln(rho/0.05) meets 2 s up to rho = 0.309;
+    # 2 req/s x 0.55 s / 0.309 = 3.56 -> 4
     s = ttft(1000)
-    assert max_prefill_utilization(s, 2.0, 0.85) == pytest.approx(2 * (2 / s - 1) / (4 / s - 1))
-    # decode: context 1100, itl(b) = 0.02 + 0.012 b; b <= 6 meets 0.1 s (itl 0.092);
-    # 2 req/s x 200 tokens x 0.092 s / (6 x 0.85) = 7.2 -> 8
+    rho = max_prefill_utilization(s, 2.0, 0.85, 0.95)
+    assert 0.30 < rho < 0.31
+    assert s + s / (1 - rho) * math.log(rho / 0.05) == pytest.approx(2.0, abs=1e-6)
+    # decode: context 1100, itl(b) = 0.02 + 0.012 b; b <= 6 meets 0.1 s (itl 0.092); planned mean
+    # m with m + 1.645 sqrt(m) = 6: m = 3.10; 2 req/s x 200 tokens x 0.092 s = 36.8 sequences
+    # / 3.10 = 11.9 -> 12
     assert D.max_batch(0.1, 1100) == 6
-    d = decide(P, D, LOAD, SLO, LIMITS, Counts(1, 1), LONG_AGO)
-    assert d.needed == Counts(2, 8) and d.counts == Counts(2, 8) and d.reasons == ()
+    assert planned_batch(6, 0.95, 0.85) == pytest.approx(3.103, abs=1e-3)
+    d = decide(P, D, LOAD, SLO, LIMITS_WIDE, Counts(1, 1), LONG_AGO)
+    assert d.needed == Counts(4, 12) and d.counts == Counts(4, 12) and d.reasons == ()
 
 
 CASES = [
@@ -38,23 +44,26 @@ CASES = [
      (1, 1), Counts(0, 0), None),
     ("light traffic: one of each", Load(0.2, 200, 50), LIMITS, Counts(1, 1), LONG_AGO, (1, 1), Counts(1, 1),
      None),
-    ("beyond max: capped", Load(5, 1000, 200), LIMITS, Counts(1, 1), LONG_AGO, (1, 1), Counts(4, 8), "max"),
+    # 5 req/s needs 9 + 30
+    ("beyond max: capped", Load(5, 1000, 200), LIMITS, Counts(1, 1), LONG_AGO, (1, 1), Counts(8, 8), "max"),
     ("beyond the budget: shared by need", Load(5, 1000, 200), Limits(budget=6), Counts(1, 1), LONG_AGO,
      (1, 1), Counts(2, 4), "budget"),
     ("budget counts TP size", Load(5, 1000, 200), Limits(budget=10, prefill_cost=2), Counts(1, 1), LONG_AGO,
-     (1, 1), Counts(3, 4), "budget"),  # 4+8 wanted: shares grown 1:2
-    ("decode 3x slower than profiled", LOAD, Limits(max_decode=64), Counts(1, 1), LONG_AGO, (1, 3),
-     Counts(2, 46), None),
-    ("decode correction beyond max", LOAD, LIMITS, Counts(1, 1), LONG_AGO, (1, 3), Counts(2, 8), "max"),
+     (1, 1), Counts(2, 6), "budget"),
+    # ITL 3x the profile's: b = 1 meets 0.1/3 s; 2 x 200 x 0.096 = 38.4 sequences, one per server
+    ("decode 3x slower than profiled", LOAD, LIMITS_WIDE, Counts(1, 1), LONG_AGO, (1, 3), Counts(4, 39), None),
+    ("decode correction beyond max", LOAD, LIMITS, Counts(1, 1), LONG_AGO, (1, 3), Counts(4, 8), "max"),
     ("prefill 4x slower: a prompt alone misses TTFT", LOAD, LIMITS, Counts(1, 1), LONG_AGO, (4, 1),
      Counts(8, 8), "misses"),
     ("prefill 0.25x: fewer servers", Load(4, 1000, 200), LIMITS, Counts(1, 1), LONG_AGO, (0.25, 1),
      Counts(1, 8), "max"),
     ("scale-down waits for the cooldown", Load(0.2, 200, 50), LIMITS, Counts(4, 6), (10, 100), (1, 1),
      Counts(4, 1), "cooldown"),
-    ("scale-up never waits", LOAD, LIMITS, Counts(1, 1), (0, 0), (1, 1), Counts(2, 8), None),
+    ("scale-up never waits", LOAD, LIMITS_WIDE, Counts(1, 1), (0, 0), (1, 1), Counts(4, 12), None),
     ("cooldown holds prefill: decode's rise stays in budget", Load(1, 1000, 200), Limits(budget=6),
      Counts(4, 2), (0, 1e9), (1, 1), Counts(4, 2), "budget"),
+    ("sequences in flight beyond the rate's", Load(0.1, 1000, 200, decode_inflight=31), LIMITS_WIDE,
+     Counts(1, 1), LONG_AGO, (1, 1), Counts(1, 10), None),
 ]
 
 
@@ -80,13 +89,12 @@ def test_decode_correction_by_hand():
 def test_predictions_meet_the_slo_at_the_counts_decided():
     for rate in (0.5, 1, 2, 3):
         load = Load(rate, 1000, 200)
-        d = decide(P, D, load, SLO, Limits(max_prefill=64, max_decode=64), Counts(1, 1), LONG_AGO)
-        assert predict_ttft(P, load, d.counts.prefill) <= SLO.ttft_s
+        d = decide(P, D, load, SLO, LIMITS_WIDE, Counts(1, 1), LONG_AGO)
+        assert predict_ttft(P, load, d.counts.prefill, quantile=0.95) <= SLO.ttft_s + 1e-9
         assert predict_itl(D, load, d.counts.decode)[0] <= SLO.itl_s
-        # one server fewer of a role would miss its SLO or exceed the planned utilisation
+        # one prefill server fewer misses the p95 TTFT
         if d.counts.prefill > 1:
-            s = ttft(1000)
-            assert rate * s / (d.counts.prefill - 1) > max_prefill_utilization(s, SLO.ttft_s, 0.85) - 1e-9
+            assert predict_ttft(P, load, d.counts.prefill - 1, quantile=0.95) > SLO.ttft_s
 
 
 def test_limits_validate():
