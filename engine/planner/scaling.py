@@ -13,8 +13,11 @@ Decode. A decode server runs ``b`` sequences at a time at ``itl_profile(b, conte
 per token, ``context`` being the input length plus half the output. The largest ``b`` that meets
 the ITL SLO (and fits the KV capacity the profile states) bounds a server's batch; a server's
 batch fluctuates about its mean by about its square root, so the mean planned is ``m`` with
-``m + z_quantile sqrt(m) <= b``. By Little's law the pool holds ``rate x osl x itl`` sequences
-(or more: those in flight now, after a rise), so it needs ``ceil(sequences / m)`` servers.
+``m + z_quantile sqrt(m) <= b``. By Little's law the pool holds ``rate x osl x itl(b)`` sequences
+(or more: those in flight now, after a rise), so ``ceil(sequences / m)`` servers are enough; the
+rule takes the fewest (bisection) whose predicted ITL at the batch's quantile still meets the SLO
+(the batch ``b`` solves ``b = rate x osl x itl(b) / servers``), and never fewer than the
+sequences in flight need.
 
 Then the limits, in this order: the counts are clamped to [min, max] per role; a budget cap on the
 cost (servers x TP size) shrinks the pools toward their minima, always taking from the role that
@@ -161,9 +164,12 @@ def decode_context(load: Load) -> float:
     return load.input_len + load.output_len / 2
 
 
-def predict_itl(model: DecodeModel, load: Load, servers: float, correction: float = 1.0) -> tuple[float, float]:
-    """(mean ITL, mean batch per server) of the pool at this load: the batch ``b`` solves
-    ``b = rate x osl x itl(b) / servers`` (Little's law); inf when no batch does (overload)."""
+def predict_itl(model: DecodeModel, load: Load, servers: float, correction: float = 1.0,
+                quantile: float | None = None) -> tuple[float, float]:
+    """(ITL, mean batch per server) of the pool at this load: the batch ``b`` solves
+    ``b = rate x osl x itl(b) / servers`` (Little's law); inf when no batch does (overload). The
+    ITL is at the mean batch, or with ``quantile`` at that quantile of the batch
+    (``b + z sqrt(b)``, as the scaling rule plans)."""
     ctx = decode_context(load)
     if load.rate <= 0 or load.output_len <= 0:
         return model.itl(1, ctx) * correction, 0.0
@@ -178,7 +184,8 @@ def predict_itl(model: DecodeModel, load: Load, servers: float, correction: floa
         b = nxt
         if b > 1e5:
             return INF, INF
-    return model.itl(max(b, 1.0), ctx) * correction, b
+    at = b if quantile is None else b + max(0.0, NormalDist().inv_cdf(quantile)) * math.sqrt(b)
+    return model.itl(max(at, 1.0), ctx) * correction, b
 
 
 def planned_batch(max_batch: int, quantile: float, cap: float) -> float:
@@ -191,16 +198,33 @@ def planned_batch(max_batch: int, quantile: float, cap: float) -> float:
 
 
 def needed_decode(model: DecodeModel, load: Load, slo: Slo, correction: float, cap: float) -> int | None:
-    """Servers the ITL SLO needs (None: not even one sequence per server meets it)."""
+    """Servers the ITL SLO needs (None: not even one sequence per server meets it): the fewest
+    whose batch quantile's ITL meets the SLO with the mean batch within ``cap`` of the largest
+    that meets it, and enough for the sequences in flight."""
     if (load.rate <= 0 or load.output_len <= 0) and load.decode_inflight <= 0:
         return 0
     ctx = decode_context(load)
     b = model.max_batch(slo.itl_s / correction, ctx)
     if b < 1:
         return None
+    m = planned_batch(b, slo.quantile, cap)
     itl = model.itl(b, ctx) * correction
-    sequences = max(load.rate * load.output_len * itl, load.decode_inflight)
-    return math.ceil(sequences / planned_batch(b, slo.quantile, cap) - 1e-9)
+    hi = max(1, math.ceil(max(load.rate * load.output_len * itl, load.decode_inflight) / m - 1e-9))
+    lo = max(1, math.ceil(load.decode_inflight / m - 1e-9))
+    if load.rate <= 0 or load.output_len <= 0:
+        return lo
+
+    def meets(d: int) -> bool:
+        got, batch = predict_itl(model, load, d, correction, slo.quantile)
+        return got <= slo.itl_s and batch <= cap * b
+
+    while lo < hi:  # the ITL falls as servers are added: bisect the fewest that meet it
+        mid = (lo + hi) // 2
+        if meets(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
 
 
 # --- limits -------------------------------------------------------------------------------------

@@ -76,7 +76,7 @@ def check_observation(obs: Observation | None) -> str:
 
 class SlaPlanner:
     def __init__(self, prefill_profile: Profile, decode_profile: Profile, slo: Slo, limits: Limits,
-                 initial: Counts, predictor: str = "constant", window: int = 3, smoothing: float = 0.5,
+                 initial: Counts, predictor: str = "peak", window: int = 4, smoothing: float = 0.5,
                  now: float = 0.0):
         self.prefill_model = PrefillModel(prefill_profile)
         self.decode_model = DecodeModel(decode_profile)

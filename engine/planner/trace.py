@@ -26,8 +26,8 @@ class Request(msgspec.Struct, frozen=True, array_like=True):
 
 
 class TraceShape(msgspec.Struct, frozen=True, kw_only=True):
-    duration_s: float = 3600.0  # one compressed day
-    peak_rate: float = 4.0  # requests/s at the afternoon peak
+    duration_s: float = 7200.0  # one compressed day
+    peak_rate: float = 2.0  # requests/s at the afternoon peak
     trough_fraction: float = 0.08  # night rate / peak rate
     sharpness: float = 1.5  # exponent of the raised cosine: >1 narrows the peak
     burst_start: float = 10 / 24  # fraction of the day
@@ -36,7 +36,7 @@ class TraceShape(msgspec.Struct, frozen=True, kw_only=True):
     quiet_start: float = 20 / 24
     quiet_length: float = 0.04
     quiet_fraction: float = 0.02
-    input_mean: float = 600.0
+    input_mean: float = 300.0
     input_sigma: float = 0.6  # of the log-normal
     input_max: int = 3000
     output_mean: float = 120.0
