@@ -169,3 +169,85 @@ def _option_json(o) -> dict:
 
     d = msgspec.to_builtins(o)
     return {k: (round(v, 4) if isinstance(v, float) and v != float("inf") else v) for k, v in d.items()}
+
+
+# --- planner ------------------------------------------------------------------------------------
+
+_PLANNER_HELP = {
+    "router": "the router whose /metrics and /workers are read",
+    "profile": "profile (pdserve profile) of both roles' servers",
+    "ttft_slo": "seconds, met by --slo-quantile of the requests",
+    "itl_slo": "seconds, mean per request, met by --slo-quantile of the requests",
+    "adjustment_interval": "seconds between decisions",
+    "predictor": "next interval's load: constant (last), moving_average, peak (max of the window)",
+    "predictor_window": "intervals the moving_average and peak predictors look back",
+    "cooldown": "seconds after a role's change before it may scale down (scale-up never waits)",
+    "budget": "the most cost (servers x TP size) both pools may take together",
+    "max_utilization": "the highest load a server is planned at",
+    "connector": "virtual: record decisions only; local: servers on this machine; kubernetes: deploy/k8s",
+    "port": "the planner's own /metrics, /decisions, /health (0: a free port)",
+    "skip_profile_check": "use the profiles even when the servers' configuration differs",
+    "leave_servers": "local: at exit leave the servers the planner started running",
+    "drain_timeout": "seconds a server scaled down gets to finish its requests",
+    "router_pods": "kubernetes: URL naming every router replica (a headless Service)",
+}
+
+
+def build_planner_parser() -> argparse.ArgumentParser:
+    import dataclasses
+
+    from pdserve.engine.planner.connector import CONNECTORS
+    from pdserve.engine.planner.planner_config import PlannerConfig
+    from pdserve.engine.planner.predictor import PREDICTORS
+
+    p = argparse.ArgumentParser(prog="pdserve planner", allow_abbrev=False,
+                                description="Scale the prefill and decode pools to the SLOs. With --connector local, "
+                                            "other flags go to the `pdserve serve` of each server it starts.")
+    choices = {"connector": list(CONNECTORS), "predictor": list(PREDICTORS)}
+    for f in dataclasses.fields(PlannerConfig):
+        if f.name == "serve_args":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        t = str(f.type).replace(" ", "")
+        help_ = _PLANNER_HELP.get(f.name, "")
+        if t == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
+        else:
+            typ = {"int": int, "float": float, "str": str}[t.split("|")[0]]
+            p.add_argument(flag, type=typ, default=f.default, choices=choices.get(f.name),
+                           help=f"{help_} (default: {f.default})".strip())
+    return p
+
+
+def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]):
+    from pdserve.engine.planner.planner_config import PlannerConfig
+
+    parser = build_planner_parser()
+    ns, rest = parser.parse_known_args(argv)
+    if rest:
+        if ns.connector != "local":
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        sp = build_serve_parser()
+        sp.prog = "pdserve planner (flags of the servers it starts)"
+        sp.parse_args(rest)
+    return PlannerConfig(serve_args=tuple(rest), **vars(ns))
+
+
+def planner_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> int:
+    import logging
+
+    from pdserve.engine.planner.planner_process import serve_planner
+    from pdserve.engine.planner.profile import ProfileMismatch
+
+    try:
+        config = parse_planner_args(argv, build_serve_parser)
+    except ValueError as e:
+        print(f"pdserve planner: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve_planner(config))
+    except (ProfileMismatch, ValueError, OSError) as e:
+        print(f"pdserve planner: error: {e}", file=sys.stderr)
+        return 2
+    return 0

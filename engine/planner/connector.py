@@ -21,6 +21,11 @@ CONNECTORS = {
 
 
 class Connector:
+    @classmethod
+    def from_config(cls, config, metrics) -> "Connector":
+        """The connector for a ``PlannerConfig``; ``metrics`` (PlannerMetrics) counts its faults."""
+        raise NotImplementedError
+
     def current(self) -> Counts:
         """The servers that count as capacity now: running or starting, not draining, not failed."""
         raise NotImplementedError
@@ -48,6 +53,18 @@ class VirtualConnector(Connector):
     def __init__(self, initial: Counts):
         self.target = initial
         self.history: list[Counts] = []
+
+    @classmethod
+    def from_config(cls, config, metrics) -> "VirtualConnector":
+        """Starts from the router's workers in rotation (the minima when it does not answer)."""
+        from pdserve.engine.planner.router_api import RouterApi
+
+        try:
+            listing = RouterApi(config.router, config.api_key, config.scrape_timeout).workers()
+            n = {r: sum(1 for w in listing.get(r) or [] if not w.get("draining")) for r in ("prefill", "decode")}
+            return cls(Counts(n["prefill"], n["decode"]))
+        except OSError:
+            return cls(Counts(config.min_prefill, config.min_decode))
 
     def current(self) -> Counts:
         return self.target
