@@ -3,9 +3,11 @@ size), a traffic description and SLOs, the cheapest prefill and decode pools tha
 with their predicted TTFT, ITL, goodput and cost, the nearest alternatives, and whether colocated
 servers would do it for less.
 
-Disaggregated: every (prefill profile, decode profile) pair, the counts from the scaling rule
-(engine/planner/scaling.py). Cost = servers x TP size; goodput = the highest request rate those
-pools keep within the SLOs (bisection), so the headroom shows.
+Disaggregated: every (prefill profile, decode profile) pair, the fewest servers of each role whose
+predicted TTFT and ITL (engine/planner/scaling.py's models, at the SLO's quantile) meet the SLOs.
+Cost = servers x TP size; goodput = the highest request rate those pools keep within the SLOs
+(bisection), so the headroom shows. (The planner's rule adds a utilisation cap on top, for the
+swings between intervals; a static recommendation for a stated rate does not need it.)
 
 Colocated: ``n`` servers of one profile each take ``rate / n``; prefills run between decode steps,
 so a server spends ``rho = (rate / n) x s`` of its time prefilling; its decode steps stretch by
@@ -21,8 +23,7 @@ import msgspec
 
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
 from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import (INF, Counts, Limits, Load, Slo, decide, predict_itl, predict_ttft,
-                                            ttft_quantile)
+from pdserve.engine.planner.scaling import INF, Load, Slo, predict_itl, predict_ttft, ttft_quantile
 
 
 class Traffic(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +79,18 @@ def _colo_predict(pm, dm, t: Traffic, slo: Slo, n: int) -> tuple[float, float]:
     return ttft_quantile(s, rho, slo.quantile) + itl, itl
 
 
+def _fewest(meets, most: int) -> int:
+    """The fewest servers in 1..``most`` for which ``meets`` holds (it holds for all above once it
+    does), or ``most`` when none does."""
+    if not meets(most):
+        return most
+    lo, hi = 1, most
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if meets(mid) else (mid + 1, hi)
+    return lo
+
+
 def _goodput(meets, hi: float) -> float:
     """The highest rate (bisection up to ``hi``) at which ``meets(rate)`` holds."""
     if not meets(1e-6):
@@ -91,30 +104,32 @@ def _goodput(meets, hi: float) -> float:
     return lo
 
 
-def advise(profiles: dict[str, Profile], traffic: Traffic, slo: Slo, max_servers: int = 64,
-           max_utilization: float = 0.85) -> list[Option]:
+def advise(profiles: dict[str, Profile], traffic: Traffic, slo: Slo, max_servers: int = 64) -> list[Option]:
     """Every option that meets the SLOs within ``max_servers`` per pool, cheapest first (then by
     goodput); options that cannot meet them are listed after, by TTFT."""
     out = []
-    limits = Limits(min_prefill=1, max_prefill=max_servers, min_decode=1, max_decode=max_servers,
-                    max_utilization=max_utilization)
     models = {name: (PrefillModel(p), DecodeModel(p), p.server.tp_size) for name, p in profiles.items()}
     for pn, (pm, _, ptp) in models.items():
         for dn, (_, dm, dtp) in models.items():
-            need = decide(pm, dm, _prefill_load(traffic), slo, limits, Counts(1, 1), (INF, INF))
-            p, d = need.counts.prefill, need.counts.decode
-            ok, ttft, itl = _pd_meets(pm, dm, traffic, slo, p, d)
-            cost = p * ptp + d * dtp
-            good = _goodput(lambda r: _pd_meets(pm, dm, msgspec.structs.replace(traffic, rate=r), slo, p, d)[0],
-                            max(traffic.rate, 0.1))
-            out.append(Option(kind="disaggregated", prefill_profile=pn, decode_profile=dn, prefill=p, decode=d,
-                              ttft_s=ttft, itl_s=itl, goodput_rps=good, cost=cost,
-                              server_seconds_per_hour=cost * 3600, meets_slo=ok))
+            p = _fewest(lambda n: predict_ttft(pm, _prefill_load(traffic), n, quantile=slo.quantile) <= slo.ttft_s,
+                        max_servers)
+            d = _fewest(lambda n: predict_itl(dm, traffic.load(), n, quantile=slo.quantile)[0] <= slo.itl_s,
+                        max_servers)
+            # the fewest, and its neighbours: one more of a role (headroom), one fewer (what it misses)
+            for pp, dd in ((p, d), (p + 1, d), (p, d + 1), (p - 1, d), (p, d - 1)):
+                if pp < 1 or dd < 1:
+                    continue
+                ok, ttft, itl = _pd_meets(pm, dm, traffic, slo, pp, dd)
+                cost = pp * ptp + dd * dtp
+                good = _goodput(lambda r: _pd_meets(pm, dm, msgspec.structs.replace(traffic, rate=r), slo, pp,
+                                                    dd)[0], max(traffic.rate, 0.1))
+                out.append(Option(kind="disaggregated", prefill_profile=pn, decode_profile=dn, prefill=pp,
+                                  decode=dd, ttft_s=ttft, itl_s=itl, goodput_rps=good, cost=cost,
+                                  server_seconds_per_hour=cost * 3600, meets_slo=ok))
     for name, (pm, dm, tp) in models.items():
-        for n in range(1, 2 * max_servers + 1):
-            ttft, itl = _colo_predict(pm, dm, traffic, slo, n)
-            if ttft <= slo.ttft_s and itl <= slo.itl_s:
-                break
+        n = _fewest(lambda k: all(x <= y for x, y in zip(_colo_predict(pm, dm, traffic, slo, k),
+                                                         (slo.ttft_s, slo.itl_s))), 2 * max_servers)
+        ttft, itl = _colo_predict(pm, dm, traffic, slo, n)
         good = _goodput(lambda r: all(x <= y for x, y in zip(
             _colo_predict(pm, dm, msgspec.structs.replace(traffic, rate=r), slo, n), (slo.ttft_s, slo.itl_s))),
             max(traffic.rate, 0.1))

@@ -154,11 +154,15 @@ def plan_main(argv: list[str]) -> int:
     if not ns.json:
         print(f"traffic {ns.rate:g} req/s, input {ns.input_len:g}, output {ns.output_len:g} tokens, prefix reuse "
               f"{ns.prefix_reuse:g}; SLO p{ns.slo_quantile * 100:g} TTFT {ns.ttft_slo:g} s, ITL {ns.itl_slo:g} s")
-        print(f"{'kind':<14}{'prefill':>18}{'decode':>18}{'TTFT s':>9}{'ITL ms':>9}{'goodput':>9}{'cost':>7}  meets")
+        names = {n: f"P{i}" for i, n in enumerate(profiles)}
+        for n, short in names.items():
+            print(f"  {short} = {n}")
+        print(f"{'kind':<14}{'prefill':>9}{'decode':>9}{'TTFT s':>9}{'ITL ms':>9}{'goodput':>9}{'cost':>7}  meets")
         for o in shown:
-            pre = f"{o.prefill} x {o.prefill_profile}" if o.kind == "disaggregated" else "-"
-            print(f"{o.kind:<14}{pre:>18}{f'{o.decode} x {o.decode_profile}':>18}{o.ttft_s:>9.3f}"
+            pre = f"{o.prefill}x{names[o.prefill_profile]}" if o.kind == "disaggregated" else "-"
+            print(f"{o.kind:<14}{pre:>9}{f'{o.decode}x{names[o.decode_profile]}':>9}{o.ttft_s:>9.3f}"
                   f"{o.itl_s * 1000:>9.1f}{o.goodput_rps:>9.2f}{o.cost:>7g}  {'yes' if o.meets_slo else 'no'}")
+        print("(colocated: its servers in the decode column; TTFT at the SLO quantile; goodput in req/s)")
         print(line["verdict"])
     print(json.dumps(line))
     return 0
