@@ -66,3 +66,13 @@ def test_planner_command_refuses_bad_flags(capsys):
     with pytest.raises(SystemExit):
         main(["planner", "--profile", "p.json", "--connector", "virtual", "--dtype", "float32"])
     assert "unrecognized arguments: --dtype" in capsys.readouterr().err
+
+
+def test_profile_command_refuses_bad_flags(capsys):
+    for argv, message in ((["--url", "http://127.0.0.1:1", "--dtype", "float32"], "would be ignored"),
+                          (["--cpus", "a-b"], "--cpus: expected"),
+                          (["--port", "1234"], "--port is set by profile itself"),
+                          (["--max-total-tokns", "64"], "unrecognized arguments: --max-total-tokns")):
+        with pytest.raises(SystemExit):
+            main(["profile", *argv])
+        assert message in capsys.readouterr().err
