@@ -75,7 +75,17 @@ def main() -> int:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh-profile", default=None, metavar="JSON",
+                   help="measure a profile first (pdserve profile --mode short --cpus 0, the run's settings) "
+                        "into this file and predict from it: the machine as it is now")
     ns = p.parse_args()
+    if ns.fresh_profile:
+        import subprocess
+
+        mtt = prof.load(ns.profile).server.max_total_tokens
+        subprocess.run([sys.executable, "-m", "pdserve.engine.cli", "profile", "--mode", "short", "--cpus", "0",
+                        "--output", ns.fresh_profile, *(["--max-total-tokens", str(mtt)] if mtt else [])], check=True)
+        ns.profile = ns.fresh_profile
     profile = prof.load(ns.profile)
     pm, dm = PrefillModel(profile), DecodeModel(profile)
     traffic = Load(ns.rate, ns.input_len, ns.output_len)
