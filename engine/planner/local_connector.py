@@ -4,8 +4,9 @@ The servers the router lists when the planner starts are the cluster's own (``ex
 count as capacity and are never stopped. Above them the connector starts servers of its own
 (``pdserve serve`` with the role's mode, on free ports, each in its own process group, logging to
 ``log_dir``), registers each with the router (``POST /workers``) once it answers ``/health``,
-and on scale-down drains it (``POST /workers/drain``: no new requests, the ones in flight finish),
-removes it from the router and stops it. A server that exits or does not become healthy within
+and on scale-down drains it (``POST /workers/drain``: no new requests, the ones in flight finish;
+it is stopped only once drained, however long that takes), removes it from the router and stops
+it. A server that exits or does not become healthy within
 ``startup_timeout`` is counted as a start failure, never as capacity, and retried after a backoff
 (5 s doubling to 2 min). The servers are started without a parent-death signal: a planner that
 crashes leaves them serving, registered, as they were; a planner that exits cleanly drains and
@@ -180,18 +181,30 @@ class LocalConnector(Connector):
             t.start()
 
     def _drain_and_stop(self, s: _Server) -> None:
-        """Scale-down always drains: no new requests, the ones in flight finish, then it stops."""
+        """Scale-down always drains: no new requests, the ones in flight finish, then it stops. A
+        server is stopped only once drained (or when its process ended by itself): a drain that
+        outlasts ``drain_timeout`` is logged and waited for again."""
         from pdserve.engine.procs import stop_group
 
         t0 = time.monotonic()
-        try:
-            answer = self.router.drain(s.url, self.drain_timeout)
-            if not answer.get("drained"):
-                log.error("%s still has %s request(s) after %g s of drain: stopping it anyway", s.url,
-                          answer.get("in_flight"), self.drain_timeout)
-            self.router.remove(s.url)
-        except RouterApiError as e:
-            log.error("draining %s: %s; stopping it", s.url, e)
+        while s.proc.poll() is None:
+            try:
+                answer = self.router.drain(s.url, self.drain_timeout)
+            except RouterApiError as e:
+                log.warning("draining %s: %s (retried)", s.url, e)
+                time.sleep(1.0)
+                continue
+            if answer.get("drained"):
+                break
+            log.warning("%s still has %s request(s) after %.0f s of drain: waiting on", s.url,
+                        answer.get("in_flight"), time.monotonic() - t0)
+        for attempt in range(5):
+            try:
+                self.router.remove(s.url)
+                break
+            except RouterApiError as e:
+                log.warning("removing %s from the router: %s%s", s.url, e, " (retried)" if attempt < 4 else "")
+                time.sleep(1.0)
         stop_group(s.proc)
         with self.lock:
             s.state = "stopped"

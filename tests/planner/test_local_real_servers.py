@@ -102,7 +102,7 @@ async def test_planner_adds_a_decode_server_under_load_and_drains_it_after(tmp_p
             await send(HIGH, served)
             (new,) = mine
             assert new.role == "decode"
-            # the load stops: the planner drains the new server and stops it
+            # the load stops: the planner drains the new server and stops it once drained
             await asyncio.gather(*tasks)
             deadline = time.monotonic() + 300
             while new.state != "stopped":
