@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 
 import aiohttp
@@ -38,7 +39,9 @@ def _profile(server: prof.ServerDescription) -> prof.Profile:
 
 
 async def _client(session: aiohttp.ClientSession, url: str, results: list) -> None:
-    body = {"text": "Count from one to twenty:", "stream": True,
+    # a prompt of its own: the router's cache-aware policy would send one shared prompt to the
+    # decode server that holds its prefix, never to the new one
+    body = {"text": f"{secrets.token_hex(6)} count from one to twenty:", "stream": True,
             "sampling_params": {"max_new_tokens": TOKENS, "ignore_eos": True, "temperature": 0}}
     try:
         async with session.post(url + "/generate", json=body) as r:
