@@ -3,6 +3,7 @@
 ``pdserve serve [flags]``  engine server (this package; ``python -m pdserve.engine`` is the same)
 ``pdserve router [flags]`` the router (``pdserve.router.cli``)
 ``pdserve launch [flags]`` prefill + decode servers + router on this machine (``pdserve.engine.entrypoints.cluster``)
+``pdserve profile|plan|planner [flags]`` measure servers, advise counts, scale the pools (``pdserve.engine.planner.cli``)
 
 The flags of ``serve`` are built from the fields of ``EngineConfig``,
 ``ServerConfig`` and ``KVTransferConfig`` (the ``--disaggregation-*`` KV flags):
@@ -164,7 +165,7 @@ def serve_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: pdserve {serve,router,launch} [flags]   (pdserve <command> --help for its flags)"
+    usage = "usage: pdserve {serve,router,launch,profile,plan,planner} [flags]   (pdserve <command> --help for its flags)"
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
@@ -179,6 +180,12 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.engine.entrypoints.cluster import launch_main
 
         return launch_main(rest, build_serve_parser)
+    if command in ("profile", "plan", "planner"):
+        from pdserve.engine.planner import cli as planner_cli
+
+        if command == "profile":
+            return planner_cli.profile_main(rest, build_serve_parser)
+        return planner_cli.plan_main(rest) if command == "plan" else planner_cli.planner_main(rest, build_serve_parser)
     print(f"pdserve: unknown command {command!r}\n{usage}", file=sys.stderr)
     return 2
 

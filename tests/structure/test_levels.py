@@ -32,7 +32,7 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
     (6, "decode", ("pdserve.decode",)),
     (6, "frontend", ("pdserve.engine.frontend",)),
     (7, "router", ("pdserve.router",)),
-    (8, "entrypoints", ("pdserve.engine.entrypoints", "pdserve.engine", "pdserve.engine.__main__")),
+    (8, "entrypoints", ("pdserve.engine.entrypoints", "pdserve.engine.planner", "pdserve.engine", "pdserve.engine.__main__")),
 ]
 
 

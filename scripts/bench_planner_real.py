@@ -1,0 +1,172 @@
+"""The planner on real servers under a stepped load (issue 32's second benchmark): a launch
+cluster (1 prefill + 1 decode + router), the planner with the ``local`` connector beside it, and a
+load of low, high, low request rates. Plots rate, servers per role and p99 TTFT / ITL over time
+(PNG) and ends with one JSON line (failed requests, the planner's scale events).
+
+The servers run as the shipped profile was taken (one thread each, the same KV size), so the
+planner's profile check passes.
+
+    python scripts/bench_planner_real.py --low 0.2 --high 1.0 --steps 45,120,120
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+
+import aiohttp
+
+from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig
+from pdserve.engine.planner import profile as prof
+from pdserve.engine.planner.planner_config import PlannerConfig
+from pdserve.engine.planner.planner_process import serve_planner
+from pdserve.engine.planner.profiler import TOKEN_ID_RANGE
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+async def one(session, url, ids, tokens, rec):
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
+    t0 = time.monotonic()
+    times = []
+    try:
+        async with session.post(url + "/generate", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    d = json.loads(line[6:])
+                    if "error" in d:
+                        break
+                    n = d["meta_info"]["completion_tokens"]
+                    times += [time.monotonic()] * (n - seen)
+                    seen = n
+            ok = r.status == 200 and len(times) == tokens
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        ok = False
+    rec.append({"t": t0, "ok": ok, "ttft": times[0] - t0 if times else None,
+                "itl": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None})
+
+
+def p99(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=os.path.join(HERE, "..", "results", "planner_profile_smollm2_cpu.json"))
+    p.add_argument("--low", type=float, default=0.2, help="req/s")
+    p.add_argument("--high", type=float, default=1.0, help="req/s")
+    p.add_argument("--steps", default="45,120,120", help="seconds of low, high, low")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--ttft-slo", type=float, default=4.0)
+    p.add_argument("--itl-slo", type=float, default=0.05)
+    p.add_argument("--out-dir", default="/tmp/bench_planner_real")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args()
+    os.makedirs(ns.out_dir, exist_ok=True)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    profile = prof.load(ns.profile)
+    s = profile.server
+    serve = ("--num-threads", str(s.num_threads or 1), "--max-total-tokens", str(s.max_total_tokens))
+    steps = [float(x) for x in ns.steps.split(",")]
+    rates = [ns.low, ns.high, ns.low]
+    cluster = Cluster(LaunchConfig(prefill=1, decode=1, port=0, engine_args=serve, log_dir=ns.out_dir))
+    samples, rec = [], []
+
+    async def run():
+        stop = asyncio.Event()
+        ready = asyncio.get_running_loop().create_future()
+        config = PlannerConfig(router=cluster.url, profile=ns.profile, ttft_slo=ns.ttft_slo, itl_slo=ns.itl_slo,
+                               adjustment_interval=10.0, cooldown=30.0, max_prefill=2, max_decode=2,
+                               connector="local", serve_args=serve, log_dir=ns.out_dir, drain_timeout=120.0,
+                               transfer_backend=cluster.config.transfer_backend)
+        task = asyncio.ensure_future(serve_planner(config, stop, on_ready=lambda pr, port: ready.set_result(pr)))
+        process = await asyncio.wait_for(ready, 120)
+        rng = random.Random(ns.seed)
+        t_start = time.monotonic()
+
+        async def sampler():
+            while not stop.is_set():
+                st = process.connector.status()
+                samples.append({"t": time.monotonic() - t_start,
+                                **{r: sum(v for k, v in st[r].items() if k in ("external", "starting", "ready"))
+                                   for r in ("prefill", "decode")},
+                                "ready_decode": st["decode"]["external"] + st["decode"]["ready"]})
+                await asyncio.sleep(2)
+
+        sampling = asyncio.ensure_future(sampler())
+        tasks = []
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            for rate, dur in zip(rates, steps):
+                end = time.monotonic() + dur
+                while time.monotonic() < end:
+                    ids = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(ns.input_len)]
+                    tasks.append(asyncio.ensure_future(one(session, cluster.url, ids, ns.output_len, rec)))
+                    await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+            await asyncio.sleep(40)  # the scale-down after the last step
+        stop.set()
+        await task
+        sampling.cancel()
+        return process, t_start
+
+    t0 = time.time()
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        process, t_start = asyncio.run(run())
+    finally:
+        cluster.stop()
+    decisions = [json.loads(x) for x in process.steps]
+    windows = {}
+    for r in rec:
+        windows.setdefault(int((r["t"] - t_start) // 10), []).append(r)
+    series = [{"t": k * 10, "rate": len(v) / 10, "ttft_p99": p99([r["ttft"] for r in v]),
+               "itl_p99": p99([r["itl"] for r in v])} for k, v in sorted(windows.items())]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    a.plot([x["t"] for x in series], [x["rate"] for x in series], color="gray")
+    a.set_ylabel("arrivals (req/s)")
+    a.set_title(f"pdserve planner (local connector) under a stepped load; SLO TTFT {ns.ttft_slo} s, "
+                f"ITL {ns.itl_slo} s", fontsize=9)
+    b.step([x["t"] for x in samples], [x["prefill"] for x in samples], where="post", label="prefill")
+    b.step([x["t"] for x in samples], [x["decode"] for x in samples], where="post", label="decode (asked for)")
+    b.step([x["t"] for x in samples], [x["ready_decode"] for x in samples], where="post", label="decode (serving)",
+           ls="--")
+    b.set_ylabel("servers")
+    b.legend(fontsize=8)
+    c.plot([x["t"] for x in series], [x["ttft_p99"] for x in series], label="p99 TTFT (s)")
+    c.plot([x["t"] for x in series], [x["itl_p99"] * 10 if x["itl_p99"] else None for x in series],
+           label="p99 ITL (x10 s)")
+    c.set_ylabel("seconds")
+    c.set_xlabel("time (s)")
+    c.legend(fontsize=8)
+    fig.tight_layout()
+    png = os.path.join(ns.out_dir, "bench_planner_real.png")
+    fig.savefig(png, dpi=100)
+    ups = sum(1 for a_, b_ in zip(decisions, decisions[1:]) if b_["target"]["decode"] > a_["target"]["decode"])
+    downs = sum(1 for a_, b_ in zip(decisions, decisions[1:]) if b_["target"]["decode"] < a_["target"]["decode"])
+    line = {"bench": "planner_real", "requests": len(rec), "failed": sum(1 for r in rec if not r["ok"]),
+            "low": ns.low, "high": ns.high, "steps_s": steps, "decode_scale_ups": ups, "decode_scale_downs": downs,
+            "max_decode": max(x["decode"] for x in samples), "ttft_p99_s": p99([r["ttft"] for r in rec]),
+            "itl_p99_s": p99([r["itl"] for r in rec]), "plot": png, "wall_s": round(time.time() - t0, 1)}
+    print(json.dumps(line))
+    return 0 if line["failed"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
