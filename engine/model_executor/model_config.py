@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 # HF ``model_type`` / GGUF ``general.architecture`` -> our family name
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+# our family name -> the Hugging Face architecture (``models/registry.py`` serves it by that name)
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
 
 
 def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -101,12 +104,9 @@ class ModelArch:
                 self.intermediate_size, self.vocab_size, self.tie_word_embeddings, self.attention_bias, self.qk_norm)
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def architecture(self) -> str:
+        """The Hugging Face architecture name the model registry serves this model by."""
+        return HF_ARCHITECTURES[self.arch]
 
     # ------------------------------------------------------------ from HF
     @classmethod
@@ -173,10 +173,7 @@ class ModelArch:
         """A ``config.json`` that transformers loads as the same model (used to compare against it)."""
         model_type = self.arch
         cfg = {
-            "architectures": [
-                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
-            ],
+            "architectures": [self.architecture],
             "model_type": model_type,
             "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,

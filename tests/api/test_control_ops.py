@@ -39,8 +39,10 @@ def ids(outs) -> list[list[int]]:
 
 
 def model_bytes(model) -> int:
-    tensors = [model.embed, model.final_norm, model.lm_head]
-    tensors += [v for layer in model.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    from pdserve.engine.model_executor.layers.loader import iter_modules
+
+    tensors = [v for _, m in iter_modules(model) for obj in (m, getattr(m, "method", m))
+               for v in vars(obj).values() if isinstance(v, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
