@@ -6,6 +6,7 @@ any other), so the window is only which keys a query reads. A step whose sequenc
 within the window is exactly full causal attention and goes through the engine's backend as it
 is (no backend knows windows); a step with a longer sequence stores K/V through the backend's
 pool and attends in torch (SDPA over each sequence's keys in the window, gathered by slot).
+The choice reads the step's lengths on the host, so a CUDA graph cannot capture it (refused).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class SlidingWindowAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionBackend,
                 batch: ForwardBatch) -> torch.Tensor:
         """q [T, H, D], k and v [T, KVH, D] -> [T, H * D]."""
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a graph would fix the path chosen from the capture's lengths, not the replay's
+            raise RuntimeError("sliding-window attention cannot be captured in a CUDA graph: run with "
+                               "--disable-cuda-graph")
         if max(batch.seq_lens, default=0) <= self.window:
             return attn.forward(q, k, v, self.layer_id)
         pool = attn.page_pool
