@@ -42,10 +42,19 @@ class SlidingWindowAttention:
         k_cache, v_cache = pool.k[self.layer_id], pool.v[self.layer_id]
         store_kv(k_cache, v_cache, batch.out_cache_loc, k, v)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        start = 0
+        starts = [0]
+        for ext in batch.extend_lens:
+            starts.append(starts[-1] + ext)
+        decode = [i for i, ext in enumerate(batch.extend_lens) if ext == 1]
+        if decode:  # all of the step's next tokens in one batched product
+            rows = torch.tensor([starts[i] for i in decode], device=q.device)
+            out[rows] = self._decode(q[rows], k_cache, v_cache, batch.page_table[decode],
+                                     torch.tensor([batch.seq_lens[i] for i in decode], device=q.device),
+                                     pool.page_size, attn.scale)
         for i, (ext, seq) in enumerate(zip(batch.extend_lens, batch.seq_lens)):
-            if ext == 0:
+            if ext < 2:
                 continue
+            start = starts[i]
             first_key = max(0, seq - ext - self.window + 1)  # the first key any of its queries sees
             slots = slots_of(batch.page_table[i], seq, pool.page_size)[first_key:]
             keys, values = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # [L, KVH, D]
@@ -57,5 +66,22 @@ class SlidingWindowAttention:
                 values.transpose(0, 1)[None], attn_mask=mask, scale=attn.scale, enable_gqa=True,
             )  # [1, H, ext, D]
             out[start : start + ext] = o[0].transpose(0, 1).reshape(ext, -1)
-            start += ext
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                seq_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+        """Each sequence's last token over its last ``window`` keys. q [n, H, D]; pages [n, P] (the
+        sequences' page table rows); seq_lens [n] -> [n, H * D]."""
+        n, H, D = q.shape
+        KVH = self.num_kv_heads
+        width = min(self.window, int(seq_lens.max()))
+        pos = seq_lens[:, None] - width + torch.arange(width, device=q.device)[None, :]  # [n, width]
+        valid = pos >= 0  # a sequence shorter than the window has fewer keys
+        pos = pos.clamp(min=0)
+        slots = pages.long().gather(1, pos // page_size) * page_size + pos % page_size  # [n, width]
+        keys = gather_slots(k_cache, slots.reshape(-1)).view(n, width, KVH, D)
+        values = gather_slots(v_cache, slots.reshape(-1)).view(n, width, KVH, D)
+        s = torch.einsum("nkgd,nwkd->nkgw", q.view(n, KVH, H // KVH, D), keys)  # [n, KVH, G, width]
+        s = (s.float() * scale).masked_fill(~valid[:, None, None, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        return torch.einsum("nkgw,nwkd->nkgd", p, values).reshape(n, H * D)
