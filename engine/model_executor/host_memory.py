@@ -50,9 +50,3 @@ def trim_heap() -> None:
     trim = getattr(_libc, "malloc_trim", None)
     if trim is not None:
         trim(0)
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * OS_PAGE

@@ -19,9 +19,11 @@ def weight_by_name(model: CausalLM, name: str) -> torch.Tensor:
     if name in model.tied_weights and model.arch.tie_word_embeddings:
         name = model.tied_weights[name]
     try:
-        layer, param, shard_id, _ = resolve(model, name)
+        layer, param, shard_id, expert_id = resolve(model, name)
     except ValueError:
         raise ValueError(f"no weight named {name!r}") from None
+    if expert_id is not None:
+        return layer.read_back(param, shard_id, expert_id)
     if hasattr(layer, "read_back"):
         return layer.read_back(param, shard_id)
     if param != "weight" or not isinstance(getattr(layer, "weight", None), torch.Tensor):

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine import Engine
-from pdserve.engine.model_executor.host_memory import rss_bytes
+from pdserve.engine.model_executor.host_memory import OS_PAGE
 from pdserve.engine.model_executor.model_loader import resolve_model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -37,6 +37,12 @@ def engine():
 def ids(outs) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * OS_PAGE
 
 def model_bytes(model) -> int:
     from pdserve.engine.model_executor.layers.loader import iter_modules

@@ -113,3 +113,12 @@ def test_per_expert_moe_matches_a_loop_and_shards_sum():
         assert torch.equal(moe.method.dense(1, "w3"), w3[1, rank * 8:(rank + 1) * 8])
         got += moe.forward(x, logits, Step(T, False))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_expert_names_map_to_their_layer_shard_and_expert():
+    from pdserve.engine.model_executor.layers.moe import expert_weight_name
+
+    assert expert_weight_name("model.layers.3.mlp.experts.7.up_proj.weight") == ("model.layers.3.mlp.experts.weight",
+                                                                                 "w3", 7)
+    assert expert_weight_name("model.layers.0.block_sparse_moe.experts.1.w2.weight")[1:] == ("w2", 1)
+    assert expert_weight_name("model.layers.3.mlp.gate_proj.weight") is None

@@ -25,16 +25,22 @@ _ALL = slice(None)
 
 class LinearBase:
     """W [out_rows, in_cols] of this rank, built from named parts: ``parts`` maps a shard id
-    (None for an unmerged layer) to (rows in W, rows of the checkpoint tensor, its columns)."""
+    (None for an unmerged layer) to (rows in W, rows of the checkpoint tensor, its columns).
+    The matrix is allocated at its first part and handed to the method as soon as every part
+    is in, so a model's load holds one layer's plain matrix at a time, not all of them."""
 
     def __init__(self, plan: KernelPlan, out_rows: int, in_cols: int,
                  parts: dict[str | None, tuple[slice, slice, slice]], bias: bool = False, swiglu: bool = False,
                  method: LinearMethod | None = None):
         self.plan = plan
         self.parts = parts
-        self.weight: torch.Tensor | None = torch.empty(out_rows, in_cols, dtype=plan.dtype, device=plan.device)
+        self.shape = (out_rows, in_cols)
+        self.weight: torch.Tensor | None = None  # [out_rows, in_cols] while loading
         self.bias = torch.empty(out_rows, dtype=plan.dtype, device=plan.device) if bias else None
         self.method = method or linear_method(plan, swiglu)
+        self.processed = False
+        params = ("weight", "bias") if bias else ("weight",)
+        self._want = {(p, s) for p in params for s in parts}
         self._loaded: set[tuple[str, str | None]] = set()
         self._q8_0: dict[str | None, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -42,12 +48,16 @@ class LinearBase:
         """Copy this rank's share of checkpoint tensor ``loaded`` (``param``: "weight" or "bias")
         into its rows of the merged matrix."""
         dst_rows, src_rows, src_cols = self.parts[shard_id]
+        if param == "weight" and self.weight is None:
+            self.weight = torch.empty(self.shape, dtype=self.plan.dtype, device=self.plan.device)
         target = self.weight if param == "weight" else self.bias
-        if target is None:
-            raise ValueError(f"this layer has no {param}")
+        if target is None or self.processed:
+            raise ValueError(f"this layer has no {param} to load")
         src = loaded[src_rows] if loaded.dim() == 1 else loaded[src_rows, src_cols]
         target[dst_rows].copy_(src)
         self._loaded.add((param, shard_id))
+        if self._loaded >= self._want:
+            self.process_weights()
 
     def load_q8_0(self, q: torch.Tensor, d: torch.Tensor, shard_id: str | None = None) -> bool:
         """Keep a GGUF Q8_0 matrix's int8 ``q`` [N, K] and block scales ``d`` [N, K / 32] as stored
@@ -68,15 +78,15 @@ class LinearBase:
         self._q8_0.clear()
 
     def check_loaded(self, name: str) -> None:
-        params = ("weight", "bias") if self.bias is not None else ("weight",)
-        want = {(p, s) for p in params for s in self.parts}
-        missing = sorted(f"{p}:{s}" for p, s in want - self._loaded)
+        missing = sorted(f"{p}:{s}" for p, s in self._want - self._loaded)
         if missing:
             raise ValueError(f"checkpoint is missing weight parts {missing} of {name!r}")
 
     def process_weights(self, pad_rows: int | None = None) -> None:
         """Hand the loaded matrix (or its Q8_0 parts, stacked) to the method; the method's forms
-        replace it. ``pad_rows``: zero rows appended up to that many (a vocabulary shard)."""
+        replace it. ``pad_rows``: zero rows appended up to that many (a vocabulary shard). Once."""
+        if self.processed:
+            return
         q8 = None
         if self.has_q8_0 and self.plan.quantized and not self.plan.a8:  # w8a16 only
             qs, ds = zip(*(self._q8_0[s] for s in self.parts))
@@ -91,6 +101,7 @@ class LinearBase:
         self.method.prepare(w, q8)
         self.weight = None
         self._q8_0.clear()
+        self.processed = True
 
     @property
     def q8_0(self) -> bool:

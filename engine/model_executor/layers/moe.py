@@ -9,6 +9,7 @@ stepping by its own token count. A fused CPU expert kernel is another ``MoEMetho
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 
 import torch
@@ -16,6 +17,18 @@ import torch
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
 from pdserve.engine.model_executor.parallel import HeadShard, all_reduce
+
+
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+_EXPERT_SHARDS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w2": "w2", "w3": "w3"}
+
+
+def expert_weight_name(name: str) -> tuple[str, str, int] | None:
+    """``model.layers.3.mlp.experts.7.up_proj.weight`` (or Mixtral's ``w3``) -> (``model.layers.3.
+    mlp.experts.weight``, "w3", 7): the ``FusedMoE`` at ``...experts``, its shard and expert; None
+    for any other name. A model with experts returns this from its ``expert_weight_name``."""
+    m = _EXPERT.fullmatch(name)
+    return None if m is None else (f"{m.group(1)}.weight", _EXPERT_SHARDS[m.group(3)], int(m.group(2)))
 
 
 class MoEMethod(ABC):
@@ -96,8 +109,15 @@ class FusedMoE:
             raise ValueError(f"expert shard_id must be w1, w2 or w3, got {shard_id!r}")
 
     def process_weights(self) -> None:
+        """Hand the loaded matrices to the method (once)."""
+        if self.w13 is None:
+            return
         self.method.prepare(self.w13, self.w2)
         self.w13 = self.w2 = None
+
+    def read_back(self, param: str, shard_id: str, expert_id: int) -> torch.Tensor:
+        """Expert ``expert_id``'s float32 matrix ``shard_id`` of this rank (``get_weights_by_name``)."""
+        return self.method.dense(expert_id, shard_id)
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""

@@ -47,6 +47,7 @@ class ParallelLMHead(LinearBase):
         """Read the head's rows from the (loaded) embedding's storage."""
         self.weight = embedding.weight[self.parts[None][1]]
         self._loaded.add(("weight", None))
+        self.process_weights()
 
     def process_weights(self, pad_rows: int | None = None) -> None:
         super().process_weights(self.vocab_shard)

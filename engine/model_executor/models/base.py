@@ -28,6 +28,11 @@ class CausalLM(ABC):
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard):
         self.arch, self.plan, self.tp = arch, plan, tp
 
+    def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
+        """(the expert layer's tensor name, shard id, expert id) of an expert's checkpoint tensor,
+        or None (no experts here: ``moe.expert_weight_name`` maps the usual names)."""
+        return None
+
     def load_weights(self, weights: dict[str, torch.Tensor],
                      q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         load_weights(self, weights, q8_0)
