@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from model_util import greedy_generate, hf_greedy, hf_model, make_tiny_checkpoint
+from safetensors.torch import load_file
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.layers.moe_fused import FusedMoEMethod
 from pdserve.engine.model_executor.layers.sliding_window import SlidingWindowAttention
 from pdserve.engine.model_executor.model_runner import ModelRunner
+from pdserve.engine.model_executor.weight_names import weight_by_name
 
 pytestmark = pytest.mark.timeout(240)
 torch.set_num_threads(1)
@@ -37,6 +39,9 @@ def test_fp32_token_identical_to_transformers(tiny):
     model = runner.model
     if kind == "qwen3_moe":
         assert isinstance(model.model.layers[0].mlp.experts.method, FusedMoEMethod)
+        # get_weights_by_name reads an expert's matrix back from the stacked experts
+        name = "model.layers.1.mlp.experts.5.up_proj.weight"
+        assert torch.equal(weight_by_name(model, name), load_file(f"{path}/model.safetensors")[name])
     else:  # layers 0 and 2 slide over 8 positions, layer 1 attends to everything
         kinds = [type(layer.self_attn.attn) for layer in model.model.layers]
         assert kinds[0] is kinds[2] is SlidingWindowAttention and kinds[1] is not SlidingWindowAttention

@@ -7,7 +7,6 @@ Experts are sharded over the TP ranks by their intermediate rows (``FusedMoE``).
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,15 +16,13 @@ from pdserve.engine.model_executor.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.layers import (Attention, FusedMoE, KernelPlan, ParallelLMHead,
                                                   QKNorm, QKVParallelLinear, RMSNorm, ReplicatedLinear,
                                                   RotaryEmbedding, RowParallelLinear, Step, VocabEmbedding, rope_inv_freq)
+from pdserve.engine.model_executor.layers.moe import expert_weight_name
 from pdserve.engine.model_executor.layers.moe_fused import moe_method
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.models.registry import register_model
 from pdserve.engine.model_executor.parallel import HeadShard
 from pdserve.kernels.attention_backend import AttentionBackend
-
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-_EXPERT_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 @dataclass(frozen=True)
@@ -117,11 +114,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         self.model = Qwen3MoeModel(arch, plan, tp, moe)
         self.lm_head = ParallelLMHead(plan, arch.vocab_size, arch.hidden_size, tp)
 
-    @staticmethod
-    def expert_weight_name(name: str) -> tuple[str, str, int] | None:
-        """``model.layers.3.mlp.experts.7.up_proj.weight`` -> (``model.layers.3.mlp.experts.weight``, "w3", 7)."""
-        m = _EXPERT.match(name)
-        return None if m is None else (m[1] + ".weight", _EXPERT_SHARD[m[3]], int(m[2]))
+    def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
+        return expert_weight_name(name)  # HF's per-expert names: experts.{e}.{gate,up,down}_proj
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
