@@ -34,7 +34,7 @@ class EngineConfig:
     # "w8a16": int8 weights with per-channel scales, activations in dtype; "w8a8": the same weights,
     # prefill's activations int8 per token (quantization_names.QUANTIZATIONS)
     quantization: str = UNQUANTIZED
-    # decode steps of a few tokens through the native gemv kernels (models/llama.py GEMV_MAX_ROWS);
+    # decode steps of a few tokens through the native gemv kernels (layers/kernel_plan.py GEMV_MAX_ROWS);
     # off: every step through the same linears as prefill (oneDNN or torch), e.g. to compare
     disable_decode_gemv: bool = False
     # those steps' layers in one native call each (kernels/cpu_decode_layer.c) rather than op by op

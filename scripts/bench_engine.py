@@ -64,7 +64,7 @@ from benchlib.revision_tree import revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
 from pdserve.engine.model_executor.model_runner import cpu_supports_bf16  # noqa: E402
-from pdserve.engine.model_executor.models.llama import can_prepack  # noqa: E402
+from pdserve.engine.model_executor.layers import can_prepack  # noqa: E402
 from pdserve.engine.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
 from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
@@ -278,7 +278,7 @@ def hardware_limits(args, arch) -> dict[str, float]:
     several short measurements, since on a shared machine any one of them may be a loaded moment."""
     bw = read_bandwidth_gbs(repeats=10)
     # the dtype pdserve's large steps multiply in: bf16 is upcast to float32 where it cannot run
-    # prepacked (LlamaForCausalLM.upcast)
+    # prepacked (KernelPlan.upcast)
     bf16 = args.dtype == "bfloat16" and can_prepack(torch.bfloat16, torch.device("cpu"), cpu_supports_bf16())
     mm_dtype = torch.bfloat16 if bf16 else torch.float32
     peak = gemm_rate(2048, repeats=10, dtype=mm_dtype)

@@ -5,7 +5,7 @@ gate|up as SwiGLU).
 
 Sides, taking turns within each repeat (best of ``--repeats``):
 - ``bf16``: oneDNN's prepacked linears with their post-ops, the bf16 model's large steps
-  where the CPU has AMX or lacks the native panel products (``LlamaForCausalLM``'s ``packed``);
+  where the CPU has AMX or lacks the native panel products (``KernelPlan.packed``);
 - ``int_mm``: w8a8 through ``torch._int_mm`` between the native quantizing and scaling passes
   (``quantization.int8_linear`` over the transposed int8 weights);
 - ``amx``: w8a8 through ``cpu_amx_int8.c`` (quantizing, then product and scaling in one call),

@@ -88,14 +88,14 @@ def main() -> None:
     }
     native = native_kernels()
     if native is not None and native.has_gemv:
-        head = runners["gemv"].model.lm_head_g  # [vocab, hidden] bf16, packed for gemv
+        head = runners["gemv"].model.lm_head.method.gemv  # [vocab, hidden] bf16, packed for gemv
         base = runners["onednn"].model  # the same, prepacked for oneDNN where the CPU has native bf16
         x = torch.randn(1, head.cols).bfloat16()
-        if base.packed:
+        if base.plan.packed:
             lp = torch.ops.mkldnn._linear_pointwise
-            linear = lambda: lp(x, base.lm_head, None, "none", [], "")  # noqa: E731
+            linear = lambda: lp(x, base.lm_head.method.large, None, "none", [], "")  # noqa: E731
         else:
-            linear = lambda: torch.nn.functional.linear(x, base.lm_head)  # noqa: E731
+            linear = lambda: torch.nn.functional.linear(x, base.lm_head.method.large)  # noqa: E731
         parts = {
             "onednn": best_of(linear, args.repeats),
             "gemv": best_of(lambda: native.gemv(x, head), args.repeats),

@@ -99,7 +99,7 @@ def main() -> None:
 
         setattr(obj, name, wrapper)
 
-    native = runner.model.native
+    native = runner.model.plan.native
     if native is not None:
         timed(native, "prefill_attention", "attention")
         timed(native, "rms_norm", "rms_norm")

@@ -101,10 +101,14 @@ def hf_greedy(model, prompt: list[int], max_new: int):
 
 
 def make_tiny_checkpoint(kind: str, path: str) -> None:
-    """A small random transformers checkpoint (qwen2, qwen3 or llama) with a word-level tokenizer."""
+    """A small random transformers checkpoint with a word-level tokenizer: qwen2, qwen3, llama,
+    qwen3_moe (8 experts, top 3, renormalized) or gemma3 (tied embeddings, sliding window of 8 in
+    layers 0 and 2, query_pre_attn_scalar off head_dim, global rope linearly scaled, final logits
+    soft-capped)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                              Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM,
+                              PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
     common = dict(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -114,23 +118,41 @@ def make_tiny_checkpoint(kind: str, path: str) -> None:
         model = Qwen2ForCausalLM(Qwen2Config(rope_theta=10000.0, **common))
     elif kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(rope_theta=10000.0, **common))
+    elif kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(head_dim=32, rope_theta=1000000.0, num_experts=8,
+                                                   num_experts_per_tok=3, moe_intermediate_size=48,
+                                                   norm_topk_prob=True, **common))
+    elif kind == "gemma3":
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        model = Gemma3ForCausalLM(Gemma3TextConfig(
+            head_dim=32, sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            query_pre_attn_scalar=24, final_logit_softcapping=20.0, rope_parameters=rope, pad_token_id=0,
+            **{**common, "tie_word_embeddings": True}))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(head_dim=32, rope_theta=1000000.0, **common))
-    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1 (Gemma's to 0): make them matter
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0.0, 0.5)
             elif "norm" in name:
-                p.normal_(1.0, 0.3)
+                p.normal_(0.0 if kind == "gemma3" else 1.0, 0.3)
     if kind == "qwen2":
         assert model.model.layers[0].self_attn.q_proj.bias is not None
-    elif kind == "qwen3":
+    elif kind in ("qwen3", "qwen3_moe", "gemma3"):
         assert hasattr(model.model.layers[0].self_attn, "q_norm")
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(512)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token="t2").save_pretrained(path)
+
+
+def hf_model(path: str):
+    """transformers' own model of a checkpoint directory, float32, for reference runs."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def write_q8_0_gguf(src: str, dst: str) -> None:

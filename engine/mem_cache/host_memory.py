@@ -52,12 +52,6 @@ def trim_heap() -> None:
         trim(0)
 
 
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * OS_PAGE
-
-
 def host_memory_bytes() -> int:
     """The memory this host gives its processes: MemTotal, or the cgroup's limit where that is lower
     (a container). Constant while servers start, unlike what is free."""

@@ -33,7 +33,7 @@ import torch
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from pdserve.engine.model_executor.models.llama import LlamaForCausalLM
+    from pdserve.engine.model_executor.models.base import CausalLM
     from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
 
 Step = Callable[[], torch.Tensor]
@@ -94,7 +94,7 @@ class DecodeGraphRunner:
     """Decode steps of up to ``max_bs`` sequences of up to ``max_pages`` pages each, replayed from
     ``capture``'s recordings of ``model``'s forward, one per bucket, taken here (largest first)."""
 
-    def __init__(self, model: LlamaForCausalLM, attn: AttentionBackend, max_bs: int, max_pages: int,
+    def __init__(self, model: CausalLM, attn: AttentionBackend, max_bs: int, max_pages: int,
                  capture: Capture):
         self.model, self.attn = model, attn
         self.buckets = decode_buckets(max_bs)

@@ -8,10 +8,15 @@ code has one path with a few switches rather than a class per family.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 # HF ``model_type`` / GGUF ``general.architecture`` -> our family name
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+# our family name -> the Hugging Face architecture (``models/registry.py`` serves it by that name)
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -71,6 +76,9 @@ class ModelArch:
     # llama3-style rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
     rope_linear_factor: float = 1.0
+    # the checkpoint's config.json as read (JSON text; "" for GGUF), for a model class's own fields
+    # (experts, sliding windows, ...) that no other part of the engine reads
+    hf_config: str = dataclasses.field(default="", compare=False, repr=False)
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -101,12 +109,9 @@ class ModelArch:
                 self.intermediate_size, self.vocab_size, self.tie_word_embeddings, self.attention_bias, self.qk_norm)
 
     @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    def architecture(self) -> str:
+        """The Hugging Face architecture name the model registry serves this model by."""
+        return HF_ARCHITECTURES[self.arch]
 
     # ------------------------------------------------------------ from HF
     @classmethod
@@ -162,21 +167,21 @@ class ModelArch:
             max_context_len=max_ctx,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             eos_token_ids=tuple(eos),
             bos_token_id=cfg.get("bos_token_id"),
             rope_llama3_scaling=llama3,
             rope_linear_factor=linear,
+            hf_config=json.dumps(cfg, sort_keys=True),
         )
 
     def to_hf_config(self) -> dict:
         """A ``config.json`` that transformers loads as the same model (used to compare against it)."""
+        if self.hf_config and self.arch not in ("llama", "mistral", "qwen2", "qwen3"):
+            return json.loads(self.hf_config)
         model_type = self.arch
         cfg = {
-            "architectures": [
-                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[model_type]
-            ],
+            "architectures": [self.architecture],
             "model_type": model_type,
             "num_hidden_layers": self.num_layers,
             "hidden_size": self.hidden_size,

@@ -28,7 +28,9 @@ from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import ModelSource, load_model, read_q8_0_blocks
-from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+from pdserve.engine.model_executor.layers.kernel_plan import can_prepack
+from pdserve.engine.model_executor.models.base import CausalLM
+from pdserve.engine.model_executor.models.registry import build_model
 from pdserve.engine.model_executor.pool_sizing import PoolSize, size_pool, tensor_bytes
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
 from pdserve.engine.quantization_names import W8A16
@@ -115,7 +117,7 @@ class ModelRunner:
         self.model_path = config.model_path  # what the weights came from (update_weights changes it)
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
-        self.model: LlamaForCausalLM | None = self._build_model(weights, source)
+        self.model: CausalLM | None = self._build_model(weights, source)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         weights_bytes = tensor_bytes(self.model)
@@ -134,7 +136,7 @@ class ModelRunner:
         logger.info("loaded %s (%s) as %s, weights %s (%.2f GiB on this rank), in %.1fs (TP rank %d of %d: %d heads, "
                     "%d KV heads); decode steps of <= %d tokens through native gemv", source.path, arch.arch,
                     self.dtype, config.quantization, weights_bytes / 2**30, time.perf_counter() - t0, tp.rank,
-                    tp.size, tp.num_heads, tp.num_kv_heads, self.model.gemv_rows)
+                    tp.size, tp.num_heads, tp.num_kv_heads, self.model.plan.gemv_rows)
         logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB over %d TP rank(s): %s", self.page_pool.max_total_tokens,
                     num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, size.rule)
         self.graph_runner: DecodeGraphRunner | None = None
@@ -154,15 +156,15 @@ class ModelRunner:
         logger.info("captured CUDA graphs of the decode step for batch sizes %s in %.1fs",
                     self.graph_runner.buckets, self.graph_runner.capture_s)
 
-    def _build_model(self, weights: dict[str, torch.Tensor], source: ModelSource) -> LlamaForCausalLM:
+    def _build_model(self, weights: dict[str, torch.Tensor], source: ModelSource) -> CausalLM:
         prepack = can_prepack(self.dtype, self.device, cpu_supports_bf16())
         # w8a16 keeps a GGUF file's Q8_0 weights as stored rather than quantizing them again
         keep_q8_0 = self.config.quantization == W8A16 and source.format == "gguf"
         q8_0 = read_q8_0_blocks(source.path, self.arch) if keep_q8_0 else None
-        return LlamaForCausalLM(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
-                                quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
-                                fused_decode=not self.config.disable_fused_decode,
-                                gemm=not self.config.disable_native_gemm, q8_0=q8_0)
+        return build_model(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
+                           quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
+                           fused_decode=not self.config.disable_fused_decode,
+                           gemm=not self.config.disable_native_gemm, q8_0=q8_0)
 
     # ------------------------------------------------------------- weights
     def load_weights(self, model_path: str | None) -> None:

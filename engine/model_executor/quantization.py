@@ -10,25 +10,19 @@ product, whose cost the FLOPs dominate (``dense``: natively for a packed weight)
 ``w8a8`` keeps the same int8 weights and the same small steps; only a large step (prefill)
 differs. There the product is compute-bound, so dequantizing the weights saves nothing, but int8
 products run at twice the bf16 rate (AVX-512 VNNI): the activations are quantized per token
-(``quantize_rows``), multiplied in int8 into int32 (``torch._int_mm``, oneDNN, reading the
-int8 weights in place, stored transposed: a copy beside gemv's packed one) and scaled back
-(``int8_linear``). On a CPU with AMX-INT8 the copy is packed for AMX instead
-(``amx_layout.AmxInt8Weight``) and ``cpu_amx_int8.c`` multiplies and scales in one call:
-``torch._int_mm`` does not use AMX, while oneDNN's bf16 products do. A token's few activation
-outliers (over ``OUTLIER_TAU`` x its mean |x|) are left out of its int8 row and multiplied
-exactly, each against its column of W (a row of the transposed copy, or read from AMX's
-tiles): one such value otherwise sets the row's int8 step for all the others, and
-w8a8's perplexity on the default model was +5.0 % over bf16 without them, +0.95 % with them
-(w8a16: +0.4 %; Emerald Rapids). Measured at 4096 tokens on
-the default model's four linears (one Zen 4 core, alternating, best of 5): bf16 prepacked 134 ms,
-int8 products 68-92 ms; quantizing and scaling in torch ops added 65 ms (no gain), as the
-native passes of ``kernels/cpu_int8_act.c`` 12 ms (3 quantizing, 9 scaling).
+(``quantize_rows``), multiplied in int8 into int32 (``torch._int_mm``, reading the int8 weights
+in place, stored transposed) and scaled back (``int8_linear``). On a CPU with AMX-INT8 the copy
+is packed for AMX instead (``amx_layout.AmxInt8Weight``) and ``cpu_amx_int8.c`` multiplies and
+scales in one call. A token's few activation outliers (over ``OUTLIER_TAU`` x its mean |x|) are
+left out of its int8 row and multiplied exactly, each against its column of W: one such value
+otherwise sets the row's int8 step for all the others.
 
 Symmetric per-channel absmax: row n is ``q[n] * scale[n]`` with ``scale = max|w[n]| / 127``,
 so the largest weight of each row is exact and the error of any weight is at most half a step.
 A GGUF file's Q8_0 weights are kept as they are instead (``Int8Weight.from_q8_0``): int8 with one
 scale per block of 32 columns of a row (``scale`` [N, K / 32]), which is gemv's 32-column chunk,
 so gemv scales each chunk's dot products (w8a16 only: w8a8's int8 products take a row's scale).
+The layers' linear methods (``layers/linear_method.py``) hold these forms.
 """
 
 from __future__ import annotations
@@ -89,29 +83,6 @@ class Int8Weight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.numel() * 4
-
-
-def q8_0_matrix(blocks: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                parts: list[tuple[str, slice, slice]], rows: int | None = None) -> Int8Weight | None:
-    """A model's (fused, TP-sliced) matrix from a GGUF file's Q8_0 blocks (``model_loader.
-    read_q8_0_blocks``): the rows ``parts`` name (checkpoint name, rows, columns) stacked, zero rows
-    appended up to ``rows``. None where a part is not Q8_0 or a column slice cuts a block: the
-    caller quantizes per channel then."""
-    qs, ds = [], []
-    for name, row_slice, col_slice in parts:
-        if name not in blocks:
-            return None
-        q, d = blocks[name]
-        start, stop, _ = col_slice.indices(q.shape[1])
-        if start % Q8_0_BLOCK or stop % Q8_0_BLOCK:
-            return None
-        qs.append(q[row_slice, start:stop])
-        ds.append(d[row_slice, start // Q8_0_BLOCK : stop // Q8_0_BLOCK])
-    q, d = torch.cat(qs), torch.cat(ds)
-    if rows is not None and rows > q.shape[0]:
-        q = torch.cat([q, q.new_zeros(rows - q.shape[0], q.shape[1])])
-        d = torch.cat([d, d.new_zeros(rows - d.shape[0], d.shape[1])])
-    return Int8Weight.from_q8_0(q, d)
 
 
 def dense(w: torch.Tensor | Int8Weight | GemvWeight | PanelWeight | AmxInt8Weight,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from pdserve.engine import Engine
-from pdserve.engine.mem_cache.host_memory import rss_bytes
+from pdserve.engine.mem_cache.host_memory import OS_PAGE
 from pdserve.engine.model_executor.model_loader import resolve_model_path
 
 pytestmark = pytest.mark.timeout(600)
@@ -38,9 +38,17 @@ def ids(outs) -> list[list[int]]:
     return [o["output_ids"] for o in outs]
 
 
+
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * OS_PAGE
+
 def model_bytes(model) -> int:
-    tensors = [model.embed, model.final_norm, model.lm_head]
-    tensors += [v for layer in model.layers for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    from pdserve.engine.model_executor.layers.loader import iter_modules
+
+    tensors = [v for _, m in iter_modules(model) for obj in (m, getattr(m, "method", m))
+               for v in vars(obj).values() if isinstance(v, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 

@@ -13,8 +13,8 @@ from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, rando
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels
 
 torch.set_num_threads(1)
@@ -24,6 +24,9 @@ needs_gemv = pytest.mark.skipif(native is None or not native.has_gemv,
 NEW = 10
 
 
+def fused_rows(model) -> int:
+    """Decode steps of at most this many rows run as one DecodeStack call (0: never)."""
+    return model.fused.max_rows if model.fused is not None else 0
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])  # qwen2: the q/k/v bias
 def ckpt(request, tmp_path_factory):
@@ -40,7 +43,7 @@ def test_fused_steps_bit_identical_to_op_by_op(ckpt, quantization):
                                                                           disable_fused_decode=True)
     # bf16 with native gemm: every step size; else gemv's
     panels = quantization == "none" and native.has_gemm
-    assert fused.model.fused_rows == (sys.maxsize if panels else GEMV_MAX_ROWS) and ops.model.fused_rows == 0
+    assert fused_rows(fused.model) == (sys.maxsize if panels else GEMV_MAX_ROWS) and fused_rows(ops.model) == 0
     # every batch size gemv takes, ragged prompts (pages of 4: some steps cross a page), and past
     # them (gemm's panels, or op by op on both sides)
     for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 1, 13]:
@@ -50,7 +53,7 @@ def test_fused_steps_bit_identical_to_op_by_op(ckpt, quantization):
         assert got_tokens == want_tokens
         for g, w in zip(got, want):
             assert torch.equal(g, w), (bs, (g - w).abs().max())
-    assert fused.model.decode_stack is not None  # the fused path really ran
+    assert fused.model.fused.stack is not None  # the fused path really ran
 
 
 def _one_step(runner: ModelRunner, prompts: list[list[int]], sampled: list[int], after_layer=None):
@@ -97,8 +100,8 @@ def test_fused_step_only_where_it_is_exact(tmp_path):
     # float32 has no native kernels at all (any CPU's path): neither gemv nor the fused step.
     make_tiny_checkpoint("qwen3", str(tmp_path))
     if native is not None and native.has_gemv:
-        assert bf16_runner(str(tmp_path)).model.fused_rows == 0
+        assert fused_rows(bf16_runner(str(tmp_path)).model) == 0
     f32 = ModelRunner(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=2048, page_size=4))
-    assert f32.model.fused_rows == 0 and f32.model.gemv_rows == 0
+    assert fused_rows(f32.model) == 0 and f32.model.plan.gemv_rows == 0
     tokens, _ = greedy_generate(f32, random_prompts([3, 6], seed=3), 3)
     assert all(len(t) == 3 for t in tokens)

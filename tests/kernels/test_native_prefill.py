@@ -98,7 +98,7 @@ def test_unsupported_head_dim_is_refused():
 
 
 def test_fused_norm_and_rope_match_the_torch_ops_bit_for_bit():
-    from pdserve.engine.model_executor.models.llama import _rms_norm
+    from pdserve.engine.model_executor.layers.norm import rms_norm as _rms_norm
 
     gen = torch.Generator().manual_seed(3)
     rows = (torch.randn(37, 700, generator=gen) * 3).bfloat16()[:, 50:626]  # strided rows, as from a fused matmul

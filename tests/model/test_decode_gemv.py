@@ -11,7 +11,7 @@ from model_util import assert_picks_agree_but_near_ties, bf16_runner, greedy_gen
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
+from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels
 
 torch.set_num_threads(1)
@@ -32,7 +32,7 @@ def forced_logits(runner, prompts, path):
 @needs_gemv
 def test_gemv_steps_match_onednn_steps(ckpt):
     on, off = bf16_runner(ckpt), bf16_runner(ckpt, disable_decode_gemv=True)
-    assert on.model.gemv_rows == GEMV_MAX_ROWS and off.model.gemv_rows == 0
+    assert on.model.plan.gemv_rows == GEMV_MAX_ROWS and off.model.plan.gemv_rows == 0
     # every batch size gemv takes, ragged prompt lengths, and one past it (all through oneDNN)
     for bs in [*range(1, GEMV_MAX_ROWS + 1), GEMV_MAX_ROWS + 2]:
         prompts = random_prompts([3 + 5 * i for i in range(bs)], seed=bs)
@@ -57,9 +57,9 @@ def test_w8a16_logits_within_stated_error_of_bf16(ckpt, gemv):
         pytest.skip("needs AVX-512 BF16 or AVX2")
     bf16 = bf16_runner(ckpt)
     w8 = bf16_runner(ckpt, quantization="w8a16", disable_decode_gemv=not gemv)
-    assert w8.model.quantization == "w8a16"
+    assert w8.model.plan.quantization == "w8a16"
     # the prefill (31 tokens) on AMX-BF16 over gemv's int8 where the CPU has it (w8_amx_linear)
-    assert w8.model.w8_amx == (gemv and native.has_w8_amx)
+    assert w8.model.plan.w8_amx == (gemv and native.has_w8_amx)
     # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
     assert (bf16.page_pool.layout().quantization, w8.page_pool.layout().quantization) == ("none", "w8a16")
     prompts = random_prompts([7, 23, 1], seed=5)  # 3 sequences: gemv takes their decode steps when on
@@ -87,7 +87,7 @@ def test_w8a16_portable_torch_path_in_float32(ckpt):
     f32 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4))
     w8 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4,
                                   quantization="w8a16"))
-    assert w8.model.native is None and w8.model.gemv_rows == 0
+    assert w8.model.plan.native is None and w8.model.plan.gemv_rows == 0
     prompts = random_prompts([7, 23, 1], seed=7)
     path, want = greedy_generate(f32, prompts, NEW)
     for g, w in zip(forced_logits(w8, prompts, path), want):

@@ -39,9 +39,9 @@ def test_default_model_loads_fast_with_its_shape_and_tokenizer():
     assert (arch.head_dim, arch.vocab_size, arch.rope_theta, arch.tie_word_embeddings) == (64, 49152, 100000.0, True)
     assert runner.page_pool.max_total_tokens == 1024 and runner.page_pool.dtype == torch.bfloat16
     # bf16 on a bf16 CPU: weights prepacked for oneDNN (the tied lm_head is a packed copy)
-    assert runner.model.packed == cpu_supports_bf16()
-    if not runner.model.packed:  # the tied head reads the embedding's storage, no copy
-        assert runner.model.lm_head.data_ptr() == runner.model.embed.data_ptr()
+    assert runner.model.plan.packed == cpu_supports_bf16()
+    if not runner.model.plan.packed:  # the tied head reads the embedding's storage, no copy
+        assert runner.model.lm_head.method.large.data_ptr() == runner.model.model.embed_tokens.weight.data_ptr()
     tok = runner.tokenizer
     assert tok.eos_token_id in arch.eos_token_ids
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)

@@ -73,7 +73,8 @@ def test_chunked_prefill_and_mixed_batch_give_the_simple_path_logits(runner):
 def test_prepacked_bf16_linears_match_plain_ones(kind, tmp_path):
     from pdserve.engine.model_executor.model_loader import load_model
     from pdserve.engine.model_executor.model_runner import cpu_supports_bf16
-    from pdserve.engine.model_executor.models.llama import LlamaForCausalLM, can_prepack
+    from pdserve.engine.model_executor.layers import can_prepack
+    from pdserve.engine.model_executor.models.registry import build_model
     from pdserve.engine.mem_cache.page_pool import PagePool
     from pdserve.engine.model_executor.attention.torch_backend import TorchAttentionBackend
 
@@ -86,7 +87,7 @@ def test_prepacked_bf16_linears_match_plain_ones(kind, tmp_path):
                          torch.tensor([[1, 2]], dtype=torch.int32), torch.tensor([n - 1]), [n], [n])
     outs = []
     for packed in (False, True):
-        model = LlamaForCausalLM(arch, weights, torch.bfloat16, torch.device("cpu"), prepack=packed)
+        model = build_model(arch, weights, torch.bfloat16, torch.device("cpu"), prepack=packed)
         pool = PagePool(4, 16, arch.num_layers, arch.num_kv_heads, arch.head_dim, torch.bfloat16)
         backend = TorchAttentionBackend(pool, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.head_dim**-0.5)
         backend.begin_forward(batch)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from model_util import bf16_runner, greedy_generate, random_prompts
 
-from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
+from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels
 from pdserve.kernels.gemm_layout import PanelWeight
 
@@ -26,15 +26,16 @@ def test_panel_steps_match_onednn_steps(ckpt, monkeypatch):
     off = bf16_runner(ckpt, disable_native_gemm=True)
     calls = []
     monkeypatch.setattr(native, "gemm", lambda *a, _gemm=native.gemm, **k: calls.append(1) or _gemm(*a, **k))
-    assert on.model.gemm and isinstance(on.model.layers[0].qkv_w, PanelWeight)
-    assert not off.model.gemm and isinstance(off.model.layers[0].qkv_w, torch.Tensor)
+    assert on.model.plan.gemm and isinstance(on.model.model.layers[0].self_attn.qkv_proj.method.large, PanelWeight)
+    assert not off.model.plan.gemm and isinstance(off.model.model.layers[0].self_attn.qkv_proj.method.large,
+                                                     torch.Tensor)
     for bs in (GEMV_MAX_ROWS + 1, 9):  # every step past gemv's: prefill and decode take the panels
         prompts = random_prompts([2 + 7 * i for i in range(bs)], seed=bs)
         path, want = greedy_generate(off, prompts, NEW)
         assert not calls
         got = greedy_generate(on, prompts, NEW, forced=path)[1]
         # every step: 4 products per layer and the LM head
-        assert len(calls) == NEW * (4 * len(on.model.layers) + 1), len(calls)
+        assert len(calls) == NEW * (4 * len(on.model.model.layers) + 1), len(calls)
         calls.clear()
         for g, w in zip(got, want):
             # bf16 products summed in another order: logits within a few bf16 ulps of the activations
@@ -48,7 +49,7 @@ def test_weights_by_name_read_back_from_the_panels(ckpt):
     from pdserve.engine.model_executor.weight_names import weight_by_name
 
     model = bf16_runner(ckpt, disable_decode_gemv=True).model
-    assert model.gemm and model.layers[1].qkv_g is None
+    assert model.plan.gemm and model.model.layers[1].self_attn.qkv_proj.method.gemv is None
     checkpoint = load_file(f"{ckpt}/model.safetensors")
     projections = ("self_attn.q_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
                    "mlp.down_proj")

@@ -11,7 +11,7 @@ from model_util import greedy_generate, write_q8_0_gguf
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks, resolve_model_path
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
+from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels
 
 native = native_kernels()
@@ -45,14 +45,14 @@ def test_w8a16_keeps_q8_0_and_agrees_with_bf16(q8_file):
                for name, kw in (("bf16", {}), ("w8a16", dict(quantization="w8a16")),
                                 ("ops", dict(quantization="w8a16", disable_fused_decode=True)))}
     model = runners["w8a16"].model
-    assert model.q8_0
+    assert all(layer.self_attn.qkv_proj.q8_0 for layer in model.model.layers)
     # the layers' int8 are the file's, with its block scales (q | k | v stacked)
     blocks = read_q8_0_blocks(q8_file, runners["w8a16"].arch)
     a = "model.layers.3.self_attn."
-    qkv = model.layers[3].qkv_g
+    qkv = model.model.layers[3].self_attn.qkv_proj.method.gemv
     assert qkv.blocked and torch.equal(qkv.unpack(), torch.cat([blocks[a + p + "_proj.weight"][0] for p in "qkv"]))
     assert torch.equal(qkv.scale, torch.cat([blocks[a + p + "_proj.weight"][1] for p in "qkv"]))
-    assert model.lm_head_g.blocked  # the tied head: the file's token embedding, Q8_0 too
+    assert model.lm_head.method.gemv.blocked  # the tied head: the file's token embedding, Q8_0 too
     tok = runners["bf16"].tokenizer
     prompts = [tok(p).input_ids for p in PROMPTS]
     assert len(prompts) <= GEMV_MAX_ROWS  # decode steps through gemv's block-scaled int8

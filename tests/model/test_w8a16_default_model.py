@@ -12,7 +12,7 @@ from model_util import greedy_generate
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.model_executor.models.llama import GEMV_MAX_ROWS
+from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 
 QUESTIONS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis in one sentence.",

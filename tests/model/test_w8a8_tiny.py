@@ -29,11 +29,12 @@ def max_error(runner, reference, prompts) -> tuple[list[torch.Tensor], list[torc
 def test_w8a8_logits_within_stated_error_of_bf16(ckpt):
     bf16 = bf16_runner(ckpt)
     a8 = bf16_runner(ckpt, quantization="w8a8")
-    assert a8.model.a8 and a8.model.int8_act is not None  # native passes around the products
+    assert a8.model.plan.a8 and a8.model.plan.int8_act is not None  # native passes around the products
     # on a CPU with AMX-INT8 the products and their scaling are one native call over AMX's layout
-    layer = a8.model.layers[0]
-    packed = [isinstance(w, AmxInt8Weight) for w in (layer.qkv_w, layer.o_w, layer.gate_up_w, layer.down_w)]
-    assert packed == [a8.model.int8_act.has_amx] * 4 and (not packed[2] or layer.gate_up_w.swiglu)
+    layer = a8.model.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    packed = [isinstance(lin.method.large, AmxInt8Weight) for lin in linears]
+    assert packed == [a8.model.plan.int8_act.has_amx] * 4 and (not packed[2] or linears[2].method.large.swiglu)
     # the KV layout the transfer layer pairs prefill and decode by names the weights' quantization
     assert a8.page_pool.layout().quantization == "w8a8"
     prompts = random_prompts([7, 23, 1], seed=5)  # one 31-token prefill step: the int8 x int8 path
@@ -48,8 +49,8 @@ def test_w8a8_decode_steps_past_gemv_rows_within_stated_error(ckpt):
     # w8a16's do (bf16 activations over gemv's int8, NativeKernels.w8_amx_linear)
     bf16 = bf16_runner(ckpt)
     a8 = bf16_runner(ckpt, quantization="w8a8")
-    native = a8.model.native
-    assert a8.model.w8_amx == (native is not None and native.has_gemv and native.has_w8_amx)
+    native = a8.model.plan.native
+    assert a8.model.plan.w8_amx == (native is not None and native.has_gemv and native.has_w8_amx)
     got, want = max_error(a8, bf16, random_prompts([3, 5, 8, 2, 11, 6], seed=7))
     for g, w in zip(got, want):
         err = (g[1:] - w[1:]).abs().max() / w.std()  # the decode steps' logits
@@ -72,7 +73,7 @@ def test_w8a8_portable_torch_path_in_float32(ckpt):
     f32 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4))
     a8 = ModelRunner(EngineConfig(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4,
                                   quantization="w8a8"))
-    assert a8.model.native is None and a8.model.int8_act is None and a8.model.gemv_rows == 0
+    assert a8.model.plan.native is None and a8.model.plan.int8_act is None and a8.model.plan.gemv_rows == 0
     prompts = random_prompts([7, 23, 1], seed=7)
     got, want = max_error(a8, f32, prompts)
     for g, w in zip(got, want):

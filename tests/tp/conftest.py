@@ -15,11 +15,12 @@ for folder in ("server", "kernels", "pd"):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """{"llama": dir, "qwen3": dir}: 4 query heads, 2 KV heads, random weights, fp32."""
+    """{"llama": dir, "qwen3": dir, "qwen3_moe": dir, "gemma3": dir}: 4 query heads, 2 KV heads,
+    random weights, fp32."""
     from model_util import make_tiny_checkpoint
 
     out = {}
-    for kind in ("llama", "qwen3"):
+    for kind in ("llama", "qwen3", "qwen3_moe", "gemma3"):
         path = tmp_path_factory.mktemp(f"tiny-{kind}")
         make_tiny_checkpoint(kind, str(path))
         out[kind] = str(path)

@@ -25,7 +25,7 @@ def tp1(model_path: str | None, prompts, new_tokens: int):
     return greedy_generate(runner, prompts, new_tokens)
 
 
-@pytest.mark.parametrize("kind, tp", [("llama", 2), ("qwen3", 2), ("llama", 4)])
+@pytest.mark.parametrize("kind, tp", [("llama", 2), ("qwen3", 2), ("llama", 4), ("qwen3_moe", 2), ("gemma3", 2)])
 def test_tiny_checkpoint_tp_equals_tp1(tiny_checkpoints, kind, tp):
     path = tiny_checkpoints[kind]
     want, want_logits = tp1(path, PROMPTS, NEW_TOKENS)
@@ -34,7 +34,7 @@ def test_tiny_checkpoint_tp_equals_tp1(tiny_checkpoints, kind, tp):
     for a, b in zip(got_logits, want_logits):
         np.testing.assert_allclose(a, b.numpy(), atol=1e-4, rtol=0)
     # each rank's pool holds its KV heads only: 2 KV heads split over 2 ranks, or replicated over 4
-    head_dim = 32 if kind == "qwen3" else 16
+    head_dim = 16 if kind == "llama" else 32
     assert {(shape[0], shape[3]) for shape, _ in ranks.values()} == {(1, head_dim)}  # [heads, pages, page, dim]
     shards = [ranks[r][1] for r in range(tp)]
     assert [s.kv_start for s in shards] == ([0, 1] if tp == 2 else [0, 0, 1, 1])

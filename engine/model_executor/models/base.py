@@ -1,0 +1,44 @@
+"""CausalLM: what every model offers the model runner, and what it declares to be loaded."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan
+from pdserve.engine.model_executor.layers.loader import load_weights
+from pdserve.engine.model_executor.model_config import ModelArch
+from pdserve.engine.model_executor.parallel import HeadShard
+from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
+
+
+class CausalLM(ABC):
+    """A model: layers named as the checkpoint names its tensors, plus the map of merged and
+    tied tensors (``layers/loader.py``)."""
+
+    #: checkpoint part -> (merged layer, shard id): "q_proj" -> ("qkv_proj", "q")
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
+    #: a tensor a checkpoint may omit -> the one it shares
+    tied_weights: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard):
+        self.arch, self.plan, self.tp = arch, plan, tp
+
+    def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
+        """(the expert layer's tensor name, shard id, expert id) of an expert's checkpoint tensor,
+        or None (no experts here: ``moe.expert_weight_name`` maps the usual names)."""
+        return None
+
+    def load_weights(self, weights: dict[str, torch.Tensor],
+                     q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        load_weights(self, weights, q8_0)
+
+    @abstractmethod
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] float32; ``attn.begin_forward(batch)`` already ran.
+        ``after_layer(i)``: called once layer i's attention stored its K and V (layer-wise KV send)."""
