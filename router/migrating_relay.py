@@ -26,7 +26,7 @@ from pdserve.router.errors import RouterError
 from pdserve.router.leg_failure import LegFailure
 from pdserve.router.migration import SSEEvents, Transcript, continuation_body, parse_event, tokens_left
 from pdserve.router.pairing import Pair, Pairing
-from pdserve.router.upstream import UpstreamError, UpstreamResponse
+from pdserve.router.upstream import UpstreamError, UpstreamResponse, drain_response
 
 log = logging.getLogger("pdserve.router")
 
@@ -121,7 +121,7 @@ class MigratingRelay:
                     self._note_first()
                     if resp.at_eof():
                         return False
-                    drain = asyncio.ensure_future(_drain(resp))
+                    drain = asyncio.ensure_future(drain_response(resp))
                     self.proxy.background.add(drain)
                     drain.add_done_callback(self.proxy.background.discard)
                     return True
@@ -232,14 +232,6 @@ class _LegsFailed(Exception):
         self.endpoint_key = endpoint_key
 
 
-async def _drain(resp) -> None:
-    try:
-        while await resp.readany():
-            pass
-    except Exception:  # noqa: BLE001 - the client already has its whole answer
-        pass
-    finally:
-        resp.close()
 
 
 def _consume(task: asyncio.Task) -> None:

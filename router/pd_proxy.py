@@ -41,7 +41,7 @@ from pdserve.router.migration import migratable
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
-from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, drain_response
 from pdserve.router.worker_registry import Endpoint
 
 log = logging.getLogger("pdserve.router")
@@ -49,17 +49,6 @@ log = logging.getLogger("pdserve.router")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 _DONE = b"data: [DONE]\n\n"
-
-
-async def _drain(resp) -> None:
-    """Read an upstream stream to its end, then release it (reused when fully read)."""
-    try:
-        while await resp.readany():
-            pass
-    except Exception:  # noqa: BLE001 - the client already has its whole answer
-        pass
-    finally:
-        resp.close()
 
 
 LOCAL = "local"  # x-pdserve-prefill of a request the decode worker prefilled itself
@@ -336,7 +325,7 @@ class PDProxy:
                     # upstream's end is drained in the background (keeps its connection), where
                     # the client's close cannot cancel it
                     await out.write_eof(chunk)
-                    drain = asyncio.ensure_future(_drain(resp))
+                    drain = asyncio.ensure_future(drain_response(resp))
                     self.background.add(drain)
                     drain.add_done_callback(self.background.discard)
                     draining = True

@@ -285,3 +285,14 @@ class UpstreamPool:
         idle = self._idle.get(conn.key)
         if idle and conn in idle:
             idle.remove(conn)
+
+
+async def drain_response(resp) -> None:
+    """Read an upstream stream to its end, then release it (reused when fully read)."""
+    try:
+        while await resp.readany():
+            pass
+    except Exception:  # noqa: BLE001 - the client already has its whole answer
+        pass
+    finally:
+        resp.close()

@@ -153,43 +153,20 @@ class HiRadixCache(RadixCache):
 
     # -------------------------------------------------------------- insertion
     def insert(self, token_ids, pages, num_cache_pages):
-        now = self._tick()
-        num_full = min(len(token_ids) // self.page_size, len(pages))
-        node = self.root
-        to_free: list[int] = []
-        stored: list[HiTreeNode] = []  # nodes that gained a pool page: a chain (see the module docstring)
-        for i, key in enumerate(self._keys(token_ids, num_full)):
-            child = node.children.get(key)
-            if child is None or child.page is None:
-                if i < num_cache_pages:
-                    raise AssertionError("a locked cache page vanished from the tree")
-                if child is None:
-                    child = HiTreeNode(key, pages[i], node)
-                    node.children[key] = child
-                else:  # host-only: this request computed it again, its page becomes the L1 copy
-                    child.page = pages[i]
-                child.hits += 1
-                stored.append(child)
-                self._num_nodes += 1
-                self._evictable += 1
-            elif i >= num_cache_pages:
-                if child.page != pages[i]:
-                    to_free.append(pages[i])
-            elif child.page != pages[i]:
-                raise AssertionError("request's cached page differs from the tree's")
-            child.last_access = now
-            node = child
-        to_free.extend(pages[max(num_full, num_cache_pages) :])
-        self.pool.free(to_free)
+        node, stored = self._insert_pages(token_ids, pages, num_cache_pages)
         if self.write_policy != "write_back":
             self._backup([n for n in stored if n.host is None and n.hits >= self.threshold])
-        if stored and self.record_events:
-            self.events.append(BlockStored(
-                block_hashes=[n.hash for n in stored], parent_block_hash=stored[0].parent.hash,
-                token_ids=[t for n in stored for t in n.key], block_size=self.page_size, lora_id=None,
-                medium=MEDIUM,
-            ))
+        self._record_stored(stored)
         return node
+
+    def _give_page(self, parent, key, page, child):
+        if child is None:
+            child = HiTreeNode(key, page, parent)
+            parent.children[key] = child
+        else:  # host-only: this request computed it again, its page becomes the L1 copy
+            child.page = page
+        child.hits += 1
+        return child
 
     def _backup(self, nodes: list[HiTreeNode]) -> None:
         """Copy the L1 pages of ``nodes`` into host slots (making room by host eviction); those

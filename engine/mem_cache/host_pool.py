@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.mem_cache.free_list import FreeList
 from pdserve.engine.mem_cache.page_pool import PagePool
 
 
@@ -37,8 +38,7 @@ class HostKVPool:
             (num_slots, 2, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
             dtype=pool.dtype, pin_memory=pin,
         )
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._used: set[int] = set()
+        self._slots = FreeList(range(num_slots - 1, -1, -1), "host slot")
 
     @staticmethod
     def slots_for(pool: PagePool, ratio: float, size_gb: float) -> int:
@@ -56,11 +56,11 @@ class HostKVPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._slots.num_free
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self._slots.num_used
 
     @property
     def slot_bytes(self) -> int:
@@ -68,32 +68,18 @@ class HostKVPool:
         return self.data[0].numel() * self.data.element_size()
 
     def used_slots(self) -> frozenset[int]:
-        return frozenset(self._used)
+        return self._slots.used()
 
     # ------------------------------------------------------------- allocation
     def alloc(self, n: int) -> list[int] | None:
         """``n`` slots, or None if fewer are free (the caller evicts and retries, or skips)."""
-        if n > len(self._free):
-            return None
-        slots = [self._free.pop() for _ in range(n)]
-        self._used.update(slots)
-        return slots
+        return self._slots.take(n)
 
     def free(self, slots: list[int]) -> None:
-        for s in slots:
-            if s not in self._used:
-                raise ValueError(f"host slot {s} freed but not in use")
-            self._used.remove(s)
-            self._free.append(s)
+        self._slots.give_back(slots)
 
     def check_integrity(self) -> None:
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a host slot is on the free list twice")
-        if free & self._used:
-            raise AssertionError(f"host slots both free and used: {sorted(free & self._used)[:8]}")
-        if len(free) + len(self._used) != self.num_slots:
-            raise AssertionError(f"host free {len(free)} + used {len(self._used)} != {self.num_slots}")
+        self._slots.check_integrity()
 
     # ------------------------------------------------------------------ copies
     def write(self, pool: PagePool, pages: list[int], slots: list[int]) -> None:

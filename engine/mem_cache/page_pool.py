@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.mem_cache.free_list import FreeList
 from pdserve.engine.quantization_names import UNQUANTIZED
 
 
@@ -93,8 +94,7 @@ class PagePool:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         # LIFO free list: recently freed pages are reused first (warm in cache)
-        self._free: list[int] = list(range(num_pages - 1, 0, -1))
-        self._used: set[int] = set()
+        self._pages = FreeList(range(num_pages - 1, 0, -1), "page")
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -104,15 +104,15 @@ class PagePool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._pages.num_free
 
     @property
     def num_used(self) -> int:
-        return len(self._used)
+        return self._pages.num_used
 
     def used_pages(self) -> frozenset[int]:
         """The pages handed out and not freed (for the owners' integrity checks)."""
-        return frozenset(self._used)
+        return self._pages.used()
 
     @property
     def max_total_tokens(self) -> int:
@@ -125,39 +125,26 @@ class PagePool:
     def alloc(self, n: int) -> list[int]:
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if n > len(self._free):
-            raise OutOfPagesError(f"asked for {n} pages, {len(self._free)} free")
-        pages = [self._free.pop() for _ in range(n)]
-        self._used.update(pages)
+        pages = self._pages.take(n)
+        if pages is None:
+            raise OutOfPagesError(f"asked for {n} pages, {self._pages.num_free} free")
         return pages
 
     def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise ValueError(f"page {p} freed but not in use")
-            self._used.remove(p)
-            self._free.append(p)
+        self._pages.give_back(pages)
 
     def check_integrity(self) -> None:
         """Prove free + used = capacity and that no page is owned twice."""
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise AssertionError("a page is on the free list twice")
-        if free & self._used:
-            raise AssertionError(f"pages both free and used: {sorted(free & self._used)[:8]}")
-        if len(free) + len(self._used) != self.capacity:
-            raise AssertionError(
-                f"free {len(free)} + used {len(self._used)} != capacity {self.capacity}"
-            )
-        if 0 in free or 0 in self._used:
+        free = self._pages.check_integrity()
+        if 0 in free or 0 in self._pages.used():
             raise AssertionError("scratch page 0 was handed out")
 
     # ------------------------------------------------------- memory occupation
     def release_memory(self) -> int:
         """Give the K/V buffers' memory back to the OS, keeping their addresses (they may be
         registered with a transfer engine); only with no page in use. Returns the bytes released."""
-        if self._used:
-            raise RuntimeError(f"cannot release the KV pool with {len(self._used)} pages in use")
+        if self._pages.num_used:
+            raise RuntimeError(f"cannot release the KV pool with {self._pages.num_used} pages in use")
         from pdserve.engine.mem_cache.host_memory import discard_pages
 
         return sum(discard_pages(t) for t in (*self.k, *self.v))

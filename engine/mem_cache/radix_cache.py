@@ -207,19 +207,26 @@ class RadixCache(PrefixCache):
 
     # -------------------------------------------------------------- insertion
     def insert(self, token_ids, pages, num_cache_pages):
+        node, stored = self._insert_pages(token_ids, pages, num_cache_pages)
+        self._record_stored(stored)
+        return node
+
+    def _insert_pages(self, token_ids, pages, num_cache_pages) -> tuple[TreeNode, list[TreeNode]]:
+        """Put the request's full pages into the tree (pages it computed again while the tree had
+        them are freed). Returns the last node and the nodes that gained a pool page: a chain,
+        since once one gains a page so do its descendants here."""
         now = self._tick()
         num_full = min(len(token_ids) // self.page_size, len(pages))
         node = self.root
         to_free: list[int] = []
-        stored: list[TreeNode] = []  # new nodes: a chain, since once one is new so are its descendants here
+        stored: list[TreeNode] = []
         for i, key in enumerate(self._keys(token_ids, num_full)):
             child = node.children.get(key)
-            if child is None:
+            if child is None or child.page is None:
                 if i < num_cache_pages:
                     raise AssertionError("a locked cache page vanished from the tree")
-                child = TreeNode(key, pages[i], node)
+                child = self._give_page(node, key, pages[i], child)
                 stored.append(child)
-                node.children[key] = child
                 self._num_nodes += 1
                 self._evictable += 1
             elif i >= num_cache_pages:
@@ -232,6 +239,16 @@ class RadixCache(PrefixCache):
             node = child
         to_free.extend(pages[max(num_full, num_cache_pages) :])
         self.pool.free(to_free)
+        return node, stored
+
+    def _give_page(self, parent: TreeNode, key, page: int, child: TreeNode | None) -> TreeNode:
+        """The node of ``key`` under ``parent``, now holding pool page ``page``: a new node here
+        (``child`` is None); a tiered tree may give the page to its page-less ``child``."""
+        child = TreeNode(key, page, parent)
+        parent.children[key] = child
+        return child
+
+    def _record_stored(self, stored: list[TreeNode]) -> None:
         if stored and self.record_events:
             self.events.append(BlockStored(
                 block_hashes=[n.hash for n in stored],
@@ -241,7 +258,6 @@ class RadixCache(PrefixCache):
                 lora_id=None,
                 medium=MEDIUM,
             ))
-        return node
 
     # --------------------------------------------------------------- eviction
     def _leaves(self) -> list[TreeNode]:

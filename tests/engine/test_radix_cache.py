@@ -39,7 +39,7 @@ def test_match_is_page_aligned_and_shares_pages(pool):
     # the same prefix again: duplicate pages are freed, the tree is unchanged
     put(cache, pool, list(range(12)))
     assert cache.num_pages == 3 and pool.num_used == 3
-    assert cache.held_pages() == pool._used
+    assert cache.held_pages() == pool.used_pages()
 
 
 def test_locked_pages_survive_eviction_and_lru_order(pool):
