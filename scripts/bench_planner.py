@@ -56,7 +56,7 @@ def summary(r) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--trace", default=None, help="a trace CSV instead of the generated one")
     add_shape_flags(p)

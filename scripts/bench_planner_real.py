@@ -59,7 +59,7 @@ def p99(xs):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=os.path.join(HERE, "..", "results", "planner_profile_smollm2_cpu.json"))
     p.add_argument("--low", type=float, default=0.2, help="req/s")
     p.add_argument("--high", type=float, default=1.0, help="req/s")

@@ -68,7 +68,7 @@ async def load(url, rate, isl, osl, duration, seed):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=os.path.join(HERE, "..", "results", "planner_profile_smollm2_cpu.json"))
     p.add_argument("--rate", type=float, default=0.4)
     p.add_argument("--input-len", type=int, default=256)

@@ -38,7 +38,7 @@ def shape_from(ns) -> TraceShape:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     add_shape_flags(p)
     p.add_argument("--out", default="planner_trace.csv")
     ns = p.parse_args()

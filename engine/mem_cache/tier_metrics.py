@@ -29,30 +29,38 @@ def _counter(name: str, doc: str, label: str, values: dict[str, float]) -> Metri
                         [MetricSample(name + "_total", {label: k}, float(v)) for k, v in values.items()])
 
 
+PREFETCH_OUTCOMES = ("complete", "best_effort", "timeout", "cancelled")
+DIRECTIONS = ("device_to_host", "host_to_device", "host_to_storage", "storage_to_host")
+
+
 def hicache_families(cache) -> list[MetricFamily]:
-    """The families of a ``HiRadixCache`` (with a storage tier: ``StoreHiRadixCache``); [] otherwise."""
+    """The families of a ``HiRadixCache`` (with a storage tier: ``StoreHiRadixCache``), at 0 for
+    the tiers a cache does not have (so a dashboard's panels read 0, not "no data", on a server
+    without the hierarchy)."""
     stats = getattr(cache, "stats", None)
     host = getattr(cache, "host", None)
-    if stats is None or host is None:
-        return []
-    ps, slot = cache.page_size, host.slot_bytes
-    loaded = stats.host_hit_pages + stats.store_hit_pages
-    hits = {"host": stats.host_hit_pages * ps, "storage": stats.store_hit_pages * ps}
-    pages = {"device_to_host": stats.host_write_pages, "host_to_device": loaded}
-    seconds = {"device_to_host": stats.host_write_s, "host_to_device": stats.host_read_s}
-    families = []
     storage = getattr(cache, "storage", None)
-    if storage is not None:
-        s = storage.stats
-        pages |= {"host_to_storage": s.put_pages, "storage_to_host": s.get_pages}
-        seconds |= {"host_to_storage": s.put_s, "storage_to_host": s.get_s}
-        families += [
-            _counter("pdserve_hicache_prefetch", "Storage prefetches by how they ended.", "outcome",
-                     cache.prefetch_outcomes),
-            _counter("pdserve_hicache_storage_errors", "Storage tier failures (none fails a request).", "kind",
-                     {"unreachable": s.errors, "corrupt": s.corrupt, "dropped_put": s.dropped_puts}),
-        ]
-    families += [
+    hits = dict.fromkeys(("host", "storage"), 0.0)
+    pages = dict.fromkeys(DIRECTIONS, 0.0)
+    seconds = dict.fromkeys(DIRECTIONS, 0.0)
+    outcomes = dict.fromkeys(PREFETCH_OUTCOMES, 0.0)
+    errors = dict.fromkeys(("unreachable", "corrupt", "dropped_put"), 0.0)
+    slot, used, total = 0, 0, 0
+    if stats is not None and host is not None:
+        ps, slot, used, total = cache.page_size, host.slot_bytes, host.num_used, host.capacity
+        hits |= {"host": stats.host_hit_pages * ps, "storage": stats.store_hit_pages * ps}
+        pages |= {"device_to_host": stats.host_write_pages,
+                  "host_to_device": stats.host_hit_pages + stats.store_hit_pages}
+        seconds |= {"device_to_host": stats.host_write_s, "host_to_device": stats.host_read_s}
+        if storage is not None:
+            s = storage.stats
+            pages |= {"host_to_storage": s.put_pages, "storage_to_host": s.get_pages}
+            seconds |= {"host_to_storage": s.put_s, "storage_to_host": s.get_s}
+            outcomes |= cache.prefetch_outcomes
+            errors |= {"unreachable": s.errors, "corrupt": s.corrupt, "dropped_put": s.dropped_puts}
+    return [
+        _counter("pdserve_hicache_prefetch", "Storage prefetches by how they ended.", "outcome", outcomes),
+        _counter("pdserve_hicache_storage_errors", "Storage tier failures (none fails a request).", "kind", errors),
         _counter("pdserve_hicache_hit_tokens", "Prompt tokens loaded from a lower tier instead of computed.",
                  "tier", hits),
         _counter("pdserve_hicache_move_pages", "Pages copied between the cache's tiers.", "direction", pages),
@@ -61,8 +69,7 @@ def hicache_families(cache) -> list[MetricFamily]:
         _counter("pdserve_hicache_move_seconds", "Seconds spent copying between the cache's tiers.",
                  "direction", seconds),
         MetricFamily("pdserve_hicache_host_pages", "gauge", "Pages of the host tier, used and total.", [
-            MetricSample("pdserve_hicache_host_pages", {"state": "used"}, float(host.num_used)),
-            MetricSample("pdserve_hicache_host_pages", {"state": "total"}, float(host.capacity)),
+            MetricSample("pdserve_hicache_host_pages", {"state": "used"}, float(used)),
+            MetricSample("pdserve_hicache_host_pages", {"state": "total"}, float(total)),
         ]),
     ]
-    return families

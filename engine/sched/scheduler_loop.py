@@ -334,9 +334,8 @@ class SchedulerLoop:
 
     def rank_metrics(self) -> RankMetrics | None:
         """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
-        KV rooms); None: it has none."""
-        families = hicache_families(self.cache)
-        return RankMetrics(self.dp_rank, parallel.tp_rank(), families) if families else None
+        KV rooms)."""
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

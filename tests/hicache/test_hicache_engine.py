@@ -34,12 +34,12 @@ def run_rounds(engine: Engine) -> list[list[int]]:
 
 def test_pages_loaded_from_host_give_the_same_greedy_output():
     """write_through (the default); the other policies' copies are the same code (unit tests)."""
-    with Engine(**SMALL) as off:
+    with Engine(**SMALL, rank_on_thread=True) as off:
         base = run_rounds(off)
         full = [(o["meta_info"]["prompt_tokens"] - 1) // 16 * 16 for o in base]
         # the second visits found some of their pages evicted
         assert all(o["meta_info"]["cached_tokens"] < f for o, f in zip(base[3:], full[3:]))
-    with Engine(**SMALL, enable_hierarchical_cache=True, hicache_ratio=4.0) as on:
+    with Engine(**SMALL, enable_hierarchical_cache=True, hicache_ratio=4.0, rank_on_thread=True) as on:
         tiered = run_rounds(on)
         stats = on.call(lambda: on.loop.cache.stats)
     for b, t in zip(base, tiered):

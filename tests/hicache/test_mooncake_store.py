@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import pytest
 
@@ -28,7 +29,7 @@ def store(tmp_path_factory):
 
 
 def engine(store: MooncakeService) -> Engine:
-    return Engine(dtype="float32", max_total_tokens=1024, num_threads=2, enable_hierarchical_cache=True,
+    return Engine(dtype="float32", max_total_tokens=1024, num_threads=2, enable_hierarchical_cache=True, rank_on_thread=True,
                   hicache_storage_backend="mooncake", hicache_storage_prefetch_policy="wait_complete",
                   hicache_storage_backend_extra_config=json.dumps(store.extra_config()))
 
@@ -52,5 +53,9 @@ def test_store_hit_on_a_fresh_server_then_master_killed(store):
             out = b.generate(f"Something else entirely, number {i}, about the weather in spring.", GREEDY)
             assert out["meta_info"]["finish_reason"] == {"type": "length"}
         assert b.generate(PROMPT, GREEDY)["output_ids"] == first["output_ids"]
+        # the storage thread meets the dead master on its own time: the count comes within seconds
+        deadline = time.monotonic() + 15
+        while b.call(lambda: cache.storage.stats.errors) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert b.call(lambda: cache.storage.stats.errors) >= 1
         b.check_integrity()

@@ -62,8 +62,9 @@ def two_node_server(name: str, mode: str, ns: dict, model: str, backend: str) ->
     nodes = []
     for rank in (0, 1):
         key = f"{name}{rank}"
-        # gloo binds the interface of the hostname's address, which no namespace has: name it
-        env = {"GLOO_SOCKET_IFNAME": f"eth{key}", "UCX_TLS": "tcp"}
+        # gloo binds the interface of the hostname's address, which no namespace has: name it; UCX
+        # too is held to the node's interface (a CI run once saw UCX offer only tcp/lo to a peer)
+        env = {"GLOO_SOCKET_IFNAME": f"eth{key}", "UCX_TLS": "tcp", "UCX_NET_DEVICES": f"eth{key}"}
         extra = ["--model-path", model, *POOL, "--tp-size", "2", "--nnodes", "2", "--node-rank", str(rank),
                  "--dist-init-addr", dist, "--dist-timeout", str(DIST_TIMEOUT)]
         if mode == "prefill":
