@@ -33,6 +33,8 @@ class PreallocQueue:
         self.scheduler = scheduler
         self.pool = scheduler.pool
         self.entries: dict[str, PreallocEntry] = {}  # arrival order
+        # with TP > 1 the ranks' caches may differ (``_match``); the TP group is set up before the loop
+        self.match_cache = tp_size() == 1
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -90,7 +92,7 @@ class PreallocQueue:
         page at least, so the prefill sends one or more (with TP > 1 none: the ranks' caches may
         differ, and each would ask its prefill ranks for a different split)."""
         s = self.scheduler
-        if tp_size() > 1:
+        if not self.match_cache:
             return [], None
         limit = (req.prompt_len - 1) // self.pool.page_size * self.pool.page_size
         cached, node = s.cache.match_prefix(req.input_ids[:limit])

@@ -8,8 +8,9 @@ publishes on the endpoint's port + ``r`` (ipc/inproc endpoints get ``_dp<r>``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
+
+from pdserve.engine.json_flags import json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -45,12 +46,7 @@ class KVEventsConfig:
         """Parse the flag's JSON (None or empty: events off); ValueError names a bad key or value."""
         if not text:
             return cls()
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_events_config is not JSON: {e}") from None
-        if not isinstance(obj, dict):
-            raise ValueError("kv_events_config must be a JSON object")
+        obj = json_object(text, "kv_events_config")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(obj) - known)
         if unknown:

@@ -21,6 +21,6 @@ def local_prefill_refusal(num_tokens: int, limit: int) -> str:
     """Why a decode server refuses a prompt without bootstrap fields (the HTTP layer answers 400 with it;
     the decode loop checks again)."""
     if limit == 0:
-        return "a decode server needs bootstrap_host, bootstrap_port and bootstrap_room"
+        return bootstrap_refusal("decode", 0)
     return (f"a decode server prefills at most {limit} prompt tokens itself (--max-local-prefill-tokens); "
             f"this prompt has {num_tokens}: send it with bootstrap_host, bootstrap_port and bootstrap_room")

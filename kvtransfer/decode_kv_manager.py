@@ -28,7 +28,7 @@ from pdserve.kvtransfer.errors import TransferEngineError
 from pdserve.kvtransfer.head_slices import TPPlace
 from pdserve.kvtransfer.kv_manager import KVManager
 from pdserve.kvtransfer.kv_receiver import KVReceiver
-from pdserve.kvtransfer.prefill_peers import DeadCheck, PeerKey, PrefillPeer, PrefillPeers, fetch_route, probe_dead
+from pdserve.kvtransfer.prefill_peers import DeadCheck, PrefillPeer, PrefillPeers, fetch_route, probe_dead
 from pdserve.kvtransfer.receiver_rooms import ReceiverRooms
 from pdserve.kvtransfer.transfer_engine import TransferEngine
 
@@ -57,19 +57,6 @@ class DecodeKVManager(KVManager):
                                    self._tell)
         self.directory = PrefillPeers(tp, self.kv_heads, self.layout, self.engine.name, self.id, self.endpoint, clock)
         self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap-lookup")
-
-    # what tests and the loops read of the parts
-    @property
-    def receivers(self) -> dict[int, KVReceiver]:
-        return self.rooms.rooms
-
-    @property
-    def peers(self) -> dict[PeerKey, PrefillPeer]:
-        return self.directory.peers
-
-    @property
-    def dead_checks(self) -> list[DeadCheck]:
-        return self.directory.dead_checks
 
     # ---------------------------------------------------------- scheduler API
     def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:

@@ -95,19 +95,10 @@ class PrefillKVManager(KVManager):
         self.registration.start()
         return self
 
-    # what tests, benchmarks and the loops read of the parts
-    @property
-    def senders(self) -> dict[int, KVSender]:
-        return self.rooms.rooms
-
+    # what tests and benchmarks read of the parts
     @property
     def decode_peers(self) -> dict[str, DecodePeer]:
         return self.peers.peers
-
-    @property
-    def silent(self) -> bool:
-        """This rank holds only replicas of KV heads a lower TP rank sends: it writes nothing."""
-        return self.rooms.silent
 
     @property
     def registered(self) -> threading.Event:

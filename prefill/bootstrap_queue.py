@@ -41,9 +41,9 @@ class BootstrapQueue:
         for req, sender in self.entries.values():
             got = sender.num_dst_pages
             if sender.state is KVPoll.WaitingForInput and got is not None:
-                held = sender.num_held_pages
-                want = self.pool.pages_for(req.prompt_len) - held
-                if held < 0 or held >= self.pool.pages_for(req.prompt_len):
+                total, held = self.pool.pages_for(req.prompt_len), sender.num_held_pages
+                want = total - held
+                if held < 0 or held >= total:
                     sender.abort(f"decode holds {held} pages of a {req.prompt_len}-token prompt")
                 elif got != want:
                     sender.abort(f"decode preallocated {got} pages for a {req.prompt_len}-token prompt that needs {want}")

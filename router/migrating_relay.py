@@ -24,7 +24,8 @@ from aiohttp import web
 
 from pdserve.router.errors import RouterError
 from pdserve.router.leg_failure import LegFailure
-from pdserve.router.migration import SSEEvents, Transcript, continuation_body, parse_event, tokens_left
+from pdserve.router.migration import (SSEEvents, Transcript, continuation_body, error_event, parse_event,
+                                      tokens_left)
 from pdserve.router.pairing import Pair, Pairing
 from pdserve.router.upstream import UpstreamError, UpstreamResponse, drain_response
 
@@ -121,9 +122,7 @@ class MigratingRelay:
                     self._note_first()
                     if resp.at_eof():
                         return False
-                    drain = asyncio.ensure_future(drain_response(resp))
-                    self.proxy.background.add(drain)
-                    drain.add_done_callback(self.proxy.background.discard)
+                    self.proxy.keep(asyncio.ensure_future(drain_response(resp)))
                     return True
                 if sends:
                     await out.write(b"".join(sends))
@@ -185,13 +184,8 @@ class MigratingRelay:
         p_body, d_body = Pairing.leg_bodies(body, pair)
         p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, self.path, p_body))
         d_task = asyncio.ensure_future(proxy.open_stream(pair.decode, self.path, d_body))
-        pending = {p_task, d_task}
         try:
-            while d_task in pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if p_task in done and p_task.exception() is not None:
-                    raise p_task.exception()
-            resp, chunk = d_task.result()
+            resp, chunk = await proxy.first_bytes(p_task, d_task)
         except BaseException as e:
             for t in (p_task, d_task):
                 if not t.done():
@@ -203,8 +197,7 @@ class MigratingRelay:
         p_task.add_done_callback(_consume)
         self._open.append(resp)
         if not p_task.done():  # the prefill leg answers once its KV left: let it finish
-            proxy.background.add(p_task)
-            p_task.add_done_callback(proxy.background.discard)
+            proxy.keep(p_task)
         return resp, chunk
 
     async def _prompt(self, pair: Pair) -> list[int]:
@@ -222,16 +215,13 @@ class MigratingRelay:
         return self._prompt_ids
 
     async def _end_with_error(self, out: web.StreamResponse, msg: str) -> None:
-        await out.write_eof(b"data: " + _encode({"error": {
-            "message": msg, "type": "upstream_error", "param": None, "code": 502}}) + b"\n\n" + _DONE)
+        await out.write_eof(error_event(msg))
 
 
 class _LegsFailed(Exception):
     def __init__(self, message: str, endpoint_key: str | None):
         super().__init__(message)
         self.endpoint_key = endpoint_key
-
-
 
 
 def _consume(task: asyncio.Task) -> None:

@@ -134,10 +134,8 @@ class Transcript:
         self.rid: str | None = None
         self.prompt_tokens: int | None = None  # of the original request
         self.migrations = 0
-        self._base_ids = 0  # ids before this leg
+        self._base_ids = 0  # ids before this leg (this leg's output: ``ids[_base_ids:]``)
         self._base_text = 0
-        self._leg_ids: list[int] = []  # this leg's output so far
-        self._leg_text = ""
 
     def new_leg(self, deltas_hint: bool) -> None:
         """The next events come from a continuation: they count after everything so far.
@@ -147,13 +145,12 @@ class Transcript:
             self.deltas = deltas_hint
         self.migrations += 1
         self._base_ids, self._base_text = len(self.ids), len(self.text)
-        self._leg_ids, self._leg_text = [], ""
 
     def _is_delta(self, ids: list, completion_tokens) -> bool:
         if self.deltas is None and isinstance(completion_tokens, int):
             if len(ids) != completion_tokens:
                 self.deltas = True
-            elif self._leg_ids and ids:
+            elif len(self.ids) > self._base_ids and ids:
                 self.deltas = False
         return bool(self.deltas)
 
@@ -170,13 +167,12 @@ class Transcript:
         if not isinstance(text, str):
             text = ""
         delta = self._is_delta(ids, meta.get("completion_tokens"))
-        if delta:
-            self._leg_ids.extend(ids)
-            self._leg_text += text
+        if delta:  # appended: no copy of the answer so far per event
+            self.ids.extend(ids)
+            self.text += text
         else:
-            self._leg_ids, self._leg_text = list(ids), text
-        self.ids[self._base_ids:] = self._leg_ids
-        self.text = self.text[:self._base_text] + self._leg_text
+            self.ids[self._base_ids:] = ids
+            self.text = self.text[:self._base_text] + text
         if meta.get("finish_reason") is not None:
             self.finished = True
         if not self.migrations:
@@ -194,6 +190,12 @@ class Transcript:
             meta["id"] = self.rid
         meta["pdserve_migrations"] = self.migrations
         return b"data: " + _encode(obj) + b"\n\n"
+
+
+def error_event(message: str) -> bytes:
+    """The SSE error event (and [DONE]) that ends a stream whose decode leg failed for good."""
+    return b"data: " + _encode({"error": {"message": message, "type": "upstream_error", "param": None,
+                                          "code": 502}}) + b"\n\n" + b"data: " + _DONE + b"\n\n"
 
 
 def continuation_body(body: dict, prompt_ids: list[int], sent_ids: list[int]) -> dict:

@@ -37,7 +37,7 @@ from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
 from pdserve.router.migrating_relay import MigratingRelay
-from pdserve.router.migration import migratable
+from pdserve.router.migration import error_event, migratable
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
@@ -266,13 +266,7 @@ class PDProxy:
         resp: UpstreamResponse | None = None
         finished = draining = False
         try:
-            # wait for the decode leg's first bytes, unless the prefill leg fails first
-            pending = {p_task, d_task}
-            while d_task in pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if p_task in done and p_task.exception() is not None:
-                    raise p_task.exception()
-            resp, chunk = d_task.result()
+            resp, chunk = await self.first_bytes(p_task, d_task)
             self.metrics.prefills.inc("remote")
             if self.config.migration_limit and migratable(path, body):
                 out, draining = await self._relay_migrating(request, resp, chunk, pair, path, body, t0)
@@ -294,8 +288,23 @@ class PDProxy:
                     t.cancel()
                 t.add_done_callback(_consume)
             if finished and not p_task.done():
-                self.background.add(p_task)
-                p_task.add_done_callback(self.background.discard)
+                self.keep(p_task)
+
+    def keep(self, task: asyncio.Future) -> None:
+        """Keep ``task`` (a leg or a drain outliving its client's stream) until it ends;
+        ``finish_background`` waits for it at shutdown."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def first_bytes(self, p_task: asyncio.Future, d_task: asyncio.Future) -> tuple[UpstreamResponse, bytes]:
+        """Wait for the decode leg's first bytes (``open_stream``), unless the prefill leg fails
+        first (its LegFailure is raised)."""
+        pending = {p_task, d_task}
+        while d_task in pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if p_task in done and p_task.exception() is not None:
+                raise p_task.exception()
+        return d_task.result()
 
     async def finish_background(self, timeout: float) -> int:
         """Wait up to ``timeout`` s for the legs still answering after their client's stream
@@ -325,9 +334,7 @@ class PDProxy:
                     # upstream's end is drained in the background (keeps its connection), where
                     # the client's close cannot cancel it
                     await out.write_eof(chunk)
-                    drain = asyncio.ensure_future(drain_response(resp))
-                    self.background.add(drain)
-                    drain.add_done_callback(self.background.discard)
+                    self.keep(asyncio.ensure_future(drain_response(resp)))
                     draining = True
                     break
                 await out.write(chunk)
@@ -342,9 +349,7 @@ class PDProxy:
             self.metrics.leg_errors.inc(d_ep.worker.url, "decode")
             msg = f"decode worker {d_ep.key} failed mid-stream: {e}"
             log.warning(msg)
-            await out.write_eof(b"data: " + _encode({"error": {
-                "message": msg, "type": "upstream_error", "param": None, "code": 502}})
-                + b"\n\n" + _DONE)
+            await out.write_eof(error_event(msg))
         if first:
             self.metrics.ttft.observe(time.perf_counter() - t0)
         return out, draining

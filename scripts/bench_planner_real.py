@@ -25,31 +25,19 @@ from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig
 from pdserve.engine.planner import profile as prof
 from pdserve.engine.planner.planner_config import PlannerConfig
 from pdserve.engine.planner.planner_process import serve_planner
-from pdserve.engine.planner.profiler import TOKEN_ID_RANGE
+from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, stream_times
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 async def one(session, url, ids, tokens, rec):
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
-    t0 = time.monotonic()
-    times = []
+    t0, start = time.monotonic(), time.perf_counter()
     try:
-        async with session.post(url + "/generate", json=body) as r:
-            seen = 0
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    d = json.loads(line[6:])
-                    if "error" in d:
-                        break
-                    n = d["meta_info"]["completion_tokens"]
-                    times += [time.monotonic()] * (n - seen)
-                    seen = n
-            ok = r.status == 200 and len(times) == tokens
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        ok = False
-    rec.append({"t": t0, "ok": ok, "ttft": times[0] - t0 if times else None,
+        times = await stream_times(session, url, ids, tokens)
+        ok = len(times) == tokens
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError):
+        times, ok = [], False
+    rec.append({"t": t0, "ok": ok, "ttft": times[0] - start if times else None,
                 "itl": (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None})
 
 

@@ -26,7 +26,7 @@ import aiohttp
 from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig
 from pdserve.engine.planner import profile as prof
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, describe
+from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, describe, stream_times
 from pdserve.engine.planner.scaling import Load, predict_itl, predict_ttft
 from pdserve.engine.entrypoints.procs import get_json
 
@@ -34,20 +34,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 async def one(session, url, ids, tokens, out):
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
     t0 = time.perf_counter()
-    times = []
-    async with session.post(url + "/generate", json=body) as r:
-        if r.status != 200:
-            out.append(None)
-            return
-        seen = 0
-        async for line in r.content:
-            if line.startswith(b"data: {"):
-                n = json.loads(line[6:])["meta_info"]["completion_tokens"]
-                times += [time.perf_counter()] * (n - seen)
-                seen = n
+    try:
+        times = await stream_times(session, url, ids, tokens)
+    except RuntimeError:
+        times = []
     if len(times) < 2:
         out.append(None)
         return

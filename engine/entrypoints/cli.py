@@ -103,8 +103,12 @@ _HELP = {
 _TYPES = {"int": int, "float": float, "str": str}
 
 
-def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str], dests: dict[str, str] | None = None) -> None:
-    """A flag per field in ``names``; ``dests`` renames a field's flag (``--`` + dest)."""
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str], dests: dict[str, str] | None = None,
+                        helps: dict[str, str] | None = None, choices: dict[str, object] | None = None) -> None:
+    """A flag per field in ``names``, its type and default the field's; ``dests`` renames a field's
+    flag (``--`` + dest); ``helps`` (by dest) and ``choices`` (by field name) default to serve's."""
+    helps = _HELP if helps is None else helps
+    choices = _CHOICES if choices is None else choices
     by_name = {f.name: f for f in dataclasses.fields(cls)}
     for name in names:
         f = by_name[name]
@@ -112,7 +116,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str],
         dest = (dests or {}).get(name, name)
         flag = "--" + dest.replace("_", "-")
         type_str = str(f.type).replace(" ", "")  # annotations are strings (from __future__)
-        help_ = _HELP.get(dest, "")
+        help_ = helps.get(dest, "")
         if type_str == "bool":
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
@@ -124,7 +128,7 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str],
             dest=dest,
             type=_TYPES[base],
             default=default,
-            choices=_CHOICES.get(name),
+            choices=choices.get(name),
             help=f"{help_} (default: {default})".strip(),
         )
 
@@ -132,11 +136,11 @@ def _add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str],
 def build_serve_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(allow_abbrev=False, prog="pdserve serve", description="Run a pdserve engine server.")
     engine_group = parser.add_argument_group("engine")
-    _add_dataclass_flags(engine_group, EngineConfig, [f.name for f in dataclasses.fields(EngineConfig)])
+    add_dataclass_flags(engine_group, EngineConfig, [f.name for f in dataclasses.fields(EngineConfig)])
     server_group = parser.add_argument_group("server")
-    _add_dataclass_flags(server_group, ServerConfig, ServerConfig.server_field_names())
+    add_dataclass_flags(server_group, ServerConfig, ServerConfig.server_field_names())
     kv_group = parser.add_argument_group("disaggregation KV transfer")
-    _add_dataclass_flags(kv_group, KVTransferConfig, list(KV_FLAGS), KV_FLAGS)
+    add_dataclass_flags(kv_group, KVTransferConfig, list(KV_FLAGS), KV_FLAGS)
     return parser
 
 

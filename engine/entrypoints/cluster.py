@@ -396,6 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_serve_flags(flags: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser], prog: str) -> None:
+    """Parse ``flags`` as `pdserve serve`'s (exits with its usage error, under ``prog``), so a typo in
+    the flags passed on to servers fails before anything starts."""
+    serve_parser = build_serve_parser()
+    serve_parser.prog = prog
+    serve_parser.parse_args(flags)
+
+
 def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> LaunchConfig:
     """LaunchConfig from the command line; ValueError with a clear message on a bad value.
 
@@ -404,10 +412,7 @@ def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse
     parser = build_parser()
     ns, rest = parser.parse_known_args(argv)
     if rest:
-        # check the pass-through flags now, so a typo fails before anything starts
-        serve_parser = build_serve_parser()
-        serve_parser.prog = "pdserve launch (flags passed to every server)"
-        serve_parser.parse_args(rest)
+        check_serve_flags(rest, build_serve_parser, "pdserve launch (flags passed to every server)")
     kwargs = {k: v for k, v in vars(ns).items() if k != "router_arg"}
     return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)
 

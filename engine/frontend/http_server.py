@@ -1,6 +1,6 @@
 """The engine server's HTTP API (aiohttp): SGLang's and OpenAI's endpoints.
 
-Handlers decode and validate the body (``protocol``), hand the sequences to the
+Handlers decode and validate the body (``request_schemas``, ``value_checks``, ``sequences``), hand the sequences to the
 tokenizer manager, and shape what comes back (``openai_api``). Every error
 leaves as OpenAI's error object. A middleware checks the API key and the body
 size and counts requests for /metrics.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from pdserve.engine.mem_cache import storage_backend
+
 WRITE_POLICIES = ("write_through", "write_back", "write_through_selective")
-STORAGE_BACKENDS = ("file", "mooncake")
+STORAGE_BACKENDS = tuple(storage_backend.STORAGE_BACKENDS)  # the registry's names
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 

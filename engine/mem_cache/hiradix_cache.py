@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 from pdserve.engine.mem_cache.hicache_names import WRITE_POLICIES
 from pdserve.engine.mem_cache.host_pool import HostKVPool
-from pdserve.engine.mem_cache.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import RadixCache, TreeNode
 
@@ -143,12 +142,7 @@ class HiRadixCache(RadixCache):
                 self.stats.host_hit_pages += 1
         self._num_nodes += n
         self._evictable += n
-        if chain and self.record_events:
-            self.events.append(BlockStored(
-                block_hashes=[c.hash for c in chain], parent_block_hash=chain[0].parent.hash,
-                token_ids=[t for c in chain for t in c.key], block_size=self.page_size, lora_id=None,
-                medium=MEDIUM,
-            ))
+        self._record_stored(chain)
         return (chain[-1] if chain else node), pages
 
     # -------------------------------------------------------------- insertion
@@ -263,14 +257,9 @@ class HiRadixCache(RadixCache):
         return dropped
 
     def flush(self):
-        removed = self._evict(self.evictable_pages)
+        freed = super().flush()  # L1, and its events (those of the L1 tier)
         self._evict_host(self.host.num_used)
-        if self.record_events:
-            if self._num_nodes == 0:
-                self.events.append(AllBlocksCleared())
-            elif removed:
-                self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
-        return len(removed)
+        return freed
 
     # ------------------------------------------------------------------ state
     @property

@@ -18,8 +18,9 @@ Failures raise ``StorageError``; a missing object is ``None``, not an error.
 from __future__ import annotations
 
 import importlib
-import json
 from abc import ABC, abstractmethod
+
+from pdserve.engine.json_flags import json_object
 
 
 class StorageError(RuntimeError):
@@ -51,15 +52,7 @@ STORAGE_BACKENDS = {
 
 def parse_extra_config(text: str | None) -> dict:
     """``--hicache-storage-backend-extra-config``: a JSON object (ValueError names the flag)."""
-    if not text:
-        return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"hicache_storage_backend_extra_config is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("hicache_storage_backend_extra_config must be a JSON object")
-    return value
+    return json_object(text, "hicache_storage_backend_extra_config")
 
 
 def create_storage_backend(name: str, extra: dict) -> StorageBackend:

@@ -71,7 +71,7 @@ def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, de
                    weights_bytes: int = 0, ranks: int = 1) -> int:
     """This rank's pool in pages, the reserved scratch page 0 included (``rank_pool_size``'s arguments)."""
     return rank_pool_size(config, arch, dtype, device, num_kv_heads, free_at_start, weights_bytes,
-                          ranks).tokens // config.page_size + 1
+                          ranks).num_pages(config.page_size)
 
 
 def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
@@ -123,7 +123,7 @@ class ModelRunner:
         weights_bytes = tensor_bytes(self.model)
         size = rank_pool_size(config, arch, self.dtype, self.device, tp.num_kv_heads, free_at_start,
                               weights_bytes, ranks)
-        num_pages = all_reduce_min(size.tokens // config.page_size + 1)  # + the reserved scratch page 0
+        num_pages = all_reduce_min(size.num_pages(config.page_size))
         self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
                                   arch.head_dim, self.dtype, self.device, config.quantization)
         self.attn_backend = create_attention_backend(

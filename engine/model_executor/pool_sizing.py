@@ -37,6 +37,10 @@ class PoolSize:
     tokens: int
     rule: str
 
+    def num_pages(self, page_size: int) -> int:
+        """The pool's pages of ``page_size`` tokens, the reserved scratch page 0 included."""
+        return self.tokens // page_size + 1
+
 
 def size_pool(*, max_total_tokens: int | None, mem_fraction_static: float | None, device_type: str,
               per_token_bytes: int, weights_bytes: int, max_context_len: int, max_running_requests: int,

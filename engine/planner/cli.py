@@ -15,6 +15,8 @@ import os
 import sys
 from collections.abc import Callable
 
+from pdserve.engine.entrypoints.cluster import check_serve_flags
+from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
 from pdserve.engine.planner import profile as prof
 from pdserve.engine.planner.profiler import FULL, SHORT, measure
 
@@ -52,9 +54,7 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
     if ns.url and serve_args:
         parser.error(f"with --url no server is started: {serve_args} would be ignored")
     if serve_args:
-        sp = build_serve_parser()
-        sp.prog = "pdserve profile (flags of the server it starts)"
-        sp.parse_args(serve_args)
+        check_serve_flags(serve_args, build_serve_parser, "pdserve profile (flags of the server it starts)")
         for flag in ("--host", "--port", "--disaggregation-mode"):
             if any(a.split("=")[0] == flag for a in serve_args):
                 parser.error(f"{flag} is set by profile itself")
@@ -66,8 +66,6 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
     proc = None
     url = ns.url
     if url is None:
-        from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, wait_healthy
-
         port = free_port()
         log_path = os.path.splitext(ns.output)[0] + ".server.log"
         argv_s = [sys.executable, "-m", "pdserve.engine", "--host", "127.0.0.1", "--port", str(port), *serve_args]
@@ -80,7 +78,7 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
             wait_healthy(url, proc, ns.startup_timeout, name="the server", log=lambda: log_tail(log_path))
         except (RuntimeError, TimeoutError) as e:
             print(f"pdserve profile: error: {e}", file=sys.stderr)
-            _stop(proc)
+            stop_group(proc)
             return 1
     try:
         server, prefill, decode = asyncio.run(measure(url, plan, ns.seed))
@@ -89,7 +87,7 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
         return 1
     finally:
         if proc is not None:
-            _stop(proc)
+            stop_group(proc)
     note = f"pdserve profile --mode {ns.mode}" + (f" --cpus {ns.cpus}" if ns.cpus else "") + \
         (f" {' '.join(serve_args)}" if serve_args else "")
     profile = prof.new_profile(server, prefill, decode, note=note)
@@ -99,12 +97,6 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
     png = plot_profile(profile, ns.plot or os.path.splitext(ns.output)[0] + ".png")
     print(f"[profile] wrote {ns.output} and {png}", flush=True)
     return 0
-
-
-def _stop(proc) -> None:
-    from pdserve.engine.entrypoints.procs import stop_group
-
-    stop_group(proc)
 
 
 # --- plan ---------------------------------------------------------------------------------------
@@ -200,6 +192,7 @@ _PLANNER_HELP = {
 def build_planner_parser() -> argparse.ArgumentParser:
     import dataclasses
 
+    from pdserve.engine.entrypoints.cli import add_dataclass_flags
     from pdserve.engine.planner.connector import CONNECTORS
     from pdserve.engine.planner.planner_config import PlannerConfig
     from pdserve.engine.planner.predictor import PREDICTORS
@@ -207,19 +200,8 @@ def build_planner_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve planner", allow_abbrev=False,
                                 description="Scale the prefill and decode pools to the SLOs. With --connector local, "
                                             "other flags go to the `pdserve serve` of each server it starts.")
-    choices = {"connector": list(CONNECTORS), "predictor": list(PREDICTORS)}
-    for f in dataclasses.fields(PlannerConfig):
-        if f.name == "serve_args":
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        t = str(f.type).replace(" ", "")
-        help_ = _PLANNER_HELP.get(f.name, "")
-        if t == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_)
-        else:
-            typ = {"int": int, "float": float, "str": str}[t.split("|")[0]]
-            p.add_argument(flag, type=typ, default=f.default, choices=choices.get(f.name),
-                           help=f"{help_} (default: {f.default})".strip())
+    add_dataclass_flags(p, PlannerConfig, [f.name for f in dataclasses.fields(PlannerConfig) if f.name != "serve_args"],
+                        helps=_PLANNER_HELP, choices={"connector": list(CONNECTORS), "predictor": list(PREDICTORS)})
     return p
 
 
@@ -231,9 +213,7 @@ def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argpars
     if rest:
         if ns.connector != "local":
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        sp = build_serve_parser()
-        sp.prog = "pdserve planner (flags of the servers it starts)"
-        sp.parse_args(rest)
+        check_serve_flags(rest, build_serve_parser, "pdserve planner (flags of the servers it starts)")
     return PlannerConfig(serve_args=tuple(rest), **vars(ns))
 
 

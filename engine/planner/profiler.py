@@ -78,8 +78,9 @@ async def measure_ttft(session: aiohttp.ClientSession, url: str, n: int, rng: ra
     return time.perf_counter() - t0
 
 
-async def _stream_times(session: aiohttp.ClientSession, url: str, ids: list[int], tokens: int) -> list[float]:
-    """The arrival time of each token of one streaming request."""
+async def stream_times(session: aiohttp.ClientSession, url: str, ids: list[int], tokens: int) -> list[float]:
+    """The arrival time (``time.perf_counter``) of each token of one streaming ``/generate`` of
+    ``ids`` and ``tokens`` new tokens (``ignore_eos``); RuntimeError on a refusal or an error event."""
     times = []
     async with session.post(url + "/generate", json=_body(ids, tokens, True)) as r:
         if r.status != 200:
@@ -89,7 +90,10 @@ async def _stream_times(session: aiohttp.ClientSession, url: str, ids: list[int]
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
             now = time.perf_counter()
-            n = json.loads(line[6:])["meta_info"]["completion_tokens"]
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"/generate stream ended with an error: {event['error']}")
+            n = event["meta_info"]["completion_tokens"]
             times += [now] * (n - seen)  # a chunk of several tokens: they arrived together
             seen = n
     return times
@@ -97,7 +101,7 @@ async def _stream_times(session: aiohttp.ClientSession, url: str, ids: list[int]
 
 async def measure_itl(session: aiohttp.ClientSession, url: str, batch: int, context: int, tokens: int,
                       rng: random.Random) -> float:
-    runs = await asyncio.gather(*(_stream_times(session, url, _ids(rng, context), tokens) for _ in range(batch)))
+    runs = await asyncio.gather(*(stream_times(session, url, _ids(rng, context), tokens) for _ in range(batch)))
     start = max(t[0] for t in runs)  # every sequence decoding from here ...
     end = min(t[-1] for t in runs)  # ... to here
     gaps = [b - a for t in runs for a, b in zip(t, t[1:]) if a >= start and b <= end]

@@ -80,16 +80,13 @@ def load_weights(model: Any, weights: dict[str, torch.Tensor],
     linears = [(path, m) for path, m in iter_modules(model) if isinstance(m, LinearBase)]
     if q8_0:  # first, so that each linear can prepare its forms once its dense parts are in
         _load_q8_0(model, weights, q8_0, linears)
-    ignored = getattr(model, "ignored_weights", ())
     for name, tensor in weights.items():
-        if name.endswith(ignored):
-            continue
         layer, param, shard_id, expert_id = resolve(model, name)
         if expert_id is None:
             layer.weight_loader(param, tensor, shard_id)
         else:
             layer.weight_loader(param, tensor, shard_id, expert_id)
-    for name, source in getattr(model, "tied_weights", {}).items():
+    for name, source in model.tied_weights.items():
         if name not in weights:
             layer, _, _, _ = resolve(model, name)
             layer.tie(resolve(model, source)[0])
@@ -103,7 +100,7 @@ def load_weights(model: Any, weights: dict[str, torch.Tensor],
 def _load_q8_0(model: Any, weights: dict[str, torch.Tensor], q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]],
                linears: list[tuple[str, LinearBase]]) -> None:
     names = dict(q8_0)
-    for name, source in getattr(model, "tied_weights", {}).items():
+    for name, source in model.tied_weights.items():
         if name not in weights and source in q8_0:
             names[name] = q8_0[source]
     for name, (q, d) in names.items():

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
-from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan
+from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.loader import load_weights
+from pdserve.engine.model_executor.layers.vocab import ParallelLMHead
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.parallel import HeadShard
 from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
@@ -36,6 +37,18 @@ class CausalLM(ABC):
     def load_weights(self, weights: dict[str, torch.Tensor],
                      q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         load_weights(self, weights, q8_0)
+
+    def no_logits(self) -> torch.Tensor:
+        """The logits of a step that samples no row (a middle chunk of a chunked prefill): [0, vocab]."""
+        return torch.empty(0, self.arch.vocab_size, dtype=torch.float32, device=self.plan.device)
+
+    def sampled_logits(self, h: torch.Tensor, batch: ForwardBatch, norm: Any, lm_head: ParallelLMHead) -> torch.Tensor:
+        """The LM head over the sampled rows (``batch.logits_indices``) of the last layer's h
+        [T, hidden], normed by ``norm``: float32 [num_sampled, vocab]."""
+        if batch.logits_indices.numel() == 0:
+            return self.no_logits()
+        h = h.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
+        return lm_head.forward(norm.forward(h), Step(h.shape[0], batch.is_decode))
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,

@@ -175,10 +175,7 @@ class Gemma3ForCausalLM(CausalLM):
             h = layer.forward(h, step, attn, batch)
             if after_layer is not None:
                 after_layer(i)
-        if batch.logits_indices.numel() == 0:  # a middle chunk of a chunked prefill
-            return torch.empty(0, self.arch.vocab_size, dtype=torch.float32, device=h.device)
-        h = h.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
-        logits = self.lm_head.forward(model.norm.forward(h), Step(h.shape[0], batch.is_decode))
+        logits = self.sampled_logits(h, batch, model.norm, self.lm_head)
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -123,5 +123,5 @@ class LlamaForCausalLM(CausalLM):
         for layer in layers:  # past the last attention only the sampled rows matter
             h = layer.forward(h, step, attn, after_layer, batch.logits_indices if layer is layers[-1] else None)
         if h is None:  # a middle chunk of a chunked prefill: its K/V alone
-            return torch.empty(0, self.arch.vocab_size, dtype=torch.float32, device=self.plan.device)
+            return self.no_logits()
         return self.lm_head.forward(self.model.norm.forward(h), step)  # h: [num_sampled, hidden]

@@ -46,7 +46,7 @@ class MoeConfig:
 class Qwen3MoeAttention:
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, layer_id: int, rotary: RotaryEmbedding):
         D = arch.head_dim
-        self.heads, self.kv_heads = tp.num_heads, tp.num_kv_heads
+        self.heads, self.kv_heads, self.head_dim = tp.num_heads, tp.num_kv_heads, D
         self.qkv_proj = QKVParallelLinear(plan, arch.hidden_size, D, tp)
         self.qk_norm = QKNorm(plan, tp.num_heads, tp.num_kv_heads, D, arch.rms_norm_eps)
         self.o_proj = RowParallelLinear(plan, arch.num_heads * D, arch.hidden_size, tp)
@@ -55,9 +55,8 @@ class Qwen3MoeAttention:
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: Step, attn: AttentionBackend) -> torch.Tensor:
         """x [T, hidden] (normed) -> h + o_proj(attention), [T, hidden]."""
-        T, H, KVH = x.shape[0], self.heads, self.kv_heads
+        T, H, KVH, D = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x, step)  # [T, (H + 2 KVH) D]
-        D = qkv.shape[1] // (H + 2 * KVH)
         qk = self.rotary.forward(self.qk_norm.forward(qkv[:, : (H + KVH) * D].view(T, H + KVH, D)))
         v = qkv[:, (H + KVH) * D :].view(T, KVH, D)
         o = self.attn.forward(qk[:, :H], qk[:, H:], v, attn)  # [T, H D]
@@ -128,7 +127,4 @@ class Qwen3MoeForCausalLM(CausalLM):
             h = layer.forward(h, step, attn)
             if after_layer is not None:
                 after_layer(i)
-        if batch.logits_indices.numel() == 0:  # a middle chunk of a chunked prefill
-            return torch.empty(0, self.arch.vocab_size, dtype=torch.float32, device=h.device)
-        h = h.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
-        return self.lm_head.forward(model.norm.forward(h), Step(h.shape[0], batch.is_decode))
+        return self.sampled_logits(h, batch, model.norm, self.lm_head)

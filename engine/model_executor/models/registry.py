@@ -15,6 +15,7 @@ from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.parallel import HeadShard, head_shard
+from pdserve.engine.quantization_names import UNQUANTIZED
 
 _MODELS: dict[str, type[CausalLM]] = {}
 _NOT_MODELS = {"base", "registry"}
@@ -51,7 +52,7 @@ def model_class(architecture: str) -> type[CausalLM]:
 
 
 def build_model(arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                prepack: bool = False, tp: HeadShard | None = None, quantization: str = "none", gemv: bool = True,
+                prepack: bool = False, tp: HeadShard | None = None, quantization: str = UNQUANTIZED, gemv: bool = True,
                 fused_decode: bool = True, gemm: bool = True,
                 q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> CausalLM:
     """``arch``'s model with ``weights`` loaded (HF names), its kernels chosen
