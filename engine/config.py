@@ -13,6 +13,7 @@ from pdserve.engine.mem_cache.hicache_names import check_hicache
 from pdserve.engine.mem_cache.storage_backend import parse_extra_config
 from pdserve.engine.model_executor.chat_templates import check_chat_template
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
+from pdserve.engine.speculative_names import check_speculative
 from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -82,6 +83,16 @@ class EngineConfig:
     random_seed: int = 0  # seeds the draws of requests that give no seed (SGLang's flag)
     # one JSON line per request with its stages and their times (SGLang's flag; sched/request_log.py)
     log_requests: bool = False
+    # speculative decoding (SGLang's flags; docs/SPECULATIVE.md): a proposer guesses up to
+    # speculative_num_draft_tokens tokens per sequence and one verify step scores them all.
+    # None: off. NGRAM: prompt lookup, no second model. STANDALONE: a draft model
+    # (speculative_draft_model_path; None: the target itself, in speculative_draft_quantization)
+    speculative_algorithm: str | None = None
+    speculative_num_draft_tokens: int = 4
+    speculative_draft_model_path: str | None = None
+    speculative_draft_quantization: str | None = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -112,6 +123,9 @@ class EngineConfig:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
         check_attention_backend(self.attention_backend)
         check_quantization(self.quantization)
+        check_speculative(self.speculative_algorithm, self.speculative_num_draft_tokens,
+                          self.speculative_draft_model_path, self.speculative_draft_quantization,
+                          self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size)
 
     @classmethod
     def field_names(cls) -> set[str]:

