@@ -21,7 +21,7 @@ from pdserve.engine.model_executor.layers import (Attention, KernelPlan, MergedC
                                                   QKVParallelLinear, RotaryEmbedding, RowParallelLinear, Step,
                                                   VocabEmbedding, rope_inv_freq)
 from pdserve.engine.model_executor.layers.gemma_norm import GemmaRMSNorm
-from pdserve.engine.model_executor.layers.sliding_window import SlidingWindowAttention
+from pdserve.engine.model_executor.layers.sliding_window import SlidingWindowAttention, SlidingWindowStep
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.models.registry import register_model
@@ -70,7 +70,7 @@ class GemmaConfig:
 
 class Gemma3Attention:
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, layer_id: int, rotary: RotaryEmbedding,
-                 gemma: GemmaConfig):
+                 gemma: GemmaConfig, window: SlidingWindowStep | None):
         D = arch.head_dim
         self.heads, self.kv_heads, self.head_dim = tp.num_heads, tp.num_kv_heads, D
         self.scaling = gemma.scaling
@@ -80,7 +80,7 @@ class Gemma3Attention:
         self.o_proj = RowParallelLinear(plan, arch.num_heads * D, arch.hidden_size, tp)
         self.rotary = rotary
         if gemma.sliding[layer_id]:
-            self.attn = SlidingWindowAttention(tp.num_heads, tp.num_kv_heads, D, layer_id, gemma.window)
+            self.attn = SlidingWindowAttention(tp.num_heads, tp.num_kv_heads, D, layer_id, window)
         else:
             self.attn = Attention(tp.num_heads, tp.num_kv_heads, D, layer_id)
 
@@ -116,10 +116,10 @@ class Gemma3MLP:
 
 class Gemma3DecoderLayer:
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, layer_id: int, rotary: RotaryEmbedding,
-                 gemma: GemmaConfig):
+                 gemma: GemmaConfig, window: SlidingWindowStep | None):
         hidden, eps = arch.hidden_size, arch.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(plan, hidden, eps)
-        self.self_attn = Gemma3Attention(arch, plan, tp, layer_id, rotary, gemma)
+        self.self_attn = Gemma3Attention(arch, plan, tp, layer_id, rotary, gemma, window)
         self.post_attention_layernorm = GemmaRMSNorm(plan, hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(plan, hidden, eps)
         self.mlp = Gemma3MLP(arch, plan, tp)
@@ -141,8 +141,11 @@ class Gemma3Model:
         self.embed_tokens = VocabEmbedding(plan, arch.vocab_size, arch.hidden_size)
         # transformers multiplies by sqrt(hidden) rounded to the model dtype
         self.normalizer = torch.tensor(arch.hidden_size**0.5, dtype=plan.dtype)
+        # the sliding layers' per-step plan, built once per step (None: no sliding layer)
+        self.window = SlidingWindowStep(gemma.window) if any(gemma.sliding) else None
         self.layers = [Gemma3DecoderLayer(arch, plan, tp, i,
-                                          self.local_rotary if gemma.sliding[i] else self.global_rotary, gemma)
+                                          self.local_rotary if gemma.sliding[i] else self.global_rotary, gemma,
+                                          self.window)
                        for i in range(arch.num_layers)]
         self.norm = GemmaRMSNorm(plan, arch.hidden_size, arch.rms_norm_eps)
 
@@ -170,6 +173,8 @@ class Gemma3ForCausalLM(CausalLM):
         model = self.model
         model.local_rotary.begin_step(batch.positions)
         model.global_rotary.begin_step(batch.positions)
+        if model.window is not None:
+            model.window.begin_step(batch, attn.page_pool.page_size)
         h = model.embed_tokens.forward(batch.input_ids) * model.normalizer  # [T, hidden]
         for i, layer in enumerate(model.layers):
             h = layer.forward(h, step, attn, batch)
