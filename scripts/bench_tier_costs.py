@@ -11,7 +11,11 @@ prompts of ``--prompt-len`` random token ids, each prompt's pages sitting in:
 
 Each is timed ``--repeats`` times (median end-to-end latency). A tier's worth is
 ``1 - (t_tier - t_pool) / (t_cold - t_pool)``: the share of the compute a hit
-there saves (the pool's is 1 by construction); the last line prints both.
+there saves (the pool's is 1 by construction). On a busy machine the end-to-end
+differences drown in noise, so the cache's own timers of the moves (the copy
+from host memory, the store's fetch: ``TierStats.host_read_s``,
+``StorageStats.get_s``) are also reported per page, against the compute per
+page; the last line prints both estimates.
 
     .venv/bin/python scripts/bench_tier_costs.py --prompt-len 512 --repeats 3
 """
@@ -65,25 +69,44 @@ def main() -> None:
             def puts_done() -> bool:
                 return engine.loop.cache.storage.idle()
 
+            def timers() -> tuple[float, float, int, int]:
+                c = engine.loop.cache
+                return c.stats.host_read_s, c.storage.stats.get_s, c.stats.host_hit_pages, c.storage.stats.get_pages
+
+            moves = {"host": [0.0, 0], "store": [0.0, 0]}  # seconds and pages of the loads, per tier
+
             timed(engine, [rng.randrange(1000, 20000) for _ in range(64)], None)  # warm-up
             for _ in range(args.repeats):
                 prompt = [rng.randrange(1000, 20000) for _ in range(args.prompt_len)]
                 times["cold"].append(timed(engine, prompt, None))
                 times["pool"].append(timed(engine, prompt, full))
                 engine.call(evict_pool)
+                read0, _, hits0, _ = engine.call(timers)
                 times["host"].append(timed(engine, prompt, full))
+                read1, get1, hits1, got1 = engine.call(timers)
+                moves["host"][0] += read1 - read0
+                moves["host"][1] += hits1 - hits0
                 while not engine.call(puts_done):
                     time.sleep(0.05)
                 time.sleep(0.1)  # the last put may still be writing
                 engine.flush_cache()
                 times["store"].append(timed(engine, prompt, full))
+                read2, get2, _, got2 = engine.call(timers)
+                moves["store"][0] += (get2 - get1) + (read2 - read1)  # fetch, then the copy into the pool
+                moves["store"][1] += got2 - got1
     med = {k: statistics.median(v) for k, v in times.items()}
     compute = med["cold"] - med["pool"]
+    per_page = compute / (full // page)
     worth = {k: 1 - (med[k] - med["pool"]) / compute for k in ("host", "store")}
     for k, v in times.items():
         print(f"{k:<6} median {med[k] * 1000:8.1f} ms  runs {', '.join(f'{t * 1000:.1f}' for t in v)}")
+    load = {k: s / max(n, 1) for k, (s, n) in moves.items()}
+    for k in ("host", "store"):
+        print(f"{k:<6} load {load[k] * 1000:.3f} ms a page ({moves[k][1]} pages) against {per_page * 1000:.1f} ms "
+              f"of compute a page")
     print(f"prompt {args.prompt_len} tokens ({full // page} pages): compute {compute * 1000:.1f} ms; "
-          f"worth host {worth['host']:.3f} store(file) {worth['store']:.3f}")
+          f"worth end-to-end host {worth['host']:.3f} store(file) {worth['store']:.3f}; "
+          f"by the move timers host {1 - load['host'] / per_page:.4f} store(file) {1 - load['store'] / per_page:.4f}")
 
 
 if __name__ == "__main__":
