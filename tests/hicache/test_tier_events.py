@@ -6,6 +6,7 @@ tier, which pages sit in the pool ("GPU"), in host memory ("CPU") and were put i
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -122,7 +123,9 @@ def test_a_store_hit_is_stored_in_host_then_in_the_pool(tmp_path):
     tokens = list(range(200, 213))  # 3 full pages + 1 token
     pool_a, a = make(str(tmp_path))
     put(a, pool_a, tokens)
-    settle(a)
+    deadline = time.monotonic() + 30
+    while a.storage.stats.put_pages < 3 and time.monotonic() < deadline:  # written, not just queued
+        time.sleep(0.01)
     assert [(type(e), e.medium) for e in a.drain_events()] == [
         (BlockStored, "GPU"), (BlockStored, "CPU"), (BlockStored, "STORAGE")]
     _, b = make(str(tmp_path))
