@@ -18,7 +18,7 @@ of mixed engines is read alike:
 A prompt's blocks are a chain (each hash covers its parent), so only a
 worker's leading run of blocks held in some tier is of use; ``tier_credit``
 sums the weights of that run, each block at the best tier that holds it.
-Why these weights: docs/ROUTER.md ("Tiers").
+Why these weights: docs/ROUTER.md ("Tiers and decode workers").
 """
 
 from __future__ import annotations
