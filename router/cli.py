@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-aware", action="store_true", default=_D["dp_aware"])
     p.add_argument("--kv-overlap-score-weight", type=float, default=_D["kv_overlap_score_weight"])
     p.add_argument("--kv-events-timeout-secs", type=float, default=_D["kv_events_timeout_secs"])
+    p.add_argument("--kv-host-cache-hit-weight", type=float, default=_D["kv_host_cache_hit_weight"],
+                   help="kv_aware: a block in a worker's host memory against one in its KV pool (1.0)")
+    p.add_argument("--kv-storage-cache-hit-weight", type=float, default=_D["kv_storage_cache_hit_weight"],
+                   help="kv_aware: a block in the store shared by every worker against one in a KV pool (1.0)")
     p.add_argument("--tokenizer-path", default=_D["tokenizer_path"],
                    help="the workers' tokenizer (kv_aware, --local-prefill-max-tokens); default: the tokenizer_path "
                         "or model_path of a worker's /server_info")

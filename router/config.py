@@ -53,6 +53,11 @@ class RouterConfig:
     # workers' model (None: their /server_info model_path, else the default model)
     kv_overlap_score_weight: float = 1.0
     kv_events_timeout_secs: float = 60.0
+    # kv_aware's tiers (router/kv_tiers.py): what a block in a worker's host memory, and one in
+    # the store every worker reads, saves against computing it (a pool block saves 1); Dynamo's
+    # --router-host-cache-hit-weight and --router-disk-cache-hit-weight (docs/ROUTER.md: why)
+    kv_host_cache_hit_weight: float = 0.8
+    kv_storage_cache_hit_weight: float = 0.5
     tokenizer_path: str | None = None
     # conditional disaggregation: a prompt of at most this many tokens (kv_aware: uncached on the
     # decode worker) goes to a decode worker alone, which prefills it itself, under any prefill
@@ -121,6 +126,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_overlap_score_weight < 0:
             raise ValueError(f"kv_overlap_score_weight must be >= 0, got {self.kv_overlap_score_weight}")
+        for name in ("kv_host_cache_hit_weight", "kv_storage_cache_hit_weight"):
+            if not 0.0 <= getattr(self, name) <= 1.0:  # a lower tier saves at most what the pool does
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0.0 <= self.cache_threshold <= 1.0:
             raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
         if self.balance_rel_threshold < 1.0:

@@ -1,18 +1,23 @@
-"""``kv_aware``: prefill routing on the workers' own KV events.
+"""``kv_aware``: routing on the workers' own KV events, for prefill and decode workers alike.
 
-The policy subscribes to every prefill worker's KV events (the endpoints come
-from the worker's ``/server_info``, ``kv_events_endpoints``), keeps one
-``KVIndex`` of block hash -> endpoints, tokenizes each prompt as the workers do
-(the same tokenizer and chat template, loaded from the model's files: the
+The policy subscribes to every worker of its role (the endpoints come from the
+worker's ``/server_info``, ``kv_events_endpoints``), keeps one ``KVIndex`` of
+block hash -> endpoints per tier, tokenizes each prompt as the workers do (the
+same tokenizer and chat template, loaded from the model's files: the
 ``--tokenizer-path`` flag, else the workers' ``model_path``, else the default
 model) and hashes its full pages the way the workers' radix caches do.
 
 Choice, after NVIDIA Dynamo's KV router cost (lower wins)::
 
     cost(e) = overlap_weight * uncached_blocks(e) + load(e) * avg_uncached_blocks
+    uncached_blocks(e) = blocks - sum over e's leading cached blocks of weight(tier)
 
-``uncached_blocks(e)`` is this prompt's blocks that ``e`` does not hold;
-``load(e) * avg_uncached_blocks`` estimates the prefill work queued on ``e``
+A block in ``e``'s pool saves all of its compute (weight 1), one in its host
+memory all but a copy (``--kv-host-cache-hit-weight``), one in the store shared
+by every worker all but a fetch (``--kv-storage-cache-hit-weight``; it counts
+for every worker, so it narrows the lead of a worker that holds the prefix
+itself); ``router/kv_tiers.py`` reads the tiers, docs/ROUTER.md says why these
+weights. ``load(e) * avg_uncached_blocks`` estimates the work queued on ``e``
 (requests in flight times the mean uncached blocks of routed requests). Dynamo
 adds the worker's active decode blocks (memory pressure); a prefill worker
 holds none once its KV has left, so that term is absent here. The weight is
@@ -20,6 +25,12 @@ holds none once its KV has left, so that term is absent here. The weight is
 prefill compute ahead of this request's first token, so their sum estimates
 its TTFT in one unit. Ties go to the endpoint with less load, then fewer cached
 blocks (the most room), so new prefix groups spread across workers.
+
+As the decode policy (``--decode-policy kv_aware``) the same cost picks the
+decode worker whose prefix cache holds the most of the prompt: a decode server
+keeps each finished sequence (prompt and answer) in its cache and tells the
+prefill how many leading pages it holds, so the next turn of a conversation,
+routed back to it, crosses from the prefill with its new pages only.
 
 Until a worker's events and the tokenizer are known, or for a prompt it cannot
 tokenize (a batch), the policy falls back to ``cache_aware`` (text only).
@@ -38,6 +49,7 @@ from pdserve.engine.mem_cache.kv_events import block_hashes
 from pdserve.router.cache_aware_policy import CacheAwarePolicy
 from pdserve.router.config import RouterConfig
 from pdserve.router.kv_index import KVIndex
+from pdserve.router.kv_tiers import Tier, TierWeights, tier_credit
 from pdserve.router.kv_subscriber import EventSource, KVEventSubscriber
 from pdserve.router.policy import C, Policy
 
@@ -56,9 +68,10 @@ def kv_cost(uncached_blocks: int, load: int, avg_uncached_blocks: float, overlap
     return overlap_weight * uncached_blocks + load * avg_uncached_blocks
 
 
-def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, int], num_blocks: int,
+def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, float], num_blocks: int,
                       avg_uncached_blocks: float, overlap_weight: float, cached: dict[str, int]) -> C:
-    """The endpoint of lowest ``kv_cost``; ties: less load, then fewer cached blocks, then order."""
+    """The endpoint of lowest ``kv_cost``, ``overlaps`` being each one's credited blocks
+    (``tier_credit``); ties: less load, then fewer cached blocks, then order."""
     def rank(ie):
         i, e = ie
         cost = kv_cost(num_blocks - overlaps.get(e.key, 0), e.load, avg_uncached_blocks, overlap_weight)
@@ -68,13 +81,16 @@ def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, int], num_bloc
 
 
 def prompt_ids(tokenizer, body: dict) -> list[int] | None:
-    """The prompt's token ids as the worker computes them; None for a batch or an unknown shape."""
+    """The prompt's token ids as the worker computes them; None for a batch, an unknown shape, or
+    text without a ``tokenizer`` (None: not loaded; a prompt of token ids needs none)."""
     from pdserve.engine.frontend.sequences import ChatPrompt
     from pdserve.engine.frontend.tokenizer_manager import encode_prompt
 
     ids = body.get("input_ids")
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
         return ids
+    if tokenizer is None:
+        return None
     for name in ("text", "prompt"):
         value = body.get(name)
         if isinstance(value, str):
@@ -105,6 +121,7 @@ class KVAwarePolicy(Policy):
     def __init__(self, config: RouterConfig = _DEFAULTS):
         self.config = config
         self.overlap_weight = config.kv_overlap_score_weight
+        self.weights = TierWeights(config.kv_host_cache_hit_weight, config.kv_storage_cache_hit_weight)
         self.fallback = CacheAwarePolicy.from_config(config)
         self.lock = threading.Lock()
         self.index = KVIndex()
@@ -136,7 +153,7 @@ class KVAwarePolicy(Policy):
     def _prompt_ids(self, body: dict) -> list[int] | None:
         """The prompt's ids (None before the tokenizer is known, or for a batch); the last body's
         are kept, since the router asks for them twice (local-prefill check, then ``select``)."""
-        if self._tokenizer is None or self._page_size is None:
+        if self._page_size is None:
             return None
         if self._last_ids[0] is body:
             return self._last_ids[1]
@@ -149,9 +166,10 @@ class KVAwarePolicy(Policy):
         return ids
 
     def uncached_tokens(self, body, endpoint):
-        """The prompt less the leading blocks ``endpoint`` holds (or was sent), by its own KV
-        events; the whole prompt while its events are unknown (a decode worker started without
-        ``--kv-events-config``)."""
+        """The prompt less the leading blocks ``endpoint`` holds (or was sent) in its pool or host
+        memory, by its own KV events (both are loaded when the prompt is matched; the store's
+        pages only if prefetched in time, so not counted); the whole prompt while its events are
+        unknown (a decode worker started without ``--kv-events-config``)."""
         self._discover([endpoint])
         ids = self._prompt_ids(body)
         if ids is None:
@@ -160,7 +178,8 @@ class KVAwarePolicy(Policy):
             return len(ids)
         hashes = block_hashes(ids, self._page_size)
         with self.lock:
-            held = self.index.overlap(hashes, [endpoint.key], time.monotonic())[endpoint.key]
+            tiers = self.index.block_tiers(hashes, [endpoint.key], time.monotonic())[endpoint.key]
+        held = next((i for i, t in enumerate(tiers) if t > Tier.HOST), len(tiers))
         return len(ids) - held * self._page_size
 
     def prepare(self, endpoints):
@@ -187,8 +206,9 @@ class KVAwarePolicy(Policy):
         keys = [e.key for e in endpoints]
         now = time.monotonic()
         with self.lock:
-            overlaps = self.index.overlap(hashes, keys, now)
+            tiers = self.index.block_tiers(hashes, keys, now)
             cached = {k: self.index.num_blocks(k) for k in keys}
+            overlaps = {k: tier_credit(t, self.weights) for k, t in tiers.items()}
             chosen = choose_by_overlap(endpoints, overlaps, len(hashes), self.avg_uncached_blocks,
                                        self.overlap_weight, cached)
             self.index.predict(chosen.key, hashes, now + PREDICTION_TTL_S)
@@ -201,7 +221,7 @@ class KVAwarePolicy(Policy):
         return chosen
 
     def counts(self):
-        return {**self.routed, **self.subscriber.counts}
+        return {**self.routed, **self.subscriber.counts, "unknown_medium": self.index.unknown_media}
 
     def close(self):
         self.subscriber.close()

@@ -1,13 +1,18 @@
-"""Which prefill endpoint holds which KV block, rebuilt from the workers' KV events.
+"""Which endpoint holds which KV block, in which tier, rebuilt from the workers' KV events.
 
 Pure bookkeeping, no sockets: ``KVIndex`` maps chained block hashes (see
-``pdserve.engine.mem_cache.kv_events``) to the endpoint keys that hold them, and
-answers how many leading blocks of a prompt each endpoint holds.
+``pdserve.engine.mem_cache.kv_events``) to the endpoint keys that hold them, per
+tier (``router/kv_tiers.py``: each worker's pool, host memory and disk, and the
+store they share), and answers which leading blocks of a prompt each endpoint
+holds and where.
 Between routing a request and its worker's ``BlockStored`` event, the blocks
-are *predicted* on the chosen endpoint (``predict``, until a deadline), as
+are *predicted* in the chosen endpoint's pool (``predict``, until a deadline), as
 Dynamo's router does, so that a burst of one prefix group does not scatter
 before the first event arrives; a removal or clear of the endpoint drops its
-predictions with its blocks. ``SeqTracker`` checks one publisher's sequence numbers and says what to do with
+predictions with its blocks. The shared store's blocks are kept up to
+``max_store_blocks``, least recently stored dropped first: a store evicts
+objects without telling anyone, so the index keeps the newest and forgets the
+oldest. ``SeqTracker`` checks one publisher's sequence numbers and says what to do with
 each batch (apply it, ask for a replay, treat the publisher as restarted, or
 drop a stale one).
 """
@@ -15,83 +20,157 @@ drop a stale one).
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from pdserve.router.kv_tiers import LOCAL_TIERS, Tier, tier_of
+
+MAX_STORE_BLOCKS = 1 << 19  # ~50 MB of router memory; 8M tokens of 16-token pages
+
+
+class _Holders:
+    """One local tier: block hash -> endpoint keys, and back."""
+
+    def __init__(self):
+        self.by_hash: dict[int, set[str]] = {}
+        self.by_key: dict[str, set[int]] = {}
+
+    def add(self, key: str, h: int) -> None:
+        self.by_key.setdefault(key, set()).add(h)
+        self.by_hash.setdefault(h, set()).add(key)
+
+    def discard(self, key: str, h: int) -> None:
+        self.by_key.get(key, set()).discard(h)
+        holders = self.by_hash.get(h)
+        if holders is not None:
+            holders.discard(key)
+            if not holders:
+                del self.by_hash[h]
+
+    def clear(self, key: str) -> None:
+        for h in self.by_key.pop(key, ()):
+            holders = self.by_hash[h]
+            holders.discard(key)
+            if not holders:
+                del self.by_hash[h]
+
+    def holds(self, key: str, h: int) -> bool:
+        return key in self.by_hash.get(h, ())
 
 
 class KVIndex:
-    def __init__(self):
-        self._holders: dict[int, set[str]] = {}  # block hash -> endpoint keys
-        self._blocks: dict[str, set[int]] = {}  # endpoint key -> block hashes
+    def __init__(self, max_store_blocks: int = MAX_STORE_BLOCKS):
+        self._local = {t: _Holders() for t in LOCAL_TIERS}
+        self._store: OrderedDict[int, None] = OrderedDict()  # the shared store's blocks, oldest first
+        self.max_store_blocks = max_store_blocks
         self._predicted: dict[str, dict[int, float]] = {}  # endpoint key -> block hash -> until
+        self.unknown_media = 0  # events of a tier this index does not know (ignored)
 
     def apply(self, key: str, events: Iterable[KVEvent]) -> None:
         """Apply one endpoint's events in order (removals of unknown blocks are ignored)."""
-        mine = self._blocks.setdefault(key, set())
         for ev in events:
-            if isinstance(ev, BlockStored):
-                for h in ev.block_hashes:
-                    mine.add(h)
-                    self._holders.setdefault(h, set()).add(key)
-            elif isinstance(ev, BlockRemoved):
-                guesses = self._predicted.get(key, {})
-                for h in ev.block_hashes:
-                    mine.discard(h)
-                    guesses.pop(h, None)
-                    self._drop_holder(h, key)
-            elif isinstance(ev, AllBlocksCleared):
+            if isinstance(ev, AllBlocksCleared):
                 self.clear(key)
-                mine = self._blocks.setdefault(key, set())
+                continue
+            tier = tier_of(ev.medium)
+            if tier is None:
+                self.unknown_media += 1
+            elif isinstance(ev, BlockStored):
+                self._stored(key, tier, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self._removed(key, tier, ev.block_hashes)
+
+    def _stored(self, key: str, tier: Tier, hashes: Sequence[int]) -> None:
+        if tier is Tier.STORAGE:
+            for h in hashes:
+                self._store[h] = None
+                self._store.move_to_end(h)
+            while len(self._store) > self.max_store_blocks:
+                self._store.popitem(last=False)
+            return
+        for h in hashes:
+            self._local[tier].add(key, h)
+
+    def _removed(self, key: str, tier: Tier, hashes: Sequence[int]) -> None:
+        if tier is Tier.STORAGE:
+            for h in hashes:
+                self._store.pop(h, None)
+            return
+        guesses = self._predicted.get(key, {}) if tier is Tier.POOL else {}
+        for h in hashes:
+            self._local[tier].discard(key, h)
+            guesses.pop(h, None)
 
     def clear(self, key: str) -> None:
-        """Forget every block of ``key`` (flushed, restarted, removed, or its stream broke)."""
-        for h in self._blocks.pop(key, ()):
-            self._drop_holder(h, key)
+        """Forget every block of ``key`` in its own tiers (flushed, restarted, removed, or its
+        stream broke); what it put in the shared store stays there."""
+        for holders in self._local.values():
+            holders.clear(key)
         self._predicted.pop(key, None)
 
     def predict(self, key: str, hashes: Sequence[int], until: float) -> None:
-        """Count ``hashes`` as held by ``key`` until time ``until`` (or their stored event)."""
+        """Count ``hashes`` as in ``key``'s pool until time ``until`` (or their stored event)."""
         guesses = self._predicted.setdefault(key, {})
         if len(guesses) > _PRUNE_AT:
             now_gone = [h for h, t in guesses.items() if t < until - _PRUNE_AGE]
             for h in now_gone:
                 del guesses[h]
-        held = self._blocks.get(key, set())
+        held = self._local[Tier.POOL].by_key.get(key, set())
         for h in hashes:
             if h not in held:
                 guesses[h] = until
 
-    def _drop_holder(self, h: int, key: str) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(key)
-            if not holders:
-                del self._holders[h]
-
-    def overlap(self, hashes: Sequence[int], keys: Iterable[str], now: float = 0.0) -> dict[str, int]:
-        """For each of ``keys``: how many leading blocks of ``hashes`` it holds or is predicted to
-        hold at time ``now`` (a prefix match: a block's KV is of use only after its parent's)."""
-        out = dict.fromkeys(keys, 0)
-        alive = set(out)
+    def block_tiers(self, hashes: Sequence[int], keys: Iterable[str], now: float = 0.0) -> dict[str, list[Tier]]:
+        """For each of ``keys``: the best tier of each leading block of ``hashes`` it can use (its
+        pool, predictions included, then its host memory and disk, then the shared store), up to
+        the first block it finds nowhere (a block's KV is of use only after its parent's)."""
+        out: dict[str, list[Tier]] = {k: [] for k in keys}
+        alive = list(out)
         guesses = {k: self._predicted.get(k, {}) for k in out}
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h, set())
-            alive = {k for k in alive if k in holders or guesses[k].get(h, -1.0) >= now}
+        pool, host, disk = (self._local[t] for t in LOCAL_TIERS)
+        for h in hashes:
+            in_store = h in self._store
+            pool_keys, host_keys, disk_keys = (pool.by_hash.get(h, ()), host.by_hash.get(h, ()),
+                                               disk.by_hash.get(h, ()))
+            still = []
+            for k in alive:
+                if k in pool_keys or guesses[k].get(h, -1.0) >= now:
+                    out[k].append(Tier.POOL)
+                elif k in host_keys:
+                    out[k].append(Tier.HOST)
+                elif k in disk_keys:
+                    out[k].append(Tier.DISK)
+                elif in_store:
+                    out[k].append(Tier.STORAGE)
+                else:
+                    continue
+                still.append(k)
+            alive = still
             if not alive:
                 break
-            for k in alive:
-                out[k] = i + 1
         return out
 
+    def overlap(self, hashes: Sequence[int], keys: Iterable[str], now: float = 0.0) -> dict[str, int]:
+        """For each of ``keys``: how many leading blocks of ``hashes`` its pool holds or is
+        predicted to hold at time ``now``."""
+        tiers = self.block_tiers(hashes, keys, now)
+        return {k: next((i for i, t in enumerate(ts) if t is not Tier.POOL), len(ts)) for k, ts in tiers.items()}
+
     def num_blocks(self, key: str) -> int:
-        return len(self._blocks.get(key, ()))
+        """Blocks in ``key``'s pool."""
+        return len(self._local[Tier.POOL].by_key.get(key, ()))
 
     def holders(self, h: int) -> set[str]:
-        return set(self._holders.get(h, ()))
+        """The endpoints whose pool holds block ``h``."""
+        return set(self._local[Tier.POOL].by_hash.get(h, ()))
+
+    def in_store(self, h: int) -> bool:
+        return h in self._store
 
     def keys(self) -> list[str]:
-        return [k for k, v in self._blocks.items() if v]
+        """Endpoints holding any block in a tier of their own."""
+        return sorted({k for holders in self._local.values() for k, v in holders.by_key.items() if v})
 
 
 _PRUNE_AT = 65536  # predictions kept per endpoint before expired ones are pruned

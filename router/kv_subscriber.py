@@ -1,4 +1,4 @@
-"""Subscribe to prefill workers' KV events (ZMQ SUB) and keep a ``KVIndex`` up to date.
+"""Subscribe to the workers' KV events (ZMQ SUB), prefill and decode alike, and keep a ``KVIndex`` up to date.
 
 One thread owns every socket (one SUB per worker DP rank, and a DEALER per rank
 that has a replay endpoint) and applies each batch to the shared index under

@@ -26,9 +26,11 @@ Rules (the invariants ``check_integrity`` proves):
   returns the L1 part only. The load keeps the host copy (the node is then in
   both tiers, and a later L1 eviction costs no copy).
 
-KV events stay those of the L1 tier (vLLM's ``medium`` "GPU"): an eviction to
-host is a ``BlockRemoved``, a load back a ``BlockStored``, so a router replaying
-them knows which pages sit in the pool.
+KV events name the tier in vLLM's ``medium``: a page adopted or loaded back into
+the pool is ``BlockStored`` "GPU", one evicted from it ``BlockRemoved`` "GPU"; a
+host copy made is ``BlockStored`` "CPU", one dropped ``BlockRemoved`` "CPU". A
+page in both tiers has had both stored events, so a router replaying them knows
+each tier's pages (a flush that empties the tree is one ``AllBlocksCleared``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.mem_cache.hicache_names import WRITE_POLICIES
 from pdserve.engine.mem_cache.host_pool import HostKVPool
+from pdserve.engine.mem_cache.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import RadixCache, TreeNode
 
@@ -148,9 +151,9 @@ class HiRadixCache(RadixCache):
     # -------------------------------------------------------------- insertion
     def insert(self, token_ids, pages, num_cache_pages):
         node, stored = self._insert_pages(token_ids, pages, num_cache_pages)
+        self._record_stored(stored)
         if self.write_policy != "write_back":
             self._backup([n for n in stored if n.host is None and n.hits >= self.threshold])
-        self._record_stored(stored)
         return node
 
     def _give_page(self, parent, key, page, child):
@@ -178,6 +181,7 @@ class HiRadixCache(RadixCache):
         self.stats.host_write_pages += len(nodes)
         for n, s in zip(nodes, slots):
             n.host = s
+        self._record_stored(nodes, MEDIUM_CPU)
 
     # --------------------------------------------------------------- eviction
     def _l1_leaves(self) -> list[HiTreeNode]:
@@ -228,11 +232,14 @@ class HiRadixCache(RadixCache):
         """Remove ``n`` (out of L1, not backed up) and the host-only nodes below it."""
         del n.parent.children[n.key]
         stack = list(n.children.values())
+        gone = []
         while stack:
             c = stack.pop()
             stack.extend(c.children.values())
             self.host.free([c.host])
+            gone.append(c.hash)
             self.stats.host_evicted_pages += 1
+        self._record_removed(gone, MEDIUM_CPU)
 
     def _evict_host(self, num_slots: int) -> int:
         """Drop up to ``num_slots`` host-only leaves, LRU first; returns how many."""
@@ -243,23 +250,34 @@ class HiRadixCache(RadixCache):
             if n.page is None and not n.children and id(n) not in self._loading:
                 heap.append(n)
         heapq.heapify(heap)
-        dropped = 0
-        while heap and dropped < num_slots:
+        gone: list[int] = []
+        while heap and len(gone) < num_slots:
             n = heapq.heappop(heap)
             parent = n.parent
             del parent.children[n.key]
             self.host.free([n.host])
-            dropped += 1
+            gone.append(n.hash)
             if (parent is not self.root and parent.page is None and not parent.children
                     and id(parent) not in self._loading):
                 heapq.heappush(heap, parent)
-        self.stats.host_evicted_pages += dropped
-        return dropped
+        self.stats.host_evicted_pages += len(gone)
+        self._record_removed(gone, MEDIUM_CPU)
+        return len(gone)
 
     def flush(self):
-        freed = super().flush()  # L1, and its events (those of the L1 tier)
+        mark = len(self.events)
+        removed = self._evict(self.evictable_pages)
         self._evict_host(self.host.num_used)
-        return freed
+        if self.record_events and not self.root.children:
+            # both tiers are empty: one clear says it; the store's pages (written by a write-back
+            # flush) stay, since the store is not this rank's to clear
+            kept = [e for e in self.events[mark:] if getattr(e, "medium", None) == MEDIUM_STORAGE]
+            del self.events[mark:]
+            self.events.extend(kept)
+            self.events.append(AllBlocksCleared())
+        else:
+            self._record_removed(removed)
+        return len(removed)
 
     # ------------------------------------------------------------------ state
     @property

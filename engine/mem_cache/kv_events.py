@@ -23,9 +23,14 @@ from typing import Sequence, Union
 
 import msgspec
 
-# vLLM's name of the primary (device) KV tier; consumers (Dynamo) route on it and read
-# "CPU" as an offload tier, which pdserve's one pool on a CPU machine is not
-MEDIUM = "GPU"
+# The tier a block lives in, in vLLM's spellings (``vllm/distributed/kv_events.py``): the KV
+# pool is "GPU" on every device (the tier the scheduler admits against, as vLLM's block pool;
+# consumers such as Dynamo read "GPU" as the primary tier), host memory (L2) "CPU", and the
+# store shared by the servers (L3) "STORAGE". Consumers that also read SGLang's HiCache
+# spellings (CPU_TIER1, CPU_TIER2) map both to the same tiers (router/kv_tiers.py).
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 # hashes are kept below 2**63 so that both signed and unsigned 64-bit consumers decode them
 _HASH_MASK = (1 << 63) - 1
 _ROOT_SEED = b"pdserve-kv-root\0"
@@ -36,6 +41,9 @@ class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
 
 
 class BlockStored(KVCacheEvent):
+    """``block_hashes`` (a chain: each block's parent is the one before, the first's
+    ``parent_block_hash``) now live in tier ``medium``."""
+
     block_hashes: list[int]
     parent_block_hash: int | None  # None: the first block hangs off the root
     token_ids: list[int]  # len(block_hashes) * block_size tokens
@@ -45,12 +53,14 @@ class BlockStored(KVCacheEvent):
 
 
 class BlockRemoved(KVCacheEvent):
+    """``block_hashes`` left tier ``medium`` (they may still live in another tier)."""
+
     block_hashes: list[int]
     medium: str | None
 
 
 class AllBlocksCleared(KVCacheEvent):
-    pass
+    """The rank's own tiers (pool and host memory) are empty; the shared store is not its own."""
 
 
 KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]

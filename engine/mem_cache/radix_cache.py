@@ -16,7 +16,8 @@ goes through it); only unlocked leaves are evicted, least recently used first.
 Events: after ``enable_events()``, the cache records what it stores, evicts and
 flushes as KV events (``kv_events``: one ``BlockStored`` per insert with new
 pages, one ``BlockRemoved`` per eviction, ``AllBlocksCleared`` when a flush
-empties it) in ``events``, which the scheduler process drains and publishes.
+empties it; ``medium`` "GPU", the pool's tier) in ``events``, which the
+scheduler process drains and publishes.
 Each node keeps its block's chained hash, so a subscriber replaying the events
 rebuilds exactly this tree.
 """
@@ -27,7 +28,14 @@ import heapq
 from abc import ABC, abstractmethod
 from typing import Sequence
 
-from pdserve.engine.mem_cache.kv_events import MEDIUM, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, block_hash
+from pdserve.engine.mem_cache.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    block_hash,
+)
 from pdserve.engine.mem_cache.page_pool import PagePool
 
 
@@ -248,16 +256,29 @@ class RadixCache(PrefixCache):
         parent.children[key] = child
         return child
 
-    def _record_stored(self, stored: list[TreeNode]) -> None:
-        if stored and self.record_events:
+    def _record_stored(self, stored: list[TreeNode], medium: str = MEDIUM_GPU) -> None:
+        """``stored`` (root side first) now live in tier ``medium``: one ``BlockStored`` per run of
+        nodes each the child of the one before, since an event's blocks are one chain."""
+        if not stored or not self.record_events:
+            return
+        start = 0
+        for i in range(1, len(stored) + 1):
+            if i < len(stored) and stored[i].parent is stored[i - 1]:
+                continue
+            run = stored[start:i]
             self.events.append(BlockStored(
-                block_hashes=[n.hash for n in stored],
-                parent_block_hash=stored[0].parent.hash,
-                token_ids=[t for n in stored for t in n.key],
+                block_hashes=[n.hash for n in run],
+                parent_block_hash=run[0].parent.hash,
+                token_ids=[t for n in run for t in n.key],
                 block_size=self.page_size,
                 lora_id=None,
-                medium=MEDIUM,
+                medium=medium,
             ))
+            start = i
+
+    def _record_removed(self, hashes: list[int], medium: str = MEDIUM_GPU) -> None:
+        if hashes and self.record_events:
+            self.events.append(BlockRemoved(block_hashes=hashes, medium=medium))
 
     # --------------------------------------------------------------- eviction
     def _leaves(self) -> list[TreeNode]:
@@ -272,17 +293,15 @@ class RadixCache(PrefixCache):
 
     def evict(self, num_pages):
         removed = self._evict(num_pages)
-        if removed and self.record_events:
-            self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        self._record_removed(removed)
         return len(removed)
 
     def flush(self):
         removed = self._evict(self.evictable_pages)
-        if self.record_events:
-            if self._num_nodes == 0:
-                self.events.append(AllBlocksCleared())
-            elif removed:  # locked pages stayed (a flush while busy): only some went
-                self.events.append(BlockRemoved(block_hashes=removed, medium=MEDIUM))
+        if self.record_events and self._num_nodes == 0:
+            self.events.append(AllBlocksCleared())
+        else:  # locked pages stayed (a flush while busy): only some went
+            self._record_removed(removed)
         return len(removed)
 
     def _evict(self, num_pages: int) -> list[int]:

@@ -20,6 +20,9 @@
   result, if it comes, is dropped without taking host slots.
 - A fetched chain attaches only where the tree still holds its ancestors: if
   they were evicted meanwhile, the pages are dropped (the match recomputes).
+- KV events: a page the worker took to put is ``BlockStored`` "STORAGE" (once per
+  page per process; the store's own evictions are not seen, so none is removed);
+  a fetched page that became a host node is ``BlockStored`` "CPU".
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pdserve.engine.mem_cache.hiradix_cache import HiRadixCache, HiTreeNode
 from pdserve.engine.mem_cache.host_pool import HostKVPool
 from pdserve.engine.mem_cache.storage_key import page_key
 from pdserve.engine.mem_cache.storage_worker import FetchResult, StorageWorker
-from pdserve.engine.mem_cache.kv_events import block_hashes
+from pdserve.engine.mem_cache.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, block_hashes
 from pdserve.engine.mem_cache.page_pool import PagePool
 
 MAX_REMEMBERED_PUTS = 1 << 20  # hashes known to be stored; the set restarts empty past this
@@ -64,6 +67,7 @@ class StoreHiRadixCache(HiRadixCache):
     # ------------------------------------------------------------------ write
     def _backup(self, nodes):
         super()._backup(nodes)
+        sent = []  # for the KV events: the puts the worker took (not dropped by its breaker or queue)
         for n in nodes:
             if n.host is not None and n.hash not in self._put:
                 if len(self._put) >= MAX_REMEMBERED_PUTS:
@@ -71,7 +75,11 @@ class StoreHiRadixCache(HiRadixCache):
                 self._put.add(n.hash)
                 # a copy: the slot may be reused before the worker sends it
                 data = self.host.slot_bytes_view(n.host).numpy().tobytes()
+                dropped = self.storage.stats.dropped_puts
                 self.storage.submit_put(page_key(self.namespace, n.hash), data)
+                if self.storage.stats.dropped_puts == dropped:
+                    sent.append(n)
+        self._record_stored(sent, MEDIUM_STORAGE)
 
     # --------------------------------------------------------------- prefetch
     def start_prefetch(self, rid, token_ids):
@@ -143,20 +151,23 @@ class StoreHiRadixCache(HiRadixCache):
         finally:
             self._loading = set()
         now = self._tick()
+        added: list[HiTreeNode] = []
         for key, value in todo:
             child = node.children.get(key)
             if child is None:
                 slots = self.host.alloc(1)
                 if slots is None:
-                    return
+                    break
                 child = HiTreeNode(key, None, node)
                 child.host = slots[0]
                 child.from_store = True
                 self.host.slot_bytes_view(child.host).copy_(torch.frombuffer(bytearray(value), dtype=torch.uint8))
                 node.children[key] = child
                 self._put.add(child.hash)
+                added.append(child)
             child.last_access = now
             node = child
+        self._record_stored(added, MEDIUM_CPU)
 
     def match_prefix(self, token_ids):
         self.poll_storage()

@@ -118,15 +118,16 @@ def test_host_full_drops_least_recent_and_load_needs_pool_room():
     cache.check_integrity()
 
 
-def test_events_name_the_pool_tier():
+def test_events_name_the_tier():
     pool, cache = make()
     cache.enable_events()
     a = list(range(8))
     put(cache, pool, a)
     cache.evict(2)
     cache.match_prefix(a)
-    kinds = [type(e) for e in cache.drain_events()]
-    assert kinds == [BlockStored, BlockRemoved, BlockStored]
+    kinds = [(type(e), e.medium) for e in cache.drain_events()]
+    # adopted into the pool and copied to host; out of the pool (the host copy stays); loaded back
+    assert kinds == [(BlockStored, "GPU"), (BlockStored, "CPU"), (BlockRemoved, "GPU"), (BlockStored, "GPU")]
 
 
 def test_flush_empties_both_tiers():
