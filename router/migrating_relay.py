@@ -156,10 +156,16 @@ class MigratingRelay:
         nothing is left to generate; None when it cannot be migrated."""
         proxy, tr = self.proxy, self.transcript
         limit = proxy.config.migration_limit
-        left = openai_tokens_left if self.openai else tokens_left
-        if tr.finished or left(self.body, len(tr.ids)) == 0:
+        if self.openai:
+            left = openai_tokens_left(self.body, len(tr.ids), len(tr.prompt_ids or ()),
+                                      self.pair.decode.worker.token_room)
+        else:
+            left = tokens_left(self.body, len(tr.ids))
+        if tr.finished or left == 0:
             return True
-        if self.path == CHAT and tr.prompt_ids is None:  # died before its first chunk: no template here
+        if self.path == CHAT and (tr.prompt_ids is None or left is None):
+            # died before its first chunk (no template applied here), or a chat without a budget
+            # whose first decode server did not say what it clamped to
             proxy.metrics.migrations.inc(cause, "failed")
             return None
         while True:
@@ -195,7 +201,9 @@ class MigratingRelay:
         except LegFailure as f:
             raise _LegsFailed(f.describe(), f.endpoint.key) from None
         if self.openai:  # token ids in, so a completion whatever the client's endpoint was
-            path, body = COMPLETIONS, openai_continuation(self.body, prompt, self.transcript.ids)
+            rooms = [w.token_room for w in (self.pair.decode.worker, pair.prefill.worker, pair.decode.worker)]
+            room = None if None in rooms else min(rooms)
+            path, body = COMPLETIONS, openai_continuation(self.body, prompt, self.transcript.ids, room)
         else:
             path, body = self.path, continuation_body(self.body, prompt, self.transcript.ids)
         p_body, d_body = Pairing.leg_bodies(body, pair)

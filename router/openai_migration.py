@@ -17,9 +17,11 @@ on every chunk after the first move (the headers left with the first byte).
 
 What is migrated: single-choice streams (``n`` 1) of one prompt without logprobs,
 ``echo``, ``suffix``, tools, a ``response_format`` other than text, or a grammar
-(a continuation would restart the grammar). A chat request must give
-``max_tokens`` or ``max_completion_tokens``: without one the server clamps the
-answer to the context its prompt leaves, which the router does not know.
+(a continuation would restart the grammar). A chat request without
+``max_tokens`` or ``max_completion_tokens`` was clamped by its decode server to
+the room its prompt left (``min(max_context_len, max_total_num_tokens)`` of that
+server's ``/server_info``, the worker's ``token_room``); its continuation gets
+what is left of that room, capped by the new servers' rooms.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def openai_migratable(path: str, body: dict) -> bool:
             and body.get("best_of") in (None, 1)
     rf = body.get("response_format")
     return not body.get("logprobs") and not body.get("tools") and not body.get("functions") \
-        and (rf is None or (isinstance(rf, dict) and rf.get("type") == "text")) and max_tokens(body) is not None
+        and (rf is None or (isinstance(rf, dict) and rf.get("type") == "text"))
 
 
 def with_token_ids(body: dict) -> dict:
@@ -70,19 +72,27 @@ def with_token_ids(body: dict) -> dict:
     return body if body.get("return_token_ids") else {**body, "return_token_ids": True}
 
 
-def openai_tokens_left(body: dict, sent: int) -> int | None:
+def openai_tokens_left(body: dict, sent: int, prompt_len: int = 0, room: int | None = None) -> int | None:
+    """Tokens the answer may still have after ``sent``: of the client's budget, else (a chat without
+    one) of ``room``, the tokens prompt + answer may hold (None: not known)."""
     m = max_tokens(body)
-    if m is None:
-        m = 16 if "prompt" in body else None  # OpenAI's default for completions
+    if m is None and "prompt" in body:
+        m = 16  # OpenAI's default for completions
+    if m is None and room is not None:
+        m = room - prompt_len
     return max(0, m - sent) if m is not None else None
 
 
-def openai_continuation(body: dict, prompt_ids: list[int], sent_ids: list[int]) -> dict:
-    """The ``/v1/completions`` body that continues ``body`` after ``sent_ids``."""
+def openai_continuation(body: dict, prompt_ids: list[int], sent_ids: list[int], room: int | None = None) -> dict:
+    """The ``/v1/completions`` body that continues ``body`` after ``sent_ids``; ``room``: what prompt +
+    answer may hold on every server involved (the first decode server's, which clamped a chat without
+    a budget, and the new pair's), used when the client gave no budget."""
     out = {k: body[k] for k in _KEPT if k in body}
     out.update(prompt=list(prompt_ids) + list(sent_ids), stream=True, return_token_ids=True)
-    left = openai_tokens_left(body, len(sent_ids))
+    left = openai_tokens_left(body, len(sent_ids), len(prompt_ids), room)
     if left is not None:
+        if room is not None and max_tokens(body) is None and "prompt" not in body:
+            left = min(left, room - len(prompt_ids) - len(sent_ids))  # the new pair's room may be less
         out["max_tokens"] = left
     if isinstance(body.get("min_tokens"), int):
         out["min_tokens"] = max(0, body["min_tokens"] - len(sent_ids))

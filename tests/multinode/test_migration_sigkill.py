@@ -136,6 +136,10 @@ def stand():
 
 def test_decode_sigkilled_mid_stream_streams_continue_token_for_token(stand):
     servers, migrating, plain = stand
+    # each worker's room (what a chat without max_tokens is clamped to) came from its /server_info
+    workers = [w for role in ("prefill", "decode") for w in migrating.router.registry.workers(role)]
+    assert all(isinstance(w.token_room, int) and w.token_room > 0 for w in workers), \
+        [(w.url, w.token_room) for w in workers]
     reference = [Stream(migrating.port, i) for i in range(N_STREAMS)]
     for t in reference:
         t.join(300)

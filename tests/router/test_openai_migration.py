@@ -6,7 +6,7 @@ import msgspec
 
 from pdserve.router.migration import parse_event
 from pdserve.router.openai_migration import (CHAT, COMPLETIONS, OpenAITranscript, openai_continuation,
-                                             openai_migratable, with_token_ids)
+                                             openai_migratable, openai_tokens_left, with_token_ids)
 
 
 def ev(obj: dict):
@@ -38,7 +38,7 @@ def test_what_is_migratable():
     chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 8}
     assert openai_migratable(CHAT, chat)
     assert not openai_migratable(CHAT, {**chat, "stream": False})
-    assert not openai_migratable(CHAT, {k: v for k, v in chat.items() if k != "max_tokens"})  # budget unknown
+    assert openai_migratable(CHAT, {k: v for k, v in chat.items() if k != "max_tokens"})  # the room's budget
     assert openai_migratable(CHAT, {**chat, "max_tokens": None, "max_completion_tokens": 4})
     for bad in ({"n": 2}, {"logprobs": True}, {"tools": [{"type": "function"}]}, {"regex": "a+"},
                 {"response_format": {"type": "json_object"}}):
@@ -60,6 +60,11 @@ def test_continuation_is_a_completion_of_prompt_and_sent_ids():
                     "stop": ["x"], "stream": True, "return_token_ids": True,
                     "stream_options": {"include_usage": True}}
     assert openai_continuation({"prompt": "a", "stream": True}, [1], [5])["max_tokens"] == 15  # default 16
+    # a chat without a budget: what its first decode server's room left, capped by the new pair's
+    bare = {"messages": chat["messages"], "stream": True}
+    assert openai_continuation(bare, [1, 2], [7, 8, 9], room=100)["max_tokens"] == 95
+    assert "max_tokens" not in openai_continuation(bare, [1, 2], [7], room=None)
+    assert openai_tokens_left(bare, 3, 2, 100) == 95 and openai_tokens_left(bare, 3, 2, None) is None
 
 
 def test_chat_stream_continued_reads_as_one_answer_without_ids():
