@@ -69,13 +69,16 @@ def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout
     return status, text
 
 
-def ns_requests_started(ns: str, url: str, bodies: list[dict], timeout: float = 120) -> subprocess.Popen:
-    """POST each of ``bodies`` to ``url`` at once from inside namespace ``ns``; returns once they are
-    on their way. ``ns_requests_results`` gives [status, text, seconds] per body."""
+def ns_requests_started(ns: str, url: str, bodies: list[dict], delays: list[float], timeout: float = 120
+                        ) -> subprocess.Popen:
+    """POST each of ``bodies`` to ``url`` from inside namespace ``ns``, body i ``delays[i]`` s after the
+    first; returns once they are on their way. ``ns_requests_results`` gives [status, text, seconds]
+    per body (seconds from its own send)."""
     code = (
         "import json, sys, threading, time, requests\n"
-        f"bodies, out = {bodies!r}, [None] * {len(bodies)}\n"
+        f"bodies, delays, out = {bodies!r}, {delays!r}, [None] * {len(bodies)}\n"
         "def one(i):\n"
+        "    time.sleep(delays[i])\n"
         "    t0 = time.monotonic()\n"
         "    try:\n"
         f"        r = requests.post({url!r}, json=bodies[i], timeout={timeout})\n"
