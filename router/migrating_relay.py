@@ -163,9 +163,9 @@ class MigratingRelay:
             left = tokens_left(self.body, len(tr.ids))
         if tr.finished or left == 0:
             return True
-        if self.path == CHAT and (tr.prompt_ids is None or left is None):
-            # died before its first chunk (no template applied here), or a chat without a budget
-            # whose first decode server did not say what it clamped to
+        if self.openai and (tr.ids_missing or (self.path == CHAT and (tr.prompt_ids is None or left is None))):
+            # a server that sent no token ids; a chat that died before its first chunk (no template
+            # applied here), or without a budget and its first decode server did not say its room
             proxy.metrics.migrations.inc(cause, "failed")
             return None
         while True:

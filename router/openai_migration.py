@@ -113,6 +113,9 @@ class OpenAITranscript:
         self.prompt_ids: list[int] | None = None  # as the first decode server tokenized the prompt
         self.finished = False  # a chunk with a finish_reason went out
         self.usage_sent = False
+        # a chunk with output but no token_ids went out (a server without return_token_ids, such
+        # as SGLang's): the ids the client has are not known, so the stream cannot be continued
+        self.ids_missing = False
         self.migrations = 0
         self._head: dict | None = None  # the original response's id, created, model, object
 
@@ -135,6 +138,8 @@ class OpenAITranscript:
         ids = choice.get("token_ids") if choice is not None else None
         if isinstance(ids, list):
             self.ids.extend(ids)
+        elif choice is not None and (choice.get("text") or (choice.get("delta") or {}).get("content")):
+            self.ids_missing = True
         if choice is not None and choice.get("finish_reason") is not None:
             self.finished = True
         if obj.get("usage") is not None:

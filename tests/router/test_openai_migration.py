@@ -103,3 +103,10 @@ def test_completion_stream_keeps_ids_the_client_asked_for_and_owes_its_usage():
     u = out(tr.tail())
     assert u["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     assert u["pdserve_migrations"] == 1 and tr.tail() == b""
+
+
+def test_a_server_that_sends_no_ids_makes_the_stream_unmigratable():
+    tr = OpenAITranscript(chat=False, client_wants_ids=False, include_usage=False)
+    tr.accept(ev({"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}))
+    assert tr.ids_missing and tr.ids == []
