@@ -155,6 +155,8 @@ class HealthChecker:
                 model = info.get("model_path") or info.get("served_model_name")
                 worker.stream_deltas = bool(info.get("incremental_streaming_output"))
                 worker.model_path = info.get("tokenizer_path") or info.get("model_path")
+                limits = [info.get(k) for k in ("max_context_len", "max_total_num_tokens")]
+                worker.token_room = min(limits) if all(type(v) is int for v in limits) else None
                 if worker.role == "decode":
                     self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
                 self.registry.set_server_info(worker, info.get("dp_size") or 1, model)

@@ -1,6 +1,6 @@
 """The streamed answer of a migratable request: relayed event by event, continued on another
 pair when its decode leg fails mid-stream (``--migration-limit``; the rules are
-``router/migration.py``).
+``router/migration.py`` for /generate, ``router/openai_migration.py`` for OpenAI streams).
 
 One relay per client stream. It forwards whole SSE events and keeps the
 ``Transcript`` of what the client has. When the decode leg fails (connection lost
@@ -26,6 +26,8 @@ from pdserve.router.errors import RouterError
 from pdserve.router.leg_failure import LegFailure
 from pdserve.router.migration import (SSEEvents, Transcript, continuation_body, error_event, parse_event,
                                       tokens_left)
+from pdserve.router.openai_migration import (CHAT, COMPLETIONS, OPENAI_PATHS, OpenAITranscript,
+                                             openai_continuation, openai_tokens_left)
 from pdserve.router.pairing import Pair, Pairing
 from pdserve.router.upstream import UpstreamError, UpstreamResponse, drain_response
 
@@ -54,8 +56,16 @@ class MigratingRelay:
         self.path = path
         self.body = body
         self.t0 = t0
-        self.transcript = Transcript()
-        self._prompt_ids: list[int] | None = body.get("input_ids")
+        self.openai = path in OPENAI_PATHS
+        if self.openai:
+            opts = body.get("stream_options")
+            self.transcript = OpenAITranscript(path == CHAT, bool(body.get("return_token_ids")),
+                                               isinstance(opts, dict) and bool(opts.get("include_usage")))
+            prompt = body.get("prompt")
+            self._prompt_ids = prompt if isinstance(prompt, list) else None
+        else:
+            self.transcript = Transcript()
+            self._prompt_ids = body.get("input_ids")
         self._open: list[UpstreamResponse] = []  # continuation legs' answers, closed at the end
         self._first = True  # no byte has reached the client yet (TTFT is observed once)
 
@@ -88,7 +98,7 @@ class MigratingRelay:
                         await self._end_with_error(out, msg)
                         return out, False
                     if nxt is True:  # every token was sent: the request is complete
-                        await out.write_eof(_DONE)
+                        await out.write_eof(self.transcript.tail() + _DONE)
                         return out, False
                     if d_ep is not self.pair.decode:
                         d_ep.load -= 1
@@ -129,8 +139,8 @@ class MigratingRelay:
                     self._note_first()
                 chunk = b"" if resp.at_eof() else await resp.readany()
                 if not chunk:
-                    if tr.finished:  # whole answer sent, only [DONE] missing
-                        await out.write_eof(_DONE)
+                    if tr.finished:  # whole answer sent, only [DONE] (and an OpenAI usage) missing
+                        await out.write_eof(tr.tail() + _DONE)
                         return False
                     raise LegDied("eof", "closed the stream before its end")
         except UpstreamError as e:
@@ -146,8 +156,18 @@ class MigratingRelay:
         nothing is left to generate; None when it cannot be migrated."""
         proxy, tr = self.proxy, self.transcript
         limit = proxy.config.migration_limit
-        if tokens_left(self.body, len(tr.ids)) == 0:
+        if self.openai:
+            left = openai_tokens_left(self.body, len(tr.ids), len(tr.prompt_ids or ()),
+                                      self.pair.decode.worker.token_room)
+        else:
+            left = tokens_left(self.body, len(tr.ids))
+        if tr.finished or left == 0:
             return True
+        if self.openai and (tr.ids_missing or (self.path == CHAT and (tr.prompt_ids is None or left is None))):
+            # a server that sent no token ids; a chat that died before its first chunk (no template
+            # applied here), or without a budget and its first decode server did not say its room
+            proxy.metrics.migrations.inc(cause, "failed")
+            return None
         while True:
             if tr.migrations >= limit:
                 proxy.metrics.migrations.inc(cause, "limit")
@@ -180,10 +200,15 @@ class MigratingRelay:
             prompt = await self._prompt(pair)
         except LegFailure as f:
             raise _LegsFailed(f.describe(), f.endpoint.key) from None
-        body = continuation_body(self.body, prompt, self.transcript.ids)
+        if self.openai:  # token ids in, so a completion whatever the client's endpoint was
+            rooms = [w.token_room for w in (self.pair.decode.worker, pair.prefill.worker, pair.decode.worker)]
+            room = None if None in rooms else min(rooms)
+            path, body = COMPLETIONS, openai_continuation(self.body, prompt, self.transcript.ids, room)
+        else:
+            path, body = self.path, continuation_body(self.body, prompt, self.transcript.ids)
         p_body, d_body = Pairing.leg_bodies(body, pair)
-        p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, self.path, p_body))
-        d_task = asyncio.ensure_future(proxy.open_stream(pair.decode, self.path, d_body))
+        p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, path, p_body))
+        d_task = asyncio.ensure_future(proxy.open_stream(pair.decode, path, d_body))
         try:
             resp, chunk = await proxy.first_bytes(p_task, d_task)
         except BaseException as e:
@@ -201,11 +226,18 @@ class MigratingRelay:
         return resp, chunk
 
     async def _prompt(self, pair: Pair) -> list[int]:
-        """The prompt's token ids: the client's ``input_ids``, else its text as the prefill server
-        tokenizes it (``/tokenize``, the tokenizer /generate uses, special tokens added)."""
+        """The prompt's token ids: the client's ``input_ids`` (OpenAI: as the first decode server
+        gave them, chat template applied, or the completion's token-id prompt), else its text as the
+        prefill server tokenizes it (``/tokenize``, the tokenizer /generate uses, special tokens added)."""
+        if self.openai and self.transcript.prompt_ids is not None:
+            return self.transcript.prompt_ids
         if self._prompt_ids is None:
+            if self.path == CHAT:  # the leg died before its first chunk: no template to apply here
+                raise LegFailure("decode", pair.decode, "no prompt token ids from the failed leg", 500,
+                                 cause="malformed")
+            text = self.body.get("prompt") if self.openai else self.body.get("text")
             _, _, payload = await self.proxy.leg(
-                "prefill", pair.prefill, "/tokenize", _encode({"prompt": self.body.get("text") or ""}))
+                "prefill", pair.prefill, "/tokenize", _encode({"prompt": text or ""}))
             try:
                 tokens = _decode(payload)["tokens"]
             except (msgspec.DecodeError, KeyError, TypeError):

@@ -26,8 +26,9 @@ counts ``completion_tokens`` over the whole answer, and carries
 
 What is migrated: single-prompt streamed ``/generate`` requests without
 ``return_logprob`` (the continuation's input logprobs would cover generated
-tokens). OpenAI streams carry text only, and JSON requests have had no byte yet,
-so they are retried whole by the retry loop.
+tokens) or a grammar (the continuation would restart it). OpenAI streams are migrated
+by ``router/openai_migration.py``; JSON requests have had no byte yet, so they are
+retried whole by the retry loop.
 """
 
 from __future__ import annotations
@@ -55,7 +56,10 @@ def migratable(path: str, body: dict) -> bool:
     if ids is not None and not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
         return False
     sp = body.get("sampling_params")
-    return sp is None or isinstance(sp, dict)  # a list of sampling params belongs to a batch
+    if sp is None:
+        return True
+    # a list of sampling params belongs to a batch; a continuation would restart a grammar
+    return isinstance(sp, dict) and not any(sp.get(k) is not None for k in ("regex", "ebnf", "json_schema"))
 
 
 class SSEEvents:
@@ -190,6 +194,11 @@ class Transcript:
             meta["id"] = self.rid
         meta["pdserve_migrations"] = self.migrations
         return b"data: " + _encode(obj) + b"\n\n"
+
+
+    def tail(self) -> bytes:
+        """Nothing is owed before [DONE] once the finished event went out (cf. OpenAITranscript)."""
+        return b""
 
 
 def error_event(message: str) -> bytes:

@@ -38,6 +38,7 @@ from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
 from pdserve.router.migrating_relay import MigratingRelay
 from pdserve.router.migration import error_event, migratable
+from pdserve.router.openai_migration import openai_migratable, with_token_ids
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
@@ -257,7 +258,10 @@ class PDProxy:
     # one attempt, streamed answer -------------------------------------------
     async def _attempt_stream(self, request: web.Request, path: str, body: dict, pair: Pair,
                               t0: float) -> web.StreamResponse:
-        p_body, d_body = Pairing.leg_bodies(body, pair)
+        migrating = bool(self.config.migration_limit) and (migratable(path, body) or openai_migratable(path, body))
+        # an OpenAI stream's chunks carry the token ids a migration needs (the relay strips them)
+        leg_body = with_token_ids(body) if migrating and path != "/generate" else body
+        p_body, d_body = Pairing.leg_bodies(leg_body, pair)
         d_ep = pair.decode
         p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
         d_task = asyncio.ensure_future(self.open_stream(d_ep, path, d_body))
@@ -268,7 +272,7 @@ class PDProxy:
         try:
             resp, chunk = await self.first_bytes(p_task, d_task)
             self.metrics.prefills.inc("remote")
-            if self.config.migration_limit and migratable(path, body):
+            if migrating:
                 out, draining = await self._relay_migrating(request, resp, chunk, pair, path, body, t0)
             else:
                 out, draining = await self._relay(request, resp, chunk, d_ep, t0, route_headers(pair))

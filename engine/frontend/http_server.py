@@ -213,26 +213,41 @@ async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, cha
         if err is not None:
             raise err
         shape = api.chat_object if chat else api.completion_object
-        return json_response(shape(rid, model, created, states, tm.token_str))
+        obj = shape(rid, model, created, states, tm.token_str)
+        if req.return_token_ids:
+            api.with_token_ids(obj, states, chat)
+        return json_response(obj)
 
     opened: set[int] = set()
     tool_streams: dict[int, ToolCallStream] = {}
+    ids_out = bool(req.return_token_ids)
 
     def render(st: SeqState, d) -> bytes:
         out = b""
-        if chat and st.spec.index not in opened:
-            opened.add(st.spec.index)
-            out += api.sse(api.chat_chunk(rid, model, created, st, None, tm.token_str))
+        first = st.spec.index not in opened
+        opened.add(st.spec.index)
+        if chat and first:
+            chunk = api.chat_chunk(rid, model, created, st, None, tm.token_str)
+            if ids_out:
+                chunk["prompt_token_ids"] = list(st.input_ids)
+            out += api.sse(chunk)
         if st.spec.tool_plan is not None:
             ts = tool_streams.setdefault(st.spec.index, ToolCallStream(st.spec.tool_plan))
             deltas = ts.feed(d.text, d.finished)
             chunks = api.chat_tool_chunks(rid, model, created, st, deltas, d.finished, ts.num_calls > 0)
             return out + b"".join(map(api.sse, chunks))
-        if not d.text and not d.finished and not d.logprobs:
+        # a delta of held-back text (a character's first bytes) still carries its ids when asked
+        if not d.text and not d.finished and not d.logprobs and not (ids_out and d.token_ids):
             return out
         if chat:
-            return out + api.sse(api.chat_chunk(rid, model, created, st, d, tm.token_str))
-        return out + api.sse(api.completion_chunk(rid, model, created, st, d, tm.token_str))
+            chunk = api.chat_chunk(rid, model, created, st, d, tm.token_str)
+        else:
+            chunk = api.completion_chunk(rid, model, created, st, d, tm.token_str)
+        if ids_out:
+            chunk["choices"][0]["token_ids"] = list(d.token_ids)
+            if first and not chat:
+                chunk["choices"][0]["prompt_token_ids"] = list(st.input_ids)
+        return out + api.sse(chunk)
 
     def tail() -> bytes:
         if not include_usage(req):

@@ -241,6 +241,17 @@ def chat_tool_chunks(rid: str, model: str, created: int, st: SeqState, deltas: l
     return out
 
 
+def with_token_ids(obj: dict, states: list[SeqState], chat: bool) -> None:
+    """A whole answer with ``return_token_ids`` (vLLM's shape): each choice's ``token_ids``, the prompt's
+    ``prompt_token_ids`` on each completion choice, or once at the top of a chat answer."""
+    for choice, st in zip(obj["choices"], states):
+        choice["token_ids"] = list(st.output_ids)
+        if not chat:
+            choice["prompt_token_ids"] = list(st.input_ids)
+    if chat and states:
+        obj["prompt_token_ids"] = list(states[0].input_ids)
+
+
 def usage_chunk(rid: str, model: str, created: int, object_: str, states: list[SeqState]) -> dict:
     return {"id": rid, "object": object_, "created": created, "model": model, "choices": [], "usage": usage(states)}
 

@@ -69,6 +69,40 @@ def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout
     return status, text
 
 
+def ns_requests_started(ns: str, url: str, bodies: list[dict], delays: list[float], timeout: float = 120
+                        ) -> subprocess.Popen:
+    """POST each of ``bodies`` to ``url`` from inside namespace ``ns``, body i ``delays[i]`` s after the
+    first; returns once they are on their way. ``ns_requests_results`` gives [status, text, seconds]
+    per body (seconds from its own send)."""
+    code = (
+        "import json, sys, threading, time, requests\n"
+        f"bodies, delays, out = {bodies!r}, {delays!r}, [None] * {len(bodies)}\n"
+        "def one(i):\n"
+        "    time.sleep(delays[i])\n"
+        "    t0 = time.monotonic()\n"
+        "    try:\n"
+        f"        r = requests.post({url!r}, json=bodies[i], timeout={timeout})\n"
+        "        out[i] = [r.status_code, r.text, time.monotonic() - t0]\n"
+        "    except Exception as e:\n"
+        "        out[i] = [0, repr(e), time.monotonic() - t0]\n"
+        "ts = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]\n"
+        "[t.start() for t in ts]\n"
+        "print('started', flush=True)\n"
+        "[t.join() for t in ts]\n"
+        "print(json.dumps(out), flush=True)\n"
+    )
+    p = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "started", p.stderr.read()
+    return p
+
+
+def ns_requests_results(p: subprocess.Popen, timeout: float) -> list[list]:
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def wait_up(ns: str, url: str, procs, timeout: float = 300) -> None:
     """Until ``url`` answers 200 from inside ``ns``; fails at once if one of ``procs`` died."""
     deadline = time.monotonic() + timeout

@@ -6,7 +6,9 @@ node 1 of the decode server, and the router. Each server runs ``--tp-size 2
 joined at node 0's ``--dist-init-addr``. Every prefill rank registers with the
 bootstrap server on prefill node 0, and each decode rank pulls its heads from
 the prefill rank that holds them, across namespaces. Greedy outputs equal a
-colocated TP 1 server's; both servers' pools are unleaked after. Needs root
+colocated TP 1 server's; both servers' pools are unleaked after. A sixth
+namespace holds a TP 1 prefill server, the healthy pair's half once the fault
+test has taken the two-node prefill server down. Needs root
 (``ip netns``); skipped with the reason where that is not permitted.
 """
 
@@ -19,14 +21,16 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from netns_stand import NET, cut_link, namespaces, ns_request, wait_unleaked, wait_up
+from netns_stand import (NET, cut_link, namespaces, ns_request, ns_requests_results, ns_requests_started,
+                         wait_unleaked, wait_up)
 from pd_stand import Proc, Server
 
 from pdserve.engine.entrypoints.procs import free_port
 
 pytestmark = pytest.mark.timeout(500)
 
-ADDRS = {"p0": f"{NET}.31", "p1": f"{NET}.32", "d0": f"{NET}.33", "d1": f"{NET}.34", "r": f"{NET}.35"}
+ADDRS = {"p0": f"{NET}.31", "p1": f"{NET}.32", "d0": f"{NET}.33", "d1": f"{NET}.34", "r": f"{NET}.35",
+         "s": f"{NET}.36"}
 POOL = ["--max-total-tokens", "1024"]
 # how long a TP collective waits for a peer that sends nothing (a cut link: no reset arrives);
 # long enough for the two nodes' start-up rendezvous on a loaded machine
@@ -94,9 +98,10 @@ class Stand:
     d_nodes: list[Server]
     router: Proc
     router_url: str
+    spare: Server  # a TP 1 prefill server, given to the router by the fault test
 
     def logs(self) -> str:
-        return "\n".join(p.log() for p in self.p_nodes + self.d_nodes + [self.router])
+        return "\n".join(p.log() for p in self.p_nodes + self.d_nodes + [self.router, self.spare])
 
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
@@ -109,9 +114,13 @@ def stand(request, tiny, ref_server):
         try:
             p_nodes = two_node_server("p", "prefill", ns, tiny, backend)
             d_nodes = two_node_server("d", "decode", ns, tiny, backend)
-            procs += p_nodes + d_nodes
+            spare = Server(f"mn-{backend}-s", "prefill", "--model-path", tiny, *POOL, host=ADDRS["s"],
+                           backend=backend, env={"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eths"},
+                           cmd_prefix=["ip", "netns", "exec", ns["s"]])
+            procs += p_nodes + d_nodes + [spare]
             wait_up(ns["p0"], p_nodes[0].url + "/health", p_nodes)
             wait_up(ns["d0"], d_nodes[0].url + "/health", d_nodes)
+            wait_up(ns["s"], spare.url + "/health", [spare])
             router_url = f"http://{ADDRS['r']}:30000"
             router = Proc(f"mn-router-{backend}", [
                 sys.executable, "-m", "pdserve.router", "--prefill", p_nodes[0].url,
@@ -121,7 +130,7 @@ def stand(request, tiny, ref_server):
                 cmd_prefix=["ip", "netns", "exec", ns["r"]])
             procs.append(router)
             wait_up(ns["r"], router_url + "/health", [router], timeout=60)
-            yield Stand(backend, ns, p_nodes, d_nodes, router, router_url)
+            yield Stand(backend, ns, p_nodes, d_nodes, router, router_url, spare)
         finally:
             for p in procs[::-1]:
                 p.stop()
@@ -139,19 +148,40 @@ def test_two_node_prefill_and_decode_behind_the_router(stand, ref_server):
     wait_unleaked(ns["d0"], D.url)
 
 
-def test_a_lost_node_takes_its_server_out_fast(stand):
+def test_a_lost_node_takes_its_server_out_fast(stand, ref_server):
     """Node 1 of the prefill server lost: SIGKILLed (its TCP peers get a reset), or its link cut
-    (nothing arrives: the collective waits --dist-timeout). Node 0's rank fails its collective
-    with the cause in the log, the server turns unhealthy and stops, the router takes it out of
-    rotation (503 at once, not a hang), and the decode server's pages are free."""
+    (nothing arrives: the collective waits --dist-timeout). The requests in flight around the fault
+    end within the bound, each with its greedy output or a clear error naming the prefill server
+    (at least one meets the fault);
+    node 0's rank fails its collective with the cause in the log, the server turns unhealthy and
+    stops, the router takes it out of rotation (503 at once, not a hang), the decode server's pages
+    are free, and the next requests succeed on the healthy pair (a TP 1 prefill server added to the
+    router, the same two-node decode server)."""
     ns, P, D = stand.ns, stand.p_nodes[0], stand.d_nodes[0]
     fault = FAULT[stand.backend]
     bound = 20 if fault == "kill" else DIST_TIMEOUT + 20  # + the 3 s grace, the monitor, the probe
+    busy = [greedy(ids, 40) for ids in prompts(10)[4:]]
+    want = [ref_server.post("/generate", b).json()["output_ids"] for b in busy]
+    # 3 requests on their way before the fault, 3 sent just after it, while the server still looks
+    # healthy (the router probes every second): those meet the fault for certain
+    inflight = ns_requests_started(ns["r"], stand.router_url + "/generate", busy, [0, 0, 0, 0.5, 0.6, 0.7],
+                                   timeout=bound + 60)
+    time.sleep(0.3)
     t0 = time.monotonic()
     if fault == "kill":
         stand.p_nodes[1].kill()
     else:
         cut_link(ns, "p1")
+    answers = ns_requests_results(inflight, timeout=bound + 90)
+    outcomes = []
+    for (status, text, took), w in zip(answers, want):
+        assert took < bound + 5, (status, text[:300], took)
+        if status == 200:
+            assert json.loads(text)["output_ids"] == w
+        else:  # retried while the router still saw it healthy, then out of pairs: the cause is named
+            assert status in (502, 503) and "prefill" in text, (status, text[:500])
+        outcomes.append(f"{status} in {took:.1f} s" + ("" if status == 200 else f" ({text[:160]})"))
+    assert any(status != 200 for status, _, _ in answers), "no request met the fault"
     while ns_request(ns["p0"], "GET", P.url + "/health", timeout=2)[0] == 200:
         assert time.monotonic() - t0 < bound, f"prefill node 0 still healthy {bound} s after the {fault}"
         time.sleep(0.5)
@@ -161,10 +191,21 @@ def test_a_lost_node_takes_its_server_out_fast(stand):
         assert time.monotonic() < deadline, P.log()
         time.sleep(0.5)
     cause = P.log(20000).rsplit("DP rank 0 failed: TP rank 0", 1)[1].splitlines()[0]
-    print(f"\n{stand.backend} stand, node 1 {fault}: prefill unhealthy after {took:.1f} s; cause:{cause[:200]}")
+    print(f"\n{stand.backend} stand, node 1 {fault}: in flight {outcomes}; prefill unhealthy after {took:.1f} s;"
+          f" cause:{cause[:200]}")
     # a reset names the lost peer; a cut link only times out
     assert (ADDRS["p1"] in cause) if fault == "kill" else (f"Timed out waiting {DIST_TIMEOUT * 1000}ms" in cause)
     t1 = time.monotonic()
     status, text = ns_request(ns["r"], "POST", stand.router_url + "/generate", greedy(prompts(1)[0]), timeout=60)
     assert status == 503 and "no healthy prefill" in text and time.monotonic() - t1 < 10, (status, text)
+    wait_unleaked(ns["d0"], D.url)
+    # the healthy pair: a TP 1 prefill server and the two-node decode server
+    spare = stand.spare
+    status, text = ns_request(ns["r"], "POST", stand.router_url + "/workers",
+                              {"url": spare.url, "role": "prefill", "bootstrap_port": spare.bootstrap_port})
+    assert status == 200 and json.loads(text)["healthy"], (status, text)
+    for b, w in zip(busy[:2], want):
+        status, text = ns_request(ns["r"], "POST", stand.router_url + "/generate", b, timeout=60)
+        assert status == 200 and json.loads(text)["output_ids"] == w, (status, text[:500])
+    wait_unleaked(ns["s"], spare.url)
     wait_unleaked(ns["d0"], D.url)

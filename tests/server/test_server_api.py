@@ -147,6 +147,24 @@ def test_openai_chat_matches_offline_engine(server, engine):
     assert chunks[-1].usage.completion_tokens == len(ref["output_ids"])
 
 
+def test_return_token_ids(server, engine, refs):
+    """vLLM's ``return_token_ids`` (the router's migration reads them): each streamed chunk's new ids,
+    the prompt's ids once; a whole completion's ids on its choice."""
+    messages = [{"role": "user", "content": "What is the capital of Spain?"}]
+    ref = greedy_ref(engine, chat_ids(engine.tokenizer, messages), MAX_NEW)
+    body = {"messages": messages, "max_tokens": MAX_NEW, "temperature": 0, "stream": True, "return_token_ids": True}
+    r = requests.post(server.url + "/v1/chat/completions", json=body, headers=server.headers, stream=True, timeout=120)
+    chunks = [e for e in _sse_events(r) if e != "[DONE]"]
+    assert chunks[0]["prompt_token_ids"] == chat_ids(engine.tokenizer, messages)
+    assert not any("prompt_token_ids" in c for c in chunks[1:])
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ref["output_ids"]
+    p = PROMPTS[0]
+    body = {"prompt": p, "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True}
+    out = requests.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=120).json()
+    assert out["choices"][0]["token_ids"] == refs[p]["output_ids"]
+    assert out["choices"][0]["prompt_token_ids"] == engine.tokenizer.encode(p)
+
+
 def test_concurrent_streams_complete_with_usage(server, engine):
     n_req, max_tokens = 32, 6
     prompts = [f"Count to {i}:" for i in range(n_req)]
