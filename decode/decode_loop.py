@@ -236,3 +236,5 @@ class DecodeLoop(SchedulerLoop):
     def close(self) -> None:
         self.dp_sizes.close()
         self.kv.close()
+        if self.spec is not None:
+            self.spec.close()

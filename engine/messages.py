@@ -109,6 +109,11 @@ class TokenOutput(msgspec.Struct, tag=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     error: str | None = None
+    # speculative decoding, running totals (SGLang's meta_info names): verify steps with a draft,
+    # draft tokens checked, draft tokens accepted
+    spec_verify_ct: int = 0
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
 
 
 class SchedulerStats(msgspec.Struct, tag=True):
