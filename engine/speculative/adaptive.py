@@ -11,7 +11,7 @@ expected accept length exceeds ``beta * k``.
   The next draft is at most ``ceil(ema) + 1`` tokens (a draft far past what is usually accepted only
   costs). When ``ema <= beta * k`` after a verify the request backs off: it decodes plainly for
   ``backoff`` steps, then probes again with a fresh average; each failed probe doubles the backoff
-  (up to ``max_backoff``), a paying verify resets it.
+  (up to ``max_backoff``), a verify that pays on its own resets it.
 - Per batch: a step of ``n`` query rows stays near the cost of one row only while the weights'
   read dominates; past ``max_verify_tokens`` rows the drafts of the requests with the lowest
   averages are cut first. A batch that cannot keep a draft runs plainly.
@@ -81,7 +81,8 @@ class AdaptiveRule:
         prior = self.prior if st.ema is None else st.ema
         st.ema = (1 - self.smoothing) * prior + self.smoothing * accepted
         if st.ema > self.beta * proposed:
-            st.backoff = 0
+            if accepted > self.beta * proposed:  # this verify paid on its own: past pauses are forgotten
+                st.backoff = 0
             return
         st.backoff = min(max(2 * st.backoff, self.min_backoff), self.max_backoff)
         st.skip = st.backoff
