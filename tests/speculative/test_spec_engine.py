@@ -1,0 +1,45 @@
+"""Speculation on the default model, colocated, through the offline Engine (fp32, in-process rank).
+
+A request that returns logprobs decodes plainly (its per-token bookkeeping stays the plain path's),
+so the same engine gives each prompt's reference: greedy outputs with NGRAM equal it token for token,
+streamed and with n > 1, and the SGLang meta_info fields count the verify steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine import Engine
+
+PASSAGE = ("def moving_average(values, window):\n    out = []\n    for i in range(len(values) - window + 1):\n"
+           "        out.append(sum(values[i:i + window]) / window)\n    return out\n")
+PROMPTS = [
+    f"Copy this code exactly.\n\n{PASSAGE}\nCopy:\n\n{PASSAGE[:40]}",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=4096, num_threads=2,
+                speculative_algorithm="NGRAM", speculative_num_draft_tokens=4) as e:
+        yield e
+
+
+def test_ngram_greedy_equals_plain_on_the_default_model_streamed_and_n2(engine):
+    plain = engine.generate(PROMPTS, GREEDY, return_logprob=True)
+    spec = engine.generate(PROMPTS, GREEDY)
+    for p, s in zip(plain, spec):
+        assert s["output_ids"] == p["output_ids"]
+        assert "spec_verify_ct" in s["meta_info"]
+    copy = spec[0]["meta_info"]
+    assert copy["spec_accept_token_num"] > 4  # the copy is where prompt lookup pays
+    assert copy["spec_verify_ct"] < copy["completion_tokens"]  # fewer steps than tokens
+    want = plain[1]["output_ids"]
+    chunks = list(engine.generate(PROMPTS[1], GREEDY, stream=True))
+    assert len(chunks) > 1 and chunks[-1]["output_ids"] == want  # a chunk holds the ids so far
+    assert chunks[-1]["meta_info"]["spec_verify_ct"] > 0
+    both = engine.generate(PROMPTS[1], {**GREEDY, "n": 2})
+    assert [b["output_ids"] for b in both] == [want, want]
+    engine.check_integrity()
