@@ -43,6 +43,7 @@ from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
+from pdserve.engine.speculative.spec_metrics import SpecStats
 from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
     SamplingTensors,
@@ -378,8 +379,12 @@ class SchedulerLoop:
     def rank_metrics(self) -> RankMetrics | None:
         """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
         KV rooms)."""
-        spec = self.spec.stats.families() if self.spec is not None else []
-        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + spec)
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + self.spec_families())
+
+    def spec_families(self) -> list:
+        """Speculation's families (``spec_metrics``), at 0 on a rank that does not speculate: a dashboard
+        reads 0, not "no data"."""
+        return (self.spec.stats if self.spec is not None else SpecStats()).families()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

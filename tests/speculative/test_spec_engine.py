@@ -17,7 +17,7 @@ PROMPTS = [
     f"Copy this code exactly.\n\n{PASSAGE}\nCopy:\n\n{PASSAGE[:40]}",
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
 ]
-GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 
 
 @pytest.fixture(scope="module")

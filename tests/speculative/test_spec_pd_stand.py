@@ -35,3 +35,7 @@ def test_decode_side_verifies_drafts_and_outputs_equal_plain_decoding(pair):
     stats = pair.decode.spec.stats
     assert stats.accepted > 0 and stats.proposed > stats.accepted  # runs accepted and rejected
     assert oracle.released == set(prompts)
+    # the rank's /metrics families carry the counters
+    fams = {f.name: f for f in pair.decode.rank_metrics().families}
+    assert fams["pdserve_spec_accepted_tokens"].samples[0].value == stats.accepted > 0
+    assert fams["pdserve_spec_accept_length"].samples[-1].name == "pdserve_spec_accept_length_sum"
