@@ -1,20 +1,26 @@
 """When speculation pays: per request and per batch, from accept lengths and a cost model (pure logic).
 
-Cost model (docs/SPECULATIVE.md, "When it speculates"): a verify step that feeds a sequence its
-last token plus ``k`` drafts costs about ``c(k) = 1 + beta * k`` plain decode steps (``beta``: the
-cost of one more query row relative to a whole step, measured on the machine). It yields
-``1 + a`` tokens where ``a`` is the number of drafts accepted. So speculation pays while the
-expected accept length exceeds ``beta * k``.
+Cost model (docs/SPECULATIVE.md, "When it speculates"): a decode step of ``bs`` sequences that
+carries drafts feeds ``R = bs + sum(k_i)`` rows and costs about
 
-- Per request: ``a`` is tracked as an exponential moving average over the request's verify steps
-  (starting from a prior of 1 accepted draft, so a single miss does not end a probe).
-  The next draft is at most ``ceil(ema) + 1`` tokens (a draft far past what is usually accepted only
-  costs). When ``ema <= beta * k`` after a verify the request backs off: it decodes plainly for
-  ``backoff`` steps, then probes again with a fresh average; each failed probe doubles the backoff
-  (up to ``max_backoff``), a verify that pays on its own resets it.
-- Per batch: a step of ``n`` query rows stays near the cost of one row only while the weights'
-  read dominates; past ``max_verify_tokens`` rows the drafts of the requests with the lowest
-  averages are cut first. A batch that cannot keep a draft runs plainly.
+    c(bs, R) = 1 + fixed(bs) + beta(bs) * (R - bs) / bs
+
+plain steps of the same batch: ``fixed`` is leaving the fused single-token decode path for the
+extend path, ``beta`` the cost of one more draft row per sequence; both grow with the batch
+(measured on this CPU: ``fixed(1) = 0.33, beta(1) = 0.07``, ``fixed(8) = 1.0, beta(8) = 0.3``,
+linear between). The step yields ``bs + A`` tokens where ``A`` is the drafts accepted, so it
+pays while ``A > bs * (c - 1)``.
+
+- Per request: its accept length ``a`` is an exponential moving average over its verify steps
+  (starting from a prior of 1.5 accepted drafts, so a single miss does not end a probe). The next
+  draft is at most ``ceil(ema) + 1`` tokens (a draft far past what is usually accepted only
+  costs). When ``ema <= fixed(1) + beta(1) * k`` after a verify (speculating does not pay even
+  alone) the request backs off: it decodes plainly for ``backoff`` steps, then probes again with
+  a fresh average; each failed probe doubles the backoff (up to ``max_backoff``), a verify that
+  pays on its own resets it.
+- Per batch: the drafts are kept for the ``m`` requests of the best averages, for the ``m`` that
+  maximizes the expected tokens per cost, ``(bs + A_m) / c(bs, R_m)`` with ``A_m = sum(min(ema_i,
+  k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly.
 
 The state is a function of the tokens alone (no clocks), so every TP rank decides alike.
 """
@@ -35,12 +41,13 @@ class _ReqState:
 @dataclass
 class AdaptiveRule:
     max_draft_tokens: int
-    beta: float = 0.1  # cost of one more query row, as a fraction of a plain decode step
-    max_verify_tokens: int = 64  # query rows of a verify step (drafts + fed tokens) before drafts are cut
+    # the cost model's constants at batch 1 and batch 8 (see the module docstring)
+    fixed: tuple[float, float] = (0.33, 1.0)
+    beta: tuple[float, float] = (0.07, 0.3)
     min_backoff: int = 8
     max_backoff: int = 128
     smoothing: float = 0.5  # weight of the newest verify in the average
-    prior: float = 1.0  # the average a probe starts from: one miss alone does not end it
+    prior: float = 1.5  # the average a probe starts from: one miss alone does not end it
     _reqs: dict[str, _ReqState] = field(default_factory=dict)
 
     def budget(self, rid: str) -> int:
@@ -53,25 +60,34 @@ class AdaptiveRule:
             return self.max_draft_tokens
         return min(self.max_draft_tokens, math.ceil(st.ema) + 1)
 
-    def cut_batch(self, rids: list[str], drafts: list[list[int]]) -> list[list[int]]:
-        """Drafts cut so that the step feeds at most ``max_verify_tokens`` rows; best averages keep theirs."""
-        rows = len(drafts) + sum(map(len, drafts))
-        if rows <= self.max_verify_tokens:
-            return drafts
-        out = [list(d) for d in drafts]
-        order = sorted(range(len(out)), key=lambda i: self._ema(rids[i]))
-        for i in order:  # lowest average first
-            cut = min(len(out[i]), rows - self.max_verify_tokens)
-            if cut:
-                del out[i][len(out[i]) - cut :]
-                rows -= cut
-            if rows <= self.max_verify_tokens:
-                break
-        return out
+    def cost(self, bs: int, rows: int) -> float:
+        """``c(bs, R)``: a step of ``bs`` sequences feeding ``rows`` rows, in plain steps of that batch."""
+        if rows <= bs:
+            return 1.0
+        t = (bs - 1) / 7  # 0 at batch 1, 1 at batch 8, extrapolated past it
+        fixed = self.fixed[0] + t * (self.fixed[1] - self.fixed[0])
+        beta = self.beta[0] + t * (self.beta[1] - self.beta[0])
+        return 1.0 + fixed + beta * (rows - bs) / bs
 
-    def _ema(self, rid: str) -> float:
+    def cut_batch(self, rids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts worth a verify step: those of the ``m`` best averages, for the ``m`` (0: none)
+        that maximizes the expected tokens per unit of cost, ``(bs + A_m) / c(bs, R_m)``."""
+        bs = len(drafts)
+        order = sorted((i for i in range(bs) if drafts[i]), key=lambda i: -self._expected(rids[i]))
+        best_m, best_rate = 0, 1.0  # no drafts: bs tokens for one plain step
+        gain, rows = 0.0, bs
+        for m, i in enumerate(order, 1):
+            gain += min(self._expected(rids[i]), len(drafts[i]))
+            rows += len(drafts[i])
+            rate = (bs + gain) / (bs * self.cost(bs, rows))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        kept = set(order[:best_m])
+        return [d if i in kept else [] for i, d in enumerate(drafts)]
+
+    def _expected(self, rid: str) -> float:
         st = self._reqs.get(rid)
-        return -1.0 if st is None or st.ema is None else st.ema
+        return self.prior if st is None or st.ema is None else st.ema
 
     def verified(self, rid: str, proposed: int, accepted: int) -> None:
         """Record a verify step of ``rid`` that checked ``proposed`` drafts and accepted ``accepted``."""
@@ -80,8 +96,9 @@ class AdaptiveRule:
         st = self._reqs.setdefault(rid, _ReqState())
         prior = self.prior if st.ema is None else st.ema
         st.ema = (1 - self.smoothing) * prior + self.smoothing * accepted
-        if st.ema > self.beta * proposed:
-            if accepted > self.beta * proposed:  # this verify paid on its own: past pauses are forgotten
+        threshold = self.cost(1, 1 + proposed) - 1  # what speculating alone must gain to pay
+        if st.ema > threshold:
+            if accepted > threshold:  # this verify paid on its own: past pauses are forgotten
                 st.backoff = 0
             return
         st.backoff = min(max(2 * st.backoff, self.min_backoff), self.max_backoff)

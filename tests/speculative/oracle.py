@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import random
 
+from pdserve.engine.speculative.adaptive import AdaptiveRule
 from pdserve.engine.speculative.proposer import Draft
+
+
+def FREE_RULE() -> AdaptiveRule:  # noqa: N802 - reads as the constant it stands for
+    """The adaptive rule with a cost model that says speculation is free: every draft is verified
+    (for tests of the verify step, not of the rule)."""
+    return AdaptiveRule(16, fixed=(0.0, 0.0), beta=(0.0, 0.0), min_backoff=0, max_backoff=0)
 
 
 class OracleProposer:

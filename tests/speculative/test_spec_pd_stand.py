@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from loop_stand import PDPair, reference
-from oracle import OracleProposer
+from oracle import FREE_RULE, OracleProposer
 
 
 @pytest.fixture
@@ -24,6 +24,7 @@ def test_decode_side_verifies_drafts_and_outputs_equal_plain_decoding(pair):
     assert pair.prefill.spec is None  # the prefill side never speculates
     oracle = OracleProposer({rid: p + reference(p, max_new) for rid, p in prompts.items()})
     pair.decode.spec.proposer = oracle
+    pair.decode.spec.rule = FREE_RULE()  # every draft verified: the verify step is what is checked
     for i, (rid, p) in enumerate(prompts.items()):
         pair.submit(rid, p, max_new=max_new, stream=i % 2 == 0)
     pair.run(pair.done(*prompts, sides="D"), timeout=30)

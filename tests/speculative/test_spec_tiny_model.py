@@ -23,10 +23,12 @@ from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.engine.speculative.proposer import Draft
 from pdserve.engine.speculative.verify import accept_sampled, step_uniforms, target_probs
 
-from oracle import OracleProposer
+from oracle import FREE_RULE, OracleProposer
 from test_verify import chi2, chi2_critical
 
 torch.set_num_threads(1)
+
+
 BASE = dict(dtype="float32", max_total_tokens=1024, page_size=4)
 
 
@@ -41,6 +43,8 @@ def generate(runner, reqs: list[tuple[str, list[int], SamplingParams]], spec: st
     """Run ``reqs`` to the end in a fresh loop over ``runner``; (tokens, final outputs, loop)."""
     cfg = EngineConfig(model_path=runner.config.model_path, speculative_algorithm=spec, **BASE)
     loop = SchedulerLoop(cfg, runner=runner)
+    if spec is not None:  # what is checked here is the verify step: every draft is verified
+        loop.spec.rule = FREE_RULE()
     if proposer is not None:
         loop.spec.proposer = proposer
     for rid, prompt, params in reqs:
