@@ -52,10 +52,11 @@ class Speculation:
             return False
         budgets = []
         for r in batch.reqs:
-            budget = self.rule.budget(r.rid) if can_speculate(r) else 0
-            budgets.append(min(budget, max(r.remaining_new_tokens - 1, 0)))
-            if can_speculate(r) and self.rule.backing_off(r.rid) and budget == 0:
-                self.stats.backoff_steps += 1
+            if not can_speculate(r):
+                budgets.append(0)
+                continue
+            self.stats.backoff_steps += self.rule.backing_off(r.rid)  # this step is one of its pause
+            budgets.append(min(self.rule.budget(r.rid), max(r.remaining_new_tokens - 1, 0)))
         asked = [i for i, b in enumerate(budgets) if b > 0]
         if not asked:
             return False
