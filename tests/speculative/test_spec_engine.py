@@ -2,7 +2,8 @@
 
 A request that returns logprobs decodes plainly (its per-token bookkeeping stays the plain path's),
 so the same engine gives each prompt's reference: greedy outputs with NGRAM equal it token for token,
-streamed and with n > 1, and the SGLang meta_info fields count the verify steps.
+streamed and with n > 1, and the SGLang meta_info fields count the verify steps; a json_schema
+request's output with speculation is plain decoding's and valid, sampled too.
 """
 
 from __future__ import annotations
@@ -41,4 +42,23 @@ def test_ngram_greedy_equals_plain_on_the_default_model_streamed_and_n2(engine):
     assert chunks[-1]["meta_info"]["spec_verify_ct"] > 0
     both = engine.generate(PROMPTS[1], {**GREEDY, "n": 2})
     assert [b["output_ids"] for b in both] == [want, want]
+    engine.check_integrity()
+
+
+def test_json_schema_output_with_speculation_is_valid_and_plain(engine):
+    import json
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "size"], "additionalProperties": False}
+    params = {"temperature": 0.0, "max_new_tokens": 32, "json_schema": json.dumps(schema)}
+    prompt = 'Records: {"name":"ab","size":3} {"name":"cd","size":4} {"name":"ef","size":5}. One more record:'
+    plain = engine.generate(prompt, params, return_logprob=True)
+    spec = engine.generate(prompt, params)
+    assert spec["output_ids"] == plain["output_ids"]
+    value = json.loads(spec["text"])
+    assert set(value) == {"name", "size"} and len(value["name"]) <= 8 and 0 <= value["size"] <= 99
+    assert spec["meta_info"]["spec_verify_ct"] > 0
+    sampled = engine.generate(prompt, {**params, "temperature": 1.0, "seed": 3})
+    json.loads(sampled["text"])
     engine.check_integrity()
