@@ -20,7 +20,11 @@ pays while ``A > bs * (c - 1)``.
   pays on its own resets it.
 - Per batch: the drafts are kept for the ``m`` requests of the best averages, for the ``m`` that
   maximizes the expected tokens per cost, ``(bs + A_m) / c(bs, R_m)`` with ``A_m = sum(min(ema_i,
-  k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly.
+  k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly, except
+  once every ``explore_every`` (32) such steps, when the drafts of the requests not measured since
+  their last probe are verified, so that a batch whose prior says "does not pay" still learns the
+  real averages (copy-heavy requests then speculate at batch 8 too). Requests that do not pay back
+  off with growing pauses, so exploring costs little where nothing is accepted.
 
 The state is a function of the tokens alone (no clocks), so every TP rank decides alike.
 """
@@ -48,6 +52,10 @@ class AdaptiveRule:
     max_backoff: int = 128
     smoothing: float = 0.5  # weight of the newest verify in the average
     prior: float = 1.5  # the average a probe starts from: one miss alone does not end it
+    # a batch where no draft pays by the prior still verifies its unmeasured requests' drafts once
+    # in this many decode steps, so that their real average is learned (a copy pays at batch 8 too)
+    explore_every: int = 32
+    _steps: int = 0
     _reqs: dict[str, _ReqState] = field(default_factory=dict)
 
     def budget(self, rid: str) -> int:
@@ -83,7 +91,14 @@ class AdaptiveRule:
             if rate > best_rate:
                 best_m, best_rate = m, rate
         kept = set(order[:best_m])
+        self._steps += 1
+        if not kept and self._steps % self.explore_every == 0:
+            kept = {i for i in order if self._unmeasured(rids[i])}
         return [d if i in kept else [] for i, d in enumerate(drafts)]
+
+    def _unmeasured(self, rid: str) -> bool:
+        st = self._reqs.get(rid)
+        return st is None or st.ema is None
 
     def _expected(self, rid: str) -> float:
         st = self._reqs.get(rid)

@@ -51,3 +51,13 @@ def test_batch_keeps_the_drafts_that_pay_best_average_first():
     assert rule.cut_batch(probes, [[1, 2, 3, 4]] * 8) == [[]] * 8
     assert rule.cut_batch(["good"] + probes[1:], [[1, 2, 3, 4]] + [[]] * 7) == [[]] * 8
     assert rule.cut_batch(["good"] * 8, [[1, 2, 3, 4]] * 8) == [[1, 2, 3, 4]] * 8
+
+
+def test_a_batch_that_does_not_pay_by_the_prior_explores_now_and_then():
+    rule = AdaptiveRule(4, explore_every=4)
+    probes = [f"p{i}" for i in range(8)]
+    kept = [rule.cut_batch(probes, [[1, 2, 3, 4]] * 8) for _ in range(8)]
+    assert [any(k) for k in kept] == [False, False, False, True] * 2  # every 4th step measures them
+    for rid in probes:
+        rule.verified(rid, 4, 4)  # they turn out to copy: now the batch pays every step
+    assert all(any(rule.cut_batch(probes, [[1, 2, 3, 4]] * 8)) for _ in range(4))
