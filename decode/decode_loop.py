@@ -236,3 +236,4 @@ class DecodeLoop(SchedulerLoop):
     def close(self) -> None:
         self.dp_sizes.close()
         self.kv.close()
+        super().close()  # the storage tier's queued puts (the decode's write-back)
