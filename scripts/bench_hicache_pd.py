@@ -13,8 +13,11 @@ conversation from one prefill server to the other):
         and a standalone ``mooncake_client`` holding the objects (engine/entrypoints/mooncake_service.py);
         the decode writes each finished sequence (prompt and answer) back to the store
 
-Each server's KV pool holds about a quarter of the live conversations (the decode's at least
-two final-length sequences, so it can decode). The workload is ``bench_serving --dataset
+Each prefill server's KV pool holds about a quarter of the live conversations. The decode's
+(``--decode-pool``): ``quarter``, the same (at least two final-length sequences, so it can decode),
+where the decode's queue for room then dominates TTFT; or ``batch``, every conversation's final
+turn at once, where TTFT is the prefill's, but the decode's own prefix cache then holds the
+conversations in every configuration (its room requests' ``held_pages`` spare the bytes even off). The workload is ``bench_serving --dataset
 multi-turn``'s (benchlib/multi_turn.py): N conversations of T turns of generated random ids, each
 prompt the whole history plus a new message; a turn's requests go together. After L3's T turns
 prefill server 0 is restarted (its pool and host tier empty, the store full) and two more turns
@@ -68,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--message-len", type=int, default=24, help="tokens of each new message")
     p.add_argument("--answer-len", type=int, default=40, help="tokens of each answer")
     p.add_argument("--think-time", type=float, default=0.5, help="seconds between turns")
+    p.add_argument("--decode-pool", default="quarter", choices=("quarter", "batch"),
+                   help="the decode's KV pool: quarter (like the prefill servers', at least two final-length "
+                        "sequences) or batch (every conversation's final turn at once: the decode never queues)")
     p.add_argument("--prefetch-policy", default="timeout", choices=("best_effort", "wait_complete", "timeout"))
     p.add_argument("--configs", nargs="+", default=["off", "L2", "L3"], choices=("off", "L2", "L3"))
     p.add_argument("--model-path", default=None)
@@ -192,6 +198,8 @@ def run_config(name: str, stand: Stand, convs: multi_turn.Conversations, turns: 
         "p50_ttft_turn3plus_ms": multi_turn.p50_ttft_ms(records, 3),
         "kv_bytes_turn2plus": from_turn2["kv_sent_bytes"], "kv_bytes": run["kv_sent_bytes"],
         "decode_storage_put_pages": server_metrics.delta(snaps[-1][2], snaps[0][2])["storage_put_pages"],
+        "prefill_storage": {k: run[k] for k in ("storage_get_pages", "storage_get_seconds", "host_load_seconds",
+                                                "prefetch_complete", "prefetch_timeout", "prefetch_best_effort")},
         "p50_ttft_ms_by_turn": {t: r["p50_ttft_ms"] for t, r in summary["by_turn"].items()},
     }
     if name == "L3":
@@ -248,6 +256,8 @@ def main(argv=None) -> int:
     longest = (args.turns + extra_turns) * (args.message_len + args.answer_len)  # the restart's turns too
     pool_tokens = max(live // 4, longest + 2 * PAGE)
     decode_tokens = max(live // 4, 2 * (longest + args.answer_len) + 2 * PAGE)
+    if args.decode_pool == "batch":
+        decode_tokens = args.conversations * (longest + args.answer_len + 2 * PAGE)
     ratio = 4.0 * (live + extra_turns * args.conversations * (args.message_len + args.answer_len)) / pool_tokens
     load = os.getloadavg()
     print(f"bench_hicache_pd: {len(os.sched_getaffinity(0))} cores, load average {load[0]:.2f} {load[1]:.2f} "

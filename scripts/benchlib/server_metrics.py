@@ -19,6 +19,11 @@ FAMILIES = {
     "kv_sent_bytes": ("pdserve_kv_transfer_sent_bytes_total", None),
     "storage_put_pages": ("pdserve_hicache_move_pages_total", 'direction="host_to_storage"'),
     "storage_get_pages": ("pdserve_hicache_move_pages_total", 'direction="storage_to_host"'),
+    "storage_get_seconds": ("pdserve_hicache_move_seconds_total", 'direction="storage_to_host"'),
+    "host_load_seconds": ("pdserve_hicache_move_seconds_total", 'direction="host_to_device"'),
+    "prefetch_complete": ("pdserve_hicache_prefetch_total", 'outcome="complete"'),
+    "prefetch_timeout": ("pdserve_hicache_prefetch_total", 'outcome="timeout"'),
+    "prefetch_best_effort": ("pdserve_hicache_prefetch_total", 'outcome="best_effort"'),
 }
 
 

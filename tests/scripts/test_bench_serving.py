@@ -411,6 +411,8 @@ def test_run_benchmark_in_process_counts_failures_and_caps_concurrency(tmp_path,
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1]"),
         (["--base-url", "localhost:30000"], "--base-url must start with http"),
+        (["--dataset", "multi-turn", "--backend", "chat"], "needs --backend generate"),
+        (["--dataset", "multi-turn", "--mt-turns", "0"], "--mt-turns must be >= 1"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message):
@@ -446,6 +448,10 @@ WORKLOADS = {
 }
 
 
+MULTI_TURN = ["--dataset", "multi-turn", "--mt-conversations", "3", "--mt-turns", "3", "--mt-message-len", "16",
+              "--mt-answer-len", "8", "--mt-think-time", "0.1"]
+
+
 @pytest.fixture(scope="module")
 def e2e_runs(server, tmp_path_factory):
     """The script run as a subprocess once per backend, the three at the same time (the
@@ -461,6 +467,10 @@ def e2e_runs(server, tmp_path_factory):
                 "--output-details", "--disable-tqdm"]
         procs[backend] = (tmp, subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                 text=True))
+    tmp = tmp_path_factory.mktemp("multi-turn")  # the conversations, alongside the others
+    argv = [sys.executable, str(SCRIPT), "--base-url", server, *MULTI_TURN, "--output-file", str(tmp / "runs.jsonl")]
+    procs["multi-turn"] = (tmp, subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                 text=True))
     runs = {}
     try:
         for backend, (tmp, proc) in procs.items():
@@ -505,3 +515,22 @@ def test_end_to_end_against_real_server(e2e_runs, backend):
         for name in ("ttft_cdf.png", "tpot_cdf.png", "timeline.png"):
             data = (tmp / "plots" / name).read_bytes()
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.timeout(240)
+def test_multi_turn_against_real_server(e2e_runs):
+    """Each turn's prompt is the history plus a message; the server's pool holds every conversation,
+    so every earlier turn's full pages are cached: the hit rate is the ideal's."""
+    tmp, rc, stdout, stderr = e2e_runs["multi-turn"]
+    assert rc == 0, stdout[-3000:] + stderr[-3000:]
+    assert stdout.strip().splitlines()[-1].startswith("bench_serving multi-turn (generated): 3 conversations x 3")
+    res = json.loads((tmp / "runs.jsonl").read_text())
+    assert res["requests"] == 9 and res["failed"] == 0
+    # turn 2: 16 + 8 + 16 tokens, 24 of them history: 1 full page of it; turn 3: 64 tokens, 48 history: 2
+    assert [res["by_turn"][t]["ideal"] for t in ("1", "2", "3")] == [0, 3 * 16, 3 * 32]
+    assert res["hit_rate"] == 1.0 and res["cached_tokens"] == res["ideal_cached_tokens"] == 3 * 48
+    assert res["computed_tokens"] == res["prompt_tokens"] - res["cached_tokens"] == 3 * (16 + 40 + 64) - 3 * 48
+    assert all(res["by_turn"][t]["p50_ttft_ms"] > 0 for t in ("1", "2", "3"))
+    # the server's counters include the other workloads run at the same time: at least these
+    assert res["servers"]["cached_tokens"] >= res["cached_tokens"]
+    assert res["servers"]["prompt_tokens"] >= res["prompt_tokens"]
