@@ -239,3 +239,4 @@ class DecodeLoop(SchedulerLoop):
         self.kv.close()
         if self.spec is not None:
             self.spec.close()
+        super().close()  # the storage tier's queued puts (the decode's write-back)

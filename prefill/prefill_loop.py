@@ -211,3 +211,4 @@ class PrefillLoop(SchedulerLoop):
 
     def close(self) -> None:
         self.kv.close()
+        super().close()  # the storage tier's queued puts

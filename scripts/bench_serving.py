@@ -13,7 +13,10 @@ SGLang server. Every request is streamed, asks for exactly its output length
 Workloads (``--dataset``): ``random`` token ids of the model's vocabulary,
 ``sharegpt`` (a ShareGPT JSON file), ``shared-prefix`` (groups of prompts
 sharing a long system prompt; ``--num-prompts`` is ignored there: the count is
-groups x prompts per group; SGLang's ``--gsp-*`` spellings are accepted).
+groups x prompts per group; SGLang's ``--gsp-*`` spellings are accepted),
+``multi-turn`` (``--mt-conversations`` conversations of ``--mt-turns`` turns, each
+prompt the whole history, earlier answers included, plus a new message; see
+"Multi-turn" below).
 ``random`` and ``shared-prefix`` send token ids where the API takes them
 (generate, completions), so the server sees exactly the lengths asked; chat
 sends their text. Arrivals: Poisson at ``--request-rate`` (``inf``: all at
@@ -24,6 +27,18 @@ Output: a tqdm bar, a summary table, then one summary line. ``--output-file``
 appends one JSON line per run (the arguments and every metric);
 ``--output-details`` adds the per-request arrays; ``--plot DIR`` writes
 ttft_cdf.png, tpot_cdf.png and timeline.png.
+
+Multi-turn (``--dataset multi-turn``, the ``generate`` backend: the history is the
+server's own answer ids): a turn's requests go together, then ``--mt-think-time``
+seconds, then the next turn. Messages are generated random ids (``--mt-message-len``
+tokens; with ``--random-range-ratio R`` > 0, uniform in [len * R, len]) or, with
+``--dataset-path``, the human turns of a ShareGPT file's multi-turn conversations. Reported: the hit rate against the ideal (every
+earlier turn's tokens cached, page-aligned) from the responses'
+``meta_info.cached_tokens`` (the OpenAI APIs' ``usage.prompt_tokens_details.cached_tokens``),
+prompt tokens computed, p50 TTFT by turn, and from each ``--metrics-url`` server's
+``/metrics`` (default: ``--base-url``; behind a router, name the prefill servers) the
+cached tokens per tier (``pdserve_cached_tokens_total``, ``pdserve_hicache_hit_tokens_total``)
+and the KV bytes sent to decode. ``run_multi_turn(args, convs=None) -> dict``.
 
 Importable: ``parse_args(argv)``, ``run_benchmark(args, rows=None) -> dict``,
 ``benchmark(...)`` (async, the load generator) and ``build_rows(args, tokenizer)``.
@@ -87,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", "--dataset-name", dest="dataset_name",
-                   choices=["random", "sharegpt", "shared-prefix"], default="random")
+                   choices=["random", "sharegpt", "shared-prefix", "multi-turn"], default="random")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (sharegpt)")
     g.add_argument("--model-path", default=None,
                    help="model whose tokenizer makes and measures prompts; default: the default model")
@@ -106,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sp-system-prompt-len", "--gsp-system-prompt-len", type=int, default=1024)
     g.add_argument("--sp-question-len", "--gsp-question-len", type=int, default=64)
     g.add_argument("--sp-output-len", "--gsp-output-len", type=int, default=128)
+    g.add_argument("--mt-conversations", type=int, default=8, help="multi-turn: conversations")
+    g.add_argument("--mt-turns", type=int, default=4, help="multi-turn: turns of each")
+    g.add_argument("--mt-message-len", type=int, default=64, help="multi-turn: tokens of each new message")
+    g.add_argument("--mt-answer-len", type=int, default=32, help="multi-turn: tokens of each answer")
+    g.add_argument("--mt-think-time", type=float, default=0.0, help="multi-turn: seconds between turns")
+    g.add_argument("--mt-page-size", type=int, default=16, help="multi-turn: the servers' page size (the ideal)")
+    g.add_argument("--metrics-url", action="append", default=[],
+                   help="multi-turn: a server whose /metrics to read (repeat; default: --base-url)")
     g.add_argument("--seed", type=int, default=1)
 
     g = p.add_argument_group("load")
@@ -161,6 +184,17 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
         if not 0.0 <= args.random_range_ratio <= 1.0:
             p.error(f"--random-range-ratio must be in [0, 1], got {args.random_range_ratio:g}")
+    if args.dataset_name == "multi-turn":
+        if args.backend != "generate":
+            p.error("--dataset multi-turn needs --backend generate (the history is the server's answer ids)")
+        for name in ("mt_conversations", "mt_turns", "mt_message_len", "mt_answer_len", "mt_page_size"):
+            if getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.mt_think_time < 0:
+            p.error(f"--mt-think-time must be >= 0, got {args.mt_think_time:g}")
+        for u in args.metrics_url:
+            if not u.startswith(("http://", "https://")):
+                p.error(f"--metrics-url must start with http:// or https://, got {u!r}")
     if args.dataset_name == "shared-prefix":
         for name in ("sp_num_groups", "sp_prompts_per_group", "sp_system_prompt_len", "sp_question_len",
                      "sp_output_len"):
@@ -384,8 +418,61 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
     return result
 
 
+def run_multi_turn(args: argparse.Namespace, convs=None, tokenizer=None) -> dict:
+    """The multi-turn run: every turn of every conversation (``convs``: a ``multi_turn.Conversations``,
+    else made from the arguments); prints a table by turn and one summary line; returns the figures."""
+    from benchlib import multi_turn, server_metrics
+
+    if convs is None:
+        tokenizer = tokenizer or load_tokenizer_for(args)
+        convs = multi_turn.make_conversations(
+            tokenizer, args.mt_conversations, args.mt_turns, args.mt_message_len, args.mt_answer_len,
+            args.random_range_ratio if args.random_range_ratio > 0 else 1.0, args.seed, args.dataset_path)
+    base_url = args.base_url.rstrip("/")
+    metrics_urls = [u.rstrip("/") for u in args.metrics_url] or [base_url]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    before = [server_metrics.scrape(u) for u in metrics_urls]
+    records = asyncio.run(multi_turn.play_turns(
+        base_url, convs, range(convs.num_turns), think_time=args.mt_think_time, headers=headers,
+        request_timeout=args.request_timeout))
+    servers = server_metrics.total([server_metrics.delta(server_metrics.scrape(u), b)
+                                    for u, b in zip(metrics_urls, before)])
+    result = {"dataset_name": "multi-turn", "source": convs.source, **multi_turn.summarize(records, args.mt_page_size)}
+    prompt = servers["prompt_tokens"]
+    result["servers"] = {
+        **servers,
+        "hit_rate": round(servers["cached_tokens"] / prompt, 3) if prompt else None,
+        "hit_rate_by_tier": {
+            "pool": round((servers["cached_tokens"] - servers["host_hit_tokens"] - servers["storage_hit_tokens"])
+                          / prompt, 3) if prompt else None,
+            "host": round(servers["host_hit_tokens"] / prompt, 3) if prompt else None,
+            "storage": round(servers["storage_hit_tokens"] / prompt, 3) if prompt else None,
+        },
+    }
+    print(f"{'turn':>4} {'p50 TTFT ms':>12} {'cached':>8} {'ideal':>8} {'prompt':>8}")
+    for t, row in result["by_turn"].items():
+        print(f"{t:>4} {row['p50_ttft_ms'] or 'n/a':>12} {row['cached']:>8} {row['ideal']:>8} {row['prompt']:>8}")
+    s = result["servers"]
+    print(f"bench_serving multi-turn ({convs.source}): {len(convs.messages)} conversations x {convs.num_turns} "
+          f"turns, failed={result['failed']} hit rate {result['hit_rate']} of ideal (responses); servers: "
+          f"cached/prompt {s['hit_rate']} (pool {s['hit_rate_by_tier']['pool']}, host "
+          f"{s['hit_rate_by_tier']['host']}, storage {s['hit_rate_by_tier']['storage']}); prompt tokens computed "
+          f"{result['computed_tokens']}; KV bytes sent {s['kv_sent_bytes']:.0f}")
+    if args.output_file:
+        with open(args.output_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(_jsonable({"args": vars(args), **result}), allow_nan=False) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.dataset_name == "multi-turn":
+        try:
+            result = run_multi_turn(args)
+        except (OSError, ValueError) as exc:
+            print(f"bench_serving: error: {exc}", file=sys.stderr)
+            return 1
+        return 0 if result["failed"] == 0 else 1
     try:
         result = run_benchmark(args)
     except BenchmarkError as exc:

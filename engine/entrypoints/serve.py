@@ -42,6 +42,8 @@ from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManag
 logger = logging.getLogger("pdserve.server")
 
 RANK_STOP_GRACE = 3.0  # seconds a rank killed at stop gets to be gone
+# seconds ranks get, on SIGUSR1 at stop, to send their storage tier's queued puts before SIGKILL
+RANK_FLUSH_GRACE = 11.0  # the storage worker's CLOSE_FLUSH_S and a second
 MONITOR_INTERVAL = 0.2
 DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
 
@@ -128,12 +130,20 @@ async def watch_ranks(config: ServerConfig, procs: dict[tuple[int, int], mp.Proc
 
 
 def stop_ranks(procs: list[mp.Process]) -> None:
-    """SIGKILL every process and wait up to RANK_STOP_GRACE for each to be gone.
+    """SIGUSR1 every process, wait up to RANK_FLUSH_GRACE for them to exit, SIGKILL the rest and wait
+    up to RANK_STOP_GRACE for each to be gone.
 
     Ranks ignore SIGTERM (so that a SIGTERM to the whole process group leaves them serving this
-    process's drain); they hold no state worth a clean exit once this process stops, and SIGTERM's
-    default action killed them just as abruptly before.
+    process's drain). On SIGUSR1 a rank sends its storage tier's queued puts (the storage worker's
+    bounded flush) and exits at once; a rank without a storage tier exits at once. Nothing else
+    in a rank is worth a clean exit once this process stops.
     """
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    deadline = time.monotonic() + RANK_FLUSH_GRACE
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
         if p.is_alive():
             p.kill()

@@ -111,6 +111,11 @@ class PrefixCache(ABC):
         """Whether the request's prefetch lets it be admitted now."""
         return True
 
+    def wait_for_prefetch(self, rid: str, timeout: float) -> bool:
+        """Block until a storage fetch lands or ``timeout`` s pass, if the request's prefetch is still
+        running (the scheduler's idle wait for its queue head); False at once when it is not."""
+        return False
+
     def cancel_prefetch(self, rid: str) -> None:
         """The request ended: drop its prefetch."""
 

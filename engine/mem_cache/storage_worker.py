@@ -9,6 +9,10 @@ circuit breaker: the backend is dropped, and for a backoff (1 s doubling to
 30 s) fetches finish empty at once and puts are skipped; then the worker
 connects again. A fetched object of the wrong length ends the chain there (the
 rest is recomputed). Every failure is counted; none reaches a request.
+
+Shutdown: ``close`` sends the puts still queued, for up to ``CLOSE_FLUSH_S``
+seconds (the thread is a daemon: without it, pages queued at exit would never
+reach the store), then drops the rest, counted and logged.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 BACKOFF_S = (1.0, 30.0)
 MAX_PENDING_PUTS = 4096  # beyond this, new puts are dropped (the store is behind; L1/L2 still serve)
+CLOSE_FLUSH_S = 10.0  # close() waits this long for the queued puts (4096 pages: ~1 s to a local store)
 
 
 @dataclass
@@ -58,7 +63,9 @@ class StorageWorker:
         self._backend: StorageBackend | None = None
         self._backoff = BACKOFF_S[0]
         self._down_until = 0.0
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # work for the thread
+        self._fetched = threading.Condition(lock)  # a fetch finished (``wait_fetched``)
         self._puts: deque[tuple[str, bytes]] = deque()
         self._fetches: deque[tuple[str, int, list[str]]] = deque()
         self._cancelled: set[str] = set()
@@ -86,6 +93,13 @@ class StorageWorker:
         with self._cond:
             self._cancelled.add(rid)
 
+    def wait_fetched(self, timeout: float) -> bool:
+        """Block until a finished fetch waits to be drained, or ``timeout`` seconds; True if one does."""
+        with self._fetched:
+            if not self._done:
+                self._fetched.wait(timeout)
+            return bool(self._done)
+
     def drain(self) -> list[FetchResult]:
         out = []
         while self._done:
@@ -101,12 +115,19 @@ class StorageWorker:
         with self._cond:
             return not self._puts and not self._fetches
 
-    def close(self) -> None:
-        """Send the puts still queued (a breaker open drops them at once), then disconnect."""
+    def close(self, timeout: float = CLOSE_FLUSH_S) -> None:
+        """Send the puts still queued, for up to ``timeout`` seconds (a breaker open drops them at
+        once), then disconnect. Puts left after the timeout are dropped and counted."""
         with self._cond:
             self._closed = True
             self._cond.notify()
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():  # inside a slow put: drop the queue; it returns after that put
+            with self._cond:
+                left, self._puts = len(self._puts), deque()
+            self.stats.dropped_puts += left
+            logger.warning("hicache storage: %d queued puts dropped at close (not sent within %g s)", left, timeout)
+            return
         if self._backend is not None:
             self._backend.close()
 
@@ -192,4 +213,5 @@ class StorageWorker:
         self.stats.prefetch_empty += not result.values
         with self._cond:
             self._cancelled.discard(rid)
-        self._done.append(result)
+            self._done.append(result)
+            self._fetched.notify_all()

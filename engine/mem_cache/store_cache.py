@@ -120,6 +120,15 @@ class StoreHiRadixCache(HiRadixCache):
             self.storage.cancel(rid)
         return True
 
+    def wait_for_prefetch(self, rid, timeout):
+        p = self._prefetches.get(rid)
+        if p is None or p.done:
+            return False
+        if self.prefetch_policy == "timeout":
+            timeout = min(timeout, max(0.0, p.deadline - time.monotonic()))
+        self.storage.wait_fetched(timeout)
+        return True
+
     def cancel_prefetch(self, rid):
         if self._prefetches.pop(rid, None) is not None:
             self.prefetch_outcomes["cancelled"] += 1

@@ -193,9 +193,10 @@ class SchedulerLoop:
             events = StepEvents(finished=self.scheduler.drain_finished())
             s = self.scheduler
             if s.waiting and not s.running and s.chunked is None:
-                # the queue head waits (on its storage prefetch, or for pages its KV senders hold):
-                # yield the CPU and the GIL to what it waits on instead of spinning
-                time.sleep(QUEUE_POLL_S[0])
+                # the queue head waits: on its storage prefetch (woken when a fetch lands), or for
+                # pages its KV senders hold (a short sleep): yield the CPU and the GIL, not spin
+                if not self.cache.wait_for_prefetch(s.waiting[0].rid, QUEUE_POLL_S[1]):
+                    time.sleep(QUEUE_POLL_S[0])
         done = set(map(id, events.finished))
         if self.spec is not None:
             for req in events.finished:

@@ -178,6 +178,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
         loop = build_loop(config, dp_rank, rank.tp_rank)
+        flush_on_stop(loop.cache)
         # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks
         publish = _kv_event_publisher(config, dp_rank, loop.cache, ctx) if leader else None
         send([ready_info(loop, dp_rank, rank.num_threads)])
@@ -197,6 +198,13 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         ctx.destroy(linger=2000)  # closes every socket first: term() alone waits forever on an open one
         sys.exit(1)
     parallel.close_tp()
+
+
+def flush_on_stop(cache) -> None:
+    """On SIGUSR1 (the server stopping: ``serve.stop_ranks``) close ``cache``, which sends its storage
+    tier's queued puts (bounded: storage_worker.CLOSE_FLUSH_S), then exit as abruptly as the SIGKILL
+    that follows would: nothing else in a rank needs a clean exit."""
+    signal.signal(signal.SIGUSR1, lambda *_: (cache.close(), os._exit(0)))
 
 
 def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Context):

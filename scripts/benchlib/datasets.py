@@ -94,6 +94,28 @@ def load_sharegpt(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def load_sharegpt_turns(path: str) -> list[list[str]]:
+    """The human turns, in order, of every conversation of a ShareGPT file (multi-turn workloads).
+
+    Raises ValueError when the file is not ShareGPT-shaped JSON."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not JSON: {exc}") from exc
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    out = []
+    for item in data:
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if isinstance(turns, list):
+            human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
+            human = [h for h in human if isinstance(h, str) and h]
+            if human:
+                out.append(human)
+    return out
+
+
 def sample_sharegpt(
     tokenizer,
     path: str,

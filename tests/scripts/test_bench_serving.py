@@ -411,6 +411,8 @@ def test_run_benchmark_in_process_counts_failures_and_caps_concurrency(tmp_path,
         (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
         (["--random-range-ratio", "1.5"], "--random-range-ratio must be in [0, 1]"),
         (["--base-url", "localhost:30000"], "--base-url must start with http"),
+        (["--dataset", "multi-turn", "--backend", "chat"], "needs --backend generate"),
+        (["--dataset", "multi-turn", "--mt-turns", "0"], "--mt-turns must be >= 1"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message):
@@ -444,6 +446,10 @@ WORKLOADS = {
     "chat": ["--dataset", "shared-prefix", "--sp-num-groups", "2", "--sp-prompts-per-group", "5",
              "--sp-system-prompt-len", "24", "--sp-question-len", "4", "--sp-output-len", "4"],
 }
+
+
+MULTI_TURN = ["--dataset", "multi-turn", "--mt-conversations", "3", "--mt-turns", "3", "--mt-message-len", "16",
+              "--mt-answer-len", "8", "--mt-think-time", "0.1"]
 
 
 @pytest.fixture(scope="module")
@@ -505,3 +511,24 @@ def test_end_to_end_against_real_server(e2e_runs, backend):
         for name in ("ttft_cdf.png", "tpot_cdf.png", "timeline.png"):
             data = (tmp / "plots" / name).read_bytes()
             assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+@pytest.mark.timeout(240)
+def test_multi_turn_against_real_server(e2e_runs, server, tokenizer, tmp_path, capsys):
+    """Each turn's prompt is the history plus a message; the server's pool holds every conversation,
+    so every earlier turn's full pages are cached: the hit rate is the ideal's. In process, after
+    the other workloads (their subprocesses' start-up is what costs)."""
+    args = bs.parse_args(["--base-url", server, *MULTI_TURN, "--output-file", str(tmp_path / "runs.jsonl")])
+    assert bs.run_multi_turn(args, tokenizer=tokenizer)["failed"] == 0
+    stdout = capsys.readouterr().out
+    assert stdout.strip().splitlines()[-1].startswith("bench_serving multi-turn (generated): 3 conversations x 3")
+    res = json.loads((tmp_path / "runs.jsonl").read_text())
+    assert res["requests"] == 9 and res["failed"] == 0
+    # turn 2: 16 + 8 + 16 tokens, 24 of them history: 1 full page of it; turn 3: 64 tokens, 48 history: 2
+    assert [res["by_turn"][t]["ideal"] for t in ("1", "2", "3")] == [0, 3 * 16, 3 * 32]
+    assert res["hit_rate"] == 1.0 and res["cached_tokens"] == res["ideal_cached_tokens"] == 3 * 48
+    assert res["computed_tokens"] == res["prompt_tokens"] - res["cached_tokens"] == 3 * (16 + 40 + 64) - 3 * 48
+    assert all(res["by_turn"][t]["p50_ttft_ms"] > 0 for t in ("1", "2", "3"))
+    # nothing else ran meanwhile: the server counted the same tokens
+    assert res["servers"]["cached_tokens"] == res["cached_tokens"]
+    assert res["servers"]["prompt_tokens"] == res["prompt_tokens"]
