@@ -190,6 +190,7 @@ class DecodeLoop(SchedulerLoop):
             return
         req.kv_len = req.prompt_len
         req.admitted_once = True
+        req.cached_tokens = aux.cached_tokens  # the prefill's cache hits: what this request did not compute
         req.output_ids.append(aux.token_id)
         if req.grammar is not None:  # prefill sampled it under the same grammar: continue from it
             req.grammar.accept(aux.token_id)

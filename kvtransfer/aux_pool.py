@@ -1,8 +1,9 @@
-"""Slots of registered memory for a room's aux data: the first output token and its logprobs.
+"""Slots of registered memory for a room's aux data: the first output token and its logprobs,
+and how many prompt tokens the prefill took from its cache.
 
 Prefill writes a room's ``AuxData`` straight into the decode rank's slot with the
 last KV chunk. Slot layout (little-endian): ``u32 valid, i32 token_id, f32 logprob,
-i32 n_top, i32 top_ids[max_top], f32 top_logprobs[max_top]``.
+u32 n_top, u32 cached_tokens, i32 top_ids[max_top], f32 top_logprobs[max_top]``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
-_HEADER = struct.Struct("<IifI")
+_HEADER = struct.Struct("<IifII")
 _VALID = 0x5044_4158  # "PDAX": a slot never written reads as invalid
 
 
@@ -25,6 +26,9 @@ class AuxData:
     logprob: float = 0.0
     top_ids: list[int] = field(default_factory=list)
     top_logprobs: list[float] = field(default_factory=list)
+    # prompt tokens the prefill did not compute (its prefix cache, any tier): the decode reports
+    # them as the request's cached tokens, as a colocated server does
+    cached_tokens: int = 0
 
 
 class AuxPool:
@@ -85,18 +89,18 @@ class AuxPool:
             raise ValueError(f"top logprobs: {n} ids, {len(aux.top_logprobs)} values, at most {self.max_top}")
         pad = self.max_top - n
         return (
-            _HEADER.pack(_VALID, aux.token_id, aux.logprob, n)
+            _HEADER.pack(_VALID, aux.token_id, aux.logprob, n, aux.cached_tokens)
             + struct.pack(f"<{self.max_top}i", *aux.top_ids, *([0] * pad))
             + struct.pack(f"<{self.max_top}f", *aux.top_logprobs, *([0.0] * pad))
         )
 
     def unpack(self, raw: bytes) -> AuxData | None:
-        valid, token_id, logprob, n = _HEADER.unpack_from(raw)
+        valid, token_id, logprob, n, cached = _HEADER.unpack_from(raw)
         if valid != _VALID or n > self.max_top:
             return None
         ids = struct.unpack_from(f"<{self.max_top}i", raw, _HEADER.size)[:n]
         lps = struct.unpack_from(f"<{self.max_top}f", raw, _HEADER.size + 4 * self.max_top)[:n]
-        return AuxData(token_id, logprob, list(ids), list(lps))
+        return AuxData(token_id, logprob, list(ids), list(lps), cached)
 
     def _check(self, slot: int) -> None:
         if not 0 <= slot < self.num_slots:

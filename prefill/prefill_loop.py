@@ -171,10 +171,11 @@ class PrefillLoop(SchedulerLoop):
         """A request whose prefill completed: its last pages go out with the aux data."""
         sender = self.senders.pop(req.rid)
         top_n = self.kv.config.aux_max_top_logprobs
-        aux = AuxData(token_id=req.output_ids[0])
+        aux = AuxData(token_id=req.output_ids[0], cached_tokens=req.cached_tokens)
         if req.return_logprob and req.output_logprobs:
             top = req.output_top_logprobs[0][:top_n] if req.output_top_logprobs else []
-            aux = AuxData(req.output_ids[0], req.output_logprobs[0], [t for t, _ in top], [lp for _, lp in top])
+            aux = AuxData(req.output_ids[0], req.output_logprobs[0], [t for t, _ in top], [lp for _, lp in top],
+                          req.cached_tokens)
         self._send_pages(req, sender, is_last=True, aux=aux)
         self.inflight.add(req, sender)
 

@@ -71,6 +71,7 @@ class StorageWorker:
         self._cancelled: set[str] = set()
         self._done: deque[FetchResult] = deque()
         self._closed = False
+        self._working = False  # the thread is inside a put or a fetch (``idle`` waits for it too)
         self._thread = threading.Thread(target=self._run, name="hicache-storage", daemon=True)
         self._thread.start()
 
@@ -112,8 +113,9 @@ class StorageWorker:
         return time.monotonic() >= self._down_until
 
     def idle(self) -> bool:
+        """Nothing queued and nothing being written or fetched."""
         with self._cond:
-            return not self._puts and not self._fetches
+            return not self._puts and not self._fetches and not self._working
 
     def close(self, timeout: float = CLOSE_FLUSH_S) -> None:
         """Send the puts still queued, for up to ``timeout`` seconds (a breaker open drops them at
@@ -135,6 +137,7 @@ class StorageWorker:
     def _run(self) -> None:
         while True:
             with self._cond:
+                self._working = False
                 while not (self._closed or self._puts or self._fetches):
                     self._cond.wait()
                 if self._closed:
@@ -143,6 +146,7 @@ class StorageWorker:
                         return
                 fetch = self._fetches.popleft() if self._fetches else None
                 put = None if fetch else self._puts.popleft()
+                self._working = True
             if fetch is not None:
                 self._fetch(*fetch)
             else:

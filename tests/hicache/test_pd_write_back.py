@@ -27,9 +27,8 @@ def test_next_turn_loads_the_previous_answer_written_back_by_the_decode(tmp_path
         assert answer == reference(turn1, 8)
         d_cache = pair.decode.cache
         deadline = time.monotonic() + 10
-        while not d_cache.storage.idle() and time.monotonic() < deadline:
+        while not d_cache.storage.idle() and time.monotonic() < deadline:  # idle: written, not just dequeued
             time.sleep(0.01)
-        time.sleep(0.1)
         # the decode held prompt + answer but the last token: (10 + 8 - 1) // 4 = 4 full pages
         assert d_cache.storage.stats.put_pages == 4
         turn2 = turn1 + answer + [7, 7, 7]  # 21 tokens: 5 full pages, the last computed anyway
@@ -40,6 +39,8 @@ def test_next_turn_loads_the_previous_answer_written_back_by_the_decode(tmp_path
         # pages 1-2 were the prefill's own (turn 1's prompt); 3-4 hold the answer: from the store
         assert p_cache.stats.store_hit_pages == 2
         assert pair.final("P", "t2").cached_tokens == 4 * 4
+        # the prefill's hits reach the response through the room's aux data
+        assert pair.final("D", "t2").cached_tokens == 4 * 4
         pair.settle()
     finally:
         pair.close()

@@ -31,8 +31,7 @@ def settle(cache: StoreHiRadixCache, rid: str | None = None, timeout: float = 10
     """Wait for the worker's puts, or for ``rid``'s prefetch to let it in."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if rid is None and cache.storage.idle():
-            time.sleep(0.05)  # the last put may still be running
+        if rid is None and cache.storage.idle():  # written, not just dequeued
             return
         if rid is not None and cache.prefetch_ready(rid):
             return

@@ -10,7 +10,7 @@ def test_aux_round_trip_and_slots():
     a, b = pool.alloc(), pool.alloc()
     assert a != b and pool.num_free == 1
     assert pool.read(a) is None  # never written: invalid, not token 0
-    aux = AuxData(49151, -0.5, [1, 2, 3], [-0.5, -1.0, -2.0])
+    aux = AuxData(49151, -0.5, [1, 2, 3], [-0.5, -1.0, -2.0], cached_tokens=4096)
     pool.write(a, aux)
     assert pool.read(a) == aux
     assert pool.read(b) is None
