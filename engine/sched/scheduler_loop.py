@@ -26,6 +26,7 @@ the loop, never of the scheduler:
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -54,6 +55,8 @@ from pdserve.kernels.sampling import (
     sample,
     seeded_uniform,
 )
+
+logger = logging.getLogger(__name__)
 
 
 # a rank with nothing to compute sleeps between polls of its queues, from the first to the last
@@ -84,6 +87,9 @@ class SchedulerLoop:
         self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         # speculative decoding (docs/SPECULATIVE.md): decode steps verify the proposer's drafts
         self.spec = Speculation(config, runner, self.grammars) if config.speculative_algorithm and decode else None
+        if config.speculative_algorithm and not decode:
+            logger.warning("speculative_algorithm %s is ignored here: a prefill server computes the first token "
+                           "only; speculation runs on the decode server", config.speculative_algorithm)
         self.rng = random.Random(config.random_seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
