@@ -98,6 +98,9 @@ def main() -> int:
         async def sampler():
             while not stop.is_set():
                 st = await asyncio.to_thread(servers, planner)
+                if not st["prefill"]:  # the planner's first poll has not set its gauges yet
+                    await asyncio.sleep(0.5)
+                    continue
                 samples.append({"t": time.monotonic() - t_start,
                                 **{r: sum(v for k, v in st[r].items() if k in ("external", "starting", "ready"))
                                    for r in ("prefill", "decode")},
