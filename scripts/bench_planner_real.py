@@ -7,7 +7,7 @@ time (PNG) and ends with one JSON line (requests, failed requests, the planner's
 The servers run as the shipped profile was taken (one thread each, the same KV size), so the
 planner's profile check passes.
 
-    python scripts/bench_planner_real.py --low 0.2 --high 1.0 --steps 45,120,120
+    python scripts/bench_planner_real.py --low 0.2 --high 2.0 --steps 45,120,120 --input-len 512
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ def main() -> int:
     p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--profile", default=os.path.join(HERE, "..", "results", "planner_profile_smollm2_cpu.json"))
     p.add_argument("--low", type=float, default=0.2, help="req/s")
-    p.add_argument("--high", type=float, default=1.0, help="req/s")
+    p.add_argument("--high", type=float, default=2.0, help="req/s")
     p.add_argument("--steps", default="45,120,120", help="seconds of low, high, low")
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--ttft-slo", type=float, default=4.0)
-    p.add_argument("--itl-slo", type=float, default=0.05)
+    p.add_argument("--ttft-slo", type=float, default=3.0)
+    p.add_argument("--itl-slo", type=float, default=0.1)
     p.add_argument("--out-dir", default="/tmp/bench_planner_real")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args()
@@ -104,7 +104,8 @@ def main() -> int:
                 samples.append({"t": time.monotonic() - t_start,
                                 **{r: sum(v for k, v in st[r].items() if k in ("external", "starting", "ready"))
                                    for r in ("prefill", "decode")},
-                                "ready_decode": st["decode"].get("external", 0) + st["decode"].get("ready", 0)})
+                                **{f"ready_{r}": st[r].get("external", 0) + st[r].get("ready", 0)
+                                   for r in ("prefill", "decode")}})
                 await asyncio.sleep(2)
 
         sampling = asyncio.ensure_future(sampler())
@@ -150,8 +151,10 @@ def main() -> int:
     a.set_ylabel("arrivals (req/s)")
     a.set_title(f"pdserve launch --planner under a stepped load; SLO TTFT {ns.ttft_slo} s, "
                 f"ITL {ns.itl_slo} s", fontsize=9)
-    b.step([x["t"] for x in samples], [x["prefill"] for x in samples], where="post", label="prefill")
+    b.step([x["t"] for x in samples], [x["prefill"] for x in samples], where="post", label="prefill (asked for)")
     b.step([x["t"] for x in samples], [x["decode"] for x in samples], where="post", label="decode (asked for)")
+    b.step([x["t"] for x in samples], [x["ready_prefill"] for x in samples], where="post", label="prefill (serving)",
+           ls=":")
     b.step([x["t"] for x in samples], [x["ready_decode"] for x in samples], where="post", label="decode (serving)",
            ls="--")
     b.set_ylabel("servers")
@@ -165,11 +168,12 @@ def main() -> int:
     fig.tight_layout()
     png = os.path.join(ns.out_dir, "bench_planner_real.png")
     fig.savefig(png, dpi=100)
-    ups = sum(1 for a_, b_ in zip(decisions, decisions[1:]) if b_["target"]["decode"] > a_["target"]["decode"])
-    downs = sum(1 for a_, b_ in zip(decisions, decisions[1:]) if b_["target"]["decode"] < a_["target"]["decode"])
+    events = {f"{r}_scale_{d}s": sum(1 for a_, b_ in zip(decisions, decisions[1:])
+                                      if (b_["target"][r] - a_["target"][r]) * (1 if d == "up" else -1) > 0)
+              for r in ("prefill", "decode") for d in ("up", "down")}
     line = {"bench": "planner_real", "requests": len(rec), "failed": sum(1 for r in rec if not r["ok"]),
-            "low": ns.low, "high": ns.high, "steps_s": steps, "decode_scale_ups": ups, "decode_scale_downs": downs,
-            "max_decode": max(x["decode"] for x in samples), "ttft_p99_s": p99([r["ttft"] for r in rec]),
+            "low": ns.low, "high": ns.high, "steps_s": steps, **events,
+            "max_prefill": max(x["prefill"] for x in samples), "max_decode": max(x["decode"] for x in samples), "ttft_p99_s": p99([r["ttft"] for r in rec]),
             "itl_p99_s": p99([r["itl"] for r in rec]), "launch_exit": launch_rc, "plot": png, "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(line))
     return 0 if line["failed"] == 0 and launch_rc == 0 else 1
