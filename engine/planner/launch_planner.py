@@ -73,14 +73,27 @@ class LaunchPlanner:
         self.error: BaseException | None = None
         self.ready = threading.Event()
         self.done = threading.Event()
+        self.handler: logging.Handler | None = None
+        self.saved_logger = (logging.NOTSET, True)
 
     def _attach_log(self) -> None:
-        handler = logging.FileHandler(self.log_path)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        """The planner's log lines go to ``log_path`` only (until ``stop``)."""
+        self.handler = logging.FileHandler(self.log_path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger = logging.getLogger("pdserve.planner")
-        logger.addHandler(handler)
+        self.saved_logger = (logger.level, logger.propagate)
+        logger.addHandler(self.handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
+
+    def _detach_log(self) -> None:
+        if self.handler is not None:
+            logger = logging.getLogger("pdserve.planner")
+            logger.removeHandler(self.handler)
+            self.handler.close()
+            logger.setLevel(self.saved_logger[0])
+            logger.propagate = self.saved_logger[1]
+            self.handler = None
 
     def _run(self) -> None:
         from pdserve.engine.planner.planner_process import serve_planner
@@ -140,6 +153,7 @@ class LaunchPlanner:
                 pass
         if self.thread is not None:
             self.thread.join(timeout)
+        self._detach_log()
         conn = getattr(self.process, "connector", None)
         servers = list(getattr(conn, "servers", ()))
         return [s.proc for s in servers if s.proc.poll() is None]

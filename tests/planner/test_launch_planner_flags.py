@@ -4,6 +4,8 @@ unknown ones and a missing profile are refused, naming the flag."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from pdserve.engine.entrypoints.cli import build_serve_parser
@@ -45,3 +47,16 @@ def test_planner_flags_pass_through_to_a_local_planner_over_the_cluster(tmp_path
 def test_bad_planner_flags_are_refused_before_anything_starts(argv, message):
     with pytest.raises(ValueError, match=message):
         parse(*argv)
+
+
+def test_a_planner_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
+    from pdserve.engine.entrypoints.cluster import LaunchError
+
+    config = parse("--planner", f"--planner-arg=--profile={tmp_path / 'missing.json'}", "--port", "0",
+                   "--log-dir", str(tmp_path))
+    cluster = Cluster(config, launch_planner)
+    with pytest.raises(LaunchError, match="missing.json"):
+        cluster.start_planner()
+    assert cluster.planner.stop() == []  # nothing was started
+    assert "missing.json" in (tmp_path / "planner.log").read_text()
+    assert logging.getLogger("pdserve.planner").propagate  # its log file detached again
