@@ -26,7 +26,7 @@ import aiohttp
 from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig
 from pdserve.engine.planner import profile as prof
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, describe, stream_times
+from pdserve.engine.planner.profiler import SHORT, TOKEN_ID_RANGE, describe, measure, stream_times
 from pdserve.engine.planner.scaling import Load, predict_itl, predict_ttft
 from pdserve.engine.entrypoints.procs import get_json
 
@@ -67,30 +67,30 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh-profile", default=None, metavar="JSON",
-                   help="measure a profile first (pdserve profile --mode short --cpus 0, the run's settings) "
-                        "into this file and predict from it: the machine as it is now")
+                   help="measure a profile first, through the router of the cluster it starts (pdserve profile "
+                        "--mode short --url ROUTER: the PD path, KV transfer and the decode server's first step "
+                        "included), into this file, and predict from it: the machine as it is now")
     ns = p.parse_args()
-    if ns.fresh_profile:
-        import subprocess
-
-        mtt = prof.load(ns.profile).server.max_total_tokens
-        subprocess.run([sys.executable, "-m", "pdserve.engine.entrypoints.cli", "profile", "--mode", "short", "--cpus", "0",
-                        "--output", ns.fresh_profile, *(["--max-total-tokens", str(mtt)] if mtt else [])], check=True)
-        ns.profile = ns.fresh_profile
     profile = prof.load(ns.profile)
-    pm, dm = PrefillModel(profile), DecodeModel(profile)
-    traffic = Load(ns.rate, ns.input_len, ns.output_len)
-    predicted = {"ttft_p50_s": predict_ttft(pm, traffic, 1, quantile=0.5),
-                 "ttft_p95_s": predict_ttft(pm, traffic, 1, quantile=0.95),
-                 "itl_mean_s": predict_itl(dm, traffic, 1)[0]}
     mtt = profile.server.max_total_tokens
     cluster = Cluster(LaunchConfig(prefill=1, decode=1, port=0, cpu_split="auto",
                                    engine_args=("--max-total-tokens", str(mtt)) if mtt else ()))
     try:
         cluster.start()
         cluster.wait_ready()
+        if ns.fresh_profile:
+            server, prefill, decode = asyncio.run(measure(cluster.url, SHORT, ns.seed))
+            profile = prof.new_profile(server, prefill, decode, note="pdserve profile --mode short --url ROUTER "
+                                                                      "(1 prefill + 1 decode, --cpu-split auto)")
+            prof.save(profile, ns.fresh_profile)
+            ns.profile = ns.fresh_profile
         for spec in cluster.specs[:2]:
             prof.check_matches(profile, describe(get_json(spec.url + "/get_server_info", timeout=10)), ns.profile)
+        pm, dm = PrefillModel(profile), DecodeModel(profile)
+        traffic = Load(ns.rate, ns.input_len, ns.output_len)
+        predicted = {"ttft_p50_s": predict_ttft(pm, traffic, 1, quantile=0.5),
+                     "ttft_p95_s": predict_ttft(pm, traffic, 1, quantile=0.95),
+                     "itl_mean_s": predict_itl(dm, traffic, 1)[0]}
         t0 = time.time()
         out = asyncio.run(load(cluster.url, ns.rate, ns.input_len, ns.output_len, ns.duration, ns.seed))
     finally:
@@ -104,7 +104,7 @@ def main() -> int:
             "input_len": ns.input_len, "output_len": ns.output_len, "counts": "1 prefill + 1 decode",
             "predicted": {k: round(v, 4) for k, v in predicted.items()},
             "measured": {k: round(v, 4) for k, v in measured.items()}, "relative_error": error,
-            "wall_s": round(time.time() - t0, 1)}
+            "load_avg_1m": round(os.getloadavg()[0], 2), "wall_s": round(time.time() - t0, 1)}
     print(json.dumps(line))
     return 0
 

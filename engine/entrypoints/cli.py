@@ -194,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         return router_main(rest) or 0
     if command == "launch":
         from pdserve.engine.entrypoints.cluster import launch_main
+        from pdserve.engine.planner import launch_planner
 
-        return launch_main(rest, build_serve_parser)
+        return launch_main(rest, build_serve_parser, launch_planner.launch_planner)
     if command in ("profile", "plan", "planner"):
         from pdserve.engine.planner import cli as planner_cli
 

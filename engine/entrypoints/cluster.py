@@ -30,6 +30,12 @@ started together never size their pools from what the others have not allocated 
 ``--local-prefill-max-tokens N`` turns conditional disaggregation on: the decode servers prefill
 prompts of up to N uncached tokens themselves (``--max-local-prefill-tokens N``) and the router
 sends them there alone (its ``--local-prefill-max-tokens N``).
+
+``--planner`` runs the SLA planner over the cluster once it is ready (engine/planner/launch_planner.py):
+the ``local`` connector starts servers on demand with the same flags as launch's own, registers
+them with the router, drains and stops them on scale-down; ``--planner-arg FLAG`` passes a
+`pdserve planner` flag (``--profile``, SLOs, ``--max-decode``, ``--cooldown``, ``--budget``, ...);
+``--planner-port`` is the planner's own /metrics. Stopping the cluster stops its servers too.
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ class LaunchConfig:
     local_prefill_max_tokens: int = 0
     engine_args: tuple[str, ...] = ()  # extra `pdserve serve` flags for every server
     router_args: tuple[str, ...] = ()  # extra router flags
+    planner: bool = False  # run the SLA planner (local connector) over the cluster
+    planner_port: int = 0  # the planner's own /metrics port; 0: a free one
+    planner_args: tuple[str, ...] = ()  # `pdserve planner` flags (--profile, SLOs, limits, ...)
 
     def __post_init__(self):
         if self.prefill < 1 or self.decode < 1:
@@ -109,6 +118,12 @@ class LaunchConfig:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.startup_timeout <= 0 or self.stop_grace <= 0:
             raise ValueError("--startup-timeout and --stop-grace must be > 0")
+        if self.planner_args and not self.planner:
+            raise ValueError("--planner-arg needs --planner")
+        if self.planner and (self.prefill_dp != self.decode_dp or self.prefill_tp != self.decode_tp):
+            raise ValueError("--planner: the planner starts servers of one DP and TP size; give both roles the same")
+        if not 0 <= self.planner_port < 65536:
+            raise ValueError(f"--planner-port must be in [0, 65535], got {self.planner_port}")
         for flag in self.engine_args:
             if flag.split("=")[0] in _OWNED_SERVE_FLAGS:
                 raise ValueError(f"{flag.split('=')[0]} is set by launch for each server; use launch's own flags")
@@ -203,10 +218,14 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
 
 
 class Cluster:
-    """The processes of one launch: ``start()`` them, ``wait_ready()``, ``stop()``."""
+    """The processes of one launch: ``start()`` them, ``wait_ready()``, ``stop()``.
 
-    def __init__(self, config: LaunchConfig):
+    ``make_planner`` (``pdserve.engine.planner.launch_planner.launch_planner``, handed in by the CLI
+    so that the launcher does not import the planner) builds the planner of ``--planner``."""
+
+    def __init__(self, config: LaunchConfig, make_planner: Callable | None = None):
         self.config = config
+        self.make_planner = make_planner
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.specs = plan(config)
@@ -220,6 +239,7 @@ class Cluster:
             extra = ("--hicache-storage-backend-extra-config", json.dumps(self.store.extra_config()))
             self.specs = [s if s.name == "router" else dataclasses.replace(s, argv=s.argv + extra)
                           for s in self.specs]
+        self.planner = None  # LaunchPlanner, once started (--planner)
 
     @property
     def url(self) -> str:
@@ -282,11 +302,44 @@ class Cluster:
                 raise self.failure(slow)
             time.sleep(0.25)
 
+    def planner_serve_args(self) -> tuple[str, ...]:
+        """`pdserve serve` flags of the servers the planner adds: those of launch's own servers."""
+        c = self.config
+        args = ["--dp-size", str(c.prefill_dp), "--tp-size", str(c.prefill_tp),
+                "--mem-fraction-static", f"{c.mem_fraction_static / (c.prefill + c.decode):.6g}"]
+        if c.model_path:
+            args += ["--model-path", c.model_path]
+        args += list(c.engine_args)
+        if self.store is not None:
+            args += ["--hicache-storage-backend-extra-config", json.dumps(self.store.extra_config())]
+        return tuple(args)
+
+    def start_planner(self, stop_requested=lambda: False) -> bool:
+        """--planner: start the planner over the ready cluster; True once it serves its /metrics,
+        False on a stop request; LaunchError when it cannot start (e.g. a profile of another
+        configuration)."""
+        c = self.config
+        if self.make_planner is None:
+            raise LaunchError("--planner: no planner was handed to this launcher")
+        try:
+            self.planner = self.make_planner(c.planner_args, self.url, c.planner_port, c.host,
+                                             self.planner_serve_args(), c.transfer_backend, self.log_dir,
+                                             c.startup_timeout)
+            self.planner.start()
+            return self.planner.wait_ready(120.0, stop_requested)
+        except (ValueError, RuntimeError) as e:
+            raise LaunchError(f"planner: {e}; log {self.log_path('planner')}") from e
+
     def stop(self) -> None:
-        """SIGTERM every process group, SIGKILL what is left after the grace period,
-        and return once no process of any group is alive."""
+        """SIGTERM every process group (the planner's servers too), SIGKILL what is left after the
+        grace period, and return once no process of any group is alive."""
         names = {p.pid: name for name, p in self.procs.items()}
-        for p in stop_groups(self.procs.values(), self.config.stop_grace):
+        procs = list(self.procs.values())
+        if self.planner is not None:
+            added = self.planner.stop()
+            names.update({p.pid: f"planner server {p.pid}" for p in added})
+            procs += added
+        for p in stop_groups(procs, self.config.stop_grace):
             print(f"[launch] {names[p.pid]} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
         if self.store is not None:  # after the servers, whose store clients say goodbye to the master
             self.store.stop()
@@ -308,6 +361,10 @@ def banner(cluster: Cluster) -> str:
         extra = f" bootstrap port {s.bootstrap_port}" if s.bootstrap_port else ""
         cpus = f" cpus {list(s.cpus)}" if s.cpus else ""
         lines.append(f"  {s.name:<10} {s.url}{extra}{cpus}  pid {cluster.procs[s.name].pid}")
+    if cluster.planner is not None and cluster.planner.port is not None:
+        host = cluster.url.rsplit(":", 1)[0]
+        lines.append(f"  planner    {host}:{cluster.planner.port}/metrics  (servers it adds: "
+                     f"{cluster.log_dir}/planner-*.log)")
     lines.append(f"  logs in {cluster.log_dir}")
     lines += [
         "",
@@ -321,7 +378,7 @@ def banner(cluster: Cluster) -> str:
     return "\n".join(lines)
 
 
-def run_launch(config: LaunchConfig) -> int:
+def run_launch(config: LaunchConfig, make_planner: Callable | None = None) -> int:
     """Start the cluster, serve until SIGINT/SIGTERM, stop it. 0 on a clean stop, 1 if a process failed."""
     stop_signal: list[int] = []
 
@@ -329,17 +386,23 @@ def run_launch(config: LaunchConfig) -> int:
         stop_signal.append(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = Cluster(config)
+    cluster = Cluster(config, make_planner)
     print(f"[launch] logs in {cluster.log_dir}", flush=True)
     code = 0
     try:
         cluster.start()
-        if cluster.wait_ready(lambda: bool(stop_signal)):
+        ready = cluster.wait_ready(lambda: bool(stop_signal))
+        if ready and config.planner:
+            ready = cluster.start_planner(lambda: bool(stop_signal))
+        if ready:
             print(banner(cluster), flush=True)
             while not stop_signal:
                 name = cluster.dead()
                 if name is not None:
                     raise cluster.failure(name)
+                why = cluster.planner.failed() if cluster.planner is not None else None
+                if why:
+                    print(f"[launch] the planner stopped ({why}); the cluster serves on as it is", flush=True)
                 time.sleep(0.2)
         print(f"[launch] {signal.Signals(stop_signal[0]).name}: stopping", flush=True)
     except LaunchError as e:
@@ -393,6 +456,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between SIGTERM and SIGKILL (default: %(default)s)")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="extra router flag (repeatable), e.g. --router-arg=--decode-policy=round_robin")
+    p.add_argument("--planner", action="store_true",
+                   help="run the SLA planner (local connector) over the cluster: it adds servers on demand, "
+                        "drains and stops them on scale-down; needs --planner-arg=--profile=P")
+    p.add_argument("--planner-port", type=int, default=_D["planner_port"],
+                   help="the planner's own /metrics port; 0: a free one (default: %(default)s)")
+    p.add_argument("--planner-arg", action="append", default=[], metavar="FLAG",
+                   help="a `pdserve planner` flag (repeatable), e.g. --planner-arg=--profile=p.json "
+                        "--planner-arg=--max-decode=3 --planner-arg=--cooldown=60 --planner-arg=--budget=6")
     return p
 
 
@@ -404,7 +475,8 @@ def check_serve_flags(flags: list[str], build_serve_parser: Callable[[], argpars
     serve_parser.parse_args(flags)
 
 
-def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> LaunchConfig:
+def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser],
+                      make_planner: Callable | None = None) -> LaunchConfig:
     """LaunchConfig from the command line; ValueError with a clear message on a bad value.
 
     ``build_serve_parser`` (``pdserve.engine.entrypoints.cli``'s, handed in by the console script, which
@@ -413,14 +485,20 @@ def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse
     ns, rest = parser.parse_known_args(argv)
     if rest:
         check_serve_flags(rest, build_serve_parser, "pdserve launch (flags passed to every server)")
-    kwargs = {k: v for k, v in vars(ns).items() if k != "router_arg"}
-    return LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg), **kwargs)
+    kwargs = {k: v for k, v in vars(ns).items() if k not in ("router_arg", "planner_arg")}
+    config = LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg),
+                          planner_args=tuple(ns.planner_arg), **kwargs)
+    if config.planner and make_planner is not None:  # its flags fail here, before anything starts
+        make_planner(config.planner_args, "http://127.0.0.1:1", config.planner_port, config.host, (),
+                     config.transfer_backend, tempfile.gettempdir(), config.startup_timeout)
+    return config
 
 
-def launch_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> int:
+def launch_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser],
+                make_planner: Callable | None = None) -> int:
     try:
-        config = parse_launch_args(argv, build_serve_parser)
+        config = parse_launch_args(argv, build_serve_parser, make_planner)
     except ValueError as e:
         print(f"pdserve launch: error: {e}", file=sys.stderr)
         return 2
-    return run_launch(config)
+    return run_launch(config, make_planner)

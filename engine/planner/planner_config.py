@@ -59,6 +59,12 @@ class PlannerConfig:
         for name in ("ttft_slo", "itl_slo", "adjustment_interval", "scrape_timeout", "startup_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for role in ("prefill", "decode"):
+            lo, hi = getattr(self, f"min_{role}"), getattr(self, f"max_{role}")
+            if not 0 <= lo <= hi:
+                raise ValueError(f"min_{role} / max_{role}: need 0 <= min <= max, got {lo} and {hi}")
+        if self.cooldown < 0 or not self.budget > 0:
+            raise ValueError(f"cooldown must be >= 0 and budget > 0, got {self.cooldown} and {self.budget}")
         if self.predictor_window < 1:
             raise ValueError(f"predictor_window must be >= 1, got {self.predictor_window}")
         if self.serve_args and self.connector != "local":

@@ -164,28 +164,41 @@ def decode_context(load: Load) -> float:
     return load.input_len + load.output_len / 2
 
 
+def token_batch(mean_batch: float) -> float:
+    """The batch a generated token sees on average on a server whose batch is ``mean_batch`` on
+    (time) average. Tokens come out in proportion to the batch, so the token-weighted mean batch
+    is ``E[B^2] / E[B]``: the mean plus one for a Poisson batch (requests arriving at random). At
+    low load this is what a request sees, itself plus the others, not a time-average below one
+    (taking ``max(b, 1)`` there under-predicted the ITL of a real run by about the share of time a
+    second sequence is in the batch: ``plan`` against a real run, docs/PLANNER.md)."""
+    return mean_batch + 1.0
+
+
 def predict_itl(model: DecodeModel, load: Load, servers: float, correction: float = 1.0,
                 quantile: float | None = None) -> tuple[float, float]:
-    """(ITL, mean batch per server) of the pool at this load: the batch ``b`` solves
-    ``b = rate x osl x itl(b) / servers`` (Little's law); inf when no batch does (overload). The
-    ITL is at the mean batch, or with ``quantile`` at that quantile of the batch
-    (``b + z sqrt(b)``, as the scaling rule plans)."""
+    """(ITL, mean batch per server) of the pool at this load: the mean batch ``b`` solves
+    ``b = rate x osl x itl(b + 1) / servers`` (Little's law, each sequence at the ITL of the batch
+    its tokens see, ``token_batch``); inf when no batch does (overload). The ITL is at that
+    token-weighted batch, or with ``quantile`` at that quantile of the batch (``b + z sqrt(b)``,
+    at least ``b + 1``, as the scaling rule plans)."""
     ctx = decode_context(load)
     if load.rate <= 0 or load.output_len <= 0:
         return model.itl(1, ctx) * correction, 0.0
     if servers <= 0:
         return INF, INF
     per_token = load.rate * load.output_len / servers  # sequences per unit of ITL
-    b = 1.0
-    for _ in range(100):
-        nxt = per_token * model.itl(b, ctx) * correction
+    b = 0.0
+    for _ in range(200):
+        nxt = per_token * model.itl(token_batch(b), ctx) * correction
         if abs(nxt - b) < 1e-6:
             break
         b = nxt
         if b > 1e5:
             return INF, INF
-    at = b if quantile is None else b + max(0.0, NormalDist().inv_cdf(quantile)) * math.sqrt(b)
-    return model.itl(max(at, 1.0), ctx) * correction, b
+    seen = token_batch(b)
+    if quantile is not None:
+        seen = max(seen, b + max(0.0, NormalDist().inv_cdf(quantile)) * math.sqrt(b))
+    return model.itl(seen, ctx) * correction, b
 
 
 def planned_batch(max_batch: int, quantile: float, cap: float) -> float:

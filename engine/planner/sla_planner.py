@@ -19,7 +19,7 @@ from pdserve.engine.planner.correction import Correction
 from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
 from pdserve.engine.planner.predictor import make_predictor
 from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import (Counts, Decision, Limits, Load, Slo, decide, decode_context,
+from pdserve.engine.planner.scaling import (Counts, Decision, Limits, Load, Slo, decide, decode_context, token_batch,
                                             mean_ttft_lower)
 
 LENGTH_WINDOW = 10  # intervals the mean input and output lengths are taken over
@@ -105,7 +105,7 @@ class SlaPlanner:
         if obs.itl_s and obs.decode_batch and obs.input_len and obs.output_len:
             # at the batch the servers ran: their speed, whatever the load did in between
             ctx = decode_context(load)
-            self.decode_corr.observe(obs.itl_s, self.decode_model.itl(obs.decode_batch, ctx))
+            self.decode_corr.observe(obs.itl_s, self.decode_model.itl(token_batch(obs.decode_batch), ctx))
         self.rate.observe(obs.rate)
         n = obs.rate * obs.interval_s  # an idle interval says nothing of the lengths
         if n > 0 and obs.input_len and obs.output_len:

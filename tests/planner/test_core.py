@@ -79,26 +79,27 @@ def test_planner_follows_the_load_and_holds_on_bad_scrapes():
     pl = _planner()
     obs = Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, ttft_s=None, itl_s=None)
     s = pl.step(10, obs)
-    assert s.decision.counts == Counts(4, 8) and not s.held  # (test_scaling's by-hand case)
+    assert s.decision.counts == Counts(4, 9) and not s.held  # (test_scaling's by-hand case)
     for bad in (None, Observation(interval_s=10, rate=-1.0), Observation(interval_s=10, rate=float("nan")),
                 Observation(interval_s=10, rate=1e9)):
         s = pl.step(20, bad)
-        assert s.held and s.decision.counts == Counts(4, 8)
+        assert s.held and s.decision.counts == Counts(4, 9)
     assert pl.failures == 4
     # load gone: decode waits out its cooldown (last change at t=10), then falls to the minimum
     quiet = Observation(interval_s=10, rate=0.0)
-    assert pl.step(30, quiet).decision.counts == Counts(4, 8)
+    assert pl.step(30, quiet).decision.counts == Counts(4, 9)
     assert pl.step(40, quiet).decision.counts == Counts(1, 1)
 
 
 def test_planner_corrects_by_what_it_sees():
     pl = _planner()
     pl.step(10, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200))
-    # the decode servers ran 6 sequences each of context 1000 + 200/2, 3x slower than profiled
-    s = pl.step(20, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, itl_s=3 * itl(6, 1100),
+    # the decode servers ran 6 sequences each of context 1000 + 200/2 (their tokens see 7,
+    # scaling.token_batch), 3x slower than profiled
+    s = pl.step(20, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, itl_s=3 * itl(7, 1100),
                                 decode_batch=6, decode_servers=12))
     assert s.corrections[1] == pytest.approx(math.sqrt(3))
-    assert s.decision.counts.decode == 16  # more than 8: capped at max
+    assert s.decision.counts.decode == 16  # more than 9: capped at max
     # a prefill pool far beyond its planned utilisation teaches nothing (a burst's backlog)
     s = pl.step(30, Observation(interval_s=10, rate=20.0, input_len=1000, output_len=200, ttft_s=60.0,
                                 prefill_servers=1))

@@ -28,15 +28,22 @@ def test_moderate_load_by_hand():
     rho = max_prefill_utilization(s, 2.0, 0.85, 0.95)
     assert 0.30 < rho < 0.31
     assert s + s / (1 - rho) * math.log(rho / 0.05) == pytest.approx(2.0, abs=1e-6)
-    # decode: context 1100, itl(b) = 0.02 + 0.012 b; b <= 6 meets 0.1 s. With 8 servers each
-    # holds b = (2 x 200 / 8) itl(b) -> b = 2.5; its p95 batch 2.5 + 1.645 sqrt(2.5) = 5.1 steps
-    # in 0.081 s: meets. With 7: b = 3.64, p95 batch 6.78, 0.101 s: misses. So 8.
+    # decode: context 1100, itl(b) = 0.02 + 0.012 b; b <= 6 meets 0.1 s. A server's mean batch b
+    # solves b = (2 x 200 / n) itl(b + 1) (its tokens see one more, scaling.token_batch). With 9
+    # servers b = 3.05; its p95 batch 3.05 + 1.645 sqrt(3.05) = 5.92 steps in 0.091 s: meets.
+    # With 8: b = 4, p95 batch 7.29, 0.1075 s: misses. So 9.
     assert D.max_batch(0.1, 1100) == 6
     assert planned_batch(6, 0.95, 0.85) == pytest.approx(3.103, abs=1e-3)
-    assert predict_itl(D, LOAD, 8)[1] == pytest.approx(2.5, abs=1e-4)
-    assert predict_itl(D, LOAD, 8, quantile=0.95)[0] == pytest.approx(itl(2.5 + 1.645 * math.sqrt(2.5), 1100), rel=1e-3)
+    assert predict_itl(D, LOAD, 8)[1] == pytest.approx(4.0, abs=1e-4)
+    assert predict_itl(D, LOAD, 8)[0] == pytest.approx(itl(5, 1100), rel=1e-4)
+    b9 = predict_itl(D, LOAD, 9)[1]
+    assert b9 == pytest.approx(0.032 * 400 / 9 / (1 - 0.012 * 400 / 9), abs=1e-4)
+    assert predict_itl(D, LOAD, 9, quantile=0.95)[0] == pytest.approx(itl(b9 + 1.645 * math.sqrt(b9), 1100), rel=1e-3)
+    # low load: one sequence at a time mostly, but a token sees b + 1, not max(b, 1)
+    low = predict_itl(D, Load(0.1, 1000, 200), 1)
+    assert low[0] == pytest.approx(itl(low[1] + 1, 1100), rel=1e-4) and low[0] > itl(1, 1100)
     d = decide(P, D, LOAD, SLO, LIMITS_WIDE, Counts(1, 1), LONG_AGO)
-    assert d.needed == Counts(4, 8) and d.counts == Counts(4, 8) and d.reasons == ()
+    assert d.needed == Counts(4, 9) and d.counts == Counts(4, 9) and d.reasons == ()
 
 
 CASES = [
@@ -46,12 +53,12 @@ CASES = [
      (1, 1), Counts(0, 0), None),
     ("light traffic: one of each", Load(0.2, 200, 50), LIMITS, Counts(1, 1), LONG_AGO, (1, 1), Counts(1, 1),
      None),
-    # 5 req/s needs 9 + 18
+    # 5 req/s needs 9 + 21
     ("beyond max: capped", Load(5, 1000, 200), LIMITS, Counts(1, 1), LONG_AGO, (1, 1), Counts(8, 8), "max"),
     ("beyond the budget: shared by need", Load(5, 1000, 200), Limits(budget=6), Counts(1, 1), LONG_AGO,
      (1, 1), Counts(2, 4), "budget"),
     ("budget counts TP size", Load(5, 1000, 200), Limits(budget=10, prefill_cost=2), Counts(1, 1), LONG_AGO,
-     (1, 1), Counts(3, 4), "budget"),
+     (1, 1), Counts(2, 6), "budget"),
     # ITL 3x the profile's: b = 1 meets 0.1/3 s; 2 x 200 x 0.096 = 38.4 sequences, one per server
     ("decode 3x slower than profiled", LOAD, LIMITS_WIDE, Counts(1, 1), LONG_AGO, (1, 3), Counts(4, 39), None),
     ("decode correction beyond max", LOAD, LIMITS, Counts(1, 1), LONG_AGO, (1, 3), Counts(4, 8), "max"),
@@ -61,7 +68,7 @@ CASES = [
      Counts(1, 8), "max"),
     ("scale-down waits for the cooldown", Load(0.2, 200, 50), LIMITS, Counts(4, 6), (10, 100), (1, 1),
      Counts(4, 1), "cooldown"),
-    ("scale-up never waits", LOAD, LIMITS_WIDE, Counts(1, 1), (0, 0), (1, 1), Counts(4, 8), None),
+    ("scale-up never waits", LOAD, LIMITS_WIDE, Counts(1, 1), (0, 0), (1, 1), Counts(4, 9), None),
     ("cooldown holds prefill: decode's rise stays in budget", Load(1, 1000, 200), Limits(budget=6),
      Counts(4, 2), (0, 1e9), (1, 1), Counts(4, 2), "budget"),
     ("sequences in flight beyond the rate's", Load(0.1, 1000, 200, decode_inflight=31), LIMITS_WIDE,
