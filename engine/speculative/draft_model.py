@@ -1,0 +1,280 @@
+"""STANDALONE: a draft model guesses the next tokens by greedy decoding over its own small KV pool.
+
+The draft is ``speculative_draft_model_path`` (a checkpoint with the target's tokenizer), or, when
+that is None, the target's own checkpoint in ``speculative_draft_quantization`` (``w8a16``: int8
+weights, half the bytes a step streams; a cheaper self-draft needing no second checkpoint). It is
+an ordinary ``ModelRunner`` in this process, built from a derived ``EngineConfig``
+(``draft_engine_config``): speculation off, no radix or hierarchical cache, a pool of its own.
+
+Per request the proposer keeps the tokens whose K/V the draft's pool holds and their pages
+(``_DraftSeq``). Each ``propose``:
+
+1. truncates every request's draft KV to the common prefix with its ``token_ids`` (what the
+   target rejected lies past it; whole pages past the prefix go back to the pool),
+2. catches the draft up on the tokens it has not seen (the accepted drafts, the bonus token, or the
+   whole prompt the first time) in extend forwards batched across the requests,
+3. runs ``max_tokens - 1`` greedy decode steps batched across the requests still drafting,
+   and returns each request's picks as a chain.
+
+The last draft token is never fed (its K/V would only matter if every guess were accepted, and
+then the next call's catch-up writes it), so a request holds ``len(token_ids) + max_tokens - 1``
+slots. When the pool cannot hold them, that request gets an empty draft (no guess) and its draft
+KV is dropped, so the pages go to the others: speculation degrades, it never fails a request.
+
+Under tensor parallelism the draft's ``ModelRunner`` joins the process's TP group like the
+target's: every rank runs the same draft steps in lockstep on its shard, as it runs the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_runner import ModelRunner
+from pdserve.engine.speculative.proposer import Draft, DraftInput
+from pdserve.engine.speculative_names import STANDALONE
+
+logger = logging.getLogger(__name__)
+
+
+def draft_engine_config(config: EngineConfig, pool_tokens: int) -> EngineConfig:
+    """The draft model's EngineConfig: the target's flags, with the draft's checkpoint and weights,
+    speculation and the prefix caches off, and a pool of ``pool_tokens`` tokens."""
+    own_checkpoint = config.speculative_draft_model_path is not None
+    quantization = config.speculative_draft_quantization or config.quantization
+    return dataclasses.replace(
+        config,
+        model_path=config.speculative_draft_model_path if own_checkpoint else config.model_path,
+        tokenizer_path=None if own_checkpoint else config.tokenizer_path,  # its own, to check it is the target's
+        quantization=quantization,
+        max_total_tokens=pool_tokens, mem_fraction_static=None,
+        disable_radix_cache=True, schedule_policy="fcfs", enable_hierarchical_cache=False,
+        hicache_storage_backend=None, hicache_storage_backend_extra_config=None,
+        speculative_algorithm=None, speculative_num_draft_tokens=EngineConfig.speculative_num_draft_tokens,
+        speculative_draft_model_path=None, speculative_draft_quantization=None,
+    )
+
+
+def draft_pool_tokens(config: EngineConfig, target_pool_tokens: int) -> int:
+    """The draft's pool: every token the target's pool can hold (the draft mirrors only running
+    requests, a subset) plus, per running request, its draft tokens and a partly filled page."""
+    return target_pool_tokens + config.max_running_requests * (config.speculative_num_draft_tokens
+                                                              + config.page_size)
+
+
+def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: str | None) -> None:
+    """Raise ValueError naming speculative_draft_model_path when the draft's tokenizer or vocabulary
+    is not the target's (its guesses would be other tokens' ids)."""
+    where = f"speculative_draft_model_path {draft_path!r}" if draft_path else "the self-draft"
+    if draft.arch.vocab_size != target.arch.vocab_size:
+        raise ValueError(f"{where} has a vocabulary of {draft.arch.vocab_size} tokens, the target model "
+                         f"{target.arch.vocab_size}: a draft model must share the target's tokenizer")
+    draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if draft_vocab != target_vocab:
+        differ = sum(1 for tok, i in draft_vocab.items() if target_vocab.get(tok) != i)
+        raise ValueError(f"{where} has another tokenizer than the target model ({differ} of its "
+                         f"{len(draft_vocab)} tokens map to other ids): a draft model must share the "
+                         "target's tokenizer")
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass
+class _DraftSeq:
+    """One request's state in the draft: ``tokens[i]``'s K/V sit at position i of ``pages``."""
+
+    tokens: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Job:
+    """A request drafting in this call: catch up ``ids[done:]``, then draft ``k`` tokens."""
+
+    index: int  # in the call's inputs
+    seq: _DraftSeq
+    ids: list[int]
+    done: int
+    k: int
+    picks: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    """The STANDALONE proposer (``proposer.Proposer``). ``target_runner``: the target's
+    ModelRunner, whose vocabulary the draft must share and whose pool sizes the draft's."""
+
+    name = STANDALONE
+    wants_hidden = False
+
+    def __init__(self, config: EngineConfig, target_runner: ModelRunner):
+        t0 = time.perf_counter()
+        pool_tokens = draft_pool_tokens(config, target_runner.page_pool.max_total_tokens)
+        # a draft that fails to load raises here, at start, never at the first request
+        self.runner = ModelRunner(draft_engine_config(config, pool_tokens))
+        check_same_vocabulary(self.runner, target_runner, config.speculative_draft_model_path)
+        self.pool = self.runner.page_pool
+        self.page_size = self.pool.page_size
+        self.max_context = self.runner.arch.max_context_len
+        self.chunk = config.chunked_prefill_size  # the most tokens one catch-up forward takes
+        # int8 weights where larger steps dequantize every matrix (no AMX): a step of more rows than
+        # gemv takes costs several times more than two steps of gemv's size, so the draft's small
+        # steps are split into groups of at most gemv's rows (a long catch-up goes whole)
+        plan = self.runner.model.plan
+        self.group_rows = plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
+        self._seqs: dict[str, _DraftSeq] = {}
+        logger.info("STANDALONE draft %s (%s) ready in %.1fs, %d-token pool",
+                    self.runner.model_source.path, self.runner.config.quantization, time.perf_counter() - t0,
+                    self.pool.max_total_tokens)
+
+    # ------------------------------------------------------------- proposer
+    def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
+        jobs = self._admit(inputs)
+        if jobs:
+            self._catch_up(jobs)
+            self._decode(jobs)
+        drafts = [Draft() for _ in inputs]
+        for job in jobs:
+            drafts[job.index] = Draft.chain(job.picks)
+        return drafts
+
+    def release(self, rid: str) -> None:
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            self.pool.free(seq.pages)
+
+    def close(self) -> None:
+        for rid in list(self._seqs):
+            self.release(rid)
+        self.runner.release_weights()
+
+    def check_integrity(self) -> None:
+        """The pool's pages in use are exactly the requests' pages, each owned once."""
+        self.pool.check_integrity()
+        owned = [p for seq in self._seqs.values() for p in seq.pages]
+        if len(owned) != len(set(owned)) or set(owned) != self.pool.used_pages():
+            raise AssertionError(f"draft pool: {len(owned)} pages owned by requests, "
+                                 f"{self.pool.num_used} in use")
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._seqs)
+
+    # ------------------------------------------------------------- steps
+    def _admit(self, inputs: Sequence[DraftInput]) -> list[_Job]:
+        """Truncate each request's draft KV to what still matches, then give it the pages its
+        catch-up and drafts need; one that cannot have them drafts nothing and drops its KV."""
+        plans = []
+        for i, inp in enumerate(inputs):  # all truncations first: rejected pages free room for any
+            ids = list(inp.token_ids)
+            seq = self._seqs.setdefault(inp.rid, _DraftSeq())
+            # the last token is always fed again: its logits give the first guess
+            keep = min(common_prefix_len(seq.tokens, ids), len(ids) - 1)
+            self._truncate(seq, max(keep, 0))
+            k = min(inp.max_tokens, self.max_context - len(ids))
+            if ids and k >= 1:
+                plans.append((i, inp.rid, seq, ids, k))
+        jobs = []
+        for i, rid, seq, ids, k in plans:
+            need = self.pool.pages_for(len(ids) + k - 1) - len(seq.pages)
+            if need > self.pool.num_free:
+                self.release(rid)  # the pool is full: no guess, and its pages to the others
+                continue
+            seq.pages += self.pool.alloc(max(need, 0))
+            jobs.append(_Job(i, seq, ids, len(seq.tokens), k))
+        return jobs
+
+    def _truncate(self, seq: _DraftSeq, n: int) -> None:
+        del seq.tokens[n:]
+        keep_pages = self.pool.pages_for(n)
+        if len(seq.pages) > keep_pages:
+            self.pool.free(seq.pages[keep_pages:])
+            del seq.pages[keep_pages:]
+
+    def _catch_up(self, jobs: list[_Job]) -> None:
+        """Extend forwards of at most ``chunk`` tokens over the requests' unseen tokens; each
+        request's first guess comes from the row of its last token."""
+        pending = list(jobs)
+        while pending:
+            rows, budget = [], self.chunk
+            for job in pending:
+                if budget == 0:
+                    break
+                n = min(len(job.ids) - job.done, budget)
+                rows.append((job, job.done, job.ids[job.done : job.done + n]))
+                budget -= n
+            sampled = [job for job, start, new in rows if start + len(new) == len(job.ids)]
+            logits = self._forward_groups(rows, [start + len(new) == len(job.ids) for job, start, new in rows])
+            for job, start, new in rows:
+                job.seq.tokens.extend(new)
+                job.done = start + len(new)
+            for job, pick in zip(sampled, self._argmax(logits)):
+                job.picks.append(pick)
+            pending = [job for job in pending if job.done < len(job.ids)]
+
+    def _decode(self, jobs: list[_Job]) -> None:
+        """Greedy decode steps, batched over the requests that still want more draft tokens."""
+        while True:
+            active = [job for job in jobs if len(job.picks) < job.k]
+            if not active:
+                return
+            rows = [(job, len(job.seq.tokens), [job.picks[-1]]) for job in active]
+            logits = self._forward_groups(rows, [True] * len(rows))
+            for job, pick in zip(active, self._argmax(logits)):
+                job.seq.tokens.append(job.picks[-1])
+                job.picks.append(pick)
+
+    def _forward_groups(self, rows: list[tuple[_Job, int, list[int]]], sample: list[bool]) -> torch.Tensor:
+        """``_forward`` over consecutive groups of at most ``group_rows`` tokens (all at once when 0)."""
+        if not self.group_rows or sum(len(new) for _, _, new in rows) <= self.group_rows:
+            return self._forward(rows, sample)
+        outs, group, tokens = [], [], 0
+        for i, (_, _, new) in enumerate(rows):
+            if group and tokens + len(new) > self.group_rows:
+                outs.append(self._forward([rows[j] for j in group], [sample[j] for j in group]))
+                group, tokens = [], 0
+            group.append(i)
+            tokens += len(new)
+        outs.append(self._forward([rows[j] for j in group], [sample[j] for j in group]))
+        return torch.cat(outs)
+
+    def _forward(self, rows: list[tuple[_Job, int, list[int]]], sample: list[bool]) -> torch.Tensor:
+        """One ragged step: per row (job, first position, new tokens); logits of the sampled rows' last tokens."""
+        ps = self.page_size
+        ids, positions, slots, logits_rows, seq_lens = [], [], [], [], []
+        for (job, start, new), want in zip(rows, sample):
+            pages = job.seq.pages
+            end = start + len(new)
+            ids.extend(new)
+            positions.extend(range(start, end))
+            slots.extend(pages[p // ps] * ps + p % ps for p in range(start, end))
+            if want:
+                logits_rows.append(len(ids) - 1)
+            seq_lens.append(end)
+        width = max(self.pool.pages_for(n) for n in seq_lens)
+        page_table = torch.tensor([job.seq.pages[:width] + [0] * (width - len(job.seq.pages[:width]))
+                                   for job, _, _ in rows], dtype=torch.int32)
+        i64 = dict(dtype=torch.int64)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, **i64), positions=torch.tensor(positions, **i64),
+            out_cache_loc=torch.tensor(slots, **i64), page_table=page_table,
+            logits_indices=torch.tensor(logits_rows, **i64), extend_lens=[len(new) for _, _, new in rows],
+            seq_lens=seq_lens,
+        )
+        return self.runner.forward(batch)  # [len(logits_rows), vocab] float32
+
+    @staticmethod
+    def _argmax(logits: torch.Tensor) -> list[int]:
+        return logits.argmax(dim=-1).tolist()
