@@ -15,7 +15,7 @@ from model_util import greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.speculative.draft_model import DraftModelProposer
+from pdserve.engine.speculative.draft_model import DraftModelProposer, common_prefix_len
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 
 torch.set_num_threads(1)
@@ -42,6 +42,12 @@ def tiny(tmp_path_factory):
     config = tiny_config(path)
     target = target_of(config)
     return config, target, DraftModelProposer(config, target)
+
+
+@pytest.mark.parametrize("a,b,n", [([], [1], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
+                                   ([1, 2, 3, 4, 5], [1, 2, 9, 4, 5], 2), ([7], [8], 0)])
+def test_common_prefix_len(a, b, n):
+    assert common_prefix_len(a, b) == common_prefix_len(b, a) == n
 
 
 def test_self_draft_guesses_the_targets_greedy_continuation(tiny):

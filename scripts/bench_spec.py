@@ -1,0 +1,276 @@
+#!/usr/bin/env python
+"""Speculative decoding: TPOT with speculation off, NGRAM and STANDALONE, same run, as ratios.
+
+Starts real servers (bf16, the default model) and times every streamed token at the client
+(``bench_serving.benchmark``; TPOT per request = (e2e - TTFT) / (tokens - 1), the mean over
+the requests of a run):
+
+1. colocated: three ``pdserve serve`` servers at once, speculation off, ``NGRAM``, and
+   ``STANDALONE`` with the target's own checkpoint in w8a16 as the draft
+   (``--speculative-draft-quantization w8a16``); their runs alternate (the order rotating
+   each repeat), so drift in the machine's load hits all three alike;
+2. 1 prefill + 1 decode behind the router: one prefill server, two decode servers (off and
+   NGRAM), a router in front of each pair; the copy-heavy workload at batch 1.
+
+Workloads, each at batch 1 (requests one after another) and batch 8 (8 in flight), greedy,
+exactly ``--output-len`` tokens (EOS ignored):
+
+- ``copy``: chat requests to repeat a passage exactly (four paragraphs of a story, shipped
+  here); the default model copies them almost word for word, the case prompt lookup is for;
+- ``chat``: ordinary chat questions.
+
+Targets (issue 30), printed PASS/FAIL: NGRAM on copy at batch 1 <= 0.6x off; every proposer
+on chat, batch 1 and 8, <= 1.05x off; STANDALONE on chat at batch 1 <= 0.85x off; 1P1D's
+NGRAM/off ratio on copy at batch 1 within 10 % of colocated's. Ends with one JSON line.
+
+    .venv/bin/python scripts/bench_spec.py            # 64 tokens, 3 repeats
+    .venv/bin/python scripts/bench_spec.py --short    # 32 tokens, 1 repeat, fewer batch-1 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
+
+import uvloop  # noqa: E402
+from bench_serving import benchmark  # noqa: E402
+from benchlib.client import GenerateBackend  # noqa: E402
+from benchlib.datasets import DatasetRow  # noqa: E402
+from benchlib.metrics import calculate_metrics  # noqa: E402
+
+from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+ALGORITHMS = {
+    "off": [],
+    "NGRAM": ["--speculative-algorithm", "NGRAM"],
+    "STANDALONE": ["--speculative-algorithm", "STANDALONE", "--speculative-draft-quantization", "w8a16"],
+}
+TARGET_COPY_NGRAM = 0.6
+TARGET_CHAT_ANY = 1.05
+TARGET_CHAT_STANDALONE = 0.85
+TARGET_PD_REL = 0.10
+
+PASSAGES = [
+    "The river rose slowly through the night, and by morning the low fields near the village were under water. "
+    "Farmers moved their animals to the hills, while children watched from the bridge as branches and boxes "
+    "floated past. The mayor called a meeting in the school hall. Everyone agreed that the old wall along the bank "
+    "had to be repaired before the spring rains, but nobody knew where the money would come from.",
+    "The masons arrived in September with a cart full of tools. They walked the length of the wall with the "
+    "mayor, tapping the old stones with small hammers and writing numbers in a notebook. In some places the mortar "
+    "had turned to sand, and in others the roots of willow trees had pushed the stones apart.",
+    "Not everyone was pleased. The miller complained that the scaffolding blocked the path to his door, and the "
+    "fishermen said the noise frightened the fish. The schoolteacher, on the other hand, brought her class to "
+    "watch the masons at work. The children learned how a wall is built in layers.",
+    "In October the rain returned. For three days it fell without stopping, and the river rose again, higher "
+    "than it had been in the spring. People gathered on the bridge to watch, holding umbrellas and lanterns. The "
+    "water climbed the new stones one row at a time, but it did not pass the top.",
+]
+COPY_ASKS = ["Repeat the following text exactly:\n\n", "Copy this passage word for word:\n\n"]
+QUESTIONS = [
+    "Explain how a refrigerator keeps food cold.", "Write a short story about a lost dog finding its way home.",
+    "What are the main causes of the seasons on Earth?", "Describe how to bake a loaf of bread.",
+    "Why do people learn foreign languages?", "Give some advice for a first job interview.",
+    "Explain what a computer network is to a child.", "What makes a good friend?",
+]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--short", action="store_true", help="32 tokens, 1 repeat, 2 batch-1 requests per workload")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is kept")
+    p.add_argument("--batch1-requests", type=int, default=4, help="requests of a batch-1 run, one after another")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the server's)")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per server")
+    p.add_argument("--max-total-tokens", type=int, default=8192)
+    p.add_argument("--backend", default="mooncake", help="the 1P1D KV transfer backend")
+    p.add_argument("--no-pd", action="store_true", help="leave the 1P1D part out")
+    p.add_argument("--logs", default=f"/tmp/bench_spec_{os.getpid()}")
+    args = p.parse_args(argv)
+    if args.short:
+        args.output_len, args.repeats, args.batch1_requests = 32, 1, 2
+    return args
+
+
+class Proc:
+    """A server or router process, its URL and its log."""
+
+    def __init__(self, name: str, cmd: list[str], logs: str, url: str):
+        self.name, self.url = name, url
+        self.log = f"{logs}/{name}.log"
+        self.proc = spawn(cmd, self.log, cwd=REPO)
+
+    def wait(self, timeout: float = 900) -> None:
+        wait_healthy(self.url, self.proc, timeout, name=self.name, log=lambda: log_tail(self.log), period=0.5)
+
+    def stop(self) -> None:
+        stop_group(self.proc, grace=20.0)
+
+
+def server(name: str, args, mode: str = "null", extra: list[str] = ()) -> tuple[Proc, int | None]:
+    port = free_port()
+    cmd = [PY, "-m", "pdserve.engine", "--port", str(port), "--dtype", "bfloat16", "--num-threads", str(args.threads),
+           "--max-total-tokens", str(args.max_total_tokens), "--log-level", "warning",
+           "--disaggregation-mode", mode]
+    bootstrap = None
+    if mode != "null":
+        cmd += ["--disaggregation-transfer-backend", args.backend]
+    if mode == "prefill":
+        bootstrap = free_port()
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
+    if extra and args.num_draft_tokens:
+        cmd += ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
+    return Proc(name, cmd + list(extra), args.logs, f"http://127.0.0.1:{port}"), bootstrap
+
+
+def router(name: str, args, prefill: Proc, bootstrap: int, decode: Proc) -> Proc:
+    port = free_port()
+    cmd = [PY, "-m", "pdserve.router", "--pd-disaggregation", "--prefill", prefill.url, str(bootstrap),
+           "--decode", decode.url, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+    return Proc(name, cmd, args.logs, f"http://127.0.0.1:{port}")
+
+
+def workloads(tokenizer, output_len: int) -> dict[str, list[DatasetRow]]:
+    """copy and chat: 8 chat-templated prompts each, as token ids."""
+    def row(content: str) -> DatasetRow:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        return DatasetRow(prompt=text, prompt_len=len(ids), output_len=output_len, prompt_ids=tuple(ids))
+
+    return {"copy": [row(ask + passage) for ask in COPY_ASKS for passage in PASSAGES],
+            "chat": [row(q) for q in QUESTIONS]}
+
+
+def mean_tpot_ms(url: str, rows: list[DatasetRow], batch: int) -> float:
+    """Mean TPOT of ``rows`` sent with at most ``batch`` in flight; raises on any failed request."""
+    outputs, duration = uvloop.run(benchmark(url, GenerateBackend(), rows, [0.0] * len(rows), max_concurrency=batch))
+    failed = [o.error for o in outputs if not o.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) to {url} failed: {failed[0]}")
+    return calculate_metrics(outputs, duration)["mean_tpot_ms"]
+
+
+def run_cells(targets: dict[str, str], cells: list[tuple[str, int]], rows: dict[str, list[DatasetRow]],
+              args) -> dict[tuple[str, str, int], float]:
+    """Median over repeats of the mean TPOT per (target, workload, batch); targets alternate, rotating."""
+    names = list(targets)
+    got: dict[tuple[str, str, int], list[float]] = {}
+    for r in range(args.repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for workload, batch in cells:
+            sent = rows[workload][: args.batch1_requests] if batch == 1 else rows[workload][:batch]
+            for name in order:
+                tpot = mean_tpot_ms(targets[name], sent, batch)
+                got.setdefault((name, workload, batch), []).append(tpot)
+                print(f"  repeat {r} {name:>10} {workload} batch {batch}: TPOT {tpot:.2f} ms", flush=True)
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def warm(urls: list[str], rows: list[DatasetRow]) -> None:
+    for url in urls:
+        mean_tpot_ms(url, rows[:1], 1)
+
+
+def colocated(args, rows) -> dict[tuple[str, str, int], float]:
+    procs = {name: server(f"colocated_{name}", args, extra=flags)[0] for name, flags in ALGORITHMS.items()}
+    try:
+        for p in procs.values():
+            p.wait()
+        warm([p.url for p in procs.values()], rows["copy"])
+        cells = [(w, b) for w in ("copy", "chat") for b in args.batches]
+        return run_cells({name: p.url for name, p in procs.items()}, cells, rows, args)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def disaggregated(args, rows) -> dict[tuple[str, str, int], float]:
+    prefill, bootstrap = server("pd_prefill", args, "prefill")
+    decodes = {name: server(f"pd_decode_{name}", args, "decode", ALGORITHMS[name])[0] for name in ("off", "NGRAM")}
+    procs = [prefill, *decodes.values()]
+    try:
+        for p in procs:
+            p.wait()
+        routers = {name: router(f"pd_router_{name}", args, prefill, bootstrap, d) for name, d in decodes.items()}
+        procs += routers.values()
+        for p in routers.values():
+            p.wait(120)
+        warm([p.url for p in routers.values()], rows["copy"])
+        return run_cells({name: p.url for name, p in routers.items()}, [("copy", 1)], rows, args)
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.makedirs(args.logs, exist_ok=True)
+    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+
+    rows = workloads(load_tokenizer(None), args.output_len)
+    load = os.getloadavg()
+    t0 = time.time()
+    print(f"bench_spec: {args.output_len} tokens, {args.repeats} repeat(s), {args.threads} thread(s) per server, "
+          f"logs in {args.logs}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    colo = colocated(args, rows)
+    pd = {} if args.no_pd else disaggregated(args, rows)
+
+    def ratio(table, name, workload, batch):
+        off = table.get(("off", workload, batch))
+        return None if off is None or (name, workload, batch) not in table else table[(name, workload, batch)] / off
+
+    print("\n| setup | workload | batch | off TPOT ms | NGRAM ms (x off) | STANDALONE w8a16 ms (x off) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for workload in ("copy", "chat"):
+        for b in args.batches:
+            cells = [f"{colo[(n, workload, b)]:.2f} ({ratio(colo, n, workload, b):.2f}x)" for n in ("NGRAM", "STANDALONE")]
+            print(f"| colocated | {workload} | {b} | {colo[('off', workload, b)]:.2f} | {cells[0]} | {cells[1]} |")
+    if pd:
+        print(f"| 1P1D + router | copy | 1 | {pd[('off', 'copy', 1)]:.2f} | {pd[('NGRAM', 'copy', 1)]:.2f} "
+              f"({ratio(pd, 'NGRAM', 'copy', 1):.2f}x) | - |")
+
+    checks = []
+    if 1 in args.batches:
+        checks.append(("NGRAM copy batch 1 <= 0.6x off", ratio(colo, "NGRAM", "copy", 1), TARGET_COPY_NGRAM))
+        checks.append(("STANDALONE chat batch 1 <= 0.85x off", ratio(colo, "STANDALONE", "chat", 1),
+                       TARGET_CHAT_STANDALONE))
+    for name in ("NGRAM", "STANDALONE"):
+        for b in args.batches:
+            checks.append((f"{name} chat batch {b} <= 1.05x off", ratio(colo, name, "chat", b), TARGET_CHAT_ANY))
+    verdicts = {}
+    for label, value, bound in checks:
+        verdicts[label] = value <= bound
+        print(f"{'PASS' if value <= bound else 'FAIL'}: {label}: {value:.3f}")
+    if pd and 1 in args.batches:
+        c, d = ratio(colo, "NGRAM", "copy", 1), ratio(pd, "NGRAM", "copy", 1)
+        rel = abs(d / c - 1.0)
+        label = "1P1D NGRAM copy batch 1 ratio within 10% of colocated's"
+        verdicts[label] = rel <= TARGET_PD_REL
+        print(f"{'PASS' if rel <= TARGET_PD_REL else 'FAIL'}: {label}: {d:.3f} against {c:.3f} ({rel:.1%})")
+    load_end = os.getloadavg()
+    summary = {
+        "bench": "bench_spec", "output_len": args.output_len, "repeats": args.repeats, "threads": args.threads,
+        "num_draft_tokens": args.num_draft_tokens, "load_avg_start": load, "load_avg_end": load_end,
+        "wall_s": round(time.time() - t0, 1),
+        "colocated_tpot_ms": {f"{n}/{w}/{b}": round(v, 3) for (n, w, b), v in colo.items()},
+        "pd_tpot_ms": {f"{n}/{w}/{b}": round(v, 3) for (n, w, b), v in pd.items()},
+        "verdicts": verdicts,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
