@@ -38,6 +38,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
+from pdserve.engine.model_executor.parallel import all_reduce_min
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 from pdserve.engine.speculative_names import STANDALONE
 
@@ -82,6 +83,44 @@ def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: s
         raise ValueError(f"{where} has another tokenizer than the target model ({differ} of its "
                          f"{len(draft_vocab)} tokens map to other ids): a draft model must share the "
                          "target's tokenizer")
+
+
+COST_STEPS = 3  # timed decode steps of each model at start (after one untimed)
+COST_CONTEXT = 32  # tokens of the scratch sequence they decode over
+
+
+def decode_step_s(runner: ModelRunner) -> float:
+    """The median time of one decode step at one sequence of ``COST_CONTEXT`` tokens, on scratch
+    pages taken from and given back to ``runner``'s pool (called at start, before any request)."""
+    pool, ps = runner.page_pool, runner.page_pool.page_size
+    n = max(1, min(COST_CONTEXT, pool.max_total_tokens - COST_STEPS - 1))
+    pages = pool.alloc(pool.pages_for(n + COST_STEPS + 1))
+    table = torch.tensor([pages], dtype=torch.int32)
+
+    def batch(start: int, count: int) -> ForwardBatch:
+        pos = list(range(start, start + count))
+        return ForwardBatch(input_ids=torch.full((count,), 1 + start % 7, dtype=torch.int64),
+                            positions=torch.tensor(pos), out_cache_loc=torch.tensor([pages[p // ps] * ps + p % ps for p in pos]),
+                            page_table=table, logits_indices=torch.tensor([count - 1]), extend_lens=[count],
+                            seq_lens=[start + count])
+
+    try:
+        runner.forward(batch(0, n))
+        times = []
+        for i in range(COST_STEPS + 1):
+            t0 = time.perf_counter()
+            float(runner.forward(batch(n + i, 1))[0, 0])  # on a device, waits for the step
+            times.append(time.perf_counter() - t0)
+    finally:
+        pool.free(pages)
+    return sorted(times[1:])[COST_STEPS // 2]
+
+
+def relative_step_cost(draft: ModelRunner, target: ModelRunner) -> float:
+    """A draft decode step's time over the target's, measured once at start; under TP the largest
+    any rank measured (in thousandths), so every rank's adaptive rule prices guesses alike."""
+    cost = decode_step_s(draft) / max(decode_step_s(target), 1e-9)
+    return -all_reduce_min(-round(min(cost, 8.0) * 1000)) / 1000
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -143,9 +182,11 @@ class DraftModelProposer:
         plan = self.runner.model.plan
         self.group_rows = plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
         self._seqs: dict[str, _DraftSeq] = {}
-        logger.info("STANDALONE draft %s (%s) ready in %.1fs, %d-token pool",
-                    self.runner.model_source.path, self.runner.config.quantization, time.perf_counter() - t0,
-                    self.pool.max_total_tokens)
+        # what one draft token costs, in target decode steps: the adaptive rule's price of a guess
+        self.cost_per_token = relative_step_cost(self.runner, target_runner)
+        logger.info("STANDALONE draft %s (%s) ready in %.1fs, %d-token pool; a draft step costs %.2f of "
+                    "the target's", self.runner.model_source.path, self.runner.config.quantization,
+                    time.perf_counter() - t0, self.pool.max_total_tokens, self.cost_per_token)
 
     # ------------------------------------------------------------- proposer
     def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:

@@ -181,5 +181,7 @@ def test_w8a16_self_draft_of_the_default_model_mostly_agrees_with_the_target(tin
         proposer.release(str(i))
     assert proposer.pool.num_used == 0
     rate = accepted / proposed
-    print(f"w8a16 self-draft: {accepted} of {proposed} draft tokens accepted ({rate:.2f})")
+    print(f"w8a16 self-draft: {accepted} of {proposed} draft tokens accepted ({rate:.2f}); a draft step "
+          f"costs {proposer.cost_per_token:.2f} of the target's")
+    assert proposer.cost_per_token > 0
     assert rate >= W8A16_ACCEPT_BOUND
