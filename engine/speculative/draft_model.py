@@ -71,17 +71,19 @@ def draft_pool_tokens(config: EngineConfig, target_pool_tokens: int) -> int:
 
 
 def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: str | None) -> None:
-    """Raise ValueError naming speculative_draft_model_path when the draft's tokenizer or vocabulary
-    is not the target's (its guesses would be other tokens' ids)."""
+    """Raise ValueError naming speculative_draft_model_path unless the draft's model has the target's
+    vocabulary size and its tokenizer gives every token of the target's tokenizer the same id (its
+    guesses must mean the target's tokens; tokens only the draft's tokenizer adds, such as a special
+    token past the model's vocabulary, are not compared)."""
     where = f"speculative_draft_model_path {draft_path!r}" if draft_path else "the self-draft"
     if draft.arch.vocab_size != target.arch.vocab_size:
         raise ValueError(f"{where} has a vocabulary of {draft.arch.vocab_size} tokens, the target model "
                          f"{target.arch.vocab_size}: a draft model must share the target's tokenizer")
     draft_vocab, target_vocab = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
-    if draft_vocab != target_vocab:
-        differ = sum(1 for tok, i in draft_vocab.items() if target_vocab.get(tok) != i)
-        raise ValueError(f"{where} has another tokenizer than the target model ({differ} of its "
-                         f"{len(draft_vocab)} tokens map to other ids): a draft model must share the "
+    differ = sum(1 for tok, i in target_vocab.items() if draft_vocab.get(tok) != i)
+    if differ:
+        raise ValueError(f"{where} has another tokenizer than the target model ({differ} of the target's "
+                         f"{len(target_vocab)} tokens have another id or none): a draft model must share the "
                          "target's tokenizer")
 
 
