@@ -12,7 +12,8 @@ Per request the proposer keeps the tokens whose K/V the draft's pool holds and t
 1. truncates every request's draft KV to the common prefix with its ``token_ids`` (what the
    target rejected lies past it; whole pages past the prefix go back to the pool),
 2. catches the draft up on the tokens it has not seen (the accepted drafts, the bonus token, or the
-   whole prompt the first time) in extend forwards batched across the requests,
+   whole prompt the first time) in extend forwards batched across the requests, at most
+   ``CATCH_UP_TOKENS`` per call (a long new prompt over several calls, drafting nothing meanwhile),
 3. runs ``max_tokens - 1`` greedy decode steps batched across the requests still drafting,
    and returns each request's picks as a chain.
 
@@ -87,6 +88,9 @@ def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: s
                          "target's tokenizer")
 
 
+# draft tokens caught up per propose call, over all its requests: a new request's prompt is taken in
+# slices of this over several steps rather than in one long forward inside a decode step
+CATCH_UP_TOKENS = 256
 COST_STEPS = 3  # timed decode steps of each model at start (after one untimed)
 COST_CONTEXT = 32  # tokens of the scratch sequence they decode over
 
@@ -158,6 +162,7 @@ class _Job:
     ids: list[int]
     done: int
     k: int
+    end: int = 0  # this call catches up ids[done:end]; drafting needs end == len(ids)
     picks: list[int] = field(default_factory=list)
 
 
@@ -255,15 +260,22 @@ class DraftModelProposer:
             del seq.pages[keep_pages:]
 
     def _catch_up(self, jobs: list[_Job]) -> None:
-        """Extend forwards of at most ``chunk`` tokens over the requests' unseen tokens; each
-        request's first guess comes from the row of its last token."""
-        pending = list(jobs)
+        """Extend forwards of at most ``chunk`` tokens over the requests' unseen tokens, at most
+        ``CATCH_UP_TOKENS`` in all per call (the requests with the fewest first), so a new long prompt
+        never stalls the step it joins: a request not caught up by the budget drafts nothing this
+        call and goes on from where it stopped. A caught-up request's first guess comes from the row
+        of its last token."""
+        left = CATCH_UP_TOKENS
+        for job in sorted(jobs, key=lambda j: len(j.ids) - j.done):
+            job.end = job.done + min(len(job.ids) - job.done, left)
+            left -= job.end - job.done
+        pending = [job for job in jobs if job.done < job.end]
         while pending:
             rows, budget = [], self.chunk
             for job in pending:
                 if budget == 0:
                     break
-                n = min(len(job.ids) - job.done, budget)
+                n = min(job.end - job.done, budget)
                 rows.append((job, job.done, job.ids[job.done : job.done + n]))
                 budget -= n
             sampled = [job for job, start, new in rows if start + len(new) == len(job.ids)]
@@ -273,12 +285,12 @@ class DraftModelProposer:
                 job.done = start + len(new)
             for job, pick in zip(sampled, self._argmax(logits)):
                 job.picks.append(pick)
-            pending = [job for job in pending if job.done < len(job.ids)]
+            pending = [job for job in pending if job.done < job.end]
 
     def _decode(self, jobs: list[_Job]) -> None:
-        """Greedy decode steps, batched over the requests that still want more draft tokens."""
+        """Greedy decode steps, batched over the caught-up requests that still want more draft tokens."""
         while True:
-            active = [job for job in jobs if len(job.picks) < job.k]
+            active = [job for job in jobs if job.picks and len(job.picks) < job.k]
             if not active:
                 return
             rows = [(job, len(job.seq.tokens), [job.picks[-1]]) for job in active]

@@ -91,6 +91,19 @@ def test_a_rejection_rolls_back_to_what_a_fresh_proposer_guesses(tiny):
     assert proposer.pool.num_used == 0
 
 
+def test_a_long_prompt_is_caught_up_over_several_calls(tiny):
+    _, target, proposer = tiny
+    prompt = random_prompts([300], seed=5)[0]  # past the 256 tokens one call catches up
+    want, _ = greedy_generate(target, [prompt], K)
+    short = random_prompts([6], seed=6)[0]
+    first = proposer.propose([DraftInput("long", prompt, K), DraftInput("short", short, K)])
+    assert first[0] == Draft() and len(first[1].tokens) == K  # the short one drafts meanwhile
+    assert proposer.propose([DraftInput("long", prompt, K)])[0].tokens == want[0]
+    proposer.check_integrity()
+    proposer.release("long")
+    proposer.release("short")
+
+
 def test_release_frees_every_page(tiny):
     _, _, proposer = tiny
     prompts = random_prompts([7, 30, 2], seed=3)
