@@ -19,6 +19,10 @@ exactly ``--output-len`` tokens (EOS ignored):
   here); the default model copies them almost word for word, the case prompt lookup is for;
 - ``chat``: ordinary chat questions.
 
+STANDALONE runs with 2 draft tokens (``--standalone-draft-tokens``): each guess costs a draft
+step, so a short draft pays where a long one does not; NGRAM with the server's default. The
+speculating servers' accept counters (``/metrics``) are printed after their runs.
+
 Targets (issue 30), printed PASS/FAIL: NGRAM on copy at batch 1 <= 0.6x off; every proposer
 on chat, batch 1 and 8, <= 1.05x off; STANDALONE on chat at batch 1 <= 0.85x off; 1P1D's
 NGRAM/off ratio on copy at batch 1 within 10 % of colocated's. Ends with one JSON line.
@@ -32,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
 
@@ -92,7 +98,10 @@ def parse_args(argv=None):
     p.add_argument("--batch1-requests", type=int, default=None,
                    help="requests of a batch-1 run, one after another (default 4; --short: 2)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="--speculative-num-draft-tokens (default: the server's)")
+    p.add_argument("--ngram-draft-tokens", type=int, default=None,
+                   help="NGRAM's --speculative-num-draft-tokens (default: the server's)")
+    p.add_argument("--standalone-draft-tokens", type=int, default=2,
+                   help="STANDALONE's --speculative-num-draft-tokens: a draft token costs a draft step, so fewer")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads per server")
     p.add_argument("--max-total-tokens", type=int, default=8192)
     p.add_argument("--backend", default="mooncake", help="the 1P1D KV transfer backend")
@@ -132,8 +141,10 @@ def server(name: str, args, mode: str = "null", extra: list[str] = ()) -> tuple[
     if mode == "prefill":
         bootstrap = free_port()
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap)]
-    if extra and args.num_draft_tokens:
-        cmd += ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
+    draft_tokens = {"NGRAM": args.ngram_draft_tokens, "STANDALONE": args.standalone_draft_tokens}
+    for name, n in draft_tokens.items():
+        if name in extra and n:
+            cmd += ["--speculative-num-draft-tokens", str(n)]
     return Proc(name, cmd + list(extra), args.logs, f"http://127.0.0.1:{port}"), bootstrap
 
 
@@ -185,6 +196,31 @@ WARMUP = ["Say hello.", "Count to five.", "Name a colour.", "What is two plus tw
           "Name a fruit.", "Name a city.", "Spell cat."]
 
 
+SPEC_COUNTERS = ("proposed_tokens", "accepted_tokens", "verify_steps", "backoff_steps", "proposer_seconds")
+
+
+def spec_counters(url: str) -> dict[str, float]:
+    """The server's speculation counters from ``/metrics`` (summed over its ranks); {} without them."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for name in SPEC_COUNTERS:
+        for m in re.finditer(rf"^pdserve_spec_{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M):
+            out[name] = out.get(name, 0.0) + float(m.group(1))
+    return out
+
+
+def print_counters(label: str, c: dict[str, float]) -> None:
+    if c.get("proposed_tokens"):
+        print(f"  {label}: {c['accepted_tokens']:.0f} of {c['proposed_tokens']:.0f} draft tokens accepted "
+              f"({c['accepted_tokens'] / c['proposed_tokens']:.2f}), {c.get('verify_steps', 0):.0f} verify and "
+              f"{c.get('backoff_steps', 0):.0f} backed-off sequence-steps, {c.get('proposer_seconds', 0):.1f} s "
+              "in the proposer (whole run, warm-up included)", flush=True)
+
+
 def warm(urls: list[str], tokenizer, batches: list[int]) -> None:
     """A few short requests to each server at each batch size, on prompts that are not measured
     (a first step of each shape pays one-time costs; a proposer must not have seen the measured prompts)."""
@@ -201,7 +237,10 @@ def colocated(args, rows, tokenizer) -> dict[tuple[str, str, int], float]:
             p.wait()
         warm([p.url for p in procs.values()], tokenizer, args.batches)
         cells = [(w, b) for w in ("copy", "chat") for b in args.batches]
-        return run_cells({name: p.url for name, p in procs.items()}, cells, rows, args)
+        got = run_cells({name: p.url for name, p in procs.items()}, cells, rows, args)
+        for name, p in procs.items():
+            print_counters(f"colocated {name}", spec_counters(p.url))
+        return got
     finally:
         for p in procs.values():
             p.stop()
@@ -219,7 +258,10 @@ def disaggregated(args, rows, tokenizer) -> dict[tuple[str, str, int], float]:
         for p in routers.values():
             p.wait(120)
         warm([p.url for p in routers.values()], tokenizer, [1])
-        return run_cells({name: p.url for name, p in routers.items()}, [("copy", 1)], rows, args)
+        got = run_cells({name: p.url for name, p in routers.items()}, [("copy", 1)], rows, args)
+        for name, p in decodes.items():
+            print_counters(f"1P1D decode {name}", spec_counters(p.url))
+        return got
     finally:
         for p in reversed(procs):
             p.stop()
@@ -274,7 +316,8 @@ def main(argv=None) -> int:
     load_end = os.getloadavg()
     summary = {
         "bench": "bench_spec", "output_len": args.output_len, "repeats": args.repeats, "threads": args.threads,
-        "num_draft_tokens": args.num_draft_tokens, "load_avg_start": load, "load_avg_end": load_end,
+        "ngram_draft_tokens": args.ngram_draft_tokens,
+        "standalone_draft_tokens": args.standalone_draft_tokens, "load_avg_start": load, "load_avg_end": load_end,
         "wall_s": round(time.time() - t0, 1),
         "colocated_tpot_ms": {f"{n}/{w}/{b}": round(v, 3) for (n, w, b), v in colo.items()},
         "pd_tpot_ms": {f"{n}/{w}/{b}": round(v, 3) for (n, w, b), v in pd.items()},
