@@ -91,41 +91,55 @@ def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: s
 # draft tokens caught up per propose call, over all its requests: a new request's prompt is taken in
 # slices of this over several steps rather than in one long forward inside a decode step
 CATCH_UP_TOKENS = 256
-COST_STEPS = 3  # timed decode steps of each model at start (after one untimed)
+COST_PAIRS = 5  # timed decode steps of each model at start, taking turns (after one untimed each)
 COST_CONTEXT = 32  # tokens of the scratch sequence they decode over
 
 
-def decode_step_s(runner: ModelRunner) -> float:
-    """The median time of one decode step at one sequence of ``COST_CONTEXT`` tokens, on scratch
-    pages taken from and given back to ``runner``'s pool (called at start, before any request)."""
-    pool, ps = runner.page_pool, runner.page_pool.page_size
-    n = max(1, min(COST_CONTEXT, pool.max_total_tokens - COST_STEPS - 1))
-    pages = pool.alloc(pool.pages_for(n + COST_STEPS + 1))
-    table = torch.tensor([pages], dtype=torch.int32)
+class _ScratchDecode:
+    """Decode steps at one sequence of ``COST_CONTEXT`` tokens on scratch pages of ``runner``'s pool
+    (at start, before any request); ``close`` gives the pages back."""
 
-    def batch(start: int, count: int) -> ForwardBatch:
+    def __init__(self, runner: ModelRunner):
+        self.runner, self.pool = runner, runner.page_pool
+        self.n = max(1, min(COST_CONTEXT, self.pool.max_total_tokens - COST_PAIRS - 2))
+        self.pages = self.pool.alloc(self.pool.pages_for(self.n + COST_PAIRS + 2))
+        self.table = torch.tensor([self.pages], dtype=torch.int32)
+        self._forward(0, self.n)
+        self.pos = self.n
+
+    def _forward(self, start: int, count: int) -> None:
+        ps = self.pool.page_size
         pos = list(range(start, start + count))
-        return ForwardBatch(input_ids=torch.full((count,), 1 + start % 7, dtype=torch.int64),
-                            positions=torch.tensor(pos), out_cache_loc=torch.tensor([pages[p // ps] * ps + p % ps for p in pos]),
-                            page_table=table, logits_indices=torch.tensor([count - 1]), extend_lens=[count],
-                            seq_lens=[start + count])
+        batch = ForwardBatch(input_ids=torch.full((count,), 1 + start % 7, dtype=torch.int64),
+                             positions=torch.tensor(pos),
+                             out_cache_loc=torch.tensor([self.pages[p // ps] * ps + p % ps for p in pos]),
+                             page_table=self.table, logits_indices=torch.tensor([count - 1]), extend_lens=[count],
+                             seq_lens=[start + count])
+        float(self.runner.forward(batch)[0, 0])  # on a device, waits for the step
 
-    try:
-        runner.forward(batch(0, n))
-        times = []
-        for i in range(COST_STEPS + 1):
-            t0 = time.perf_counter()
-            float(runner.forward(batch(n + i, 1))[0, 0])  # on a device, waits for the step
-            times.append(time.perf_counter() - t0)
-    finally:
-        pool.free(pages)
-    return sorted(times[1:])[COST_STEPS // 2]
+    def step_s(self) -> float:
+        t0 = time.perf_counter()
+        self._forward(self.pos, 1)
+        self.pos += 1
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.free(self.pages)
 
 
 def relative_step_cost(draft: ModelRunner, target: ModelRunner) -> float:
-    """A draft decode step's time over the target's, measured once at start; under TP the largest
-    any rank measured (in thousandths), so every rank's adaptive rule prices guesses alike."""
-    cost = decode_step_s(draft) / max(decode_step_s(target), 1e-9)
+    """A draft decode step's time over the target's at one sequence, measured once at start: the
+    median over ``COST_PAIRS`` steps of each taken in turns (on a shared machine the load moves
+    within seconds; adjacent steps see the same). Under TP the largest any rank measured (in
+    thousandths), so every rank's adaptive rule prices a guess alike."""
+    d, t = _ScratchDecode(draft), _ScratchDecode(target)
+    try:
+        d.step_s(), t.step_s()  # untimed: first steps pay one-time costs
+        ratios = sorted(d.step_s() / max(t.step_s(), 1e-9) for _ in range(COST_PAIRS))
+    finally:
+        d.close()
+        t.close()
+    cost = ratios[COST_PAIRS // 2]
     return -all_reduce_min(-round(min(cost, 8.0) * 1000)) / 1000
 
 
