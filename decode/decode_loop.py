@@ -223,7 +223,8 @@ class DecodeLoop(SchedulerLoop):
                                        num_quarantine_pages=self.quarantine.num_pages)
 
     def rank_metrics(self) -> RankMetrics:
-        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache))
+        return RankMetrics(self.dp_rank, self.kv.tp.rank,
+                           self.kv.metrics.snapshot() + hicache_families(self.cache) + self.spec_families())
 
     def check_integrity(self) -> None:
         super().check_integrity()
@@ -236,3 +237,5 @@ class DecodeLoop(SchedulerLoop):
     def close(self) -> None:
         self.dp_sizes.close()
         self.kv.close()
+        if self.spec is not None:
+            self.spec.close()

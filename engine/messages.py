@@ -109,6 +109,11 @@ class TokenOutput(msgspec.Struct, tag=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     error: str | None = None
+    # speculative decoding, running totals (SGLang's meta_info names), only from a rank that speculates:
+    # verify steps with a draft, draft tokens checked, draft tokens accepted
+    spec_verify_ct: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_accept_token_num: int | None = None
 
 
 class SchedulerStats(msgspec.Struct, tag=True):

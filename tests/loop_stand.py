@@ -70,6 +70,8 @@ class EchoRunner:
                                   quantization=config.quantization)
         # tests of the layer-wise send: called with each layer after its KV is stored, the forward paused
         self.layer_probe = None
+        # speculative decoding's verify steps ask for a row per fed token (prompt logprob rows stay unsimulated)
+        self.score_all_rows = config.speculative_algorithm is not None
 
     def forward(self, fb, after_layer=None) -> torch.Tensor:
         pool = self.page_pool
@@ -81,7 +83,8 @@ class EchoRunner:
                 after_layer(layer)
             if self.layer_probe is not None:
                 self.layer_probe(layer)
-        rows = []
+        wanted = fb.logits_indices.tolist()
+        rows = {}  # logits row -> next token of the sequence up to that row's position
         offset = 0
         for i, (n, seq_len) in enumerate(zip(fb.extend_lens, fb.seq_lens)):
             offset += n
@@ -93,11 +96,13 @@ class EchoRunner:
                 assert got == seq, f"layer {layer} KV differs from layer 0 in sequence {i}"
             assert pool.v_slots(LAYERS - 1)[slots, 0, 0].tolist() == [float(p) for p in range(seq_len)], (
                 f"sequence {i}: KV positions are not 0..{seq_len - 1} (a page lost or overwritten)")
-            if offset - 1 in fb.logits_indices.tolist():
-                rows.append(next_token(seq))
-        assert len(rows) == len(fb.logits_indices), "prompt logprob rows are not simulated"
-        logits = torch.zeros(len(rows), VOCAB)
-        logits[torch.arange(len(rows)), torch.tensor(rows, dtype=torch.long)] = 10.0
+            # a verify step scores every fed token: row ``offset - 1 - j`` sees the sequence up to j tokens less
+            for j in range(n):
+                if offset - 1 - j in wanted and (j == 0 or self.score_all_rows):
+                    rows[offset - 1 - j] = next_token(seq[: seq_len - j])
+        assert len(rows) == len(wanted), "prompt logprob rows are not simulated"
+        logits = torch.zeros(len(wanted), VOCAB)
+        logits[torch.arange(len(wanted)), torch.tensor([rows[r] for r in wanted], dtype=torch.long)] = 10.0
         return logits
 
 

@@ -93,6 +93,12 @@ def generate_object(
         if st.input_logprobs:
             ids = st.input_ids[len(st.input_ids) - len(st.input_logprobs) :]
             meta["input_token_logprobs"] = _sgl_logprob_entries(list(zip(ids, st.input_logprobs)), tok_str)
+    if st.spec_verify_ct is not None:  # SGLang's names; accept length: tokens gained per verify step
+        meta["spec_verify_ct"] = st.spec_verify_ct
+        meta["spec_draft_token_num"] = st.spec_draft_token_num
+        meta["spec_accept_token_num"] = st.spec_accept_token_num
+        if st.spec_verify_ct:
+            meta["spec_accept_length"] = (st.spec_accept_token_num + st.spec_verify_ct) / st.spec_verify_ct
     if st.dp_rank is not None:
         meta["dp_rank"] = st.dp_rank
     if delta is None:

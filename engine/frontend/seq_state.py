@@ -43,6 +43,10 @@ class SeqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # speculative decoding's totals (TokenOutput's spec_* fields); None where the rank does not speculate
+    spec_verify_ct: int | None = None
+    spec_draft_token_num: int = 0
+    spec_accept_token_num: int = 0
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     error: str | None = None

@@ -344,6 +344,9 @@ class TokenizerManager:
         st.prompt_tokens = o.prompt_tokens
         st.completion_tokens = o.completion_tokens
         st.cached_tokens = o.cached_tokens
+        if o.spec_verify_ct is not None:
+            st.spec_verify_ct, st.spec_draft_token_num, st.spec_accept_token_num = (
+                o.spec_verify_ct, o.spec_draft_token_num or 0, o.spec_accept_token_num or 0)
         if o.input_logprobs:
             st.input_logprobs = list(o.input_logprobs)
         lps: list[TokenLogprob] = []

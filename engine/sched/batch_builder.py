@@ -33,16 +33,20 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
     seq_lens: list[int] = []
     num_pages = []
     offset = 0
-    for req, start, n, sample in zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample):
+    drafts = batch.drafts
+    for i, (req, start, n, sample) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)):
         end = start + n
-        input_ids.extend(req.fill_slice(start, end))
+        if drafts is None:
+            input_ids.extend(req.fill_slice(start, end))
+        else:  # a verify step: the last token, then the drafts; every fed token's logits are scored
+            input_ids.extend(req.fill_slice(start, start + 1) + drafts[i])
         pos = range(start, end)
         positions.extend(pos)
         pages = req.pages
         out_loc.extend(pages[p // page_size] * page_size + p % page_size for p in pos)
         offset += n
         if sample:
-            logits_indices.append(offset - 1)
+            logits_indices.extend(range(offset - batch.logit_rows(i), offset))
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
     logits_indices.extend(row for _, row, _ in input_logprob_rows(batch))

@@ -72,6 +72,10 @@ class Req:
     # text decoded so far, kept only when stop strings must be matched
     text_state: Any = None
     num_retractions: int = 0
+    # speculative decoding (SGLang's meta_info names): verify steps with a draft, drafts checked, accepted
+    spec_verify_ct: int = 0
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # structured output: the request's grammar matcher (constrained.RequestGrammar), None if unconstrained
     grammar: Any = None
 

@@ -27,6 +27,12 @@ the caller runs the model on it and hands the sampled tokens to
   whose prefill completed (its one token sampled, never stopped on) keeps its
   pages, leaves the batch and is reported in ``StepEvents.prefilled``; it stays
   owned until ``finish``.
+- Speculative decoding (docs/SPECULATIVE.md): a decode batch may carry draft tokens per request
+  (``attach_drafts``): each such request feeds its last token plus its drafts in one step, whose
+  pages are taken from the free pages only if they all fit (else the batch runs without drafts,
+  never failing); ``postprocess`` appends the accepted run plus the bonus token, stopping at the
+  first token that ends the request, and frees the pages past what the accepted tokens need.
+  The decode reserve of ``reserve_pages`` counts ``speculative_num_draft_tokens`` more per request.
 - When a decode step lacks pages, the newest running request is retracted: its
   KV goes to the prefix cache (or is freed) and it rejoins the front of the
   queue keeping its output tokens, to be recomputed later. A request that
@@ -68,6 +74,8 @@ class ScheduledBatch:
     prefix_lens: list[int]  # KV tokens already in the cache per request
     extend_lens: list[int]  # new tokens this step per request
     sample: list[bool]  # whether the request samples a token after this step
+    # decode steps with speculation: per request its draft tokens (fed after its last token), or None
+    drafts: list[list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +89,10 @@ class ScheduledBatch:
     def sampled_reqs(self) -> list[Req]:
         return [r for r, s in zip(self.reqs, self.sample) if s]
 
+    def logit_rows(self, i: int) -> int:
+        """Rows of logits request ``i`` gets if it samples: one per fed token of a verify step, else one."""
+        return 1 + len(self.drafts[i]) if self.drafts is not None else 1
+
 
 @dataclass
 class SampleOutput:
@@ -89,6 +101,9 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # verify steps: per sampled request every token it gained (its accepted drafts, then the bonus
+    # token); ``token_ids`` holds the first of each
+    accepted: list[list[int]] | None = None
 
 
 @dataclass
@@ -126,6 +141,8 @@ class Scheduler:
         self.num_retractions = 0
         # every finish (stop, abort, no room) lands here; ``drain_finished`` reports each once
         self.newly_finished: list[Req] = []
+        # slots a speculating request may need past its next token, counted in its decode reserve
+        self.num_draft_slots = config.speculative_num_draft_tokens if config.speculative_algorithm else 0
 
     # ------------------------------------------------------------- requests
     def add(self, req: Req) -> FinishReason | None:
@@ -201,7 +218,7 @@ class Scheduler:
     def reserve_pages(self, req: Req, after_len: int) -> int:
         """Pages ``req`` still needs beyond those it holds to reach ``after_len`` tokens and then
         decode ``num_reserved_decode_tokens`` more (at most its remaining new tokens)."""
-        extra = min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens)
+        extra = min(req.remaining_new_tokens, self.config.num_reserved_decode_tokens + self.num_draft_slots)
         return max(self.pool.pages_for(after_len + extra) - len(req.pages), 0)
 
     def promised_pages(self, receiving: Iterable[Req] = ()) -> int:
@@ -339,6 +356,24 @@ class Scheduler:
             ForwardMode.DECODE, list(self.running), [r.kv_len for r in self.running], [1] * n, [True] * n
         )
 
+    def attach_drafts(self, batch: ScheduledBatch, drafts: list[list[int]]) -> bool:
+        """Let decode ``batch`` verify ``drafts`` (one list per request, maybe empty): each is cut to
+        what the request may still output past its bonus token, and the pages the draft slots need
+        are taken now. If they are not all free, nothing changes and False says the batch runs
+        without drafts (a batch is never failed for its drafts)."""
+        if batch.mode != ForwardMode.DECODE or len(drafts) != len(batch.reqs):
+            raise ValueError("drafts ride on a decode batch, one list per request")
+        drafts = [d[: max(r.remaining_new_tokens - 1, 0)] for r, d in zip(batch.reqs, drafts)]
+        need = [max(self.pool.pages_for(r.kv_len + 1 + len(d)) - len(r.pages), 0) for r, d in zip(batch.reqs, drafts)]
+        if not any(drafts) or sum(need) > self.free_pages():
+            return False
+        for r, n in zip(batch.reqs, need):
+            if n:
+                r.pages.extend(self._alloc(n))
+        batch.drafts = drafts
+        batch.extend_lens = [1 + len(d) for d in drafts]
+        return True
+
     def retract(self, req: Req) -> None:
         """Preempt a running request: free its KV (into the cache) and queue it first for recompute."""
         self.running.remove(req)
@@ -361,8 +396,12 @@ class Scheduler:
             k += 1
             if req.finished:  # aborted while its step ran
                 continue
-            req.kv_len += extend
             was_prefill = batch.mode == ForwardMode.PREFILL
+            if out.accepted is not None and extend > 1:  # a verify step
+                events.updated.append(req)
+                self._take_accepted(req, out.accepted[i])
+                continue
+            req.kv_len += extend
             if req.sampling_params.max_new_tokens == 0:
                 self.finish(req, FinishReason("length"))
                 continue
@@ -387,6 +426,24 @@ class Scheduler:
             raise ValueError(f"got {len(out.token_ids)} sampled tokens for {k} sampling requests")
         events.finished = self.drain_finished()
         return events
+
+    def _take_accepted(self, req: Req, tokens: list[int]) -> None:
+        """A verify step's outcome for ``req``: append ``tokens`` (accepted drafts, then the bonus)
+        one at a time until one ends the request; the KV of the fed token and of the accepted drafts
+        stays (every appended token but the last has its KV), the pages past that are freed."""
+        reason = None
+        for t in tokens:
+            req.output_ids.append(t)
+            reason = self.stop_check(req)
+            if reason is not None:
+                break
+        req.kv_len = req.seq_len - 1
+        keep = self.pool.pages_for(req.seq_len)  # the next step writes the last token's KV
+        if len(req.pages) > keep:
+            self.pool.free(req.pages[keep:])
+            del req.pages[keep:]
+        if reason is not None:
+            self.finish(req, reason)
 
     def add_prefilled(self, req: Req) -> None:
         """Decode mode: a request whose prompt KV is already in ``req.pages`` joins the decode batch."""

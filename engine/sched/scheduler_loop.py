@@ -42,6 +42,8 @@ from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
+from pdserve.engine.sched.speculation import Speculation
+from pdserve.engine.speculative.spec_metrics import SpecStats
 from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
     SamplingTensors,
@@ -80,6 +82,8 @@ class SchedulerLoop:
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         # structured output: xgrammar is loaded on the first request that names a grammar
         self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        # speculative decoding (docs/SPECULATIVE.md): decode steps verify the proposer's drafts
+        self.spec = Speculation(config, runner, self.grammars) if config.speculative_algorithm and decode else None
         self.rng = random.Random(config.random_seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
         self.num_steps = 0
@@ -182,6 +186,8 @@ class SchedulerLoop:
         batch = self.scheduler.schedule()
         if batch is not None:
             self.num_steps += 1
+            if self.spec is not None:
+                self.spec.attach(batch, self.scheduler)
             events = self.scheduler.postprocess(batch, self.run_batch(batch))
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
@@ -191,6 +197,9 @@ class SchedulerLoop:
                 # yield the CPU and the GIL to what it waits on instead of spinning
                 time.sleep(QUEUE_POLL_S[0])
         done = set(map(id, events.finished))
+        if self.spec is not None:
+            for req in events.finished:
+                self.spec.release(req)
         for req in events.updated:
             if req.stream and id(req) not in done:
                 outputs.append(self._output(req))
@@ -199,6 +208,8 @@ class SchedulerLoop:
 
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
+        if batch.drafts is not None:
+            return self._run_verify(batch, fb)
         reqs = batch.sampled_reqs
         mask = self.grammars.begin([r.grammar for r in reqs])  # filled while the forward runs
         with torch.inference_mode():
@@ -207,6 +218,35 @@ class SchedulerLoop:
             if logits.shape[0] > len(reqs):
                 self._gather_input_logprobs(batch, logits[len(reqs) :])
             return self.sample(reqs, logits[: len(reqs)], mask)
+
+    def _run_verify(self, batch: ScheduledBatch, fb) -> SampleOutput:
+        """A decode step carrying drafts: one forward scores every fed token; requests without a
+        draft sample their one row as usual, the others keep their accepted run (``Speculation``)."""
+        reqs, drafts = batch.reqs, batch.drafts
+        plain = [i for i, d in enumerate(drafts) if not d]
+        mask = self.grammars.begin([reqs[i].grammar for i in plain])
+        with torch.inference_mode():
+            logits = self.runner.forward(fb)  # [sum(1 + len(draft)), vocab] float32
+            starts, row = [], 0
+            for d in drafts:
+                starts.append(row)
+                row += 1 + len(d)
+            plain_out = self.sample([reqs[i] for i in plain], logits[[starts[i] for i in plain]], mask)
+            spec = [i for i, d in enumerate(drafts) if d]
+            gained = self.spec.verify([reqs[i] for i in spec], [drafts[i] for i in spec],
+                                      [logits[starts[i] : starts[i] + 1 + len(drafts[i])] for i in spec], self.rng)
+        accepted: list[list[int]] = [[] for _ in reqs]
+        for k, i in enumerate(plain):
+            accepted[i] = [plain_out.token_ids[k]]
+        for k, i in enumerate(spec):
+            accepted[i] = gained[k]
+        out = SampleOutput([a[0] for a in accepted], accepted=accepted)
+        if plain_out.logprobs is not None:
+            out.logprobs, out.top_logprobs = [0.0] * len(reqs), [[] for _ in reqs]
+            for k, i in enumerate(plain):
+                out.logprobs[i] = plain_out.logprobs[k]
+                out.top_logprobs[i] = plain_out.top_logprobs[k] if plain_out.top_logprobs else []
+        return out
 
     def _gather_input_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
         rows = input_logprob_rows(batch)
@@ -308,6 +348,10 @@ class SchedulerLoop:
             cached_tokens=req.cached_tokens,
             finished=reason is not None,
         )
+        if self.spec is not None:
+            out.spec_verify_ct = req.spec_verify_ct
+            out.spec_draft_token_num = req.spec_proposed_tokens
+            out.spec_accept_token_num = req.spec_accepted_tokens
         if req.return_logprob:
             out.new_logprobs = req.output_logprobs[start:]
             out.new_top_logprobs = req.output_top_logprobs[start:]
@@ -335,7 +379,12 @@ class SchedulerLoop:
     def rank_metrics(self) -> RankMetrics | None:
         """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
         KV rooms)."""
-        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache))
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + self.spec_families())
+
+    def spec_families(self) -> list:
+        """Speculation's families (``spec_metrics``), at 0 on a rank that does not speculate: a dashboard
+        reads 0, not "no data"."""
+        return (self.spec.stats if self.spec is not None else SpecStats()).families()
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
@@ -344,6 +393,8 @@ class SchedulerLoop:
         """Release what the loop holds beyond memory (the storage tier's thread; the PD modes: their
         KV manager)."""
         self.cache.close()
+        if self.spec is not None:
+            self.spec.close()
 
 
 def _namespace_of(runner) -> tuple[str, int]:

@@ -1,0 +1,128 @@
+"""When speculation pays: per request and per batch, from accept lengths and a cost model (pure logic).
+
+Cost model (docs/SPECULATIVE.md, "When it speculates"): a decode step of ``bs`` sequences that
+carries drafts feeds ``R = bs + sum(k_i)`` rows and costs about
+
+    c(bs, R) = 1 + fixed(bs) + beta(bs) * (R - bs) / bs
+
+plain steps of the same batch: ``fixed`` is leaving the fused single-token decode path for the
+extend path, ``beta`` the cost of one more draft row per sequence; both grow with the batch
+(measured on this CPU: ``fixed(1) = 0.33, beta(1) = 0.07``, ``fixed(8) = 1.0, beta(8) = 0.3``,
+linear between). The step yields ``bs + A`` tokens where ``A`` is the drafts accepted, so it
+pays while ``A > bs * (c - 1)``.
+
+- Per request: its accept length ``a`` is an exponential moving average over its verify steps
+  (starting from a prior of 1.5 accepted drafts, so a single miss does not end a probe). The next
+  draft is at most ``ceil(ema) + 1`` tokens (a draft far past what is usually accepted only
+  costs). When ``ema <= fixed(1) + beta(1) * k`` after a verify (speculating does not pay even
+  alone) the request backs off: it decodes plainly for ``backoff`` steps, then probes again with
+  a fresh average; each failed probe doubles the backoff (up to ``max_backoff``), a verify that
+  pays on its own resets it.
+- Per batch: the drafts are kept for the ``m`` requests of the best averages, for the ``m`` that
+  maximizes the expected tokens per cost, ``(bs + A_m) / c(bs, R_m)`` with ``A_m = sum(min(ema_i,
+  k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly, except
+  once every ``explore_every`` (32) such steps, when the drafts of the requests not measured since
+  their last probe are verified, so that a batch whose prior says "does not pay" still learns the
+  real averages (copy-heavy requests then speculate at batch 8 too). Requests that do not pay back
+  off with growing pauses, so exploring costs little where nothing is accepted.
+
+The state is a function of the tokens alone (no clocks), so every TP rank decides alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _ReqState:
+    ema: float | None = None  # accepted drafts per verify step; None: no verify since the last probe
+    skip: int = 0  # plain steps left before the next probe
+    backoff: int = 0  # the skip of the next back-off
+
+
+@dataclass
+class AdaptiveRule:
+    max_draft_tokens: int
+    # the cost model's constants at batch 1 and batch 8 (see the module docstring)
+    fixed: tuple[float, float] = (0.33, 1.0)
+    beta: tuple[float, float] = (0.07, 0.3)
+    min_backoff: int = 8
+    max_backoff: int = 128
+    smoothing: float = 0.5  # weight of the newest verify in the average
+    prior: float = 1.5  # the average a probe starts from: one miss alone does not end it
+    # a batch where no draft pays by the prior still verifies its unmeasured requests' drafts once
+    # in this many decode steps, so that their real average is learned (a copy pays at batch 8 too)
+    explore_every: int = 32
+    _steps: int = 0
+    _reqs: dict[str, _ReqState] = field(default_factory=dict)
+
+    def budget(self, rid: str) -> int:
+        """How many drafts ``rid`` may propose this step (0: it decodes plainly); counts a skipped step."""
+        st = self._reqs.setdefault(rid, _ReqState())
+        if st.skip > 0:
+            st.skip -= 1
+            return 0
+        if st.ema is None:
+            return self.max_draft_tokens
+        return min(self.max_draft_tokens, math.ceil(st.ema) + 1)
+
+    def cost(self, bs: int, rows: int) -> float:
+        """``c(bs, R)``: a step of ``bs`` sequences feeding ``rows`` rows, in plain steps of that batch."""
+        if rows <= bs:
+            return 1.0
+        t = (bs - 1) / 7  # 0 at batch 1, 1 at batch 8, extrapolated past it
+        fixed = self.fixed[0] + t * (self.fixed[1] - self.fixed[0])
+        beta = self.beta[0] + t * (self.beta[1] - self.beta[0])
+        return 1.0 + fixed + beta * (rows - bs) / bs
+
+    def cut_batch(self, rids: list[str], drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts worth a verify step: those of the ``m`` best averages, for the ``m`` (0: none)
+        that maximizes the expected tokens per unit of cost, ``(bs + A_m) / c(bs, R_m)``."""
+        bs = len(drafts)
+        order = sorted((i for i in range(bs) if drafts[i]), key=lambda i: -self._expected(rids[i]))
+        best_m, best_rate = 0, 1.0  # no drafts: bs tokens for one plain step
+        gain, rows = 0.0, bs
+        for m, i in enumerate(order, 1):
+            gain += min(self._expected(rids[i]), len(drafts[i]))
+            rows += len(drafts[i])
+            rate = (bs + gain) / (bs * self.cost(bs, rows))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        kept = set(order[:best_m])
+        self._steps += 1
+        if not kept and self._steps % self.explore_every == 0:
+            kept = {i for i in order if self._unmeasured(rids[i])}
+        return [d if i in kept else [] for i, d in enumerate(drafts)]
+
+    def _unmeasured(self, rid: str) -> bool:
+        st = self._reqs.get(rid)
+        return st is None or st.ema is None
+
+    def _expected(self, rid: str) -> float:
+        st = self._reqs.get(rid)
+        return self.prior if st is None or st.ema is None else st.ema
+
+    def verified(self, rid: str, proposed: int, accepted: int) -> None:
+        """Record a verify step of ``rid`` that checked ``proposed`` drafts and accepted ``accepted``."""
+        if proposed <= 0:
+            return
+        st = self._reqs.setdefault(rid, _ReqState())
+        prior = self.prior if st.ema is None else st.ema
+        st.ema = (1 - self.smoothing) * prior + self.smoothing * accepted
+        threshold = self.cost(1, 1 + proposed) - 1  # what speculating alone must gain to pay
+        if st.ema > threshold:
+            if accepted > threshold:  # this verify paid on its own: past pauses are forgotten
+                st.backoff = 0
+            return
+        st.backoff = min(max(2 * st.backoff, self.min_backoff), self.max_backoff)
+        st.skip = st.backoff
+        st.ema = None
+
+    def backing_off(self, rid: str) -> bool:
+        st = self._reqs.get(rid)
+        return st is not None and st.skip > 0
+
+    def release(self, rid: str) -> None:
+        self._reqs.pop(rid, None)

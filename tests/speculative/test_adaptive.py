@@ -1,0 +1,63 @@
+"""The adaptive rule: a request backs off when its accept length does not pay, and comes back; a batch
+keeps the drafts that pay for the verify step's cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.speculative.adaptive import AdaptiveRule
+
+
+def test_misses_back_off_with_growing_pauses_and_hits_keep_speculating():
+    rule = AdaptiveRule(4, min_backoff=2, max_backoff=8)
+    assert rule.budget("r") == 4
+    rule.verified("r", 4, 0)  # one miss: the prior keeps it going (ema 0.75 > c(1, 5) - 1 = 0.61)
+    assert rule.budget("r") == 2  # ceil(ema) + 1
+    rule.verified("r", 2, 0)  # ema 0.375 <= 0.47: back off for 2 steps
+    assert [rule.budget("r") for _ in range(3)] == [0, 0, 4]
+    rule.verified("r", 4, 0)
+    rule.verified("r", 2, 0)  # the probe failed again: the pause doubles
+    assert [rule.budget("r") for _ in range(5)] == [0, 0, 0, 0, 4]
+    for _ in range(5):
+        rule.verified("r", 4, 4)  # everything accepted: full drafts, no pause
+        assert rule.budget("r") == 4
+    rule.release("r")
+    assert rule.budget("r") == 4
+
+
+def test_empty_drafts_change_nothing():
+    rule = AdaptiveRule(4)
+    rule.verified("r", 0, 0)
+    assert rule.budget("r") == 4
+
+
+def test_cost_model_grows_with_rows_and_batch():
+    rule = AdaptiveRule(4)
+    assert rule.cost(1, 1) == 1.0 and rule.cost(8, 8) == 1.0
+    assert rule.cost(1, 5) == pytest.approx(1 + 0.33 + 0.07 * 4)
+    assert rule.cost(8, 40) == pytest.approx(1 + 1.0 + 0.3 * 4)
+    assert rule.cost(8, 16) > rule.cost(1, 2)
+
+
+def test_batch_keeps_the_drafts_that_pay_best_average_first():
+    rule = AdaptiveRule(4)
+    for _ in range(4):
+        rule.verified("good", 4, 4)
+    assert rule.cut_batch(["new"], [[1, 2, 3, 4]]) == [[1, 2, 3, 4]]  # batch 1: a probe's prior pays
+    assert rule.cut_batch(["new", "good"], [[1, 2], [5, 6, 7, 8]]) == [[1, 2], [5, 6, 7, 8]]
+    # batch 8: the verify step costs 2-3 plain steps; probes (1.5 expected each) do not pay, nor does
+    # one good draft among them; eight near-certain drafts do
+    probes = [f"p{i}" for i in range(8)]
+    assert rule.cut_batch(probes, [[1, 2, 3, 4]] * 8) == [[]] * 8
+    assert rule.cut_batch(["good"] + probes[1:], [[1, 2, 3, 4]] + [[]] * 7) == [[]] * 8
+    assert rule.cut_batch(["good"] * 8, [[1, 2, 3, 4]] * 8) == [[1, 2, 3, 4]] * 8
+
+
+def test_a_batch_that_does_not_pay_by_the_prior_explores_now_and_then():
+    rule = AdaptiveRule(4, explore_every=4)
+    probes = [f"p{i}" for i in range(8)]
+    kept = [rule.cut_batch(probes, [[1, 2, 3, 4]] * 8) for _ in range(8)]
+    assert [any(k) for k in kept] == [False, False, False, True] * 2  # every 4th step measures them
+    for rid in probes:
+        rule.verified(rid, 4, 4)  # they turn out to copy: now the batch pays every step
+    assert all(any(rule.cut_batch(probes, [[1, 2, 3, 4]] * 8)) for _ in range(4))
