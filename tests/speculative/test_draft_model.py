@@ -198,3 +198,61 @@ def test_w8a16_self_draft_of_the_default_model_mostly_agrees_with_the_target(tin
           f"costs {proposer.cost_per_token:.2f} of the target's")
     assert proposer.cost_per_token > 0
     assert rate >= W8A16_ACCEPT_BOUND
+
+
+# ------------------------------------------------------- through the scheduler (spec-core's verify)
+def loop_generate(target, reqs, **spec):
+    """Run ``reqs`` (rid, prompt, SamplingParams) to the end in a fresh SchedulerLoop over ``target``;
+    (tokens per rid, the loop). The pool is checked after every step and flushed at the end. With
+    speculation the adaptive rule prices drafts as free: the tiny draft's step costs about the
+    target's (all Python overhead), and priced so, it would rightly never speculate."""
+    from pdserve.engine.messages import TokenizedGenerateReq
+    from pdserve.engine.sched.scheduler_loop import SchedulerLoop
+    from pdserve.engine.speculative.adaptive import AdaptiveRule
+
+    cfg = EngineConfig(model_path=target.config.model_path, dtype="float32", max_total_tokens=512, page_size=PAGE,
+                       **spec)
+    loop = SchedulerLoop(cfg, runner=target)
+    if loop.spec is not None:
+        assert loop.spec.draft_cost == loop.spec.proposer.cost_per_token > 0
+        loop.spec.draft_cost = 0.0
+        loop.spec.rule = AdaptiveRule(cfg.speculative_num_draft_tokens)
+    for rid, prompt, params in reqs:
+        loop.add_request(TokenizedGenerateReq(rid, prompt, params, stream=True))
+    tokens: dict[str, list[int]] = {}
+    while loop.has_work():
+        for o in loop.step():
+            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
+        loop.check_integrity()
+    assert loop.flush_cache()
+    return tokens, loop
+
+
+def test_standalone_greedy_equals_plain_decoding(tiny, tmp_path):
+    """Greedy tokens with STANDALONE are plain decoding's: a w8a16 self-draft (mostly right) and a
+    draft of other weights with the same tokenizer (mostly wrong), stops and max_tokens included;
+    every draft page is back when the requests end."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    _, target, _ = tiny
+    other = str(tmp_path / "qwen2")
+    make_tiny_checkpoint("qwen2", other)
+    prompts = random_prompts([5, 11, 8], seed=7)
+    free, _ = loop_generate(target, [(f"f{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True))
+                                      for i, p in enumerate(prompts)])
+    reqs = []
+    for i, p in enumerate(prompts):
+        out = free[f"f{i}"]
+        reqs += [(f"len{i}", p, SamplingParams(max_new_tokens=19, temperature=0.0, ignore_eos=True)),
+                 (f"tok{i}", p, SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True,
+                                               stop_token_ids=[out[10]]))]
+    plain, _ = loop_generate(target, reqs)
+    for spec, accepted in ((dict(speculative_draft_quantization="w8a16"), True),
+                           (dict(speculative_draft_model_path=other), False)):
+        got, loop = loop_generate(target, reqs, speculative_algorithm="STANDALONE", **spec)
+        assert got == plain, spec
+        stats, proposer = loop.spec.stats, loop.spec.proposer
+        assert stats.verify_steps > 0 and (stats.accepted > stats.proposed // 2) == accepted, (spec, stats)
+        assert proposer.pool.num_used == 0 and proposer.num_requests == 0
+        proposer.check_integrity()
+        loop.spec.close()
