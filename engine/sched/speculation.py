@@ -40,7 +40,10 @@ def can_speculate(req: Req) -> bool:
 class Speculation:
     def __init__(self, config: EngineConfig, runner, grammars):
         self.proposer = create_proposer(config, runner)
-        self.rule = AdaptiveRule(config.speculative_num_draft_tokens)
+        # a proposer that runs a model prices each draft token (STANDALONE: a draft step, in target steps)
+        self.draft_cost = getattr(self.proposer, "cost_per_token", 0.0)
+        self.rule = AdaptiveRule(config.speculative_num_draft_tokens,
+                                 beta=tuple(b + self.draft_cost for b in AdaptiveRule.beta))
         self.stats = SpecStats()
         self.grammars = grammars
         self._bitmask = None  # one row, for the constrained requests' rows in turn
@@ -57,6 +60,9 @@ class Speculation:
                 continue
             self.stats.backoff_steps += self.rule.backing_off(r.rid)  # this step is one of its pause
             budgets.append(min(self.rule.budget(r.rid), max(r.remaining_new_tokens - 1, 0)))
+        rids = [r.rid for r in batch.reqs]
+        if self.draft_cost:  # drafts that cost a model's steps: the rule cuts the budgets, before they are paid
+            budgets = [len(d) for d in self.rule.cut_batch(rids, [[0] * b for b in budgets])]
         asked = [i for i, b in enumerate(budgets) if b > 0]
         if not asked:
             return False
@@ -66,7 +72,8 @@ class Speculation:
         drafts: list[list[int]] = [[] for _ in batch.reqs]
         for i, d in zip(asked, got):
             drafts[i] = _chain(d)[: budgets[i]]
-        drafts = self.rule.cut_batch([r.rid for r in batch.reqs], drafts)
+        if not self.draft_cost:
+            drafts = self.rule.cut_batch(rids, drafts)
         return scheduler.attach_drafts(batch, drafts)
 
     # ----------------------------------------------------------------- verify
