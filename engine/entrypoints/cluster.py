@@ -52,6 +52,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from pdserve.engine.entrypoints.event_ports import with_own_event_ports
 from pdserve.engine.entrypoints.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
 from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
 
@@ -201,7 +202,8 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
         argv += ["--mem-fraction-static", f"{config.mem_fraction_static / n_servers:.6g}"]
         if role == "decode" and config.local_prefill_max_tokens:
             argv += ["--max-local-prefill-tokens", str(config.local_prefill_max_tokens)]
-        argv += list(config.engine_args)
+        # the shared flags, with KV event ports of this server's own (event_ports.py)
+        argv += with_own_event_ports(config.engine_args, url_host, dp)
         specs.append(ServerSpec(f"{role}-{idx}", tuple(argv), f"http://{url_host}:{port}", shares[i], bootstrap))
     router_port = config.port or free_port(url_host)
     argv = [python, "-m", "pdserve.router", "--host", config.host, "--port", str(router_port)]

@@ -74,6 +74,19 @@ def free_port(host: str = "127.0.0.1") -> int:
                 return port
 
 
+def free_port_run(host: str = "127.0.0.1", n: int = 1) -> int:
+    """The first of ``n`` consecutive ports free on ``host`` now (``free_port``'s rules), all of
+    them handed out."""
+    for _ in range(200):
+        port = free_port(host)
+        rest = range(port + 1, port + n)
+        with _handed_out_lock:
+            if all(p not in _handed_out and _bindable(host, p) for p in rest):
+                _handed_out.update(rest)
+                return port
+    raise RuntimeError(f"no {n} consecutive free ports on {host}")
+
+
 def get_json(url: str, timeout: float = 1.0) -> dict | None:
     """The JSON body of a 200 answer to GET ``url`` ({} when it is empty or not JSON); None when
     there is no 200 answer."""

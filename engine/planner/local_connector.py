@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pdserve.engine.entrypoints.event_ports import with_own_event_ports
 from pdserve.engine.planner.connector import Connector
 from pdserve.engine.planner.router_api import RouterApi, RouterApiError
 from pdserve.engine.planner.scaling import Counts
@@ -50,7 +51,7 @@ def pdserve_server_argv(role: str, host: str, port: int, bootstrap_port: int | N
             "--disaggregation-mode", role, "--disaggregation-transfer-backend", transfer_backend]
     if bootstrap_port is not None:
         argv += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return argv + list(serve_args)
+    return argv + with_own_event_ports(serve_args, host)  # KV event ports of its own (event_ports.py)
 
 
 class LocalConnector(Connector):

@@ -47,7 +47,7 @@ def test_transfer_across_veth(netns, backend):
         rng = random.Random(7)
         src = rng.sample(range(1, NUM_PAGES), 30)
         dst = rng.sample(range(1, NUM_PAGES), 30)
-        aux = {"token_id": 17, "logprob": -0.125, "top_ids": [17], "top_logprobs": [-0.125]}
+        aux = {"token_id": 17, "logprob": -0.125, "top_ids": [17], "top_logprobs": [-0.125], "cached_tokens": 32}
         room = pair.transfer(src, dst, chunks=2, aux=aux)
         assert pair.D.call("aux", room=room) == aux
         kv_bytes = 30 * 2 * 30 * 16 * 3 * 64 * 2  # pages x K/V x layers x page tokens x heads x dim x bf16

@@ -11,6 +11,8 @@ import zmq
 
 from peer_process import PeerProcess
 
+from pdserve.kvtransfer.aux_pool import AuxPool
+
 pytestmark = pytest.mark.timeout(120)
 
 NUM_PAGES = 64
@@ -92,7 +94,8 @@ def test_chunked_send_with_aux(pair):
     rng = random.Random(1)
     src = rng.sample(range(1, NUM_PAGES), 23)
     dst = rng.sample(range(1, NUM_PAGES), 23)
-    aux = {"token_id": 4242, "logprob": -0.25, "top_ids": [4242, 7, 9], "top_logprobs": [-0.25, -1.5, -3.0]}
+    aux = {"token_id": 4242, "logprob": -0.25, "top_ids": [4242, 7, 9], "top_logprobs": [-0.25, -1.5, -3.0],
+           "cached_tokens": 48}
     room = pair.transfer(src, dst, chunks=4, aux=aux)
     assert pair.D.call("aux", room=room) == aux
 
@@ -211,7 +214,7 @@ def test_prefill_validates_registrations_and_destinations(pair):
     def reg(decode_id, page_size):
         layout = m.LayoutInfo(30, page_size, 3, 64, "bfloat16")
         return m.RegisterPool(decode_id, me, pair.backend, b"127.0.0.1:1" if pair.backend == "mooncake" else b"",
-                              layout, 16, page_size * 3 * 64 * 2, [4096] * 30, [4096] * 30, 4096, 176, 4)
+                              layout, 16, page_size * 3 * 64 * 2, [4096] * 30, [4096] * 30, 4096, AuxPool(1).slot_bytes, 4)
 
     def recv():
         assert pull.poll(10000), "no reply from prefill"
