@@ -70,11 +70,9 @@ def sample_random(
     return rows
 
 
-def load_sharegpt(path: str) -> list[tuple[str, str]]:
-    """(first human turn, first gpt turn) of every conversation that has both.
-
-    Raises ValueError when the file is not ShareGPT-shaped JSON.
-    """
+def _sharegpt_conversations(path: str) -> list[list]:
+    """The ``conversations`` list of every item of a ShareGPT file; ValueError when the file is not
+    ShareGPT-shaped JSON."""
     with open(path, encoding="utf-8") as f:
         try:
             data = json.load(f)
@@ -82,11 +80,17 @@ def load_sharegpt(path: str) -> list[tuple[str, str]]:
             raise ValueError(f"{path}: not JSON: {exc}") from exc
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
+    return [item["conversations"] for item in data
+            if isinstance(item, dict) and isinstance(item.get("conversations"), list)]
+
+
+def load_sharegpt(path: str) -> list[tuple[str, str]]:
+    """(first human turn, first gpt turn) of every conversation that has both.
+
+    Raises ValueError when the file is not ShareGPT-shaped JSON.
+    """
     pairs = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(turns, list):
-            continue
+    for turns in _sharegpt_conversations(path):
         human = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"), None)
         gpt = next((t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "gpt"), None)
         if isinstance(human, str) and isinstance(gpt, str) and human and gpt:
@@ -98,21 +102,12 @@ def load_sharegpt_turns(path: str) -> list[list[str]]:
     """The human turns, in order, of every conversation of a ShareGPT file (multi-turn workloads).
 
     Raises ValueError when the file is not ShareGPT-shaped JSON."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not JSON: {exc}") from exc
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of conversations, got {type(data).__name__}")
     out = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if isinstance(turns, list):
-            human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
-            human = [h for h in human if isinstance(h, str) and h]
-            if human:
-                out.append(human)
+    for turns in _sharegpt_conversations(path):
+        human = [t.get("value") for t in turns if isinstance(t, dict) and t.get("from") == "human"]
+        human = [h for h in human if isinstance(h, str) and h]
+        if human:
+            out.append(human)
     return out
 
 
