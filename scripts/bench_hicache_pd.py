@@ -7,17 +7,18 @@ One invocation runs three configurations, each on fresh servers (2 prefill, 1 de
 router with ``--prefill-policy round_robin``: no affinity, so only a shared store carries a
 conversation from one prefill server to the other):
 
-  off   the radix cache alone
+  off   none of the hierarchy: the radix cache alone on the prefill servers, and a decode that keeps
+        no finished sequence (``--disable-radix-cache`` there: no decode prefix reuse, as before it)
   L2    ``--enable-hierarchical-cache`` on every server (a host tier that holds every conversation)
   L3    L2 plus ``--hicache-storage-backend mooncake`` on every server: a real ``mooncake_master``
         and a standalone ``mooncake_client`` holding the objects (engine/entrypoints/mooncake_service.py);
         the decode writes each finished sequence (prompt and answer) back to the store
 
 Each prefill server's KV pool holds about a quarter of the live conversations. The decode's
-(``--decode-pool``): ``quarter``, the same (at least two final-length sequences, so it can decode),
-where the decode's queue for room then dominates TTFT; or ``batch``, every conversation's final
-turn at once, where TTFT is the prefill's, but the decode's own prefix cache then holds the
-conversations in every configuration (its room requests' ``held_pages`` spare the bytes even off). The workload is ``bench_serving --dataset
+(``--decode-pool``): ``batch`` (the default), every conversation's final turn at once, as a decode
+pool is sized for its batch, so TTFT is the prefill's; or ``quarter``, the prefill's size (at least
+two final-length sequences, so it can decode), where the decode's queue for room then dominates
+TTFT at later turns, which no prefill-side cache can shorten. The workload is ``bench_serving --dataset
 multi-turn``'s (benchlib/multi_turn.py): N conversations of T turns of generated random ids, each
 prompt the whole history plus a new message; a turn's requests go together. After L3's T turns
 prefill server 0 is restarted (its pool and host tier empty, the store full) and two more turns
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--message-len", type=int, default=24, help="tokens of each new message")
     p.add_argument("--answer-len", type=int, default=40, help="tokens of each answer")
     p.add_argument("--think-time", type=float, default=0.5, help="seconds between turns")
-    p.add_argument("--decode-pool", default="quarter", choices=("quarter", "batch"),
+    p.add_argument("--decode-pool", default="batch", choices=("quarter", "batch"),
                    help="the decode's KV pool: quarter (like the prefill servers', at least two final-length "
                         "sequences) or batch (every conversation's final turn at once: the decode never queues)")
     p.add_argument("--prefetch-policy", default="timeout", choices=("best_effort", "wait_complete", "timeout"))
@@ -107,7 +108,9 @@ class Stand:
 
     def _spawn(self, key: str) -> None:
         if key == "decode":
-            argv = self._argv("decode", self.decode_port, ["--max-total-tokens", str(self.decode_tokens)])
+            # off: the decode keeps nothing (its prefix reuse and write-back belong to the hierarchy)
+            keep = ["--disable-radix-cache"] if not self.hicache else []
+            argv = self._argv("decode", self.decode_port, ["--max-total-tokens", str(self.decode_tokens)] + keep)
         else:
             port, boot = self.prefills[int(key[-1])]
             argv = self._argv("prefill", port, ["--disaggregation-bootstrap-port", str(boot),

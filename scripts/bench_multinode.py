@@ -186,7 +186,7 @@ def bench_tp3(args) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, choices=(2, 3), default=2)
     ap.add_argument("--backend", choices=("mooncake", "nixl"), default="mooncake")
     ap.add_argument("--requests", type=int, default=16)
