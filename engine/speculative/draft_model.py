@@ -99,10 +99,11 @@ class _ScratchDecode:
     """Decode steps at one sequence of ``COST_CONTEXT`` tokens on scratch pages of ``runner``'s pool
     (at start, before any request); ``close`` gives the pages back."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, steps: int):
+        """Room for ``steps`` more tokens after the untimed first ones."""
         self.runner, self.pool = runner, runner.page_pool
-        self.n = max(1, min(COST_CONTEXT, self.pool.max_total_tokens - COST_PAIRS - 2))
-        self.pages = self.pool.alloc(self.pool.pages_for(self.n + COST_PAIRS + 2))
+        self.n = max(1, min(COST_CONTEXT, self.pool.max_total_tokens - steps - 4))
+        self.pages = self.pool.alloc(self.pool.pages_for(self.n + steps + 4))
         self.table = torch.tensor([self.pages], dtype=torch.int32)
         self._forward(0, self.n)
         self.pos = self.n
@@ -117,25 +118,36 @@ class _ScratchDecode:
                              seq_lens=[start + count])
         float(self.runner.forward(batch)[0, 0])  # on a device, waits for the step
 
-    def step_s(self) -> float:
+    def step_s(self, count: int = 1) -> float:
+        """One step feeding ``count`` tokens (1: a decode step)."""
         t0 = time.perf_counter()
-        self._forward(self.pos, 1)
-        self.pos += 1
+        self._forward(self.pos, count)
+        self.pos += count
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.pool.free(self.pages)
 
 
-def relative_step_cost(draft: ModelRunner, target: ModelRunner) -> float:
-    """A draft decode step's time over the target's at one sequence, measured once at start: the
-    median over ``COST_PAIRS`` steps of each taken in turns (on a shared machine the load moves
-    within seconds; adjacent steps see the same). Under TP the largest any rank measured (in
+def relative_step_cost(draft: ModelRunner, target: ModelRunner, k: int) -> float:
+    """What one draft token costs, in target decode steps at one sequence, measured once at start.
+
+    A propose call of ``k`` tokens is the draft's real cycle: one step feeding the tokens the
+    verify kept since the last call (the bonus token and the last accepted draft: 2) whose last
+    row gives the first guess, then ``k - 1`` decode steps; its time over ``k`` target decode
+    steps. A 2-token step is not a decode step (no fused decode, and on int8 weights without AMX
+    possibly a dequantizing product), so timing decode steps alone underprices a guess. The median
+    over ``COST_PAIRS`` cycles taken in turns with the target's steps (on a shared machine the load
+    moves within seconds; adjacent ones see the same). Under TP the largest any rank measured (in
     thousandths), so every rank's adaptive rule prices a guess alike."""
-    d, t = _ScratchDecode(draft), _ScratchDecode(target)
+    d, t = _ScratchDecode(draft, (COST_PAIRS + 1) * (k + 1)), _ScratchDecode(target, (COST_PAIRS + 1) * k)
+
+    def cycle() -> float:
+        return d.step_s(2) + sum(d.step_s() for _ in range(k - 1))
+
     try:
-        d.step_s(), t.step_s()  # untimed: first steps pay one-time costs
-        ratios = sorted(d.step_s() / max(t.step_s(), 1e-9) for _ in range(COST_PAIRS))
+        cycle(), t.step_s()  # untimed: first steps pay one-time costs
+        ratios = sorted(cycle() / max(sum(t.step_s() for _ in range(k)), 1e-9) for _ in range(COST_PAIRS))
     finally:
         d.close()
         t.close()
@@ -204,7 +216,7 @@ class DraftModelProposer:
         self.group_rows = plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
         self._seqs: dict[str, _DraftSeq] = {}
         # what one draft token costs, in target decode steps: the adaptive rule's price of a guess
-        self.cost_per_token = relative_step_cost(self.runner, target_runner)
+        self.cost_per_token = relative_step_cost(self.runner, target_runner, config.speculative_num_draft_tokens)
         logger.info("STANDALONE draft %s (%s) ready in %.1fs, %d-token pool; a draft step costs %.2f of "
                     "the target's", self.runner.model_source.path, self.runner.config.quantization,
                     time.perf_counter() - t0, self.pool.max_total_tokens, self.cost_per_token)
