@@ -23,8 +23,9 @@ pays while ``A > bs * (c - 1)``.
   k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly, except
   once every ``explore_every`` (32) such steps, when the drafts of the requests not measured since
   their last probe are verified, so that a batch whose prior says "does not pay" still learns the
-  real averages (copy-heavy requests then speculate at batch 8 too). Requests that do not pay back
-  off with growing pauses, so exploring costs little where nothing is accepted.
+  real averages (copy-heavy requests then speculate at batch 8 too), unless even every draft
+  accepted would not pay (a draft model whose steps cost too much at that batch size). Requests
+  that do not pay back off with growing pauses, so exploring costs little where nothing is accepted.
 
 The state is a function of the tokens alone (no clocks), so every TP rank decides alike.
 """
@@ -93,8 +94,15 @@ class AdaptiveRule:
         kept = set(order[:best_m])
         self._steps += 1
         if not kept and self._steps % self.explore_every == 0:
-            kept = {i for i in order if self._unmeasured(rids[i])}
+            unmeasured = [i for i in order if self._unmeasured(rids[i])]
+            if self._pays_at_best(bs, sum(len(drafts[i]) for i in unmeasured)):
+                kept = set(unmeasured)
         return [d if i in kept else [] for i, d in enumerate(drafts)]
+
+    def _pays_at_best(self, bs: int, num_drafts: int) -> bool:
+        """Whether ``num_drafts`` drafts in a batch of ``bs`` would pay if every one were accepted:
+        where not (a costly draft model, a large batch), exploring could only cost."""
+        return num_drafts > 0 and (bs + num_drafts) / (bs * self.cost(bs, bs + num_drafts)) > 1.0
 
     def _unmeasured(self, rid: str) -> bool:
         st = self._reqs.get(rid)

@@ -61,3 +61,14 @@ def test_a_batch_that_does_not_pay_by_the_prior_explores_now_and_then():
     for rid in probes:
         rule.verified(rid, 4, 4)  # they turn out to copy: now the batch pays every step
     assert all(any(rule.cut_batch(probes, [[1, 2, 3, 4]] * 8)) for _ in range(4))
+
+
+def test_drafts_that_could_not_pay_even_all_accepted_are_never_explored():
+    """A draft model as dear as the target (each guess one more target step): at batch 8, even
+    every draft accepted would not pay, so the batch never verifies, not even to explore; at
+    batch 1 the cheap rule's explore still runs."""
+    dear = AdaptiveRule(2, explore_every=2, beta=tuple(b + 1.0 for b in AdaptiveRule.beta))
+    probes = [f"p{i}" for i in range(8)]
+    assert not any(any(dear.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
+    cheap = AdaptiveRule(2, explore_every=2)
+    assert any(any(cheap.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
