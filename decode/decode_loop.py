@@ -238,6 +238,4 @@ class DecodeLoop(SchedulerLoop):
     def close(self) -> None:
         self.dp_sizes.close()
         self.kv.close()
-        if self.spec is not None:
-            self.spec.close()
-        super().close()  # the storage tier's queued puts (the decode's write-back)
+        super().close()  # the storage tier's queued puts (the decode's write-back) and the proposer
