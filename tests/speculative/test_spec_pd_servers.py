@@ -115,7 +115,8 @@ def test_greedy_through_the_router_equals_plain_and_drafts_are_accepted(stand):
     # SGLang's /generate: copies, with max_tokens cut at lengths that fall inside accepted runs
     for i, ids in enumerate(COPY_IDS):
         for max_new in (40, 13, 7):
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
+            params = {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}
+            body = {"input_ids": ids, "sampling_params": params}
             want = post(C.url, "/generate", body)["output_ids"]
             got = post(R.url, "/generate", body)
             assert got["output_ids"] == want, (ids, max_new)
