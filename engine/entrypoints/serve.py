@@ -259,6 +259,25 @@ def check_model(config: ServerConfig) -> None:
     arch.check_tp_size(config.tp_size)
     if config.engine.context_length is not None:
         arch.with_context_length(config.engine.context_length)
+    draft = config.engine.speculative_draft_model_path
+    if draft is not None and config.disaggregation_mode != "prefill":  # a prefill server ignores it
+        check_draft_model(arch, draft, config.tp_size)
+
+
+def check_draft_model(target, path: str, tp_size: int) -> None:
+    """--speculative-draft-model-path from its header, before any rank loads weights: a model that
+    loads, splits over ``tp_size`` ranks and has the target's vocabulary size (the ranks compare the
+    tokenizers); a ValueError naming the flag otherwise (else a bad path read as the target's)."""
+    from pdserve.engine.model_executor.model_loader import load_arch
+
+    try:
+        arch = load_arch(path)
+        arch.check_tp_size(tp_size)
+    except (ValueError, OSError, KeyError) as e:
+        raise ValueError(f"speculative_draft_model_path {path!r} cannot serve as the draft: {e}") from None
+    if arch.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_draft_model_path {path!r} has a vocabulary of {arch.vocab_size} tokens, "
+                         f"the target model {target.vocab_size}: a draft model must share the target's tokenizer")
 
 
 def _check_bootstrap_host(config: ServerConfig) -> None:
