@@ -86,7 +86,7 @@ from pdserve.engine.frontend.sequences import generate_sequences
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
 from pdserve.engine.entrypoints.loops import rank_loop_builder
-from pdserve.engine.entrypoints.serve import spawn_ranks, stop_ranks, watch_ranks
+from pdserve.engine.entrypoints.serve import check_model, spawn_ranks, stop_ranks, watch_ranks
 from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
@@ -146,6 +146,8 @@ class Engine:
         self.config = server_config.engine
         self._procs: dict = {}  # scheduler processes, with dp_size or tp_size > 1
         self._watch: asyncio.Future | None = None
+        if self.config.speculative_draft_model_path is not None:  # refused naming the flag, before weights load
+            check_model(server_config)
         if self.in_process:
             build = rank_loop_builder(server_config.disaggregation_mode)
             self._rank: LocalRank | None = LocalRank(lambda: build(server_config, LocalRank.DP_RANK, 0))

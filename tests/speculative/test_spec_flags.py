@@ -74,6 +74,14 @@ def test_a_draft_model_that_does_not_load_stops_pdserve_serve_at_start(tmp_path)
     assert "does not exist" in line[0]
 
 
+def test_the_offline_engine_refuses_a_draft_that_does_not_load_before_loading_weights(tmp_path):
+    from pdserve.engine import Engine
+
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=f"speculative_draft_model_path {missing!r} cannot serve as the draft"):
+        Engine(rank_on_thread=True, speculative_algorithm="STANDALONE", speculative_draft_model_path=missing)
+
+
 def test_a_draft_of_another_vocabulary_or_tp_split_is_refused_from_its_header(tmp_path):
     """What ``pdserve serve`` checks before its ranks load weights (``check_model``): the draft's
     vocabulary size against the target's, and that it splits over the TP size."""
