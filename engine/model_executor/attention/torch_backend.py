@@ -9,7 +9,8 @@
   prefix the new K/V are used directly. In bf16 on a CPU with AVX-512 BF16 the
   native flash kernel (``cpu_prefill_attn.c``) reads a prefix's K/V in place
   from its slots and writes straight into the output rows, ~4x faster than
-  PyTorch's CPU flash attention at 512 tokens on Zen 4; otherwise the slots are
+  PyTorch's CPU flash attention at 512 tokens on Zen 4 (not for a draft tree's
+  rows, whose mask has no causal diagonal: those always gather); otherwise the slots are
   gathered and ``scaled_dot_product_attention`` runs causal, or with an
   explicit mask that aligns the causal diagonal at the prefix length. Where the
   CPU has AMX-BF16, PyTorch's flash attention multiplies on AMX and the native
@@ -55,9 +56,26 @@ class _PrefillMeta:
     end: int
     slots: torch.Tensor | None  # [seq_len] slots to gather; None: no cached prefix, use new K/V
     mask: torch.Tensor | None  # [extend, seq_len] bool, True = attend
+    tree: bool = False  # a draft tree's rows: the mask is not causal, so SDPA over the gathered slots
+
+
+def tree_mask(prefix: int, parents: list[int], device=None) -> torch.Tensor:
+    """A draft tree's visibility, [1 + n, prefix + 1 + n] bool: row 0 (the fed token) and row
+    ``1 + j`` (node j) see the prefix, the fed token, and their own ancestors and themselves."""
+    n = len(parents)
+    rows = [[True] + [False] * n]
+    for j, p in enumerate(parents):
+        row = list(rows[p + 1])
+        row[1 + j] = True
+        rows.append(row)
+    new = torch.tensor(rows, dtype=torch.bool, device=device)
+    return torch.cat([torch.ones(1 + n, prefix, dtype=torch.bool, device=device), new], dim=1)
 
 
 class TorchAttentionBackend(AttentionBackend):
+    # draft trees (ForwardBatch.tree_parents) run as masked prefill rows
+    supports_tree_mask = True
+
     def __init__(self, page_pool: PagePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  use_native: bool = True):
         super().__init__(page_pool, num_heads, num_kv_heads, head_dim, scale)
@@ -79,6 +97,12 @@ class TorchAttentionBackend(AttentionBackend):
             if ext == 1:
                 decode_seqs.append(i)
                 decode_rows.append(start)
+            elif ext > 1 and batch.tree_parents is not None and batch.tree_parents[i] is not None:
+                # a draft tree: its mask is no causal diagonal, so the native kernel cannot take it
+                prefix = seq - ext
+                slots = slots_of(batch.page_table[i], seq, page_size)
+                mask = tree_mask(prefix, batch.tree_parents[i], device)
+                self.prefills.append(_PrefillMeta(start, start + ext, slots, mask, tree=True))
             elif ext > 1:
                 prefix = seq - ext
                 slots = mask = None
@@ -142,7 +166,7 @@ class TorchAttentionBackend(AttentionBackend):
         if dec is not None:
             out[dec.rows] = self._decode(q[dec.rows], k_cache, v_cache, dec)
         for p in self.prefills:
-            if self.native_prefill:
+            if self.native_prefill and not p.tree:
                 if p.slots is None:  # no prefix: the new K/V as they are
                     keys, values = k[p.start : p.end], v[p.start : p.end]
                 else:  # with one: every key read in place from its slot in the pool
