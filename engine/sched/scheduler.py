@@ -453,9 +453,19 @@ class Scheduler:
             if moves:
                 self.pool.move_slots([m[0] for m in moves], [m[1] for m in moves])
         reason = None
-        for t in tokens:
+        # the verify step's matcher took the whole run, so a completed grammar is the run's last
+        # token's doing: the tokens before it are checked without it (else EOS would be cut off)
+        grammar = req.grammar if req.grammar is not None and req.grammar.terminated else None
+        for k, t in enumerate(tokens):
             req.output_ids.append(t)
-            reason = self.stop_check(req)
+            if grammar is not None and k < len(tokens) - 1:
+                req.grammar = None
+                try:
+                    reason = self.stop_check(req)
+                finally:
+                    req.grammar = grammar
+            else:
+                reason = self.stop_check(req)
             if reason is not None:
                 break
         req.kv_len = req.seq_len - 1
