@@ -7,8 +7,9 @@ logits into its accepted tokens (``speculative/verify.py``). Requests that canno
 plainly in the same batch (one row each): those returning logprobs or using penalties (their
 per-token bookkeeping stays the plain path's).
 
-Structured output: a constrained request's rows are checked in order with its grammar matcher.
-Each row is masked by the grammar state after the drafts before it; a draft the grammar forbids
+Structured output: a constrained request's rows are checked in order with its grammar matcher
+(a tree's: node by node along the path being accepted). Each row is masked by the grammar state
+after the drafts before it; a draft the grammar forbids
 has probability 0 under the masked row and is rejected, and the matcher only ever accepts the
 tokens that stand, so it needs no rollback and no output breaks the grammar.
 """
@@ -77,7 +78,7 @@ class Speculation:
         drafts: list[list[int]] = [[] for _ in batch.reqs]
         parents: list[list[int]] = [[] for _ in batch.reqs]
         for i, d in zip(asked, got):
-            drafts[i], parents[i] = _nodes(d, budgets[i], self.trees)
+            drafts[i], parents[i] = draft_nodes(d, budgets[i], self.trees)
         if not self.draft_cost:
             drafts = self.rule.cut_batch(rids, drafts)
         return scheduler.attach_drafts(batch, drafts, parents)
@@ -208,7 +209,7 @@ def _chain(draft) -> list[int]:
     return out
 
 
-def _nodes(draft, budget: int, trees: bool) -> tuple[list[int], list[int]]:
+def draft_nodes(draft, budget: int, trees: bool) -> tuple[list[int], list[int]]:
     """The draft's tokens and parents as the batch carries them: at most ``budget`` nodes (parents
     come before children, so the first nodes are a tree), or its first chain where trees are off."""
     if not trees:

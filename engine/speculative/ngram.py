@@ -3,15 +3,18 @@
 The draft for a sequence is what followed the most recent earlier occurrence of its longest
 suffix: suffixes of ``max_window`` tokens down to ``min_window`` tokens are looked up, the first
 (longest) one found wins, and up to ``max_tokens`` of the tokens that followed it become a chain.
-Outputs that copy from their prompt (edits, summaries, extraction, repeated tool arguments) are
-where this guesses right; elsewhere it mostly finds nothing and costs nothing.
+With ``branches > 1`` (``--speculative-ngram-branches``) the continuations after that many latest
+occurrences (of the longest suffix, then of shorter ones) are merged into a prefix tree of at most
+``max_tokens`` nodes (``merge_tree``), which one verify forward scores in full. Outputs that copy
+from their prompt (edits, summaries, extraction, repeated tool arguments) are where this guesses
+right; elsewhere it mostly finds nothing and costs nothing.
 
-Per request an index maps each n-gram (``min_window <= n <= max_window``) to the end of its latest
-occurrence that has a continuation. It is extended as tokens arrive (``O(max_window)`` per token),
-so a step's lookup is ``O(max_window)`` dictionary probes whatever the sequence's length. The
-tokens a sequence is given only grow (drafts never enter them; only accepted tokens do), so the
-index is rebuilt only when a call's tokens are not an extension of what it saw (a new request under
-a reused rid).
+Per request an index maps each n-gram (``min_window <= n <= max_window``) to the ends of its latest
+``branches`` occurrences that have a continuation. It is extended as tokens arrive
+(``O(max_window * branches)`` per token), so a step's lookup is ``O(max_window)`` dictionary probes
+whatever the sequence's length. The tokens a sequence is given only grow (drafts never enter them;
+only accepted tokens do), so the index is rebuilt only when a call's tokens are not an extension of
+what it saw (a new request under a reused rid).
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ from collections.abc import Sequence
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 from pdserve.engine.speculative_names import NGRAM
 
-# the candidates merged into a tree, and the weights that rank their nodes (merge_tree); measured on
-# bench_spec's copy and chat workloads (docs/SPECULATIVE.md, "Trees")
-BRANCHES = 2
+# the weights that rank a tree's nodes (merge_tree), chosen on bench_spec's copy and chat workloads
+# (docs/SPECULATIVE.md, "Trees")
 RANK_WEIGHT = 0.6
 DEPTH_WEIGHT = 0.7
 
@@ -119,7 +121,7 @@ class NgramProposer:
     name = NGRAM
     wants_hidden = False
 
-    def __init__(self, min_window: int = 1, max_window: int = 12, branches: int = BRANCHES):
+    def __init__(self, min_window: int = 1, max_window: int = 12, branches: int = 1):
         if not 1 <= min_window <= max_window:
             raise ValueError(f"ngram windows must satisfy 1 <= min <= max, got {min_window} and {max_window}")
         if branches < 1:
@@ -131,7 +133,8 @@ class NgramProposer:
 
     @classmethod
     def from_config(cls, config, runner=None) -> "NgramProposer":
-        return cls(config.speculative_ngram_min_match_window_size, config.speculative_ngram_max_match_window_size)
+        return cls(config.speculative_ngram_min_match_window_size, config.speculative_ngram_max_match_window_size,
+                   config.speculative_ngram_branches)
 
     def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:
         out = []

@@ -4,7 +4,8 @@ Greedy outputs of the default model (bf16, 128 tokens, EOS ignored) on bench_spe
 prompts are generated once (cached in /tmp); then at every output position the proposer drafts
 with ``k`` nodes and the tree is walked along the real next tokens (greedy acceptance: exactly what
 a verify step would accept). Prints accepted drafts per verify (over positions that had a draft)
-and per position (every step), for branches 1..4.
+and per position (every step), for branches 1..4 and node weights (merge_tree's rank and depth
+weights: "default" is ngram.py's 0.6 / 0.7).
 
     .venv/bin/python results/speculative/ngram_tree_probe.py
 """
@@ -74,9 +75,9 @@ def main():
     print("| workload | k | branches | weights | accepted / verify | accepted / step | nodes / verify |")
     print("|---|---|---|---|---|---|---|")
     for name in ("copy", "chat"):
-        for k in (2, 4, 8):
+        for k in (2, 3, 4, 8):
             for b in (1, 2, 3, 4):
-                for w in ({}, {"rank_weight": 0.6, "depth_weight": 0.7}, {"rank_weight": 0.9, "depth_weight": 0.5}):
+                for w in ({}, {"rank_weight": 0.3, "depth_weight": 0.8}, {"rank_weight": 0.9, "depth_weight": 0.5}):
                     if b == 1 and w:
                         continue
                     av, ast, nv = simulate(got[name], got[name + "_prompt_lens"], k, b, **w)

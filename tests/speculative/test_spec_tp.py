@@ -15,7 +15,9 @@ from model_util import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [[1] + [17, 250, 3, 99] * 4, [4, 4, 8, 15, 16, 23, 42] * 2]
+# the third: "5 9 12" followed by three different tokens, so NGRAM drafts trees (several branches)
+PROMPTS = [[1] + [17, 250, 3, 99] * 4, [4, 4, 8, 15, 16, 23, 42] * 2,
+           [5, 9, 12, 200, 31, 5, 9, 12, 77, 31, 5, 9, 12, 140, 31, 5, 9, 12]]
 PARAMS = [
     dict(max_new_tokens=14, temperature=0.0, ignore_eos=True),
     dict(max_new_tokens=14, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
@@ -39,9 +41,19 @@ def _rank_main(rank: int, addr: str, model_path: str, out) -> None:
         runner = ModelRunner(EngineConfig(**base))
         results = {}
         for spec in (None, "NGRAM"):
-            loop = SchedulerLoop(EngineConfig(**base, speculative_algorithm=spec), runner=runner)
-            if spec is not None:  # the batch of 6 would decode plainly by the cost model: verify every draft
+            spec_kw = dict(speculative_algorithm=spec, speculative_ngram_branches=2) if spec else {}
+            loop = SchedulerLoop(EngineConfig(**base, **spec_kw), runner=runner)
+            trees = [0]
+            if spec is not None:  # the batch of 9 would decode plainly by the cost model: verify every draft
                 loop.spec.rule = FREE_RULE()
+                attach = loop.scheduler.attach_drafts
+
+                def count_trees(batch, drafts, parents=None, attach=attach, trees=trees):
+                    ok = attach(batch, drafts, parents)
+                    trees[0] += ok and batch.draft_parents is not None
+                    return ok
+
+                loop.scheduler.attach_drafts = count_trees
             for i, p in enumerate(PROMPTS):
                 for j, sp in enumerate(PARAMS):
                     loop.add_request(TokenizedGenerateReq(f"{i}-{j}", p, SamplingParams(**sp)))
@@ -51,7 +63,7 @@ def _rank_main(rank: int, addr: str, model_path: str, out) -> None:
                     toks.setdefault(o.rid, []).extend(o.new_token_ids)
                 loop.check_integrity()
             verified = loop.spec.stats.verify_steps if loop.spec is not None else 0
-            results[spec] = (toks, verified)
+            results[spec] = (toks, verified, trees[0])
             assert loop.flush_cache()
         out.put((rank, results, None))
         close_tp()
@@ -87,9 +99,9 @@ def test_tp2_ranks_verify_alike_and_greedy_equals_plain(tmp_path):
             if p.is_alive():
                 p.kill()
     assert got[0] == got[1]  # the same tokens and the same verify counts on both ranks
-    plain, _ = got[0][None]
-    spec, verified = got[0]["NGRAM"]
-    assert verified > 0
+    plain, _, _ = got[0][None]
+    spec, verified, trees = got[0]["NGRAM"]
+    assert verified > 0 and trees > 0  # tree verify steps too: each rank moved its own KV shard alike
     for i in range(len(PROMPTS)):
         assert spec[f"{i}-0"] == plain[f"{i}-0"]  # greedy
         assert all(len(spec[f"{i}-{j}"]) == 14 for j in range(len(PARAMS)))

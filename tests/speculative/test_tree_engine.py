@@ -16,7 +16,7 @@ import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.speculative.ngram import merge_tree
+from pdserve.engine.speculative.ngram import NgramProposer, merge_tree
 from pdserve.engine.speculative.proposer import Draft
 
 from test_spec_tiny_model import generate, greedy, prompts, runner  # noqa: F401 - runner is a fixture
@@ -137,7 +137,7 @@ def test_ngram_trees_greedy_equal_plain_and_seeded_sampling_repeats(runner):  # 
         prompt = sum(([*motif, rnd.randrange(3, 512), rnd.randrange(3, 512)] for _ in range(4)), [])
         reqs.append((f"g{i}", prompt + motif, greedy(20, ignore_eos=True)))
     plain, _, _ = generate(runner, reqs)
-    spec, _, loop = generate(runner, reqs, "NGRAM")
+    spec, _, loop = generate(runner, reqs, "NGRAM", proposer=NgramProposer(1, 12, branches=2))
     assert spec == plain and loop.spec.stats.verify_steps > 0
     # sampled requests verify trees too; one seed gives one output (n = 2)
     p = reqs[0][1]

@@ -18,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.batch_builder import build_forward_batch
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput
-from pdserve.engine.sched.speculation import _nodes
+from pdserve.engine.sched.speculation import draft_nodes
 from pdserve.engine.speculative.ngram import merge_tree
 from pdserve.engine.speculative.proposer import Draft
 from pdserve.engine.speculative.verify import accept_greedy_tree
@@ -128,5 +128,5 @@ def test_attach_cuts_tree_nodes_and_a_backend_without_masks_gets_the_first_chain
     assert sched.attach_drafts(batch, [[5, 6, 8, 9]], [[-1, -1, 0, 1]])
     assert batch.drafts == [[5, 6]] and batch.draft_parents == [[-1, -1]] and batch.extend_lens == [3]
     tree = Draft([5, 6, 8, 9], [-1, -1, 1, 0])
-    assert _nodes(tree, 3, trees=True) == ([5, 6, 8], [-1, -1, 1])
-    assert _nodes(tree, 4, trees=False) == ([5, 9], [-1, 0])  # flashinfer: the first chain only
+    assert draft_nodes(tree, 3, trees=True) == ([5, 6, 8], [-1, -1, 1])
+    assert draft_nodes(tree, 4, trees=False) == ([5, 9], [-1, 0])  # flashinfer: the first chain only

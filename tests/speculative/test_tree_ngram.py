@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.speculative import registry
 from pdserve.engine.speculative.ngram import NgramProposer, merge_tree
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 
@@ -66,3 +70,11 @@ def test_shorter_suffixes_fill_the_branches_and_trees_stay_valid():
             assert d == propose(NgramProposer(1, 6, 3), seq[:n], k=k, rid="b")
             fresh_trees += d.parents != list(range(-1, len(d.tokens) - 1))
     assert fresh_trees > 100  # most drafts here are trees
+
+
+def test_branches_come_from_the_config_and_are_checked():
+    p = registry.create_proposer(EngineConfig(speculative_algorithm="NGRAM", speculative_ngram_branches=3), runner=None)
+    assert p.branches == 3
+    assert registry.create_proposer(EngineConfig(speculative_algorithm="NGRAM"), runner=None).branches == 1
+    with pytest.raises(ValueError, match="speculative_ngram_branches"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_ngram_branches=0)
