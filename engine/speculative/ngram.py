@@ -39,7 +39,7 @@ class _Index:
         self.max_window = max_window
         self.keep = keep
         self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.ends: dict[tuple[int, ...], list[int] | int] = {}  # keep == 1: the end itself
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Take the tokens past those seen; the n-grams ending just before each new token gain it as continuation."""
@@ -49,6 +49,9 @@ class _Index:
             end = len(toks)  # the n-grams ending here have continuation t
             for n in range(self.min_window, min(self.max_window, end) + 1):
                 key = tuple(toks[end - n : end])
+                if keep == 1:  # a chain: the latest end alone, no list (half the cost per token)
+                    ends[key] = end
+                    continue
                 got = ends.get(key)
                 if got is None:
                     ends[key] = [end]
@@ -65,7 +68,8 @@ class _Index:
         out: list[list[int]] = []
         seen: set[int] = set()
         for n in range(min(self.max_window, len(toks)), self.min_window - 1, -1):
-            for end in reversed(self.ends.get(tuple(toks[len(toks) - n :]), ())):
+            got = self.ends.get(tuple(toks[len(toks) - n :]))
+            for end in (() if got is None else (got,) if isinstance(got, int) else reversed(got)):
                 if end not in seen:
                     seen.add(end)
                     out.append(toks[end : end + max_tokens])
