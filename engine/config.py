@@ -93,6 +93,8 @@ class EngineConfig:
     speculative_draft_quantization: str | None = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
+    # NGRAM: candidate continuations merged into a draft tree (1: a chain; docs/SPECULATIVE.md, "Trees")
+    speculative_ngram_branches: int = 1
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -126,6 +128,8 @@ class EngineConfig:
         check_speculative(self.speculative_algorithm, self.speculative_num_draft_tokens,
                           self.speculative_draft_model_path, self.speculative_draft_quantization,
                           self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size)
+        if not 1 <= self.speculative_ngram_branches <= 8:
+            raise ValueError(f"speculative_ngram_branches must be in [1, 8], got {self.speculative_ngram_branches}")
 
     @classmethod
     def field_names(cls) -> set[str]:

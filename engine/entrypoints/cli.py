@@ -110,6 +110,8 @@ _HELP = {
                                       "self-draft needing no second checkpoint)",
     "speculative_ngram_min_match_window_size": "NGRAM: shortest suffix of the sequence looked up",
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the sequence looked up",
+    "speculative_ngram_branches": "NGRAM: candidate continuations merged into a draft tree (1: a chain); trees "
+                                  "need --attention-backend torch",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}

@@ -23,6 +23,11 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [num_sampled] int64, packed rows whose logits are wanted
     extend_lens: list[int]  # [bs] new tokens per sequence this step (1 for decode)
     seq_lens: list[int]  # [bs] tokens in the cache after this step (prefix + new)
+    # verify steps with draft trees (docs/SPECULATIVE.md, "Trees"): per sequence, its draft nodes'
+    # parents (-1: the fed token, the sequence's first new row; node j is row 1 + j, at position
+    # prefix + its depth). Each row attends to the prefix, the fed token and its own ancestors. None
+    # (the field or a sequence's entry): the new rows are causal, one position each.
+    tree_parents: list[list[int] | None] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -155,6 +155,20 @@ class PagePool:
         for t in (*self.k, *self.v):
             t.zero_()
 
+    def move_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of slots ``src`` into slots ``dst`` in every layer (a draft tree's accepted
+        path moving to its positions' slots). Every source is read before any destination is written,
+        so overlapping moves are safe; under TP each rank moves its own heads alike."""
+        if len(src) != len(dst):
+            raise ValueError(f"move_slots needs one destination per source, got {len(src)} and {len(dst)}")
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=self.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.device)
+        for t in (*self.k, *self.v):
+            planes = t.view(self.num_kv_heads, -1, self.head_dim)  # [heads, num_slots, dim]
+            planes.index_copy_(1, d, planes.index_select(1, s))
+
     # ------------------------------------------------------------------ views
     def k_slots(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` view of layer's K (heads strided by a plane)."""

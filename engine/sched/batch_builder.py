@@ -26,6 +26,8 @@ def input_logprob_rows(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
 
 
 def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
+    if batch.draft_parents is not None:
+        return build_tree_forward_batch(batch, page_size, device)
     input_ids: list[int] = []
     positions: list[int] = []
     out_loc: list[int] = []
@@ -63,4 +65,46 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
         logits_indices=torch.tensor(logits_indices, **i64).to(device),
         extend_lens=list(batch.extend_lens),
         seq_lens=seq_lens,
+    )
+
+
+def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
+    """A verify step whose drafts include a tree (``batch.draft_parents``): each request feeds its
+    last token, then its draft nodes in order, as one extend over its cached KV. Node ``j`` is stored
+    in slot ``prefix + 1 + j`` but sits at position ``prefix + depth(j)``; ``tree_parents`` lets the
+    attention backend mask each node to its ancestors (the KV of the accepted path is moved to its
+    positions' slots afterwards: ``Scheduler._take_accepted``). Every fed row's logits are scored."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    out_loc: list[int] = []
+    seq_lens: list[int] = []
+    num_pages: list[int] = []
+    trees: list[list[int] | None] = []
+    for i, (req, start, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+        draft, parents = batch.drafts[i], batch.draft_parents[i]
+        end = start + n  # n == 1 + len(draft)
+        input_ids.extend(req.fill_slice(start, start + 1) + draft)
+        depths: list[int] = []
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        positions.append(start)
+        positions.extend(start + d for d in depths)
+        is_chain = parents == list(range(-1, len(parents) - 1))
+        trees.append(None if is_chain or not parents else list(parents))
+        out_loc.extend(req.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
+        seq_lens.append(end)
+        num_pages.append(-(-end // page_size))
+    width = max(num_pages, default=0)
+    page_table = torch.tensor([req.pages[:n] + [0] * (width - n) for req, n in zip(batch.reqs, num_pages)],
+                              dtype=torch.int32).view(len(batch.reqs), width)
+    i64 = dict(dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, **i64).to(device),
+        positions=torch.tensor(positions, **i64).to(device),
+        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
+        page_table=page_table.to(device),
+        logits_indices=torch.arange(len(input_ids), **i64).to(device),
+        extend_lens=list(batch.extend_lens),
+        seq_lens=seq_lens,
+        tree_parents=trees,
     )

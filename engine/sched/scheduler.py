@@ -76,6 +76,9 @@ class ScheduledBatch:
     sample: list[bool]  # whether the request samples a token after this step
     # decode steps with speculation: per request its draft tokens (fed after its last token), or None
     drafts: list[list[int]] | None = None
+    # verify steps where some draft is a tree (several branches): per request its draft nodes'
+    # parents (-1: the fed token; docs/SPECULATIVE.md, "Trees"); None: every draft is a chain
+    draft_parents: list[list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -104,6 +107,9 @@ class SampleOutput:
     # verify steps: per sampled request every token it gained (its accepted drafts, then the bonus
     # token); ``token_ids`` holds the first of each
     accepted: list[list[int]] | None = None
+    # verify steps of draft trees: per sampled request the accepted draft nodes (indices into its
+    # draft), root to leaf; None: every draft was a chain (the accepted nodes are 0, 1, ...)
+    accepted_nodes: list[list[int]] | None = None
 
 
 @dataclass
@@ -356,11 +362,13 @@ class Scheduler:
             ForwardMode.DECODE, list(self.running), [r.kv_len for r in self.running], [1] * n, [True] * n
         )
 
-    def attach_drafts(self, batch: ScheduledBatch, drafts: list[list[int]]) -> bool:
+    def attach_drafts(self, batch: ScheduledBatch, drafts: list[list[int]],
+                      parents: list[list[int]] | None = None) -> bool:
         """Let decode ``batch`` verify ``drafts`` (one list per request, maybe empty): each is cut to
         what the request may still output past its bonus token, and the pages the draft slots need
         are taken now. If they are not all free, nothing changes and False says the batch runs
-        without drafts (a batch is never failed for its drafts)."""
+        without drafts (a batch is never failed for its drafts). ``parents``: per request its draft
+        nodes' parents where a draft may be a tree (nodes are cut alike, parents before children)."""
         if batch.mode != ForwardMode.DECODE or len(drafts) != len(batch.reqs):
             raise ValueError("drafts ride on a decode batch, one list per request")
         drafts = [d[: max(r.remaining_new_tokens - 1, 0)] for r, d in zip(batch.reqs, drafts)]
@@ -372,6 +380,10 @@ class Scheduler:
                 r.pages.extend(self._alloc(n))
         batch.drafts = drafts
         batch.extend_lens = [1 + len(d) for d in drafts]
+        if parents is not None:
+            parents = [list(p[: len(d)]) for p, d in zip(parents, drafts)]
+            if any(p != list(range(-1, len(p) - 1)) for p in parents):
+                batch.draft_parents = parents
         return True
 
     def retract(self, req: Req) -> None:
@@ -399,7 +411,7 @@ class Scheduler:
             was_prefill = batch.mode == ForwardMode.PREFILL
             if out.accepted is not None and extend > 1:  # a verify step
                 events.updated.append(req)
-                self._take_accepted(req, out.accepted[i])
+                self._take_accepted(req, out.accepted[i], out.accepted_nodes[i] if out.accepted_nodes else None)
                 continue
             req.kv_len += extend
             if req.sampling_params.max_new_tokens == 0:
@@ -427,14 +439,33 @@ class Scheduler:
         events.finished = self.drain_finished()
         return events
 
-    def _take_accepted(self, req: Req, tokens: list[int]) -> None:
+    def _take_accepted(self, req: Req, tokens: list[int], nodes: list[int] | None = None) -> None:
         """A verify step's outcome for ``req``: append ``tokens`` (accepted drafts, then the bonus)
         one at a time until one ends the request; the KV of the fed token and of the accepted drafts
-        stays (every appended token but the last has its KV), the pages past that are freed."""
+        stays (every appended token but the last has its KV), the pages past that are freed.
+        ``nodes``: a draft tree's accepted nodes; node ``j`` was stored in slot ``kv_len + 1 + j``,
+        and the one at depth ``d`` stands at position ``kv_len + d``, so its K/V moves there first
+        (by increasing depth: a move's source lies past every earlier move's destination)."""
+        if nodes:
+            ps = self.page_size
+            slot = lambda p: req.pages[p // ps] * ps + p % ps  # noqa: E731
+            moves = [(slot(req.kv_len + 1 + j), slot(req.kv_len + d)) for d, j in enumerate(nodes, 1) if j != d - 1]
+            if moves:
+                self.pool.move_slots([m[0] for m in moves], [m[1] for m in moves])
         reason = None
-        for t in tokens:
+        # the verify step's matcher took the whole run, so a completed grammar is the run's last
+        # token's doing: the tokens before it are checked without it (else EOS would be cut off)
+        grammar = req.grammar if req.grammar is not None and req.grammar.terminated else None
+        for k, t in enumerate(tokens):
             req.output_ids.append(t)
-            reason = self.stop_check(req)
+            if grammar is not None and k < len(tokens) - 1:
+                req.grammar = None
+                try:
+                    reason = self.stop_check(req)
+                finally:
+                    req.grammar = grammar
+            else:
+                reason = self.stop_check(req)
             if reason is not None:
                 break
         req.kv_len = req.seq_len - 1

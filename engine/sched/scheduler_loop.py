@@ -240,14 +240,23 @@ class SchedulerLoop:
                 row += 1 + len(d)
             plain_out = self.sample([reqs[i] for i in plain], logits[[starts[i] for i in plain]], mask)
             spec = [i for i, d in enumerate(drafts) if d]
-            gained = self.spec.verify([reqs[i] for i in spec], [drafts[i] for i in spec],
-                                      [logits[starts[i] : starts[i] + 1 + len(drafts[i])] for i in spec], self.rng)
+            rows = [logits[starts[i] : starts[i] + 1 + len(drafts[i])] for i in spec]  # 1 + nodes each
+            paths = None
+            if batch.draft_parents is not None:  # some draft is a tree: its accepted nodes move their KV
+                gained, paths = self.spec.verify_tree([reqs[i] for i in spec], [drafts[i] for i in spec],
+                                                      [batch.draft_parents[i] for i in spec], rows, self.rng)
+            else:
+                gained = self.spec.verify([reqs[i] for i in spec], [drafts[i] for i in spec], rows, self.rng)
         accepted: list[list[int]] = [[] for _ in reqs]
         for k, i in enumerate(plain):
             accepted[i] = [plain_out.token_ids[k]]
         for k, i in enumerate(spec):
             accepted[i] = gained[k]
         out = SampleOutput([a[0] for a in accepted], accepted=accepted)
+        if paths is not None:
+            out.accepted_nodes = [[] for _ in reqs]
+            for k, i in enumerate(spec):
+                out.accepted_nodes[i] = paths[k]
         if plain_out.logprobs is not None:
             out.logprobs, out.top_logprobs = [0.0] * len(reqs), [[] for _ in reqs]
             for k, i in enumerate(plain):

@@ -7,8 +7,9 @@ logits into its accepted tokens (``speculative/verify.py``). Requests that canno
 plainly in the same batch (one row each): those returning logprobs or using penalties (their
 per-token bookkeeping stays the plain path's).
 
-Structured output: a constrained request's rows are checked in order with its grammar matcher.
-Each row is masked by the grammar state after the drafts before it; a draft the grammar forbids
+Structured output: a constrained request's rows are checked in order with its grammar matcher
+(a tree's: node by node along the path being accepted). Each row is masked by the grammar state
+after the drafts before it; a draft the grammar forbids
 has probability 0 under the masked row and is rejected, and the matcher only ever accepts the
 tokens that stand, so it needs no rollback and no output breaks the grammar.
 """
@@ -27,7 +28,10 @@ from pdserve.engine.speculative.adaptive import AdaptiveRule
 from pdserve.engine.speculative.proposer import DraftInput
 from pdserve.engine.speculative.registry import create_proposer
 from pdserve.engine.speculative.spec_metrics import SpecStats
-from pdserve.engine.speculative.verify import accept_greedy, accept_sampled, sample_row, step_uniforms, target_probs
+from pdserve.engine.speculative.verify import (
+    TreeUniforms, accept_greedy, accept_greedy_tree, accept_sampled, accept_sampled_tree, sample_row, sample_tree_row,
+    step_uniforms, target_probs, tree_children, tree_depths,
+)
 from pdserve.kernels.sampling import greedy_ids
 
 
@@ -47,6 +51,8 @@ class Speculation:
         self.stats = SpecStats()
         self.grammars = grammars
         self._bitmask = None  # one row, for the constrained requests' rows in turn
+        # draft trees need an attention backend that masks them (torch); elsewhere the first chain
+        self.trees = getattr(getattr(runner, "attn_backend", None), "supports_tree_mask", False)
 
     # ----------------------------------------------------------------- drafts
     def attach(self, batch: ScheduledBatch, scheduler: Scheduler) -> bool:
@@ -70,18 +76,28 @@ class Speculation:
         got = self.proposer.propose([DraftInput(batch.reqs[i].rid, batch.reqs[i].fill_ids, budgets[i]) for i in asked])
         self.stats.proposer_s += time.perf_counter() - t0
         drafts: list[list[int]] = [[] for _ in batch.reqs]
+        parents: list[list[int]] = [[] for _ in batch.reqs]
         for i, d in zip(asked, got):
-            drafts[i] = _chain(d)[: budgets[i]]
+            drafts[i], parents[i] = draft_nodes(d, budgets[i], self.trees)
         if not self.draft_cost:
             drafts = self.rule.cut_batch(rids, drafts)
-        return scheduler.attach_drafts(batch, drafts)
+        return scheduler.attach_drafts(batch, drafts, parents)
 
     # ----------------------------------------------------------------- verify
     def verify(self, reqs: list[Req], drafts: list[list[int]], logits: list[torch.Tensor],
                rng: random.Random) -> list[list[int]]:
-        """Per speculating request (``drafts[i]`` non-empty; ``logits[i]`` its [len + 1, vocab] rows,
-        float32): the tokens it gains. Counts each verify."""
+        """Per speculating request (``drafts[i]`` non-empty, a chain; ``logits[i]`` its [len + 1, vocab]
+        rows, float32): the tokens it gains. Counts each verify."""
+        chains = [list(range(-1, len(d) - 1)) for d in drafts]
+        return self.verify_tree(reqs, drafts, chains, logits, rng)[0]
+
+    def verify_tree(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],
+                    logits: list[torch.Tensor], rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+        """As ``verify`` for drafts that may be trees (``parents[i]``: request i's nodes' parents; row
+        0 of ``logits[i]`` is the fed token's, row ``1 + j`` node j's): the tokens each request gains
+        and its accepted nodes, root to leaf. A chain is accepted exactly as ``verify`` accepts it."""
         out: list[list[int]] = []
+        paths: list[list[int]] = []
         greedy = [i for i, r in enumerate(reqs) if r.grammar is None and r.sampling_params.is_greedy]
         argmax = {}
         if greedy:  # one argmax over every greedy row of the batch
@@ -90,51 +106,87 @@ class Speculation:
             for i in greedy:
                 argmax[i] = ids[k : k + len(drafts[i]) + 1]
                 k += len(drafts[i]) + 1
-        for i, (req, draft, rows) in enumerate(zip(reqs, drafts, logits)):
+        for i, (req, draft, par, rows) in enumerate(zip(reqs, drafts, parents, logits)):
+            chain = par == list(range(-1, len(draft) - 1))
             if i in argmax:
-                tokens = accept_greedy(argmax[i], draft)
+                if chain:
+                    tokens = accept_greedy(argmax[i], draft)
+                    path = list(range(len(tokens) - 1))
+                else:
+                    tokens, path = accept_greedy_tree(argmax[i], draft, par)
             elif req.grammar is not None:
-                tokens = self._verify_constrained(req, draft, rows, rng)
-            else:
+                tokens, path = self._verify_constrained(req, draft, par, rows, rng)
+            elif chain:
                 tokens = self._accept_sampled(req, draft, rows, rng)
+                path = list(range(len(tokens) - 1))
+            else:
+                tokens, path = self._accept_sampled_tree(req, draft, par, rows, rng)
             out.append(tokens)
+            paths.append(path)
             accepted = len(tokens) - 1
             self.stats.verified(len(draft), accepted)
             self.rule.verified(req.rid, len(draft), accepted)
             req.spec_verify_ct += 1
             req.spec_proposed_tokens += len(draft)
             req.spec_accepted_tokens += accepted
-        return out
+        return out, paths
 
     def _accept_sampled(self, req: Req, draft: list[int], rows: torch.Tensor, rng: random.Random) -> list[int]:
         p = req.sampling_params
         probs = target_probs(rows, p.temperature, p.top_k, p.top_p, p.min_p)
         return accept_sampled(probs, draft, step_uniforms(p.seed, len(req.output_ids), len(draft) + 1, rng))
 
-    def _verify_constrained(self, req: Req, draft: list[int], rows: torch.Tensor, rng: random.Random) -> list[int]:
-        """Row by row under the grammar; the matcher accepts each token that stands (and stops the
-        run where the grammar completes)."""
+    def _accept_sampled_tree(self, req: Req, draft: list[int], parents: list[int], rows: torch.Tensor,
+                             rng: random.Random) -> tuple[list[int], list[int]]:
+        p = req.sampling_params
+        probs = target_probs(rows, p.temperature, p.top_k, p.top_p, p.min_p)
+        uniforms = TreeUniforms(p.seed, len(req.output_ids), max(tree_depths(parents), default=0) + 1, rng)
+        return accept_sampled_tree(probs, draft, parents, uniforms)
+
+    def _verify_constrained(self, req: Req, draft: list[int], parents: list[int], rows: torch.Tensor,
+                            rng: random.Random) -> tuple[list[int], list[int]]:
+        """Node by node along the accepted path under the grammar: each node's row is masked by the
+        matcher's state after the tokens that stood before it (a forbidden child has probability 0
+        and is never taken); the matcher accepts each token that stands (and the run stops where the
+        grammar completes). Returns the tokens and the accepted nodes."""
         backend = self.grammars.backend()
         if self._bitmask is None:
             self._bitmask = backend.allocate_bitmask(1)
         p = req.sampling_params
-        uniforms = None if p.is_greedy else step_uniforms(p.seed, len(req.output_ids), len(draft) + 1, rng)
+        chain = parents == list(range(-1, len(draft) - 1))
+        depths = max(tree_depths(parents), default=0) + 1
+        uniforms = None
+        if not p.is_greedy:
+            uniforms = (step_uniforms(p.seed, len(req.output_ids), depths, rng) if chain
+                        else TreeUniforms(p.seed, len(req.output_ids), depths, rng))
+        children = tree_children(parents)
         out: list[int] = []
+        path: list[int] = []
         grammar = req.grammar
-        for i in range(len(draft) + 1):
-            row = rows[i : i + 1].clone()
+        node = -1
+        while True:
+            row = rows[node + 1 : node + 2].clone()
             grammar.fill_mask(self._bitmask, 0)
             backend.apply_bitmask(row, self._bitmask, [0])
-            x = draft[i] if i < len(draft) else None
+            kids = children[node + 1]
             if p.is_greedy:
                 t = int(greedy_ids(row)[0])
+                child = next((c for c in kids if draft[c] == t), None)
             else:
-                t = sample_row(target_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)[0], x, uniforms[i])
+                probs = target_probs(row, p.temperature, p.top_k, p.top_p, p.min_p)[0]
+                if chain:
+                    x = draft[kids[0]] if kids else None
+                    t = sample_row(probs, x, uniforms[len(out)])
+                    child = kids[0] if kids and t == x else None
+                else:
+                    t, rank = sample_tree_row(probs, [draft[c] for c in kids], uniforms, len(out))
+                    child = None if rank is None else kids[rank]
             out.append(t)
             grammar.accept(t)
-            if t != x or grammar.terminated or grammar.rejected_token is not None:
-                break
-        return out
+            if child is None or grammar.terminated or grammar.rejected_token is not None:
+                return out, path
+            path.append(child)
+            node = child
 
     # --------------------------------------------------------------- lifetime
     def release(self, req: Req) -> None:
@@ -146,7 +198,8 @@ class Speculation:
 
 
 def _chain(draft) -> list[int]:
-    """The draft's first chain (from the fed token, each node's first child): this verify step scores chains."""
+    """The draft's first chain (from the fed token, each node's first child): what a backend that
+    cannot mask a tree verifies."""
     out: list[int] = []
     node = -1
     for j, parent in enumerate(draft.parents):
@@ -154,3 +207,12 @@ def _chain(draft) -> list[int]:
             out.append(draft.tokens[j])
             node = j
     return out
+
+
+def draft_nodes(draft, budget: int, trees: bool) -> tuple[list[int], list[int]]:
+    """The draft's tokens and parents as the batch carries them: at most ``budget`` nodes (parents
+    come before children, so the first nodes are a tree), or its first chain where trees are off."""
+    if not trees:
+        tokens = _chain(draft)[:budget]
+        return tokens, list(range(-1, len(tokens) - 1))
+    return list(draft.tokens[:budget]), list(draft.parents[:budget])

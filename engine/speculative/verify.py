@@ -13,6 +13,18 @@ correction of a rejected draft, or the bonus after a fully accepted chain).
   else the token is drawn from the residual ``max(p - q, 0)``, which is ``p`` with ``x`` removed and
   renormalized. Each emitted token is then distributed exactly as ``p``.
 
+A tree of drafts (several branches: ``parents[j]`` is node ``j``'s parent, -1 the fed token) is
+scored by one row per node plus the fed token's row (row 0; node ``j``'s row is ``1 + j``) and
+accepted along one path from the fed token:
+
+- Greedy: follow the child whose token is the target's argmax at the current node; where no child
+  matches, that argmax is the bonus. The path is then plain greedy decoding's tokens.
+- Sampling: multi-candidate rejection sampling for point-mass drafts (SpecInfer, Miao et al. 2024;
+  SGLang's tree verify): at a node the children are tried in order, child ``c`` is accepted with
+  probability ``r(c)`` under the current residual ``r`` (first ``p``), and on rejection ``r(c)`` is
+  zeroed and ``r`` renormalized; if every child is rejected the token is drawn from ``r``. Each
+  step's token is then distributed exactly as ``p`` (tests/speculative/test_tree_verify.py).
+
 ``probs`` rows are the target's processed distributions (temperature, filters, renormalized), as
 ``kernels.sampling`` samples plain decode steps from.
 """
@@ -69,6 +81,94 @@ def _draw(row: torch.Tensor, u: float) -> int:
     cdf = row.cumsum(0)
     pos = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
     return min(pos, row.shape[0] - 1)
+
+
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """``children[node + 1]``: the children of ``node`` (-1: the fed token) in index order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for j, p in enumerate(parents):
+        children[p + 1].append(j)
+    return children
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (the fed token is depth 0, its children 1); parents come before children."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
+
+
+def accept_greedy_tree(target_ids: Sequence[int], tokens: Sequence[int],
+                       parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """``target_ids[1 + j]``: node ``j``'s row's argmax (``[0]`` the fed token's). Returns the tokens
+    gained (the accepted nodes' tokens, then the bonus) and the accepted nodes, root to leaf."""
+    children = tree_children(parents)
+    out: list[int] = []
+    path: list[int] = []
+    node = -1
+    while True:
+        t = target_ids[node + 1]
+        out.append(t)
+        node = next((c for c in children[node + 1] if tokens[c] == t), None)
+        if node is None:
+            return out, path
+        path.append(node)
+
+
+class TreeUniforms:
+    """The uniforms of a tree's rejection sampling: per depth ``d`` (output position ``first_step +
+    d``) one draw, and one accept test per child tried. The first child's test and the draw are
+    ``step_uniforms``' pair, so a chain draws exactly as ``accept_sampled``; further children's tests
+    come from ``(seed, position, rank)`` for a seeded request, else from ``rng`` as they are needed
+    (every TP rank asks in the same order)."""
+
+    def __init__(self, seed: int | None, first_step: int, depths: int, rng: random.Random):
+        self.seed, self.first_step, self.rng = seed, first_step, rng
+        self.pairs = step_uniforms(seed, first_step, depths, rng)
+
+    def accept(self, depth: int, rank: int) -> float:
+        if rank == 0:
+            return self.pairs[depth][0]
+        if self.seed is None:
+            return self.rng.random()
+        return random.Random(f"{self.seed}:{self.first_step + depth}:accept:{rank}").random()
+
+    def draw(self, depth: int) -> float:
+        return self.pairs[depth][1]
+
+
+def sample_tree_row(row: torch.Tensor, candidates: Sequence[int], uniforms: TreeUniforms,
+                    depth: int) -> tuple[int, int | None]:
+    """One node's step: try ``candidates`` (the children's tokens) in order against the residual;
+    returns the token and the index in ``candidates`` of the accepted one (None: drawn from the residual)."""
+    residual = row
+    for rank, x in enumerate(candidates):
+        mass = float(residual.sum())
+        if mass > 0 and uniforms.accept(depth, rank) * mass < float(residual[x]):
+            return int(x), rank
+        if float(residual[x]) > 0:
+            residual = residual.clone() if residual is row else residual
+            residual[x] = 0.0
+    return _draw(residual, uniforms.draw(depth)), None
+
+
+def accept_sampled_tree(probs: torch.Tensor, tokens: Sequence[int], parents: Sequence[int],
+                        uniforms: TreeUniforms) -> tuple[list[int], list[int]]:
+    """Multi-candidate rejection sampling over a point-mass draft tree. ``probs``: [1 + len(tokens),
+    vocab] rows summing to 1 (row 0 the fed token's). Returns the tokens gained and the accepted nodes."""
+    children = tree_children(parents)
+    out: list[int] = []
+    path: list[int] = []
+    node = -1
+    while True:
+        kids = children[node + 1]
+        t, rank = sample_tree_row(probs[node + 1], [tokens[c] for c in kids], uniforms, len(out))
+        out.append(t)
+        if rank is None:
+            return out, path
+        node = kids[rank]
+        path.append(node)
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:

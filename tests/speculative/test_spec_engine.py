@@ -1,7 +1,8 @@
 """Speculation on the default model, colocated, through the offline Engine (fp32, in-process rank).
 
 A request that returns logprobs decodes plainly (its per-token bookkeeping stays the plain path's),
-so the same engine gives each prompt's reference: greedy outputs with NGRAM equal it token for token,
+so the same engine gives each prompt's reference: greedy outputs with NGRAM (2 branches: draft trees
+where a suffix recurs with different continuations, as in the json prompt) equal it token for token,
 streamed and with n > 1, and the SGLang meta_info fields count the verify steps; a json_schema
 request's output with speculation is plain decoding's and valid, sampled too.
 """
@@ -24,7 +25,7 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 12}
 @pytest.fixture(scope="module")
 def engine():
     with Engine(rank_on_thread=True, dtype="float32", max_total_tokens=4096, num_threads=2,
-                speculative_algorithm="NGRAM", speculative_num_draft_tokens=4) as e:
+                speculative_algorithm="NGRAM", speculative_num_draft_tokens=4, speculative_ngram_branches=2) as e:
         yield e
 
 

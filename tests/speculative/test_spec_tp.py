@@ -1,6 +1,6 @@
 """TP 2: both ranks of a tensor-parallel group run the colocated loop with speculation over their
 shard, fed the same requests (as rank 0's broadcast feeds them in a server), in two real processes
-joined by gloo: NGRAM, and STANDALONE with the w8a16 self-draft and with a draft checkpoint of its
+joined by gloo: NGRAM (with draft trees), and STANDALONE with the w8a16 self-draft and with a draft checkpoint of its
 own (both sharded in the ranks' TP group). Every rank proposes the same drafts and accepts the same
 tokens, greedy and sampled (seeded or not); greedy outputs equal plain decoding's at TP 2 and at
 TP 1; both ranks price a draft token alike (the largest rank's measured cost); every page of both
@@ -18,7 +18,9 @@ from model_util import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
-PROMPTS = [[1] + [17, 250, 3, 99] * 4, [4, 4, 8, 15, 16, 23, 42] * 2]
+# the third: "5 9 12" followed by three different tokens, so NGRAM drafts trees (several branches)
+PROMPTS = [[1] + [17, 250, 3, 99] * 4, [4, 4, 8, 15, 16, 23, 42] * 2,
+           [5, 9, 12, 200, 31, 5, 9, 12, 77, 31, 5, 9, 12, 140, 31, 5, 9, 12]]
 BASE = dict(dtype="float32", max_total_tokens=1024, page_size=4, num_threads=1)
 PARAMS = [
     dict(max_new_tokens=14, temperature=0.0, ignore_eos=True),
@@ -28,7 +30,7 @@ PARAMS = [
 
 
 def variants(draft_path: str) -> dict[str, dict]:
-    return {"plain": {}, "NGRAM": dict(speculative_algorithm="NGRAM"),
+    return {"plain": {}, "NGRAM": dict(speculative_algorithm="NGRAM", speculative_ngram_branches=2),
             "W8A16": dict(speculative_algorithm="STANDALONE", speculative_draft_quantization="w8a16"),
             "DRAFT": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_path)}
 
@@ -36,14 +38,14 @@ def variants(draft_path: str) -> dict[str, dict]:
 def run_loop(config, runner, spec: bool):
     """Every request of PROMPTS x PARAMS to the end in a fresh loop over ``runner``, the pool checked
     after every step: (tokens per rid, (verify steps, drafts verified, accepted), the drafts proposed
-in order, the price of a draft token)."""
+in order, the price of a draft token, the verify steps that carried a tree)."""
     from pdserve.engine.messages import TokenizedGenerateReq
     from pdserve.engine.sampling_params import SamplingParams
     from pdserve.engine.sched.scheduler_loop import SchedulerLoop
     from oracle import FREE_RULE
 
     loop = SchedulerLoop(config, runner=runner)
-    drafts, cost = [], None
+    drafts, cost, trees = [], None, [0]
     if spec:
         cost = loop.spec.draft_cost  # measured at start (STANDALONE), the largest rank's
         # the batch of 6 would decode plainly by the cost model (a tiny draft's step costs about
@@ -57,6 +59,14 @@ in order, the price of a draft token)."""
             return got
 
         loop.spec.proposer.propose = recorded
+        attach = loop.scheduler.attach_drafts
+
+        def counted(batch, drafts, parents=None):
+            ok = attach(batch, drafts, parents)
+            trees[0] += ok and batch.draft_parents is not None
+            return ok
+
+        loop.scheduler.attach_drafts = counted
     for i, p in enumerate(PROMPTS):
         for j, sp in enumerate(PARAMS):
             loop.add_request(TokenizedGenerateReq(f"{i}-{j}", p, SamplingParams(**sp)))
@@ -73,7 +83,7 @@ in order, the price of a draft token)."""
             proposer.check_integrity()
             assert proposer.num_requests == 0 and proposer.pool.num_used == 0
         loop.spec.close()
-    return toks, verified, drafts, cost
+    return toks, verified, drafts, cost, trees[0]
 
 
 def _rank_main(rank: int, addr: str, model_path: str, draft_path: str, out) -> None:
@@ -111,7 +121,7 @@ def test_tp2_ranks_verify_alike_and_greedy_equals_tp1_plain(tmp_path):
     try:
         torch.set_num_threads(1)
         plain_tp1 = EngineConfig(**BASE, model_path=model)
-        tp1, _, _, _ = run_loop(plain_tp1, ModelRunner(plain_tp1), False)  # while the ranks load
+        tp1, _, _, _, _ = run_loop(plain_tp1, ModelRunner(plain_tp1), False)  # while the ranks load
         got = {}
         deadline = time.monotonic() + 240
         while len(got) < 2:
@@ -134,13 +144,15 @@ def test_tp2_ranks_verify_alike_and_greedy_equals_tp1_plain(tmp_path):
         assert plain[f"{i}-0"] == tp1[f"{i}-0"]
     stats = {}
     for name in ("NGRAM", "W8A16", "DRAFT"):
-        spec, (verified, proposed, accepted), drafts, cost = got[0][name]
+        spec, (verified, proposed, accepted), drafts, cost, trees = got[0][name]
         assert verified > 0 and any(toks for step in drafts for _, toks, _ in step), name
         stats[name] = (proposed, accepted)
         for i in range(len(PROMPTS)):
             assert spec[f"{i}-0"] == tp1[f"{i}-0"], (name, i)  # greedy
             assert all(len(spec[f"{i}-{j}"]) == 14 for j in range(len(PARAMS)))
         assert (cost > 0) == (name != "NGRAM"), (name, cost)
+        if name == "NGRAM":  # tree verify steps too: each rank moved its own KV shard alike
+            assert trees > 0
     # the w8a16 self-draft guesses the greedy requests' tokens (a guess is greedy: sampled requests
     # reject most), the other checkpoint's weights guess worse
     assert stats["NGRAM"][1] > 0 and stats["W8A16"][1] > stats["DRAFT"][1], stats

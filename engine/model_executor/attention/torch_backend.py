@@ -9,7 +9,8 @@
   prefix the new K/V are used directly. In bf16 on a CPU with AVX-512 BF16 the
   native flash kernel (``cpu_prefill_attn.c``) reads a prefix's K/V in place
   from its slots and writes straight into the output rows, ~4x faster than
-  PyTorch's CPU flash attention at 512 tokens on Zen 4; otherwise the slots are
+  PyTorch's CPU flash attention at 512 tokens on Zen 4 (a draft tree's rows take
+  it one branch segment at a time: ``_tree_metas``); otherwise the slots are
   gathered and ``scaled_dot_product_attention`` runs causal, or with an
   explicit mask that aligns the causal diagonal at the prefix length. Where the
   CPU has AMX-BF16, PyTorch's flash attention multiplies on AMX and the native
@@ -55,9 +56,26 @@ class _PrefillMeta:
     end: int
     slots: torch.Tensor | None  # [seq_len] slots to gather; None: no cached prefix, use new K/V
     mask: torch.Tensor | None  # [extend, seq_len] bool, True = attend
+    tree: bool = False  # a draft tree's rows: the mask is not causal, so SDPA over the gathered slots
+
+
+def tree_mask(prefix: int, parents: list[int], device=None) -> torch.Tensor:
+    """A draft tree's visibility, [1 + n, prefix + 1 + n] bool: row 0 (the fed token) and row
+    ``1 + j`` (node j) see the prefix, the fed token, and their own ancestors and themselves."""
+    n = len(parents)
+    rows = [[True] + [False] * n]
+    for j, p in enumerate(parents):
+        row = list(rows[p + 1])
+        row[1 + j] = True
+        rows.append(row)
+    new = torch.tensor(rows, dtype=torch.bool, device=device)
+    return torch.cat([torch.ones(1 + n, prefix, dtype=torch.bool, device=device), new], dim=1)
 
 
 class TorchAttentionBackend(AttentionBackend):
+    # draft trees (ForwardBatch.tree_parents) run as masked prefill rows
+    supports_tree_mask = True
+
     def __init__(self, page_pool: PagePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  use_native: bool = True):
         super().__init__(page_pool, num_heads, num_kv_heads, head_dim, scale)
@@ -79,6 +97,8 @@ class TorchAttentionBackend(AttentionBackend):
             if ext == 1:
                 decode_seqs.append(i)
                 decode_rows.append(start)
+            elif ext > 1 and batch.tree_parents is not None and batch.tree_parents[i] is not None:
+                self.prefills.extend(self._tree_metas(batch, i, start, page_size, device))
             elif ext > 1:
                 prefix = seq - ext
                 slots = mask = None
@@ -106,6 +126,35 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.zeros(len(seq_lens), 1, key_pos.numel(), dtype=torch.float32, device=device)
                 mask.masked_fill_(key_pos[None, None, :] >= lens[:, None, None], float("-inf"))
                 self.decode = _DecodeMeta(rows, pages.to(torch.int64), lens, mask)
+
+    def _tree_metas(self, batch: ForwardBatch, i: int, start: int, page_size: int, device) -> list[_PrefillMeta]:
+        """A draft tree's rows (``ForwardBatch.tree_parents``). Through SDPA: one masked call. Through
+        the native kernel (which takes no mask, only key rows with a causal diagonal): one call per
+        branch segment, a run of nodes each the child of the one before, contiguous in the rows; its
+        keys are the prefix, the fed token, the segment head's ancestors and the segment itself, so
+        the diagonal is exactly each node's ancestors. A 2-branch tree costs 2 calls, not a gather."""
+        parents = batch.tree_parents[i]
+        seq, ext = batch.seq_lens[i], batch.extend_lens[i]
+        prefix = seq - ext
+        slots = slots_of(batch.page_table[i], seq, page_size)
+        if not self.native_prefill:
+            return [_PrefillMeta(start, start + ext, slots, tree_mask(prefix, parents, device), tree=True)]
+        metas = []
+        head = 0  # the segment's first node; the first segment also holds the fed token's row
+        for j in range(1, len(parents) + 1):
+            if j < len(parents) and parents[j] == j - 1:
+                continue
+            ancestors, node = [], parents[head]
+            while node >= 0:
+                ancestors.append(node)
+                node = parents[node]
+            keys = list(range(prefix + 1)) + [prefix + 1 + a for a in reversed(ancestors)]
+            keys += [prefix + 1 + n for n in range(head, j)]
+            first_row = 0 if head == 0 else 1 + head
+            idx = torch.tensor(keys, device=slots.device)
+            metas.append(_PrefillMeta(start + first_row, start + 1 + j, slots[idx], None))
+            head = j
+        return metas
 
     def init_graph_state(self, max_bs: int, max_pages: int) -> None:
         # the native kernel reads the page table and lengths as they are; the torch path masks
@@ -142,7 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
         if dec is not None:
             out[dec.rows] = self._decode(q[dec.rows], k_cache, v_cache, dec)
         for p in self.prefills:
-            if self.native_prefill:
+            if self.native_prefill and not p.tree:
                 if p.slots is None:  # no prefix: the new K/V as they are
                     keys, values = k[p.start : p.end], v[p.start : p.end]
                 else:  # with one: every key read in place from its slot in the pool
