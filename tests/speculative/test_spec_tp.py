@@ -1,10 +1,10 @@
 """TP 2: both ranks of a tensor-parallel group run the colocated loop with speculation over their
 shard, fed the same requests (as rank 0's broadcast feeds them in a server), in two real processes
-joined by gloo: NGRAM (with draft trees), and STANDALONE with the w8a16 self-draft and with a draft checkpoint of its
-own (both sharded in the ranks' TP group). Every rank proposes the same drafts and accepts the same
-tokens, greedy and sampled (seeded or not); greedy outputs equal plain decoding's at TP 2 and at
-TP 1; both ranks price a draft token alike (the largest rank's measured cost); every page of both
-ranks' target and draft pools is back at the end."""
+joined by gloo: NGRAM (with draft trees), and STANDALONE with the w8a16 self-draft and with a draft
+checkpoint of its own (both sharded in the ranks' TP group). Every rank proposes the same drafts and
+accepts the same tokens, greedy and sampled (seeded or not); greedy outputs equal plain decoding's
+at TP 2 and at TP 1; both ranks price a draft token alike (the largest rank's measured cost); every
+page of both ranks' target and draft pools is back at the end."""
 
 from __future__ import annotations
 
