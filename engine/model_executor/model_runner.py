@@ -9,7 +9,8 @@ same number of pages (the smallest any rank could afford), so identical scheduli
 every rank means identical page allocations, and ``forward`` returns the full logits.
 
 On CUDA, all-decode steps replay graphs captured per batch-size bucket at start-up
-(``cuda_graph_runner``; ``--cuda-graph-max-bs``, ``--disable-cuda-graph``).
+(``cuda_graph_runner``; ``--cuda-graph-max-bs``, ``--disable-cuda-graph``), verify steps among
+them (a bucket counts rows: a verify step feeds each sequence its drafts as decode rows).
 """
 
 from __future__ import annotations
@@ -149,7 +150,9 @@ class ModelRunner:
         self.graph_runner = None
         if self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0:
             return
-        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        # a verify step is a decode step of 1 + draft tokens rows per sequence (batch_builder)
+        rows_per_seq = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 1
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests * rows_per_seq)
         max_pages = -(-self.arch.max_context_len // config.page_size)
         self.graph_runner = DecodeGraphRunner(self.model, self.attn_backend, max_bs, max_pages,
                                               cuda_graph_capture(self.device))
