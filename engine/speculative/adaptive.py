@@ -47,8 +47,8 @@ class _ReqState:
 class AdaptiveRule:
     max_draft_tokens: int
     # the cost model's constants at batch 1 and batch 8 (see the module docstring)
-    fixed: tuple[float, float] = (0.33, 1.0)
-    beta: tuple[float, float] = (0.07, 0.3)
+    fixed: tuple[float, float] = (0.04, 0.0)
+    beta: tuple[float, float] = (0.05, 0.39)
     min_backoff: int = 8
     max_backoff: int = 128
     smoothing: float = 0.5  # weight of the newest verify in the average
