@@ -44,8 +44,8 @@ class Speculation:
         self.draft_cost = getattr(self.proposer, "cost_per_token", 0.0)
         # a self-draft over the target's KV (``self_draft.py``) writes into reserved draft slots
         self.shares_kv = getattr(self.proposer, "shares_target_kv", False)
-        self.rule = AdaptiveRule(config.speculative_num_draft_tokens,
-                                 beta=tuple(b + self.draft_cost for b in AdaptiveRule.beta))
+        self.rule = AdaptiveRule(config.speculative_num_draft_tokens, draft_step=self.draft_cost,
+                                 draft_group=getattr(self.proposer, "group_rows", 0))
         self.stats = SpecStats()
         self.grammars = grammars
         self._bitmask = None  # one row, for the constrained requests' rows in turn

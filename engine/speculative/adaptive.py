@@ -56,6 +56,13 @@ class AdaptiveRule:
     # a batch where no draft pays by the prior still verifies its unmeasured requests' drafts once
     # in this many decode steps, so that their real average is learned (a copy pays at batch 8 too)
     explore_every: int = 32
+    # a draft model's decode step (STANDALONE), in target decode steps of one sequence; 0: drafts
+    # cost nothing (NGRAM). Its k steps run for every drafting request at once, ``draft_group``
+    # rows a forward (0: all in one), so drafting costs k * ceil(m / group) such steps, whatever bs
+    draft_step: float = 0.0
+    draft_group: int = 0
+    # a plain decode step of bs sequences costs 1 + plain_growth * (bs - 1) steps of one (measured)
+    plain_growth: float = 0.09
     _steps: int = 0
     _reqs: dict[str, _ReqState] = field(default_factory=dict)
 
@@ -69,14 +76,19 @@ class AdaptiveRule:
             return self.max_draft_tokens
         return min(self.max_draft_tokens, math.ceil(st.ema) + 1)
 
-    def cost(self, bs: int, rows: int) -> float:
-        """``c(bs, R)``: a step of ``bs`` sequences feeding ``rows`` rows, in plain steps of that batch."""
+    def cost(self, bs: int, rows: int, draft_steps: int = 0, drafting: int = 0) -> float:
+        """``c(bs, R)``: a step of ``bs`` sequences feeding ``rows`` rows, in plain steps of that batch,
+        plus, for a draft model, its ``draft_steps`` decode steps over ``drafting`` requests."""
         if rows <= bs:
             return 1.0
         t = (bs - 1) / 7  # 0 at batch 1, 1 at batch 8, extrapolated past it
         fixed = self.fixed[0] + t * (self.fixed[1] - self.fixed[0])
         beta = self.beta[0] + t * (self.beta[1] - self.beta[0])
-        return 1.0 + fixed + beta * (rows - bs) / bs
+        c = 1.0 + fixed + beta * (rows - bs) / bs
+        if self.draft_step and draft_steps:
+            forwards = draft_steps * (-(-drafting // self.draft_group) if self.draft_group else 1)
+            c += self.draft_step * forwards / (1.0 + self.plain_growth * (bs - 1))
+        return c
 
     def cut_batch(self, rids: list[str], drafts: list[list[int]]) -> list[list[int]]:
         """The drafts worth a verify step: those of the ``m`` best averages, for the ``m`` (0: none)
@@ -84,25 +96,27 @@ class AdaptiveRule:
         bs = len(drafts)
         order = sorted((i for i in range(bs) if drafts[i]), key=lambda i: -self._expected(rids[i]))
         best_m, best_rate = 0, 1.0  # no drafts: bs tokens for one plain step
-        gain, rows = 0.0, bs
+        gain, rows, longest = 0.0, bs, 0
         for m, i in enumerate(order, 1):
             gain += min(self._expected(rids[i]), len(drafts[i]))
             rows += len(drafts[i])
-            rate = (bs + gain) / (bs * self.cost(bs, rows))
+            longest = max(longest, len(drafts[i]))
+            rate = (bs + gain) / (bs * self.cost(bs, rows, longest, m))
             if rate > best_rate:
                 best_m, best_rate = m, rate
         kept = set(order[:best_m])
         self._steps += 1
         if not kept and self._steps % self.explore_every == 0:
             unmeasured = [i for i in order if self._unmeasured(rids[i])]
-            if self._pays_at_best(bs, sum(len(drafts[i]) for i in unmeasured)):
+            if self._pays_at_best(bs, [len(drafts[i]) for i in unmeasured]):
                 kept = set(unmeasured)
         return [d if i in kept else [] for i, d in enumerate(drafts)]
 
-    def _pays_at_best(self, bs: int, num_drafts: int) -> bool:
-        """Whether ``num_drafts`` drafts in a batch of ``bs`` would pay if every one were accepted:
+    def _pays_at_best(self, bs: int, lens: list[int]) -> bool:
+        """Whether drafts of ``lens`` tokens in a batch of ``bs`` would pay if every one were accepted:
         where not (a costly draft model, a large batch), exploring could only cost."""
-        return num_drafts > 0 and (bs + num_drafts) / (bs * self.cost(bs, bs + num_drafts)) > 1.0
+        n = sum(lens)
+        return n > 0 and (bs + n) / (bs * self.cost(bs, bs + n, max(lens), len(lens))) > 1.0
 
     def _unmeasured(self, rid: str) -> bool:
         st = self._reqs.get(rid)
@@ -119,7 +133,7 @@ class AdaptiveRule:
         st = self._reqs.setdefault(rid, _ReqState())
         prior = self.prior if st.ema is None else st.ema
         st.ema = (1 - self.smoothing) * prior + self.smoothing * accepted
-        threshold = self.cost(1, 1 + proposed) - 1  # what speculating alone must gain to pay
+        threshold = self.cost(1, 1 + proposed, proposed, 1) - 1  # what speculating alone must gain to pay
         if st.ema > threshold:
             if accepted > threshold:  # this verify paid on its own: past pauses are forgotten
                 st.backoff = 0

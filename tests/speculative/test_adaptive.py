@@ -78,3 +78,21 @@ def test_drafts_that_could_not_pay_even_all_accepted_are_never_explored():
     assert not any(any(dear.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
     cheap = AdaptiveRule(2, explore_every=2, **COSTS)
     assert any(any(cheap.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
+
+
+def test_a_draft_models_steps_are_priced_per_forward_not_per_sequence():
+    """A self-draft whose step costs 0.6 of the target's, 4 rows a forward: at batch 1 a well
+    accepted draft pays (2 draft steps and a verify for about 3 tokens); at batch 8 its forwards
+    cost as much whatever the drafting requests, so no subset pays and nothing is explored."""
+    rule = AdaptiveRule(2, explore_every=2, draft_step=0.6, draft_group=4)
+    assert rule.cost(1, 3, 2, 1) == pytest.approx(1 + rule.fixed[0] + 2 * rule.beta[0] + 2 * 0.6)
+    assert rule.cost(8, 10, 2, 1) < rule.cost(8, 16, 2, 4) < rule.cost(8, 17, 2, 5)  # a fifth adds forwards
+    for _ in range(3):
+        rule.verified("good", 2, 2)
+    assert rule.cut_batch(["good"], [[1, 2]]) == [[1, 2]]
+    probes = [f"p{i}" for i in range(8)]
+    for rid in probes:
+        for _ in range(3):
+            rule.verified(rid, 2, 2)
+    assert not any(any(rule.cut_batch(probes, [[1, 2]] * 8)) for _ in range(4))
+    assert not any(any(rule.cut_batch([f"new{i}" for i in range(8)], [[1, 2]] * 8)) for _ in range(4))
