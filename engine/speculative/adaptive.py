@@ -5,11 +5,13 @@ carries drafts feeds ``R = bs + sum(k_i)`` rows and costs about
 
     c(bs, R) = 1 + fixed(bs) + beta(bs) * (R - bs) / bs
 
-plain steps of the same batch: ``fixed`` is leaving the fused single-token decode path for the
-extend path, ``beta`` the cost of one more draft row per sequence; both grow with the batch
-(measured on this CPU: ``fixed(1) = 0.33, beta(1) = 0.07``, ``fixed(8) = 1.0, beta(8) = 0.3``,
-linear between). The step yields ``bs + A`` tokens where ``A`` is the drafts accepted, so it
-pays while ``A > bs * (c - 1)``.
+plain steps of the same batch: ``fixed`` is what a verify step costs beyond a plain one, ``beta``
+one more draft row per sequence (the verify is a decode step of expanded rows; measured on this
+CPU: ``fixed(1) = 0.04, beta(1) = 0.05``, ``fixed(8) = 0, beta(8) = 0.39``, linear between). A
+draft model's ``k`` decode steps (``draft_step`` each, in target steps of one sequence) run for
+all drafting requests at once, ``draft_group`` rows a forward, and are added over a plain step of
+the batch (``1 + plain_growth * (bs - 1)`` such steps). The step yields ``bs + A`` tokens where
+``A`` is the drafts accepted, so it pays while ``A > bs * (c - 1)``.
 
 - Per request: its accept length ``a`` is an exponential moving average over its verify steps
   (starting from a prior of 1.5 accepted drafts, so a single miss does not end a probe). The next
