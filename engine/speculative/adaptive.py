@@ -7,7 +7,8 @@ carries drafts feeds ``R = bs + sum(k_i)`` rows and costs about
 
 plain steps of the same batch: ``fixed`` is what a verify step costs beyond a plain one, ``beta``
 one more draft row per sequence (the verify is a decode step of expanded rows; measured on this
-CPU: ``fixed(1) = 0.04, beta(1) = 0.05``, ``fixed(8) = 0, beta(8) = 0.39``, linear between). A
+CPU: ``fixed(1) = 0.08, beta(1) = 0.05``, ``fixed(8) = 0.03, beta(8) = 0.39``, linear between, ``fixed``
+0.04 and 0 of it the forward, the rest the loop's verify bookkeeping). A
 draft model's ``k`` decode steps (``draft_step`` each, in target steps of one sequence) run for
 all drafting requests at once, ``draft_group`` rows a forward, and are added over a plain step of
 the batch (``1 + plain_growth * (bs - 1)`` such steps). The step yields ``bs + A`` tokens where
@@ -24,8 +25,8 @@ the batch (``1 + plain_growth * (bs - 1)`` such steps). The step yields ``bs + A
   maximizes the expected tokens per cost, ``(bs + A_m) / c(bs, R_m)`` with ``A_m = sum(min(ema_i,
   k_i))``; when no ``m > 0`` beats plain decoding (``bs / 1``), the batch decodes plainly, except
   once every ``explore_every`` (32) such steps, when the drafts of the requests not measured since
-  their last probe are verified, so that a batch whose prior says "does not pay" still learns the
-  real averages (copy-heavy requests then speculate at batch 8 too), unless even every draft
+  their last probe are verified (cut to ``ceil(prior) + 1`` tokens: enough to measure, cheaper to
+  verify), so that a batch whose prior says "does not pay" still learns the real averages (copy-heavy requests then speculate at batch 8 too), unless even every draft
   accepted would not pay (a draft model whose steps cost too much at that batch size). Requests
   that do not pay back off with growing pauses, so exploring costs little where nothing is accepted.
 
@@ -49,7 +50,7 @@ class _ReqState:
 class AdaptiveRule:
     max_draft_tokens: int
     # the cost model's constants at batch 1 and batch 8 (see the module docstring)
-    fixed: tuple[float, float] = (0.04, 0.0)
+    fixed: tuple[float, float] = (0.08, 0.03)
     beta: tuple[float, float] = (0.05, 0.39)
     min_backoff: int = 8
     max_backoff: int = 128
@@ -109,9 +110,12 @@ class AdaptiveRule:
         kept = set(order[:best_m])
         self._steps += 1
         if not kept and self._steps % self.explore_every == 0:
+            # exploring measures: drafts as long as the prior's expected run (and one more) suffice,
+            # and a shorter verify is a cheaper one where the batch's guesses mostly miss
+            n = math.ceil(self.prior) + 1
             unmeasured = [i for i in order if self._unmeasured(rids[i])]
-            if self._pays_at_best(bs, [len(drafts[i]) for i in unmeasured]):
-                kept = set(unmeasured)
+            if self._pays_at_best(bs, [min(len(drafts[i]), n) for i in unmeasured]):
+                return [d[:n] if i in unmeasured else [] for i, d in enumerate(drafts)]
         return [d if i in kept else [] for i, d in enumerate(drafts)]
 
     def _pays_at_best(self, bs: int, lens: list[int]) -> bool:
