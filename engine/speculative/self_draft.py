@@ -33,7 +33,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.parallel import all_reduce_min
-from pdserve.engine.speculative.draft_model import (COST_PAIRS, _ScratchDecode, check_same_vocabulary,
+from pdserve.engine.speculative.draft_model import (COST_PAIRS, ScratchDecode, check_same_vocabulary,
                                                     draft_engine_config)
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 from pdserve.engine.speculative_names import STANDALONE
@@ -48,7 +48,7 @@ def decode_step_cost(draft: ModelRunner, target: ModelRunner, k: int) -> float:
     starts beside others loading: on a shared CPU a step's time only ever grows by waiting, so the
     fastest is the step's own cost, where a median of ratios still moved 0.6-1.3 under load). Under
     TP the largest any rank measured."""
-    d, t = _ScratchDecode(draft, (COST_PAIRS + 1) * k), _ScratchDecode(target, (COST_PAIRS + 1) * k)
+    d, t = ScratchDecode(draft, (COST_PAIRS + 1) * k), ScratchDecode(target, (COST_PAIRS + 1) * k)
     try:
         d.step_s(), t.step_s()  # untimed: first steps pay one-time costs
         draft_s, target_s = [], []
