@@ -1,5 +1,10 @@
 """STANDALONE: a draft model guesses the next tokens by greedy decoding over its own small KV pool.
 
+The registry builds this proposer for a separate draft checkpoint (``--speculative-draft-model-path``,
+whose architecture may differ from the target's); the target's own checkpoint in a cheaper form
+drafts over the target's KV instead (``self_draft.py``), though this class still runs it with a
+pool of its own when built directly.
+
 The draft is ``speculative_draft_model_path`` (a checkpoint with the target's tokenizer), or, when
 that is None, the target's own checkpoint in ``speculative_draft_quantization`` (``w8a16``: int8
 weights, half the bytes a step streams; a cheaper self-draft needing no second checkpoint). It is
