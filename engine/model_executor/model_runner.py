@@ -9,7 +9,8 @@ same number of pages (the smallest any rank could afford), so identical scheduli
 every rank means identical page allocations, and ``forward`` returns the full logits.
 
 On CUDA, all-decode steps replay graphs captured per batch-size bucket at start-up
-(``cuda_graph_runner``; ``--cuda-graph-max-bs``, ``--disable-cuda-graph``).
+(``cuda_graph_runner``; ``--cuda-graph-max-bs``, ``--disable-cuda-graph``), verify steps among
+them (a bucket counts rows: a verify step feeds each sequence its drafts as decode rows).
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, de
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, ranks: int = 1):
+    def __init__(self, config: EngineConfig, ranks: int = 1, page_pool: PagePool | None = None):
         """``ranks``: the scheduler ranks of this server on this host, which share one memory budget
-        on CPU (``pool_sizing``)."""
+        on CPU (``pool_sizing``). ``page_pool``: another runner's pool to attend over and write
+        into, of this model's KV layout (a self-draft sharing the target's KV), instead of a pool
+        of its own."""
         self.config = config
         threads = config.num_threads or env.PDSERVE_NUM_THREADS
         if threads:
@@ -121,11 +124,21 @@ class ModelRunner:
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         weights_bytes = tensor_bytes(self.model)
-        size = rank_pool_size(config, arch, self.dtype, self.device, tp.num_kv_heads, free_at_start,
-                              weights_bytes, ranks)
-        num_pages = all_reduce_min(size.num_pages(config.page_size))
-        self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
-                                  arch.head_dim, self.dtype, self.device, config.quantization)
+        if page_pool is None:
+            size = rank_pool_size(config, arch, self.dtype, self.device, tp.num_kv_heads, free_at_start,
+                                  weights_bytes, ranks)
+            num_pages = all_reduce_min(size.num_pages(config.page_size))
+            self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
+                                      arch.head_dim, self.dtype, self.device, config.quantization)
+            rule = size.rule
+        else:
+            layout = (arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype, self.device)
+            shared = (page_pool.num_layers, page_pool.num_kv_heads, page_pool.head_dim, page_pool.dtype,
+                      page_pool.device)
+            if layout != shared:
+                raise ValueError(f"a shared page pool must have this model's KV layout (layers, KV heads, head "
+                                 f"dim, dtype, device) {layout}, got {shared}")
+            self.page_pool, num_pages, rule = page_pool, page_pool.num_pages, "shared with another runner"
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.page_pool, tp.num_heads, tp.num_kv_heads, arch.head_dim,
             arch.head_dim ** -0.5,
@@ -138,7 +151,7 @@ class ModelRunner:
                     self.dtype, config.quantization, weights_bytes / 2**30, time.perf_counter() - t0, tp.rank,
                     tp.size, tp.num_heads, tp.num_kv_heads, self.model.plan.gemv_rows)
         logger.info("KV pool: %d tokens (%d pages of %d), %.2f GiB over %d TP rank(s): %s", self.page_pool.max_total_tokens,
-                    num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, size.rule)
+                    num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, rule)
         self.graph_runner: DecodeGraphRunner | None = None
         self._capture_graphs()
 
@@ -149,7 +162,9 @@ class ModelRunner:
         self.graph_runner = None
         if self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0:
             return
-        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests)
+        # a verify step is a decode step of 1 + draft tokens rows per sequence (batch_builder)
+        rows_per_seq = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 1
+        max_bs = min(config.cuda_graph_max_bs, config.max_running_requests * rows_per_seq)
         max_pages = -(-self.arch.max_context_len // config.page_size)
         self.graph_runner = DecodeGraphRunner(self.model, self.attn_backend, max_bs, max_pages,
                                               cuda_graph_capture(self.device))

@@ -28,6 +28,8 @@ def input_logprob_rows(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
 def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
     if batch.draft_parents is not None:
         return build_tree_forward_batch(batch, page_size, device)
+    if batch.drafts is not None:
+        return build_chain_verify_batch(batch, page_size, device)
     input_ids: list[int] = []
     positions: list[int] = []
     out_loc: list[int] = []
@@ -35,13 +37,9 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
     seq_lens: list[int] = []
     num_pages = []
     offset = 0
-    drafts = batch.drafts
     for i, (req, start, n, sample) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens, batch.sample)):
         end = start + n
-        if drafts is None:
-            input_ids.extend(req.fill_slice(start, end))
-        else:  # a verify step: the last token, then the drafts; every fed token's logits are scored
-            input_ids.extend(req.fill_slice(start, start + 1) + drafts[i])
+        input_ids.extend(req.fill_slice(start, end))
         pos = range(start, end)
         positions.extend(pos)
         pages = req.pages
@@ -64,6 +62,54 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
         page_table=page_table.to(device),
         logits_indices=torch.tensor(logits_indices, **i64).to(device),
         extend_lens=list(batch.extend_lens),
+        seq_lens=seq_lens,
+    )
+
+
+def build_chain_verify_batch(batch: ScheduledBatch, page_size: int,
+                             device: str | torch.device = "cpu") -> ForwardBatch:
+    """A verify step of chain drafts as a decode step of expanded rows (docs/SPECULATIVE.md).
+
+    Sequence ``i`` feeds its last token, then its draft chain: ``1 + k`` tokens at positions
+    ``kv_len .. kv_len + k``. Each layer stores the step's new K/V into the pool before attention
+    reads it, so each fed token is presented as its own single-token decode row: row ``j`` has
+    position ``kv_len + j``, its slot, the sequence's page-table row (repeated) and
+    ``seq_len = kv_len + j + 1``, and attends exactly to the prefix and the chain before it (causal
+    within the chain) on every backend. The step is then all-decode: the fused native decode path
+    on CPU, a CUDA graph bucket of ``sum(1 + k)`` rows on CUDA. Every fed token's logits are
+    returned, the sequences' rows in batch order (what ``SchedulerLoop._run_verify`` reads). A tree
+    draft (tokens with parents) cannot be expressed by lengths alone and takes another branch.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    out_loc: list[int] = []
+    seq_lens: list[int] = []
+    logits_indices: list[int] = []
+    table: list[list[int]] = []
+    for req, start, draft, sample in zip(batch.reqs, batch.prefix_lens, batch.drafts, batch.sample):
+        tokens = req.fill_slice(start, start + 1) + list(draft)
+        pages = req.pages[: -(-(start + len(tokens)) // page_size)]
+        first = len(input_ids)
+        for j, token in enumerate(tokens):
+            p = start + j
+            input_ids.append(token)
+            positions.append(p)
+            out_loc.append(pages[p // page_size] * page_size + p % page_size)
+            seq_lens.append(p + 1)
+            table.append(pages)
+        if sample:
+            logits_indices.extend(range(first, len(input_ids)))
+    # pad with page 0, the scratch page
+    width = max((len(row) for row in table), default=0)
+    page_table = torch.tensor([row + [0] * (width - len(row)) for row in table], dtype=torch.int32)
+    i64 = dict(dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, **i64).to(device),
+        positions=torch.tensor(positions, **i64).to(device),
+        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
+        page_table=page_table.view(len(table), width).to(device),
+        logits_indices=torch.tensor(logits_indices, **i64).to(device),
+        extend_lens=[1] * len(input_ids),
         seq_lens=seq_lens,
     )
 

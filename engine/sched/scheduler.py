@@ -362,18 +362,41 @@ class Scheduler:
             ForwardMode.DECODE, list(self.running), [r.kv_len for r in self.running], [1] * n, [True] * n
         )
 
+    def reserve_draft_pages(self, batch: ScheduledBatch, budgets: list[int]) -> list[int] | None:
+        """Before a draft that writes into the target's KV proposes: give each request of decode
+        ``batch`` the pages for ``kv_len + 1 + budgets[i]`` tokens. Returns the pages each held
+        before (``attach_drafts`` gives back what its drafts do not use), or None, taking nothing,
+        where they are not all free (the batch then runs without drafts)."""
+        held = [len(r.pages) for r in batch.reqs]
+        need = [max(self.pool.pages_for(r.kv_len + 1 + b) - n, 0) for r, b, n in zip(batch.reqs, budgets, held)]
+        if sum(need) > self.free_pages():
+            return None
+        for r, n in zip(batch.reqs, need):
+            if n:
+                r.pages.extend(self._alloc(n))
+        return held
+
     def attach_drafts(self, batch: ScheduledBatch, drafts: list[list[int]],
-                      parents: list[list[int]] | None = None) -> bool:
+                      parents: list[list[int]] | None = None, held: list[int] | None = None) -> bool:
         """Let decode ``batch`` verify ``drafts`` (one list per request, maybe empty): each is cut to
         what the request may still output past its bonus token, and the pages the draft slots need
         are taken now. If they are not all free, nothing changes and False says the batch runs
         without drafts (a batch is never failed for its drafts). ``parents``: per request its draft
-        nodes' parents where a draft may be a tree (nodes are cut alike, parents before children)."""
+        nodes' parents where a draft may be a tree (nodes are cut alike, parents before children).
+        ``held``: ``reserve_draft_pages``'s answer; pages reserved past what the drafts (or, without
+        them, the step) need go back."""
         if batch.mode != ForwardMode.DECODE or len(drafts) != len(batch.reqs):
             raise ValueError("drafts ride on a decode batch, one list per request")
         drafts = [d[: max(r.remaining_new_tokens - 1, 0)] for r, d in zip(batch.reqs, drafts)]
         need = [max(self.pool.pages_for(r.kv_len + 1 + len(d)) - len(r.pages), 0) for r, d in zip(batch.reqs, drafts)]
-        if not any(drafts) or sum(need) > self.free_pages():
+        ok = any(drafts) and sum(need) <= self.free_pages()
+        if held is not None:
+            for r, d, n in zip(batch.reqs, drafts, held):
+                keep = max(n, self.pool.pages_for(r.kv_len + 1 + (len(d) if ok else 0)))
+                if len(r.pages) > keep:
+                    self.pool.free(r.pages[keep:])
+                    del r.pages[keep:]
+        if not ok:
             return False
         for r, n in zip(batch.reqs, need):
             if n:

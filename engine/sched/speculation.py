@@ -46,8 +46,10 @@ class Speculation:
         self.proposer = create_proposer(config, runner)
         # a proposer that runs a model prices each draft token (STANDALONE: a draft step, in target steps)
         self.draft_cost = getattr(self.proposer, "cost_per_token", 0.0)
-        self.rule = AdaptiveRule(config.speculative_num_draft_tokens,
-                                 beta=tuple(b + self.draft_cost for b in AdaptiveRule.beta))
+        # a self-draft over the target's KV (``self_draft.py``) writes into reserved draft slots
+        self.shares_kv = getattr(self.proposer, "shares_target_kv", False)
+        self.rule = AdaptiveRule(config.speculative_num_draft_tokens, draft_step=self.draft_cost,
+                                 draft_group=getattr(self.proposer, "group_rows", 0))
         self.stats = SpecStats()
         self.grammars = grammars
         self._bitmask = None  # one row, for the constrained requests' rows in turn
@@ -72,8 +74,13 @@ class Speculation:
         asked = [i for i, b in enumerate(budgets) if b > 0]
         if not asked:
             return False
+        held = None
+        if self.shares_kv:  # the draft writes its K/V into the draft slots: their pages come first
+            held = scheduler.reserve_draft_pages(batch, budgets)
+            if held is None:
+                return False
         t0 = time.perf_counter()
-        got = self.proposer.propose([DraftInput(batch.reqs[i].rid, batch.reqs[i].fill_ids, budgets[i]) for i in asked])
+        got = self.proposer.propose([self._input(batch.reqs[i], budgets[i]) for i in asked])
         self.stats.proposer_s += time.perf_counter() - t0
         drafts: list[list[int]] = [[] for _ in batch.reqs]
         parents: list[list[int]] = [[] for _ in batch.reqs]
@@ -81,7 +88,12 @@ class Speculation:
             drafts[i], parents[i] = draft_nodes(d, budgets[i], self.trees)
         if not self.draft_cost:
             drafts = self.rule.cut_batch(rids, drafts)
-        return scheduler.attach_drafts(batch, drafts, parents)
+        return scheduler.attach_drafts(batch, drafts, parents, held)
+
+    def _input(self, req: Req, budget: int) -> DraftInput:
+        if self.shares_kv:
+            return DraftInput(req.rid, req.fill_ids, budget, pages=req.pages, kv_len=req.kv_len)
+        return DraftInput(req.rid, req.fill_ids, budget)
 
     # ----------------------------------------------------------------- verify
     def verify(self, reqs: list[Req], drafts: list[list[int]], logits: list[torch.Tensor],

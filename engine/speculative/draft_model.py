@@ -1,5 +1,10 @@
 """STANDALONE: a draft model guesses the next tokens by greedy decoding over its own small KV pool.
 
+The registry builds this proposer for a separate draft checkpoint (``--speculative-draft-model-path``,
+whose architecture may differ from the target's); the target's own checkpoint in a cheaper form
+drafts over the target's KV instead (``self_draft.py``), though this class still runs it with a
+pool of its own when built directly.
+
 The draft is ``speculative_draft_model_path`` (a checkpoint with the target's tokenizer), or, when
 that is None, the target's own checkpoint in ``speculative_draft_quantization`` (``w8a16``: int8
 weights, half the bytes a step streams; a cheaper self-draft needing no second checkpoint). It is
@@ -95,7 +100,7 @@ COST_PAIRS = 5  # timed decode steps of each model at start, taking turns (after
 COST_CONTEXT = 32  # tokens of the scratch sequence they decode over
 
 
-class _ScratchDecode:
+class ScratchDecode:
     """Decode steps at one sequence of ``COST_CONTEXT`` tokens on scratch pages of ``runner``'s pool
     (at start, before any request); ``close`` gives the pages back."""
 
@@ -140,7 +145,7 @@ def relative_step_cost(draft: ModelRunner, target: ModelRunner, k: int) -> float
     over ``COST_PAIRS`` cycles taken in turns with the target's steps (on a shared machine the load
     moves within seconds; adjacent ones see the same). Under TP the largest any rank measured (in
     thousandths), so every rank's adaptive rule prices a guess alike."""
-    d, t = _ScratchDecode(draft, (COST_PAIRS + 1) * (k + 1)), _ScratchDecode(target, (COST_PAIRS + 1) * k)
+    d, t = ScratchDecode(draft, (COST_PAIRS + 1) * (k + 1)), ScratchDecode(target, (COST_PAIRS + 1) * k)
 
     def cycle() -> float:
         return d.step_s(2) + sum(d.step_s() for _ in range(k - 1))

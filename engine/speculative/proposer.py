@@ -26,6 +26,11 @@ class DraftInput:
     # the most draft tokens wanted (the tree's size), 1..speculative_num_draft_tokens
     max_tokens: int
     hidden: object | None = None  # torch.Tensor [hidden_size] when the proposer wants_hidden
+    # a proposer drafting over the target's KV (``shares_target_kv``): the request's pages, reserved
+    # for ``kv_len + 1 + max_tokens`` tokens, and ``kv_len``, the tokens whose K/V they hold (all but
+    # the last); None for the others
+    pages: Sequence[int] | None = None
+    kv_len: int | None = None
 
 
 @dataclass(frozen=True)

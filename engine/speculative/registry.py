@@ -15,7 +15,7 @@ from pdserve.engine.speculative_names import NGRAM, SPECULATIVE_ALGORITHMS, STAN
 # name -> "module:factory"; the factory takes (config: EngineConfig, target_runner)
 PROPOSERS: dict[str, str] = {
     NGRAM: "pdserve.engine.speculative.ngram:NgramProposer.from_config",
-    STANDALONE: "pdserve.engine.speculative.draft_model:DraftModelProposer",
+    STANDALONE: "pdserve.engine.speculative.self_draft:standalone_proposer",
 }
 
 

@@ -118,6 +118,48 @@ def test_padding_rows_write_only_the_scratch_page(tmp_path, native):
         torch.testing.assert_close(planes[:, loc], planes_want[:, loc], atol=1e-5, rtol=1e-5)
 
 
+def verify_batch(runner: ModelRunner, prompts: list[list[int]], drafts: list[list[int]]):
+    """Requests with their prompts but the last token cached, and the decode batch verifying
+    ``drafts`` on them as expanded rows (``batch_builder.build_chain_verify_batch``)."""
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sched.batch_builder import build_chain_verify_batch
+    from pdserve.engine.sched.request import Req
+    from pdserve.engine.sched.scheduler import ForwardMode, ScheduledBatch
+
+    pool, ps = runner.page_pool, runner.page_pool.page_size
+    reqs = []
+    for i, (p, d) in enumerate(zip(prompts, drafts)):
+        req = Req(f"r{i}", p, SamplingParams(max_new_tokens=16, temperature=0.0))
+        req.pages, req.kv_len = pool.alloc(pool.pages_for(len(p) + len(d))), len(p) - 1
+        reqs.append(req)
+    width = max(len(r.pages) for r in reqs)
+    prefill = ForwardBatch(
+        torch.tensor([t for r in reqs for t in r.input_ids[:-1]]),
+        torch.cat([torch.arange(r.kv_len) for r in reqs]),
+        torch.tensor([r.pages[q // ps] * ps + q % ps for r in reqs for q in range(r.kv_len)]),
+        torch.tensor([r.pages + [0] * (width - len(r.pages)) for r in reqs], dtype=torch.int32),
+        torch.tensor([r.kv_len for r in reqs]).cumsum(0) - 1, [r.kv_len for r in reqs], [r.kv_len for r in reqs])
+    runner.forward(prefill)
+    batch = ScheduledBatch(ForwardMode.DECODE, reqs, [r.kv_len for r in reqs], [1 + len(d) for d in drafts],
+                           [True] * len(reqs), drafts=drafts)
+    return build_chain_verify_batch(batch, ps)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_verify_step_replays_from_the_bucket_of_its_rows(tmp_path, native):
+    make_tiny_checkpoint("llama", str(tmp_path))
+    runner = ModelRunner(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=256, page_size=4))
+    graphs = graph_runner(runner, native)
+    # 2 + 1 + 3 = 6 rows (one sequence without a draft) in the bucket of 8
+    fb = verify_batch(runner, random_prompts([5, 8, 3], seed=1), [[7], [], [9, 10]])
+    runner.graph_runner = None
+    want = runner.forward(fb)
+    runner.graph_runner = graphs
+    got = runner.forward(fb)
+    assert graphs.replays == {8: 1} and got.shape == (6, runner.arch.vocab_size)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="records CUDA graphs: needs a CUDA device")
 def test_cuda_graph_steps_give_the_eager_tokens(ckpt):
     kw = dict(model_path=ckpt, dtype="float32", max_total_tokens=2048, page_size=4, device="cuda",

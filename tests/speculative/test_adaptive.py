@@ -7,9 +7,12 @@ import pytest
 
 from pdserve.engine.speculative.adaptive import AdaptiveRule
 
+# the logic's examples are worked with these costs (an extend-path verify's), not the measured defaults
+COSTS = dict(fixed=(0.33, 1.0), beta=(0.07, 0.3))
+
 
 def test_misses_back_off_with_growing_pauses_and_hits_keep_speculating():
-    rule = AdaptiveRule(4, min_backoff=2, max_backoff=8)
+    rule = AdaptiveRule(4, min_backoff=2, max_backoff=8, **COSTS)
     assert rule.budget("r") == 4
     rule.verified("r", 4, 0)  # one miss: the prior keeps it going (ema 0.75 > c(1, 5) - 1 = 0.61)
     assert rule.budget("r") == 2  # ceil(ema) + 1
@@ -32,15 +35,18 @@ def test_empty_drafts_change_nothing():
 
 
 def test_cost_model_grows_with_rows_and_batch():
-    rule = AdaptiveRule(4)
+    rule = AdaptiveRule(4, **COSTS)
     assert rule.cost(1, 1) == 1.0 and rule.cost(8, 8) == 1.0
     assert rule.cost(1, 5) == pytest.approx(1 + 0.33 + 0.07 * 4)
     assert rule.cost(8, 40) == pytest.approx(1 + 1.0 + 0.3 * 4)
     assert rule.cost(8, 16) > rule.cost(1, 2)
+    measured = AdaptiveRule(4)  # the defaults: the expanded-rows verify (docs/SPECULATIVE.md)
+    assert measured.cost(1, 5) == pytest.approx(1 + measured.fixed[0] + measured.beta[0] * 4)
+    assert measured.cost(8, 16) > measured.cost(1, 2) > 1.0
 
 
 def test_batch_keeps_the_drafts_that_pay_best_average_first():
-    rule = AdaptiveRule(4)
+    rule = AdaptiveRule(4, **COSTS)
     for _ in range(4):
         rule.verified("good", 4, 4)
     assert rule.cut_batch(["new"], [[1, 2, 3, 4]]) == [[1, 2, 3, 4]]  # batch 1: a probe's prior pays
@@ -54,7 +60,7 @@ def test_batch_keeps_the_drafts_that_pay_best_average_first():
 
 
 def test_a_batch_that_does_not_pay_by_the_prior_explores_now_and_then():
-    rule = AdaptiveRule(4, explore_every=4)
+    rule = AdaptiveRule(4, explore_every=4, **COSTS)
     probes = [f"p{i}" for i in range(8)]
     kept = [rule.cut_batch(probes, [[1, 2, 3, 4]] * 8) for _ in range(8)]
     assert [any(k) for k in kept] == [False, False, False, True] * 2  # every 4th step measures them
@@ -67,8 +73,26 @@ def test_drafts_that_could_not_pay_even_all_accepted_are_never_explored():
     """A draft model as dear as the target (each guess one more target step): at batch 8, even
     every draft accepted would not pay, so the batch never verifies, not even to explore; at
     batch 1 the cheap rule's explore still runs."""
-    dear = AdaptiveRule(2, explore_every=2, beta=tuple(b + 1.0 for b in AdaptiveRule.beta))
+    dear = AdaptiveRule(2, explore_every=2, fixed=COSTS["fixed"], beta=tuple(b + 1.0 for b in COSTS["beta"]))
     probes = [f"p{i}" for i in range(8)]
     assert not any(any(dear.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
-    cheap = AdaptiveRule(2, explore_every=2)
+    cheap = AdaptiveRule(2, explore_every=2, **COSTS)
     assert any(any(cheap.cut_batch(probes, [[1, 2]] * 8)) for _ in range(8))
+
+
+def test_a_draft_models_steps_are_priced_per_forward_not_per_sequence():
+    """A self-draft whose step costs 0.6 of the target's, 4 rows a forward: at batch 1 a well
+    accepted draft pays (2 draft steps and a verify for about 3 tokens); at batch 8 its forwards
+    cost as much whatever the drafting requests, so no subset pays and nothing is explored."""
+    rule = AdaptiveRule(2, explore_every=2, draft_step=0.6, draft_group=4)
+    assert rule.cost(1, 3, 2, 1) == pytest.approx(1 + rule.fixed[0] + 2 * rule.beta[0] + 2 * 0.6)
+    assert rule.cost(8, 10, 2, 1) < rule.cost(8, 16, 2, 4) < rule.cost(8, 17, 2, 5)  # a fifth adds forwards
+    for _ in range(3):
+        rule.verified("good", 2, 2)
+    assert rule.cut_batch(["good"], [[1, 2]]) == [[1, 2]]
+    probes = [f"p{i}" for i in range(8)]
+    for rid in probes:
+        for _ in range(3):
+            rule.verified(rid, 2, 2)
+    assert not any(any(rule.cut_batch(probes, [[1, 2]] * 8)) for _ in range(4))
+    assert not any(any(rule.cut_batch([f"new{i}" for i in range(8)], [[1, 2]] * 8)) for _ in range(4))

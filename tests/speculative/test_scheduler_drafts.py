@@ -32,10 +32,12 @@ def verify_step(pool: PagePool, batch) -> SampleOutput:
     rows_per = [batch.logit_rows(i) for i in range(len(batch.reqs))]
     assert len(fb.logits_indices) == sum(rows_per)
     firsts, accepted = [], []
+    last = -1  # a verify step's rows are expanded: each request's last row holds its whole length
     for i, req in enumerate(batch.reqs):
-        n = fb.seq_lens[i]
+        last += rows_per[i]
+        n = fb.seq_lens[last]
         t = torch.arange(n)
-        seq = [int(x) for x in k[(fb.page_table[i].long()[t // PS] * PS + t % PS), 0, 0].tolist()]
+        seq = [int(x) for x in k[(fb.page_table[last].long()[t // PS] * PS + t % PS), 0, 0].tolist()]
         draft = batch.drafts[i] if batch.drafts is not None else []
         assert seq == req.fill_ids[: n - len(draft)] + draft, f"KV of {req.rid} is not its tokens"
         targets = [next_token(seq[: n - len(draft) + j]) for j in range(len(draft) + 1)]

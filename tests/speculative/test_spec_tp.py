@@ -61,8 +61,8 @@ in order, the price of a draft token, the verify steps that carried a tree)."""
         loop.spec.proposer.propose = recorded
         attach = loop.scheduler.attach_drafts
 
-        def counted(batch, drafts, parents=None):
-            ok = attach(batch, drafts, parents)
+        def counted(batch, drafts, *args, **kwargs):
+            ok = attach(batch, drafts, *args, **kwargs)
             trees[0] += ok and batch.draft_parents is not None
             return ok
 
