@@ -92,6 +92,10 @@ class SchedulerLoop:
                            "only; speculation runs on the decode server", config.speculative_algorithm)
         self.rng = random.Random(config.random_seed)  # draws of requests without a seed
         self._outbox: list[TokenOutput] = []
+        # where the rank's loop sends outputs at once: the outbox (outputs that need no forward, such
+        # as a PD decode's first token, which came from the prefill) leaves before a step's forward
+        # instead of with its outputs, one step later (None: with the step's outputs)
+        self.ship_early: Callable[[list[TokenOutput]], None] | None = None
         self.num_steps = 0
         self._idle_sleep = QUEUE_POLL_S[0]
         self._dirty = False  # PD modes: something ran since the last idle integrity check
@@ -191,6 +195,9 @@ class SchedulerLoop:
         outputs, self._outbox = self._outbox, []
         batch = self.scheduler.schedule()
         if batch is not None:
+            if outputs and self.ship_early is not None:
+                self.ship_early(outputs)
+                outputs = []
             self.num_steps += 1
             if self.spec is not None:
                 self.spec.attach(batch, self.scheduler)

@@ -307,6 +307,7 @@ def serve_rank(
     publisher). Requests, aborts and control operations go through the rank's ``RankControl``
     (``rank_control.py``)."""
     control = RankControl(loop, dp_rank, tp_rank)
+    loop.ship_early = send  # a PD decode's first token leaves before the step it joins, not after
     last_stats = _stats(loop, dp_rank)
     last_metrics = loop.rank_metrics()
     send([last_stats] if last_metrics is None else [last_stats, last_metrics])

@@ -118,3 +118,24 @@ def test_first_token_and_logprobs_come_through_the_aux_slot(pair):
     assert len(outs[0].new_top_logprobs[0]) == 2 and outs[0].new_top_logprobs[0][0][0] == outs[0].new_token_ids[0]
     assert pair.tokens("lp") == reference(prompt, 3)
     pair.settle()
+
+
+def test_the_first_token_leaves_before_the_step_it_joins(pair):
+    """A PD decode's first token came with the KV, from the prefill: the rank's loop ships it
+    (``ship_early``) before the decode step the request joins, not with that step's outputs, which
+    would add a decode step to the client's time to first token."""
+    log = []
+    pair.decode.ship_early = lambda outs: log.extend(("shipped", t) for o in outs for t in o.new_token_ids)
+    forward = pair.decode.runner.forward
+
+    def recorded(fb, *args, **kwargs):
+        log.append(("forward", fb.num_tokens))
+        return forward(fb, *args, **kwargs)
+
+    pair.decode.runner.forward = recorded
+    prompt = list(range(40, 49))
+    pair.submit("early", prompt, max_new=3, stream=True)
+    pair.run(pair.done("early"))
+    assert log[0] == ("shipped", reference(prompt, 1)[0]) and log[1] == ("forward", 1)
+    assert pair.tokens("early") == reference(prompt, 3)[1:]  # the others left with their steps
+    pair.settle()
