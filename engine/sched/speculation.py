@@ -71,6 +71,8 @@ class Speculation:
         rids = [r.rid for r in batch.reqs]
         if self.draft_cost:  # drafts that cost a model's steps: the rule cuts the budgets, before they are paid
             budgets = [len(d) for d in self.rule.cut_batch(rids, [[0] * b for b in budgets])]
+        elif not self.rule.worth_asking(rids, budgets):  # a free proposer: not asked where nothing could pay
+            return False
         asked = [i for i, b in enumerate(budgets) if b > 0]
         if not asked:
             return False

@@ -15,7 +15,7 @@ the batch (``1 + plain_growth * (bs - 1)`` such steps). The step yields ``bs + A
 ``A`` is the drafts accepted, so it pays while ``A > bs * (c - 1)``.
 
 - Per request: its accept length ``a`` is an exponential moving average over its verify steps
-  (starting from a prior of 1.5 accepted drafts, so a single miss does not end a probe). The next
+  (starting from a prior of 1 accepted draft, so a single miss does not end a probe). The next
   draft is at most ``ceil(ema) + 1`` tokens (a draft far past what is usually accepted only
   costs). When ``ema <= fixed(1) + beta(1) * k`` after a verify (speculating does not pay even
   alone) the request backs off: it decodes plainly for ``backoff`` steps, then probes again with
@@ -55,7 +55,9 @@ class AdaptiveRule:
     min_backoff: int = 8
     max_backoff: int = 128
     smoothing: float = 0.5  # weight of the newest verify in the average
-    prior: float = 1.5  # the average a probe starts from: one miss alone does not end it
+    # the average a probe starts from: one miss alone does not end it; at batch 8 it lets a
+    # never-measured request verify a 1-token draft, not a 3-token one (1.41 of the batch's tokens)
+    prior: float = 1.0
     # a batch where no draft pays by the prior still verifies its unmeasured requests' drafts once
     # in this many decode steps, so that their real average is learned (a copy pays at batch 8 too)
     explore_every: int = 32
@@ -98,16 +100,7 @@ class AdaptiveRule:
         that maximizes the expected tokens per unit of cost, ``(bs + A_m) / c(bs, R_m)``."""
         bs = len(drafts)
         order = sorted((i for i in range(bs) if drafts[i]), key=lambda i: -self._expected(rids[i]))
-        best_m, best_rate = 0, 1.0  # no drafts: bs tokens for one plain step
-        gain, rows, longest = 0.0, bs, 0
-        for m, i in enumerate(order, 1):
-            gain += min(self._expected(rids[i]), len(drafts[i]))
-            rows += len(drafts[i])
-            longest = max(longest, len(drafts[i]))
-            rate = (bs + gain) / (bs * self.cost(bs, rows, longest, m))
-            if rate > best_rate:
-                best_m, best_rate = m, rate
-        kept = set(order[:best_m])
+        kept = set(order[: self._best_m(rids, drafts, order)])
         self._steps += 1
         if not kept and self._steps % self.explore_every == 0:
             # exploring measures: drafts as long as the prior's expected run (and one more) suffice,
@@ -117,6 +110,39 @@ class AdaptiveRule:
             if self._pays_at_best(bs, [min(len(drafts[i]), n) for i in unmeasured]):
                 return [d[:n] if i in unmeasured else [] for i, d in enumerate(drafts)]
         return [d if i in kept else [] for i, d in enumerate(drafts)]
+
+    def _best_m(self, rids: list[str], drafts: list[list[int]], order: list[int]) -> int:
+        """How many of the drafts, taken in ``order`` (best averages first), maximize the expected
+        tokens per cost; 0 where none beats plain decoding."""
+        bs = len(drafts)
+        best_m, best_rate = 0, 1.0  # no drafts: bs tokens for one plain step
+        gain, rows, longest = 0.0, bs, 0
+        for m, i in enumerate(order, 1):
+            gain += min(self._expected(rids[i]), len(drafts[i]))
+            rows += len(drafts[i])
+            longest = max(longest, len(drafts[i]))
+            rate = (bs + gain) / (bs * self.cost(bs, rows, longest, m))
+            if rate > best_rate:
+                best_m, best_rate = m, rate
+        return best_m
+
+    def worth_asking(self, rids: list[str], budgets: list[int]) -> bool:
+        """Before a proposer that costs nothing (NGRAM) is asked: whether ``cut_batch`` could keep any
+        draft this step. Each request's draft is taken at the lengths it pays best at (``floor`` and
+        ``ceil`` of its expected run, within its budget: a row past them gains at most what it costs);
+        an exploring step that is due asks too. False counts the step as ``cut_batch`` does: the
+        proposer is not asked, the batch decodes plainly (NGRAM's lookups cost nothing then)."""
+        for rounding in (math.floor, math.ceil):
+            drafts = [[0] * min(b, max(1, rounding(self._expected(r)))) if b > 0 else []
+                      for r, b in zip(rids, budgets)]
+            order = sorted((i for i in range(len(drafts)) if drafts[i]), key=lambda i: -self._expected(rids[i]))
+            if self._best_m(rids, drafts, order):
+                return True
+        if (self._steps + 1) % self.explore_every == 0 and any(
+                b > 0 and self._unmeasured(r) for r, b in zip(rids, budgets)):
+            return True
+        self._steps += 1
+        return False
 
     def _pays_at_best(self, bs: int, lens: list[int]) -> bool:
         """Whether drafts of ``lens`` tokens in a batch of ``bs`` would pay if every one were accepted:

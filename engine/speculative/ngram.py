@@ -146,8 +146,11 @@ class NgramProposer:
             if i.max_tokens <= 0:
                 out.append(Draft())
                 continue
-            cands = self._index(i.rid, i.token_ids).candidates(i.max_tokens, self.branches)
-            out.append(merge_tree(cands, i.max_tokens))
+            index = self._index(i.rid, i.token_ids)
+            if self.branches == 1:  # a chain: no tree to merge (this runs for every request at every step)
+                out.append(Draft.chain(index.lookup(i.max_tokens)))
+                continue
+            out.append(merge_tree(index.candidates(i.max_tokens, self.branches), i.max_tokens))
         return out
 
     def _index(self, rid: str, token_ids: Sequence[int]) -> _Index:

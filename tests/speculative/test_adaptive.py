@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.engine.speculative.adaptive import AdaptiveRule
 
-# the logic's examples are worked with these costs (an extend-path verify's), not the measured defaults
-COSTS = dict(fixed=(0.33, 1.0), beta=(0.07, 0.3))
+# the logic's examples are worked with these costs (an extend-path verify's) and prior, not the defaults
+COSTS = dict(fixed=(0.33, 1.0), beta=(0.07, 0.3), prior=1.5)
 
 
 def test_misses_back_off_with_growing_pauses_and_hits_keep_speculating():
@@ -96,3 +96,21 @@ def test_a_draft_models_steps_are_priced_per_forward_not_per_sequence():
             rule.verified(rid, 2, 2)
     assert not any(any(rule.cut_batch(probes, [[1, 2]] * 8)) for _ in range(4))
     assert not any(any(rule.cut_batch([f"new{i}" for i in range(8)], [[1, 2]] * 8)) for _ in range(4))
+
+
+def test_a_free_proposer_is_asked_only_where_a_draft_could_be_kept():
+    """NGRAM is not asked at a step where no request's draft could pay at any length (its lookups
+    then cost nothing); the step still counts towards exploring, which asks again."""
+    rule = AdaptiveRule(4, explore_every=4)  # the measured costs: c(8, 9) - 1 = 0.08, beta(8) 0.39
+    rids = [f"r{i}" for i in range(8)]
+    assert rule.worth_asking(["new"], [4])  # batch 1: a probe's prior pays
+    assert rule.worth_asking(rids, [4] * 8)  # never measured: 1-token drafts pay by the prior
+    for rid in rids:
+        rule.verified(rid, 2, 0)
+        rule.verified(rid, 1, 0)  # ema 0.25: above c(1, 2) - 1, no back-off, but no pay at batch 8
+    asked = [rule.worth_asking(rids, [2] * 8) for _ in range(8)]
+    assert asked == [False] * 8  # all measured: exploring has nothing to learn
+    rule.verified("r0", 2, 2)
+    rule.verified("r0", 2, 2)  # a copy begins: ema 1.56, its draft pays even at batch 8
+    assert rule.worth_asking(rids, [2] * 8)
+    assert any(rule.cut_batch(rids, [[1, 2]] * 8))
