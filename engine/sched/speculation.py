@@ -35,6 +35,11 @@ from pdserve.engine.speculative.verify import (
 from pdserve.kernels.sampling import greedy_ids
 
 
+# the accepted drafts a draft model's probe starts from (the self-draft accepted 0.98 of its
+# guesses on bench_spec's chat prompts; NGRAM's prior is AdaptiveRule's, 1)
+MODEL_DRAFT_PRIOR = 1.5
+
+
 def can_speculate(req: Req) -> bool:
     """Requests whose tokens come from the plain path only: logprobs and penalties are per token."""
     p = req.sampling_params
@@ -48,7 +53,10 @@ class Speculation:
         self.draft_cost = getattr(self.proposer, "cost_per_token", 0.0)
         # a self-draft over the target's KV (``self_draft.py``) writes into reserved draft slots
         self.shares_kv = getattr(self.proposer, "shares_target_kv", False)
-        self.rule = AdaptiveRule(config.speculative_num_draft_tokens, draft_step=self.draft_cost,
+        # a draft model's guesses are a model's greedy picks, accepted far more often than prompt
+        # lookups: a request it never measured starts from a higher prior
+        prior = MODEL_DRAFT_PRIOR if self.draft_cost else AdaptiveRule.prior
+        self.rule = AdaptiveRule(config.speculative_num_draft_tokens, prior=prior, draft_step=self.draft_cost,
                                  draft_group=getattr(self.proposer, "group_rows", 0))
         self.stats = SpecStats()
         self.grammars = grammars
