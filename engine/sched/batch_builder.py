@@ -50,10 +50,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
     logits_indices.extend(row for _, row, _ in input_logprob_rows(batch))
-    # pad with page 0, the scratch page (one tensor from one list: 6x faster than a row at a time)
-    width = max(num_pages, default=0)
-    page_table = torch.tensor([req.pages[:n] + [0] * (width - n) for req, n in zip(batch.reqs, num_pages)],
-                              dtype=torch.int32).view(len(batch.reqs), width)
+    page_table = _page_table(batch, num_pages)
     i64 = dict(dtype=torch.int64)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, **i64).to(device),
@@ -140,9 +137,7 @@ def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str 
         out_loc.extend(req.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
-    width = max(num_pages, default=0)
-    page_table = torch.tensor([req.pages[:n] + [0] * (width - n) for req, n in zip(batch.reqs, num_pages)],
-                              dtype=torch.int32).view(len(batch.reqs), width)
+    page_table = _page_table(batch, num_pages)
     i64 = dict(dtype=torch.int64)
     return ForwardBatch(
         input_ids=torch.tensor(input_ids, **i64).to(device),
@@ -154,3 +149,11 @@ def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str 
         seq_lens=seq_lens,
         tree_parents=trees,
     )
+
+
+def _page_table(batch: ScheduledBatch, num_pages: list[int]) -> torch.Tensor:
+    """[bs, max pages] int32: each request's first ``num_pages[i]`` pages, padded with page 0, the
+    scratch page (one tensor from one list: 6x faster than a row at a time)."""
+    width = max(num_pages, default=0)
+    return torch.tensor([req.pages[:n] + [0] * (width - n) for req, n in zip(batch.reqs, num_pages)],
+                        dtype=torch.int32).view(len(batch.reqs), width)
