@@ -1,7 +1,7 @@
 """Speculation on the decode side of PD: the real prefill and decode loops over the ``local`` transfer
-backend (``tests/loop_stand.py``), drafts verified on the decode rank only. The first token comes
-from the prefill; every later token equals plain decoding's, streamed or not, and both pools are
-unleaked after every step."""
+backend (``tests/loop_stand.py``), the KV sent chunk by chunk or layer by layer, drafts verified on
+the decode rank only. The first token comes from the prefill; every later token equals plain
+decoding's, streamed or not, and both pools are unleaked after every step."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from loop_stand import PDPair, reference
 from oracle import FREE_RULE, OracleProposer
 
 
-@pytest.fixture
-def pair():
-    p = PDPair(d_engine=dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4))
+@pytest.fixture(params=[False, True], ids=["chunk-level", "layer-wise"])
+def pair(request):
+    """The KV sent chunk by chunk, or layer by layer while the prefill computes (``layerwise``)."""
+    p = PDPair(d_engine=dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4), layerwise=request.param)
     yield p
     p.close()
 
