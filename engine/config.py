@@ -127,9 +127,8 @@ class EngineConfig:
         check_quantization(self.quantization)
         check_speculative(self.speculative_algorithm, self.speculative_num_draft_tokens,
                           self.speculative_draft_model_path, self.speculative_draft_quantization,
-                          self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size)
-        if not 1 <= self.speculative_ngram_branches <= 8:
-            raise ValueError(f"speculative_ngram_branches must be in [1, 8], got {self.speculative_ngram_branches}")
+                          self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
+                          self.speculative_ngram_branches)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -11,11 +11,15 @@ from pdserve.engine.quantization_names import QUANTIZATIONS
 NGRAM, STANDALONE = "NGRAM", "STANDALONE"
 SPECULATIVE_ALGORITHMS = (NGRAM, STANDALONE)
 MAX_DRAFT_TOKENS = 16  # per sequence and step: the verify step's query rows grow with it
+MAX_NGRAM_BRANCHES = 8  # NGRAM's candidate continuations merged into a draft tree
 
 
 def check_speculative(algorithm: str | None, num_draft_tokens: int, draft_model_path: str | None,
-                      draft_quantization: str | None, ngram_min_window: int, ngram_max_window: int) -> None:
+                      draft_quantization: str | None, ngram_min_window: int, ngram_max_window: int,
+                      ngram_branches: int = 1) -> None:
     """Raise ValueError naming the ``speculative_*`` field that is out of range or cannot combine."""
+    if not 1 <= ngram_branches <= MAX_NGRAM_BRANCHES:
+        raise ValueError(f"speculative_ngram_branches must be in [1, {MAX_NGRAM_BRANCHES}], got {ngram_branches}")
     if algorithm is None:
         if draft_model_path is not None or draft_quantization is not None:
             raise ValueError("speculative_draft_model_path and speculative_draft_quantization need "

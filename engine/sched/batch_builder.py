@@ -6,6 +6,7 @@ import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.sched.scheduler import ScheduledBatch
+from pdserve.engine.speculative.proposer import is_chain, tree_depths
 
 
 def input_logprob_rows(batch: ScheduledBatch) -> list[tuple[int, int, int]]:
@@ -127,13 +128,9 @@ def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str 
         draft, parents = batch.drafts[i], batch.draft_parents[i]
         end = start + n  # n == 1 + len(draft)
         input_ids.extend(req.fill_slice(start, start + 1) + draft)
-        depths: list[int] = []
-        for p in parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
         positions.append(start)
-        positions.extend(start + d for d in depths)
-        is_chain = parents == list(range(-1, len(parents) - 1))
-        trees.append(None if is_chain or not parents else list(parents))
+        positions.extend(start + d for d in tree_depths(parents))
+        trees.append(None if is_chain(parents) else list(parents))
         out_loc.extend(req.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))

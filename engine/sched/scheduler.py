@@ -51,6 +51,7 @@ from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import PrefixCache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.schedule_policy import order_waiting
+from pdserve.engine.speculative.proposer import is_chain
 
 StopCheck = Callable[[Req], "FinishReason | None"]
 
@@ -405,7 +406,7 @@ class Scheduler:
         batch.extend_lens = [1 + len(d) for d in drafts]
         if parents is not None:
             parents = [list(p[: len(d)]) for p, d in zip(parents, drafts)]
-            if any(p != list(range(-1, len(p) - 1)) for p in parents):
+            if not all(map(is_chain, parents)):
                 batch.draft_parents = parents
         return True
 

@@ -44,6 +44,7 @@ from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
+from pdserve.engine.speculative.proposer import chain_parents
 from pdserve.engine.speculative.spec_metrics import SpecStats
 from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
@@ -248,19 +249,16 @@ class SchedulerLoop:
             plain_out = self.sample([reqs[i] for i in plain], logits[[starts[i] for i in plain]], mask)
             spec = [i for i, d in enumerate(drafts) if d]
             rows = [logits[starts[i] : starts[i] + 1 + len(drafts[i])] for i in spec]  # 1 + nodes each
-            paths = None
-            if batch.draft_parents is not None:  # some draft is a tree: its accepted nodes move their KV
-                gained, paths = self.spec.verify_tree([reqs[i] for i in spec], [drafts[i] for i in spec],
-                                                      [batch.draft_parents[i] for i in spec], rows, self.rng)
-            else:
-                gained = self.spec.verify([reqs[i] for i in spec], [drafts[i] for i in spec], rows, self.rng)
+            parents = batch.draft_parents or [chain_parents(len(d)) for d in drafts]
+            gained, paths = self.spec.verify([reqs[i] for i in spec], [drafts[i] for i in spec],
+                                             [parents[i] for i in spec], rows, self.rng)
         accepted: list[list[int]] = [[] for _ in reqs]
         for k, i in enumerate(plain):
             accepted[i] = [plain_out.token_ids[k]]
         for k, i in enumerate(spec):
             accepted[i] = gained[k]
         out = SampleOutput([a[0] for a in accepted], accepted=accepted)
-        if paths is not None:
+        if batch.draft_parents is not None:  # some draft is a tree: its accepted nodes move their KV
             out.accepted_nodes = [[] for _ in reqs]
             for k, i in enumerate(spec):
                 out.accepted_nodes[i] = paths[k]

@@ -25,12 +25,12 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sched.scheduler import ForwardMode, ScheduledBatch, Scheduler
 from pdserve.engine.speculative.adaptive import AdaptiveRule
-from pdserve.engine.speculative.proposer import DraftInput
+from pdserve.engine.speculative.proposer import DraftInput, chain_parents, is_chain, tree_children, tree_depths
 from pdserve.engine.speculative.registry import create_proposer
 from pdserve.engine.speculative.spec_metrics import SpecStats
 from pdserve.engine.speculative.verify import (
     TreeUniforms, accept_greedy, accept_greedy_tree, accept_sampled, accept_sampled_tree, sample_row, sample_tree_row,
-    step_uniforms, target_probs, tree_children, tree_depths,
+    step_uniforms, target_probs,
 )
 from pdserve.kernels.sampling import greedy_ids
 
@@ -106,18 +106,12 @@ class Speculation:
         return DraftInput(req.rid, req.fill_ids, budget)
 
     # ----------------------------------------------------------------- verify
-    def verify(self, reqs: list[Req], drafts: list[list[int]], logits: list[torch.Tensor],
-               rng: random.Random) -> list[list[int]]:
-        """Per speculating request (``drafts[i]`` non-empty, a chain; ``logits[i]`` its [len + 1, vocab]
-        rows, float32): the tokens it gains. Counts each verify."""
-        chains = [list(range(-1, len(d) - 1)) for d in drafts]
-        return self.verify_tree(reqs, drafts, chains, logits, rng)[0]
-
-    def verify_tree(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],
-                    logits: list[torch.Tensor], rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
-        """As ``verify`` for drafts that may be trees (``parents[i]``: request i's nodes' parents; row
-        0 of ``logits[i]`` is the fed token's, row ``1 + j`` node j's): the tokens each request gains
-        and its accepted nodes, root to leaf. A chain is accepted exactly as ``verify`` accepts it."""
+    def verify(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],
+               logits: list[torch.Tensor], rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+        """Per speculating request (``drafts[i]`` non-empty, its nodes' parents ``parents[i]``: a chain
+        or a tree; ``logits[i]`` its [1 + len, vocab] rows, float32, row 0 the fed token's, row
+        ``1 + j`` node j's): the tokens it gains and its accepted nodes, root to leaf. Counts each
+        verify."""
         out: list[list[int]] = []
         paths: list[list[int]] = []
         greedy = [i for i, r in enumerate(reqs) if r.grammar is None and r.sampling_params.is_greedy]
@@ -129,7 +123,7 @@ class Speculation:
                 argmax[i] = ids[k : k + len(drafts[i]) + 1]
                 k += len(drafts[i]) + 1
         for i, (req, draft, par, rows) in enumerate(zip(reqs, drafts, parents, logits)):
-            chain = par == list(range(-1, len(draft) - 1))
+            chain = is_chain(par)
             if i in argmax:
                 if chain:
                     tokens = accept_greedy(argmax[i], draft)
@@ -175,7 +169,7 @@ class Speculation:
         if self._bitmask is None:
             self._bitmask = backend.allocate_bitmask(1)
         p = req.sampling_params
-        chain = parents == list(range(-1, len(draft) - 1))
+        chain = is_chain(parents)
         depths = max(tree_depths(parents), default=0) + 1
         uniforms = None
         if not p.is_greedy:
@@ -236,5 +230,5 @@ def draft_nodes(draft, budget: int, trees: bool) -> tuple[list[int], list[int]]:
     come before children, so the first nodes are a tree), or its first chain where trees are off."""
     if not trees:
         tokens = _chain(draft)[:budget]
-        return tokens, list(range(-1, len(tokens) - 1))
+        return tokens, chain_parents(len(tokens))
     return list(draft.tokens[:budget]), list(draft.parents[:budget])

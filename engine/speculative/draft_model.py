@@ -93,6 +93,14 @@ def check_same_vocabulary(draft: ModelRunner, target: ModelRunner, draft_path: s
                          "target's tokenizer")
 
 
+def draft_group_rows(runner: ModelRunner) -> int:
+    """The most rows a draft step of ``runner`` takes at once (0: any): int8 weights where larger
+    steps dequantize every matrix (no AMX), so a step of more rows than gemv takes costs several
+    times more than two steps of gemv's size; the draft's small steps go in groups of gemv's rows."""
+    plan = runner.model.plan
+    return plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
+
+
 # draft tokens caught up per propose call, over all its requests: a new request's prompt is taken in
 # slices of this over several steps rather than in one long forward inside a decode step
 CATCH_UP_TOKENS = 256
@@ -214,11 +222,7 @@ class DraftModelProposer:
         self.page_size = self.pool.page_size
         self.max_context = self.runner.arch.max_context_len
         self.chunk = config.chunked_prefill_size  # the most tokens one catch-up forward takes
-        # int8 weights where larger steps dequantize every matrix (no AMX): a step of more rows than
-        # gemv takes costs several times more than two steps of gemv's size, so the draft's small
-        # steps are split into groups of at most gemv's rows (a long catch-up goes whole)
-        plan = self.runner.model.plan
-        self.group_rows = plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
+        self.group_rows = draft_group_rows(self.runner)  # a long catch-up goes whole
         self._seqs: dict[str, _DraftSeq] = {}
         # what one draft token costs, in target decode steps: the adaptive rule's price of a guess
         self.cost_per_token = relative_step_cost(self.runner, target_runner, config.speculative_num_draft_tokens)

@@ -50,7 +50,32 @@ class Draft:
 
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "Draft":
-        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+        return cls(list(tokens), chain_parents(len(tokens)))
+
+
+def chain_parents(n: int) -> list[int]:
+    """The parents of a chain of ``n`` draft tokens: each the child of the one before."""
+    return list(range(-1, n - 1))
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    return list(parents) == chain_parents(len(parents))
+
+
+def tree_children(parents: Sequence[int]) -> list[list[int]]:
+    """``children[node + 1]``: the children of ``node`` (-1: the fed token) in index order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for j, p in enumerate(parents):
+        children[p + 1].append(j)
+    return children
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (the fed token is depth 0, its children 1); parents come before children."""
+    depth: list[int] = []
+    for p in parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    return depth
 
 
 class Proposer(Protocol):

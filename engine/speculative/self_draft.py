@@ -34,7 +34,7 @@ from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.parallel import all_reduce_min
 from pdserve.engine.speculative.draft_model import (COST_PAIRS, ScratchDecode, check_same_vocabulary,
-                                                    draft_engine_config)
+                                                    draft_engine_config, draft_group_rows)
 from pdserve.engine.speculative.proposer import Draft, DraftInput
 from pdserve.engine.speculative_names import STANDALONE
 
@@ -90,9 +90,7 @@ class SharedKVDraftProposer:
         check_same_vocabulary(self.runner, target_runner, None)
         self.page_size = self.pool.page_size
         self.max_context = self.runner.arch.max_context_len
-        # int8 weights where larger steps dequantize every matrix (no AMX): steps in groups of gemv's rows
-        plan = self.runner.model.plan
-        self.group_rows = plan.gemv_rows if plan.quantized and plan.gemv_rows and not plan.w8_amx else 0
+        self.group_rows = draft_group_rows(self.runner)
         self.cost_per_token = decode_step_cost(self.runner, target_runner, config.speculative_num_draft_tokens)
         logger.info("STANDALONE self-draft (%s) over the target's KV ready in %.1fs; a draft step costs %.2f "
                     "of the target's", self.runner.config.quantization, time.perf_counter() - t0,

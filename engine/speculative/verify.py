@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pdserve.engine.speculative.proposer import tree_children
 from pdserve.kernels.sampling import renorm_probs, seeded_uniform
 
 
@@ -81,22 +82,6 @@ def _draw(row: torch.Tensor, u: float) -> int:
     cdf = row.cumsum(0)
     pos = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype), right=True))
     return min(pos, row.shape[0] - 1)
-
-
-def tree_children(parents: Sequence[int]) -> list[list[int]]:
-    """``children[node + 1]``: the children of ``node`` (-1: the fed token) in index order."""
-    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for j, p in enumerate(parents):
-        children[p + 1].append(j)
-    return children
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth (the fed token is depth 0, its children 1); parents come before children."""
-    depth: list[int] = []
-    for p in parents:
-        depth.append(1 if p < 0 else depth[p] + 1)
-    return depth
 
 
 def accept_greedy_tree(target_ids: Sequence[int], tokens: Sequence[int],
