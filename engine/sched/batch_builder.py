@@ -51,17 +51,8 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
     logits_indices.extend(row for _, row, _ in input_logprob_rows(batch))
-    page_table = _page_table(batch, num_pages)
-    i64 = dict(dtype=torch.int64)
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, **i64).to(device),
-        positions=torch.tensor(positions, **i64).to(device),
-        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
-        page_table=page_table.to(device),
-        logits_indices=torch.tensor(logits_indices, **i64).to(device),
-        extend_lens=list(batch.extend_lens),
-        seq_lens=seq_lens,
-    )
+    return _forward_batch(device, input_ids, positions, out_loc, _page_table(batch, num_pages), logits_indices,
+                          list(batch.extend_lens), seq_lens)
 
 
 def build_chain_verify_batch(batch: ScheduledBatch, page_size: int,
@@ -100,16 +91,8 @@ def build_chain_verify_batch(batch: ScheduledBatch, page_size: int,
     # pad with page 0, the scratch page
     width = max((len(row) for row in table), default=0)
     page_table = torch.tensor([row + [0] * (width - len(row)) for row in table], dtype=torch.int32)
-    i64 = dict(dtype=torch.int64)
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, **i64).to(device),
-        positions=torch.tensor(positions, **i64).to(device),
-        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
-        page_table=page_table.view(len(table), width).to(device),
-        logits_indices=torch.tensor(logits_indices, **i64).to(device),
-        extend_lens=[1] * len(input_ids),
-        seq_lens=seq_lens,
-    )
+    return _forward_batch(device, input_ids, positions, out_loc, page_table.view(len(table), width), logits_indices,
+                          [1] * len(input_ids), seq_lens)
 
 
 def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str | torch.device = "cpu") -> ForwardBatch:
@@ -134,18 +117,8 @@ def build_tree_forward_batch(batch: ScheduledBatch, page_size: int, device: str 
         out_loc.extend(req.pages[p // page_size] * page_size + p % page_size for p in range(start, end))
         seq_lens.append(end)
         num_pages.append(-(-end // page_size))
-    page_table = _page_table(batch, num_pages)
-    i64 = dict(dtype=torch.int64)
-    return ForwardBatch(
-        input_ids=torch.tensor(input_ids, **i64).to(device),
-        positions=torch.tensor(positions, **i64).to(device),
-        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
-        page_table=page_table.to(device),
-        logits_indices=torch.arange(len(input_ids), **i64).to(device),
-        extend_lens=list(batch.extend_lens),
-        seq_lens=seq_lens,
-        tree_parents=trees,
-    )
+    return _forward_batch(device, input_ids, positions, out_loc, _page_table(batch, num_pages),
+                          range(len(input_ids)), list(batch.extend_lens), seq_lens, tree_parents=trees)
 
 
 def _page_table(batch: ScheduledBatch, num_pages: list[int]) -> torch.Tensor:
@@ -154,3 +127,19 @@ def _page_table(batch: ScheduledBatch, num_pages: list[int]) -> torch.Tensor:
     width = max(num_pages, default=0)
     return torch.tensor([req.pages[:n] + [0] * (width - n) for req, n in zip(batch.reqs, num_pages)],
                         dtype=torch.int32).view(len(batch.reqs), width)
+
+
+def _forward_batch(device, input_ids, positions, out_loc, page_table: torch.Tensor, logits_indices,
+                   extend_lens: list[int], seq_lens: list[int], **extra) -> ForwardBatch:
+    """The step's lists as the model's tensors on ``device``."""
+    i64 = dict(dtype=torch.int64)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, **i64).to(device),
+        positions=torch.tensor(positions, **i64).to(device),
+        out_cache_loc=torch.tensor(out_loc, **i64).to(device),
+        page_table=page_table.to(device),
+        logits_indices=torch.tensor(logits_indices, **i64).to(device),
+        extend_lens=extend_lens,
+        seq_lens=seq_lens,
+        **extra,
+    )
