@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from pdserve.kvtransfer.auth import FrameAuth, load_secret
-from pdserve.kvtransfer.transfer_engine import check_transfer_backend
+from pdserve.engine.kv_auth import FrameAuth, load_secret
+from pdserve.engine.transfer_backends import check_transfer_backend
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
 
 DEFAULT_BOOTSTRAP_PORT = 8998
@@ -42,7 +42,7 @@ class KVTransferConfig:
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = MAX_TOP_LOGPROBS  # a slot holds any output's top logprobs
     # a file holding the shared secret of the KV control plane (ZMQ frames and bootstrap PUT /route
-    # carry an HMAC made with it: kvtransfer/auth.py); "" leaves the control plane unauthenticated
+    # carry an HMAC made with it: engine/kv_auth.py); "" leaves the control plane unauthenticated
     auth_key_file: str = ""
 
     def __post_init__(self):

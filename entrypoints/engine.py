@@ -77,7 +77,6 @@ import uvloop
 
 from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
-from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.local_rank import STOP_JOIN_TIMEOUT, LocalRank
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.request_error import convert_body
@@ -85,8 +84,8 @@ from pdserve.engine.frontend.request_schemas import GenerateRequest
 from pdserve.engine.frontend.sequences import generate_sequences
 from pdserve.engine.frontend.rank_transport import ZmqTransport
 from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
-from pdserve.engine.entrypoints.loops import rank_loop_builder
-from pdserve.engine.entrypoints.serve import check_model, spawn_ranks, stop_ranks, watch_ranks
+from pdserve.entrypoints.loops import rank_loop_builder
+from pdserve.entrypoints.serve import check_model, spawn_ranks, start_bootstrap_server, stop_ranks, watch_ranks
 from pdserve.engine.server_config import ServerConfig
 
 ALIVE_CHECK_S = 0.5  # how often a blocked caller checks that the engine still runs
@@ -156,7 +155,7 @@ class Engine:
             self.arch = self.loop.arch
         else:
             from pdserve.engine.model_executor.model_loader import load_arch
-            from pdserve.engine.model_executor.tokenizer import load_tokenizer
+            from pdserve.engine.text.tokenizer import load_tokenizer
 
             self.loop = None
             self.arch = load_arch(self.config.model_path)

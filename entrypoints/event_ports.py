@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from pdserve.engine.entrypoints.procs import free_port_run
+from pdserve.entrypoints.procs import free_port_run
 from pdserve.engine.json_flags import json_object
 
 FLAG = "--kv-events-config"

@@ -1,18 +1,28 @@
-"""The rank loop of a disaggregation mode, with the PD roles registered.
+"""The rank loop of each disaggregation mode: one plain table.
 
-Importing ``prefill/loop_builder.py`` and ``decode/loop_builder.py`` registers their loops in
-``sched/loop_builders.py``; the entry points (the server, the offline Engine) know the mode and
-take its builder from here. The builders are module-level functions, so a spawned scheduler
-process receives one by name and imports its module itself.
+The entry points (the server, the offline Engine) know the mode and take its builder from here.
+The builders are module-level functions, so a spawned scheduler process receives one by name and
+imports its module itself.
 """
 
 from __future__ import annotations
 
-import pdserve.decode.loop_builder  # noqa: F401  registers "decode"
-import pdserve.prefill.loop_builder  # noqa: F401  registers "prefill"
-from pdserve.engine.sched.loop_builders import LoopBuilder, loop_builder
+from pdserve.decode.loop_builder import build_decode_loop
+from pdserve.engine.sched.loop_builder import LoopBuilder, build_null_loop
+from pdserve.prefill.loop_builder import build_prefill_loop
+
+# disaggregation mode (config.DISAGGREGATION_MODES) -> the builder of one (DP, TP) rank's loop
+LOOP_BUILDERS: dict[str, LoopBuilder] = {
+    "null": build_null_loop,
+    "prefill": build_prefill_loop,
+    "decode": build_decode_loop,
+}
 
 
 def rank_loop_builder(mode: str) -> LoopBuilder:
-    """The builder of one (DP, TP) rank's loop in ``mode``."""
-    return loop_builder(mode)
+    """The builder of one (DP, TP) rank's loop in ``mode``; a KeyError naming the modes otherwise."""
+    try:
+        return LOOP_BUILDERS[mode]
+    except KeyError:
+        raise KeyError(f"no loop builder for disaggregation mode {mode!r} "
+                       f"(known: {sorted(LOOP_BUILDERS)})") from None

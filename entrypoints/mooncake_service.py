@@ -22,7 +22,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_groups
+from pdserve.entrypoints.procs import free_port, spawn, stop_groups
 
 
 def binary(name: str) -> str:

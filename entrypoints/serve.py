@@ -28,10 +28,9 @@ import uvloop
 from aiohttp import web
 
 import pdserve.engine.env as env
-from pdserve.engine.entrypoints.cluster import free_port, split_cpus
-from pdserve.engine.entrypoints.loops import rank_loop_builder
+from pdserve.entrypoints.cluster import free_port, split_cpus
+from pdserve.entrypoints.loops import rank_loop_builder
 from pdserve.engine.frontend.drain import Drain
-from pdserve.engine.frontend.front_end import start_bootstrap_server
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
@@ -46,6 +45,24 @@ RANK_STOP_GRACE = 3.0  # seconds a rank killed at stop gets to be gone
 RANK_FLUSH_GRACE = 11.0  # the storage worker's CLOSE_FLUSH_S and a second
 MONITOR_INTERVAL = 0.2
 DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
+
+
+async def start_bootstrap_server(config: ServerConfig, metrics: ServerMetrics):
+    """In prefill mode, start the bootstrap server on the running event loop and return it (its
+    ``stop()`` is a coroutine); None in the other modes. The ranks register as they start; the
+    server and the offline ``Engine`` both start it here."""
+    if config.disaggregation_mode != "prefill":
+        return None
+    from pdserve.kvtransfer.bootstrap_server import BootstrapServer
+
+    bootstrap = BootstrapServer(
+        config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
+        auth=config.kv_transfer.frame_auth("bootstrap"),
+        on_refused=metrics.bootstrap_auth_refused.inc,
+    )
+    await bootstrap.start()
+    logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
+    return bootstrap
 
 
 def cpu_count() -> int:
@@ -153,7 +170,7 @@ def stop_ranks(procs: list[mp.Process]) -> None:
 
 
 async def serve(config: ServerConfig) -> int:
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

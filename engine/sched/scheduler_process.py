@@ -1,8 +1,8 @@
 """Entry function of one scheduler process: a DP rank, or one TP rank of it.
 
 ``run_scheduler_process`` builds the rank's loop with the builder it is
-given (``sched/loop_builders.py``: ``SchedulerLoop`` in colocated mode; the
-prefill and decode loops register themselves there), announces itself with
+given (the entry points' table, ``entrypoints/loops.py``: ``SchedulerLoop`` in
+colocated mode, ``PrefillLoop`` or ``DecodeLoop`` in the PD modes), announces itself with
 ``SchedulerReady``, then runs
 ``serve_rank``: receive ``SchedulerInput``s from the HTTP process, step while
 there is work, send the ``TokenOutput``s of each step (one message per step)
@@ -38,7 +38,7 @@ import msgspec
 import zmq
 
 from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerReady, SchedulerStats
-from pdserve.engine.sched.loop_builders import LoopBuilder
+from pdserve.engine.sched.loop_builder import LoopBuilder
 from pdserve.engine.sched.rank_control import RankControl
 from pdserve.engine.server_config import ServerConfig
 
@@ -96,7 +96,7 @@ def unpinned():
 
 def bootstrap_host(config: ServerConfig) -> str:
     """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
-    only (engine/entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
+    only (entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
     the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
     address would find no bootstrap server there, and decodes would wait for it in vain)."""
     if config.nnodes > 1:

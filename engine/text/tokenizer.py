@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from pdserve.engine.model_executor.chat_templates import resolve_chat_template
-from pdserve.engine.model_executor.model_loader import ModelSource, resolve_model_path
+from pdserve.engine.text.chat_templates import resolve_chat_template
+from pdserve.engine.model_source import ModelSource, resolve_model_path
 
 
 def load_tokenizer(model_path: str | None, tokenizer_path: str | None = None, chat_template: str | None = None):

@@ -4,7 +4,7 @@ with their predicted TTFT, ITL, goodput and cost, the nearest alternatives, and 
 servers would do it for less.
 
 Disaggregated: every (prefill profile, decode profile) pair, the fewest servers of each role whose
-predicted TTFT and ITL (engine/planner/scaling.py's models, at the SLO's quantile) meet the SLOs.
+predicted TTFT and ITL (entrypoints/planner/scaling.py's models, at the SLO's quantile) meet the SLOs.
 Cost = servers x TP size; goodput = the highest request rate those pools keep within the SLOs
 (bisection), so the headroom shows. (The planner's rule adds a utilisation cap on top, for the
 swings between intervals; a static recommendation for a stated rate does not need it.)
@@ -21,9 +21,9 @@ import math
 
 import msgspec
 
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import INF, Load, Slo, predict_itl, predict_ttft, ttft_quantile
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.profile import Profile
+from pdserve.entrypoints.planner.scaling import INF, Load, Slo, predict_itl, predict_ttft, ttft_quantile
 
 
 class Traffic(msgspec.Struct, frozen=True, kw_only=True):

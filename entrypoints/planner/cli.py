@@ -15,10 +15,10 @@ import os
 import sys
 from collections.abc import Callable
 
-from pdserve.engine.entrypoints.cluster import check_serve_flags
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.profiler import FULL, SHORT, measure
+from pdserve.entrypoints.flags import check_serve_flags
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.profiler import FULL, SHORT, measure
 
 
 def _cpus(text: str) -> list[int]:
@@ -92,7 +92,7 @@ def profile_main(argv: list[str], build_serve_parser: Callable[[], argparse.Argu
         (f" {' '.join(serve_args)}" if serve_args else "")
     profile = prof.new_profile(server, prefill, decode, note=note)
     prof.save(profile, ns.output)
-    from pdserve.engine.planner.plots import plot_profile
+    from pdserve.entrypoints.planner.plots import plot_profile
 
     png = plot_profile(profile, ns.plot or os.path.splitext(ns.output)[0] + ".png")
     print(f"[profile] wrote {ns.output} and {png}", flush=True)
@@ -123,8 +123,8 @@ def build_plan_parser() -> argparse.ArgumentParser:
 
 
 def plan_main(argv: list[str]) -> int:
-    from pdserve.engine.planner.advisor import Traffic, advise, verdict
-    from pdserve.engine.planner.scaling import Slo
+    from pdserve.entrypoints.planner.advisor import Traffic, advise, verdict
+    from pdserve.entrypoints.planner.scaling import Slo
 
     parser = build_plan_parser()
     ns = parser.parse_args(argv)
@@ -192,10 +192,10 @@ _PLANNER_HELP = {
 def build_planner_parser() -> argparse.ArgumentParser:
     import dataclasses
 
-    from pdserve.engine.entrypoints.cli import add_dataclass_flags
-    from pdserve.engine.planner.connector import CONNECTORS
-    from pdserve.engine.planner.planner_config import PlannerConfig
-    from pdserve.engine.planner.predictor import PREDICTORS
+    from pdserve.entrypoints.flags import add_dataclass_flags
+    from pdserve.entrypoints.planner.connector import CONNECTORS
+    from pdserve.entrypoints.planner.planner_config import PlannerConfig
+    from pdserve.entrypoints.planner.predictor import PREDICTORS
 
     p = argparse.ArgumentParser(prog="pdserve planner", allow_abbrev=False,
                                 description="Scale the prefill and decode pools to the SLOs. With --connector local, "
@@ -206,7 +206,7 @@ def build_planner_parser() -> argparse.ArgumentParser:
 
 
 def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]):
-    from pdserve.engine.planner.planner_config import PlannerConfig
+    from pdserve.entrypoints.planner.planner_config import PlannerConfig
 
     parser = build_planner_parser()
     ns, rest = parser.parse_known_args(argv)
@@ -220,8 +220,8 @@ def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argpars
 def planner_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> int:
     import logging
 
-    from pdserve.engine.planner.planner_process import serve_planner
-    from pdserve.engine.planner.profile import ProfileMismatch
+    from pdserve.entrypoints.planner.planner_process import serve_planner
+    from pdserve.entrypoints.planner.profile import ProfileMismatch
 
     try:
         config = parse_planner_args(argv, build_serve_parser)

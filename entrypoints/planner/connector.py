@@ -3,20 +3,20 @@ the CLI's choices, and each implementation imported only when chosen (``kubernet
 official client, ``local`` the launcher).
 
 - ``virtual``: records the decisions only (the simulator reads them; a dry run logs them);
-- ``local``: the servers of a ``pdserve launch`` cluster (engine/planner/local_connector.py);
-- ``kubernetes``: the StatefulSets of deploy/k8s (engine/planner/k8s_connector.py).
+- ``local``: the servers of a ``pdserve launch`` cluster (entrypoints/planner/local_connector.py);
+- ``kubernetes``: the StatefulSets of deploy/k8s (entrypoints/planner/k8s_connector.py).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from pdserve.engine.planner.scaling import Counts
+from pdserve.entrypoints.planner.scaling import Counts
 
 CONNECTORS = {
-    "virtual": "pdserve.engine.planner.connector:VirtualConnector",
-    "local": "pdserve.engine.planner.local_connector:LocalConnector",
-    "kubernetes": "pdserve.engine.planner.k8s_connector:KubernetesConnector",
+    "virtual": "pdserve.entrypoints.planner.connector:VirtualConnector",
+    "local": "pdserve.entrypoints.planner.local_connector:LocalConnector",
+    "kubernetes": "pdserve.entrypoints.planner.k8s_connector:KubernetesConnector",
 }
 
 
@@ -57,7 +57,7 @@ class VirtualConnector(Connector):
     @classmethod
     def from_config(cls, config, metrics) -> "VirtualConnector":
         """Starts from the router's workers in rotation (the minima when it does not answer)."""
-        from pdserve.engine.planner.router_api import RouterApi
+        from pdserve.entrypoints.planner.router_api import RouterApi
 
         try:
             listing = RouterApi(config.router, config.api_key, config.scrape_timeout).workers()

@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from pdserve.engine.planner.connector import Connector
-from pdserve.engine.planner.router_api import RouterApi, RouterApiError
-from pdserve.engine.planner.scaling import Counts
+from pdserve.entrypoints.planner.connector import Connector
+from pdserve.entrypoints.planner.router_api import RouterApi, RouterApiError
+from pdserve.entrypoints.planner.scaling import Counts
 
 log = logging.getLogger("pdserve.planner.kubernetes")
 ROLES = ("prefill", "decode")

@@ -22,7 +22,7 @@ import subprocess
 import threading
 from collections.abc import Callable
 
-from pdserve.engine.planner.planner_config import PlannerConfig
+from pdserve.entrypoints.planner.planner_config import PlannerConfig
 
 # flags of `pdserve planner` that launch sets itself
 OWNED_PLANNER_FLAGS = ("--router", "--connector", "--log-dir", "--transfer-backend", "--leave-servers",
@@ -42,7 +42,7 @@ def planner_config(planner_args: tuple[str, ...], router: str, port: int, host: 
     """The PlannerConfig of ``pdserve launch --planner``: ``planner_args`` are `pdserve planner`
     flags (``--profile``, SLOs, ``--min/--max-prefill/decode``, ``--cooldown``, ``--budget``, ...);
     ValueError naming a flag that launch sets itself or an unknown one."""
-    from pdserve.engine.planner.cli import build_planner_parser
+    from pdserve.entrypoints.planner.cli import build_planner_parser
 
     for flag in planner_args:
         name = flag.split("=")[0]
@@ -96,7 +96,7 @@ class LaunchPlanner:
             self.handler = None
 
     def _run(self) -> None:
-        from pdserve.engine.planner.planner_process import serve_planner
+        from pdserve.entrypoints.planner.planner_process import serve_planner
 
         async def main() -> None:
             self.loop = asyncio.get_running_loop()

@@ -26,10 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from pdserve.engine.entrypoints.event_ports import with_own_event_ports
-from pdserve.engine.planner.connector import Connector
-from pdserve.engine.planner.router_api import RouterApi, RouterApiError
-from pdserve.engine.planner.scaling import Counts
+from pdserve.entrypoints.event_ports import with_own_event_ports
+from pdserve.entrypoints.planner.connector import Connector
+from pdserve.entrypoints.planner.router_api import RouterApi, RouterApiError
+from pdserve.entrypoints.planner.scaling import Counts
 
 log = logging.getLogger("pdserve.planner.local")
 ROLES = ("prefill", "decode")
@@ -119,7 +119,7 @@ class LocalConnector(Connector):
                 self._scale_down(role, have - want)
 
     def _start(self, role: str) -> None:
-        from pdserve.engine.entrypoints.procs import free_port, spawn
+        from pdserve.entrypoints.procs import free_port, spawn
 
         port = free_port(self.host)
         bootstrap = free_port(self.host) if role == "prefill" else None
@@ -132,7 +132,7 @@ class LocalConnector(Connector):
         log.info("starting a %s server at http://%s:%d (log %s)", role, self.host, port, log_path)
 
     def _check_start(self, s: _Server) -> None:
-        from pdserve.engine.entrypoints.procs import get_json, log_tail, stop_group
+        from pdserve.entrypoints.procs import get_json, log_tail, stop_group
 
         failed = None
         if s.proc.poll() is not None:
@@ -164,7 +164,7 @@ class LocalConnector(Connector):
 
     # --- stopping -----------------------------------------------------------------------------------
     def _scale_down(self, role: str, n: int) -> None:
-        from pdserve.engine.entrypoints.procs import stop_group
+        from pdserve.entrypoints.procs import stop_group
 
         with self.lock:
             order = self._mine(role, "starting") + sorted(self._mine(role, "ready"), key=lambda s: -s.started)
@@ -185,7 +185,7 @@ class LocalConnector(Connector):
         """Scale-down always drains: no new requests, the ones in flight finish, then it stops. A
         server is stopped only once drained (or when its process ended by itself): a drain that
         outlasts ``drain_timeout`` is logged and waited for again."""
-        from pdserve.engine.entrypoints.procs import stop_group
+        from pdserve.entrypoints.procs import stop_group
 
         t0 = time.monotonic()
         while s.proc.poll() is None:

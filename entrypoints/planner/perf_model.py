@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from pdserve.engine.planner.profile import Profile
+from pdserve.entrypoints.planner.profile import Profile
 
 # the largest decode batch the planner considers when the profile gives no KV capacity
 DEFAULT_MAX_BATCH = 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.engine.planner.connector import CONNECTORS
-from pdserve.engine.planner.predictor import PREDICTORS
+from pdserve.entrypoints.planner.connector import CONNECTORS
+from pdserve.entrypoints.planner.predictor import PREDICTORS
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from pdserve.engine.frontend.prometheus_text import exposition
-from pdserve.engine.planner.sla_planner import Step
+from pdserve.engine.prometheus_text import exposition
+from pdserve.entrypoints.planner.sla_planner import Step
 
 ROLES = ("prefill", "decode")
 

@@ -1,5 +1,5 @@
 """The ``pdserve planner`` process: one asyncio loop that every ``adjustment_interval`` scrapes the
-router (engine/planner/scrape.py), steps the SLA planner (engine/planner/sla_planner.py), logs the
+router (entrypoints/planner/scrape.py), steps the SLA planner (entrypoints/planner/sla_planner.py), logs the
 decision with its inputs as one JSON line, exposes it on its own ``/metrics``, and hands the counts
 to the connector. A failed or nonsense scrape holds the last decision (counted in
 ``pdserve_planner_held_decisions_total``); the connector is polled every second for its
@@ -21,14 +21,14 @@ import time
 import msgspec
 from aiohttp import web
 
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.connector import Connector, connector_class
-from pdserve.engine.planner.planner_config import PlannerConfig
-from pdserve.engine.planner.planner_metrics import PlannerMetrics
-from pdserve.engine.planner.profiler import describe
-from pdserve.engine.planner.scaling import Counts, Limits, Slo
-from pdserve.engine.planner.scrape import ScrapeError, observe, scrape
-from pdserve.engine.planner.sla_planner import SlaPlanner, Step
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.connector import Connector, connector_class
+from pdserve.entrypoints.planner.planner_config import PlannerConfig
+from pdserve.entrypoints.planner.planner_metrics import PlannerMetrics
+from pdserve.entrypoints.planner.profiler import describe
+from pdserve.entrypoints.planner.scaling import Counts, Limits, Slo
+from pdserve.entrypoints.planner.scrape import ScrapeError, observe, scrape
+from pdserve.entrypoints.planner.sla_planner import SlaPlanner, Step
 
 log = logging.getLogger("pdserve.planner")
 POLL_S = 1.0

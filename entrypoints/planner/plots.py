@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.planner.profile import Profile
+from pdserve.entrypoints.planner.profile import Profile
 
 
 def _pyplot():

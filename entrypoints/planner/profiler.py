@@ -24,7 +24,7 @@ import time
 import aiohttp
 import msgspec
 
-from pdserve.engine.planner.profile import DecodePoint, PrefillPoint, ServerDescription
+from pdserve.entrypoints.planner.profile import DecodePoint, PrefillPoint, ServerDescription
 
 TOKEN_ID_RANGE = (1000, 20000)  # ordinary word pieces in every supported vocabulary
 

@@ -32,7 +32,7 @@ from statistics import NormalDist
 
 import msgspec
 
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
 
 INF = float("inf")
 

@@ -1,6 +1,6 @@
 """What the planner reads each interval: the router's ``/metrics`` and ``/workers``, and the
 ``/metrics`` of each worker in rotation, reduced to one ``Snapshot`` of cumulative counters and
-current gauges; two snapshots make an ``Observation`` (engine/planner/sla_planner.py).
+current gauges; two snapshots make an ``Observation`` (entrypoints/planner/sla_planner.py).
 
 From the router: finished requests (``pdserve_router_requests_total`` of the inference routes),
 TTFT (``pdserve_router_ttft_seconds``), the requests in flight on each worker
@@ -24,7 +24,7 @@ import urllib.request
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.engine.planner.sla_planner import Observation
+from pdserve.entrypoints.planner.sla_planner import Observation
 
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 

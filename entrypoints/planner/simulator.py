@@ -26,12 +26,12 @@ from collections import deque
 
 import msgspec
 
-from pdserve.engine.planner.connector import VirtualConnector
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import Counts, Slo
-from pdserve.engine.planner.sla_planner import Observation, SlaPlanner
-from pdserve.engine.planner.trace import Request
+from pdserve.entrypoints.planner.connector import VirtualConnector
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.profile import Profile
+from pdserve.entrypoints.planner.scaling import Counts, Slo
+from pdserve.entrypoints.planner.sla_planner import Observation, SlaPlanner
+from pdserve.entrypoints.planner.trace import Request
 
 
 class SimConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,11 +15,11 @@ from collections import deque
 
 import msgspec
 
-from pdserve.engine.planner.correction import Correction
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.predictor import make_predictor
-from pdserve.engine.planner.profile import Profile
-from pdserve.engine.planner.scaling import (Counts, Decision, Limits, Load, Slo, decide, decode_context, token_batch,
+from pdserve.entrypoints.planner.correction import Correction
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.predictor import make_predictor
+from pdserve.entrypoints.planner.profile import Profile
+from pdserve.entrypoints.planner.scaling import (Counts, Decision, Limits, Load, Slo, decide, decode_context, token_batch,
                                             mean_ttft_lower)
 
 LENGTH_WINDOW = 10  # intervals the mean input and output lengths are taken over
