@@ -1,9 +1,8 @@
-"""Registers the decode rank's loop: a ``DecodeLoop`` over its model and a started
-``DecodeKVManager`` (the entry points import this module; ``sched/loop_builders.py``)."""
+"""The decode rank's loop: a ``DecodeLoop`` over its model and a started ``DecodeKVManager``
+(the entry points' table of loop builders, ``entrypoints/loops.py``, names this builder)."""
 
 from __future__ import annotations
 
-from pdserve.engine.sched.loop_builders import register_loop_builder
 from pdserve.engine.sched.scheduler_process import unpinned
 from pdserve.engine.server_config import ServerConfig
 
@@ -22,5 +21,3 @@ def build_decode_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     return DecodeLoop(config.engine, kv, dp_rank=dp_rank, runner=runner,
                       max_local_prefill_tokens=config.max_local_prefill_tokens)
 
-
-register_loop_builder("decode", build_decode_loop)

@@ -2,6 +2,6 @@
 
 import sys
 
-from pdserve.engine.entrypoints.cli import serve_main
+from pdserve.entrypoints.cli import serve_main
 
 sys.exit(serve_main(sys.argv[1:]))

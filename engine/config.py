@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 from pdserve.engine.mem_cache.hicache_names import check_hicache
 from pdserve.engine.mem_cache.storage_backend import parse_extra_config
-from pdserve.engine.model_executor.chat_templates import check_chat_template
+from pdserve.engine.text.chat_templates import check_chat_template
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.speculative_names import check_speculative
 from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend

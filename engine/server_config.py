@@ -14,10 +14,10 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
-from pdserve.engine.model_executor.tool_parsers import TOOL_CALL_PARSERS
+from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # KVTransferConfig field -> its flag's name (``--disaggregation-...``, SGLang's); the other fields are not flags

@@ -12,7 +12,7 @@ import urllib.request
 
 import msgspec
 
-from pdserve.kvtransfer.auth import AUTH_HEADER, FrameAuth
+from pdserve.engine.kv_auth import AUTH_HEADER, FrameAuth
 from pdserve.kvtransfer.messages import RankRegistration, Topology
 
 TIMEOUT_S = 5.0

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from pdserve.kvtransfer.auth import AUTH_HEADER, AuthError, FrameAuth
-from pdserve.kvtransfer.config import DEFAULT_BOOTSTRAP_PORT
+from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
+from pdserve.engine.kv_transfer_config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import RankRegistration, Topology
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxPool
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.errors import TransferEngineError
 from pdserve.kvtransfer.head_slices import TPPlace
 from pdserve.kvtransfer.kv_manager import KVManager

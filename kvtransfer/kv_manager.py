@@ -30,8 +30,8 @@ import zmq
 
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.mem_cache.page_pool import PagePool
-from pdserve.kvtransfer.auth import AuthError
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_auth import AuthError
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.room_metrics import RoomMetrics
 from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
 

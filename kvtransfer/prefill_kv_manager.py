@@ -20,7 +20,7 @@ from collections.abc import Callable
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxData
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.decode_peers import DecodePeer, DecodePeers
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
 from pdserve.kvtransfer.head_slices import TPPlace

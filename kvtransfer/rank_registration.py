@@ -18,7 +18,7 @@ import time
 import urllib.error
 
 import pdserve.kvtransfer.messages as m
-from pdserve.kvtransfer.auth import FrameAuth
+from pdserve.engine.kv_auth import FrameAuth
 from pdserve.kvtransfer.bootstrap_client import register_rank
 
 logger = logging.getLogger(__name__)

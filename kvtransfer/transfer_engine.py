@@ -8,11 +8,11 @@ gets ``TransferEngineError`` subclasses, never a bare ``-1``.
 from __future__ import annotations
 
 import enum
-import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from pdserve.engine.transfer_backends import TRANSFER_ENGINES, check_transfer_backend, load_transfer_factory
 from pdserve.kvtransfer.errors import TransferEngineError
 
 
@@ -131,44 +131,7 @@ class TransferEngine(ABC):
         """Release the engine; no call is valid afterwards."""
 
 
-# name -> "module:Class"; imported only when chosen, so a missing library only
-# breaks the backend that needs it. These names are the CLI's choices.
-TRANSFER_ENGINES: dict[str, str] = {
-    "mooncake": "pdserve.kvtransfer.mooncake_engine:MooncakeTransferEngine",
-    "nixl": "pdserve.kvtransfer.nixl_engine:NixlTransferEngine",
-    "local": "pdserve.kvtransfer.local_engine:LocalTransferEngine",  # in one process (unit tests)
-}
-
-
-def is_external_spec(backend: str) -> bool:
-    """A backend given as ``module:attr`` (an importable factory) rather than a registered name."""
-    return ":" in backend
-
-
-def check_transfer_backend(backend: str) -> None:
-    """Raise ValueError unless ``backend`` is a registered name or an importable ``module:attr``
-    factory ``(host, ib_device) -> TransferEngine`` (checked by importing it, so a typo fails
-    before any process starts)."""
-    if not is_external_spec(backend):
-        if backend not in TRANSFER_ENGINES:
-            raise ValueError(f"unknown transfer backend {backend!r}; choose from {sorted(TRANSFER_ENGINES)} "
-                             "or give an importable 'module:attr' factory")
-        return
-    _load(backend)
-
-
-def _load(spec: str):
-    module, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"transfer backend {spec!r} cannot be imported: {e}") from e
-    if not callable(factory):
-        raise ValueError(f"transfer backend {spec!r} is not callable")
-    return factory
-
-
 def create_transfer_engine(name: str, host: str, ib_device: str = "") -> TransferEngine:
     """Build the engine registered as ``name``, or made by the ``module:attr`` factory ``name``."""
     check_transfer_backend(name)
-    return _load(TRANSFER_ENGINES.get(name, name))(host, ib_device)
+    return load_transfer_factory(TRANSFER_ENGINES.get(name, name))(host, ib_device)

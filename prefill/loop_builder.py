@@ -1,9 +1,8 @@
-"""Registers the prefill rank's loop: a ``PrefillLoop`` over its model and a started
-``PrefillKVManager`` (the entry points import this module; ``sched/loop_builders.py``)."""
+"""The prefill rank's loop: a ``PrefillLoop`` over its model and a started ``PrefillKVManager``
+(the entry points' table of loop builders, ``entrypoints/loops.py``, names this builder)."""
 
 from __future__ import annotations
 
-from pdserve.engine.sched.loop_builders import register_loop_builder
 from pdserve.engine.sched.scheduler_process import bootstrap_host, unpinned
 from pdserve.engine.server_config import ServerConfig
 
@@ -24,5 +23,3 @@ def build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
         ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 
-
-register_loop_builder("prefill", build_prefill_loop)

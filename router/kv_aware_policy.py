@@ -83,8 +83,7 @@ def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, float], num_bl
 def prompt_ids(tokenizer, body: dict) -> list[int] | None:
     """The prompt's token ids as the worker computes them; None for a batch, an unknown shape, or
     text without a ``tokenizer`` (None: not loaded; a prompt of token ids needs none)."""
-    from pdserve.engine.frontend.sequences import ChatPrompt
-    from pdserve.engine.frontend.tokenizer_manager import encode_prompt
+    from pdserve.engine.text.prompt import ChatPrompt, encode_prompt
 
     ids = body.get("input_ids")
     if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
@@ -277,7 +276,7 @@ class KVAwarePolicy(Policy):
         self._subscribed.add(url)
 
     def _load_tokenizer(self, model_path: str | None) -> None:
-        from pdserve.engine.model_executor.tokenizer import load_tokenizer
+        from pdserve.engine.text.tokenizer import load_tokenizer
 
         t0 = time.monotonic()
         try:

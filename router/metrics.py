@@ -16,7 +16,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from pdserve.engine.frontend.prometheus_text import exposition
+from pdserve.engine.prometheus_text import exposition
 from pdserve.router.local_prefill import LocalReason
 from pdserve.router.policy import Policy
 from pdserve.router.worker_registry import WorkerRegistry

@@ -41,7 +41,7 @@ class PromptTokenizer:
         threading.Thread(target=self._load, args=(path,), daemon=True, name="pdserve-router-tokenizer").start()
 
     def _load(self, path: str | None) -> None:
-        from pdserve.engine.model_executor.tokenizer import load_tokenizer
+        from pdserve.engine.text.tokenizer import load_tokenizer
 
         t0 = time.monotonic()
         try:

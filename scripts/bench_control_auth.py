@@ -26,7 +26,7 @@ import torch
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import BootstrapServer, DecodeKVManager, KVPoll, KVTransferConfig, PrefillKVManager
-from pdserve.kvtransfer.auth import FrameAuth
+from pdserve.engine.kv_auth import FrameAuth
 
 PAGE_SIZE = 16
 

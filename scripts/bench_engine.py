@@ -66,7 +66,7 @@ from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, ste
 from pdserve.engine.model_executor.model_runner import cpu_supports_bf16  # noqa: E402
 from pdserve.engine.model_executor.layers import can_prepack  # noqa: E402
 from pdserve.engine.quantization_names import QUANTIZATIONS, UNQUANTIZED  # noqa: E402
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, spawn, stop_group, wait_healthy  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -11,7 +11,7 @@ conversation from one prefill server to the other):
         no finished sequence (``--disable-radix-cache`` there: no decode prefix reuse, as before it)
   L2    ``--enable-hierarchical-cache`` on every server (a host tier that holds every conversation)
   L3    L2 plus ``--hicache-storage-backend mooncake`` on every server: a real ``mooncake_master``
-        and a standalone ``mooncake_client`` holding the objects (engine/entrypoints/mooncake_service.py);
+        and a standalone ``mooncake_client`` holding the objects (entrypoints/mooncake_service.py);
         the decode writes each finished sequence (prompt and answer) back to the store
 
 Each prefill server's KV pool holds about a quarter of the live conversations. The decode's
@@ -50,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 
 from benchlib import multi_turn, server_metrics  # noqa: E402
 
-from pdserve.engine.entrypoints.mooncake_service import MooncakeService  # noqa: E402
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
+from pdserve.entrypoints.mooncake_service import MooncakeService  # noqa: E402
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
 
 HOST = "127.0.0.1"
 PAGE = 16  # the servers' --page-size (the default)
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the finally blocks stop the servers
     log_dir = tempfile.mkdtemp(prefix="pdserve-hicache-pd-")
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path)
     extra_turns = 2 if "L3" in args.configs else 0

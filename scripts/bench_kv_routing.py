@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is no
 
 import bench_serving  # noqa: E402
 
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
 from pdserve.router.policy import POLICY_NAMES  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds: the finally blocks stop the servers
     log_dir = tempfile.mkdtemp(prefix="pdserve-kv-routing-")
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
     from benchlib import datasets
 
     rows = datasets.sample_shared_prefix(load_tokenizer(args.model_path), args.sp_num_groups,

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     args = cd.parse_args(["--workloads", "mixed", "--num-prompts", str(a.num_prompts), "--long-input-len",
                           str(a.long_input_len), "--long-period", str(a.long_period)])
     args.rate = a.rate
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path)
     chunk = ("--chunked-prefill-size", str(a.chunk))

@@ -45,7 +45,7 @@ for sub in ("tests", "tests/multinode", "tests/pd"):
 from netns_stand import NET, namespaces, ns_request, wait_up  # noqa: E402
 from pd_stand import Proc, Server  # noqa: E402
 
-from pdserve.engine.entrypoints.procs import free_port  # noqa: E402
+from pdserve.entrypoints.procs import free_port  # noqa: E402
 
 LOAD = r"""
 import json, sys, time, requests

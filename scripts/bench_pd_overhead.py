@@ -45,7 +45,7 @@ from pathlib import Path
 
 import requests
 
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1K = 1.10

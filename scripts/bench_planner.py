@@ -1,7 +1,7 @@
 """The SLA planner against static clusters on the daily trace, in one invocation (issue 32).
 
 Replays the trace (scripts/gen_planner_trace.py's, generated here with the same seed, or --trace)
-in the simulator (engine/planner/simulator.py) against servers modelled by a measured profile:
+in the simulator (entrypoints/planner/simulator.py) against servers modelled by a measured profile:
 
 1. the planner in the loop, once per predictor (constant, moving_average, peak);
 2. the static cluster sized for the peak: the scaling rule's counts at the trace's highest
@@ -29,14 +29,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from gen_planner_trace import add_shape_flags, shape_from  # noqa: E402
 
-from pdserve.engine.planner import profile as prof  # noqa: E402
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel  # noqa: E402
-from pdserve.engine.planner.plots import plot_runs  # noqa: E402
-from pdserve.engine.planner.predictor import PREDICTORS  # noqa: E402
-from pdserve.engine.planner.scaling import Counts, Limits, Load, Slo, decide  # noqa: E402
-from pdserve.engine.planner.simulator import SimConfig, simulate  # noqa: E402
-from pdserve.engine.planner.sla_planner import SlaPlanner  # noqa: E402
-from pdserve.engine.planner.trace import daily_trace, read_csv  # noqa: E402
+from pdserve.entrypoints.planner import profile as prof  # noqa: E402
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel  # noqa: E402
+from pdserve.entrypoints.planner.plots import plot_runs  # noqa: E402
+from pdserve.entrypoints.planner.predictor import PREDICTORS  # noqa: E402
+from pdserve.entrypoints.planner.scaling import Counts, Limits, Load, Slo, decide  # noqa: E402
+from pdserve.entrypoints.planner.simulator import SimConfig, simulate  # noqa: E402
+from pdserve.entrypoints.planner.sla_planner import SlaPlanner  # noqa: E402
+from pdserve.entrypoints.planner.trace import daily_trace, read_csv  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_PROFILE = os.path.join(HERE, "..", "results", "planner_profile_smollm2_cpu.json")

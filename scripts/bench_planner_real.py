@@ -24,9 +24,9 @@ import urllib.request
 
 import aiohttp
 
-from pdserve.engine.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_group
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, stream_times
+from pdserve.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_group
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.profiler import TOKEN_ID_RANGE, stream_times
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -80,7 +80,7 @@ def main() -> int:
     rates = [ns.low, ns.high, ns.low]
     port, planner_port = free_port(), free_port()
     url, planner = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{planner_port}"
-    argv = [sys.executable, "-m", "pdserve.engine.entrypoints.cli", "launch", "--prefill", "1", "--decode", "1",
+    argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "launch", "--prefill", "1", "--decode", "1",
             "--port", str(port), "--log-dir", ns.out_dir, *serve, "--planner", "--planner-port", str(planner_port),
             f"--planner-arg=--profile={ns.profile}", f"--planner-arg=--ttft-slo={ns.ttft_slo}",
             f"--planner-arg=--itl-slo={ns.itl_slo}", "--planner-arg=--adjustment-interval=10",

@@ -37,7 +37,7 @@ import time
 
 import aiohttp
 
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_groups
+from pdserve.entrypoints.procs import free_port, spawn, stop_groups
 
 PY = sys.executable
 # the stand-in worker is test code (it imports nothing of pdserve): run by path, as its own process

@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_tokenizer_for(args: argparse.Namespace):
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(args.tokenizer or args.model_path)
 

@@ -50,7 +50,7 @@ from benchlib.client import GenerateBackend  # noqa: E402
 from benchlib.datasets import DatasetRow  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -272,7 +272,7 @@ def disaggregated(args, rows, tokenizer) -> dict[tuple[str, str, int], float]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.makedirs(args.logs, exist_ok=True)
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
     rows = workloads(tokenizer, args.output_len)

@@ -31,7 +31,7 @@ import os
 import statistics
 import time
 
-from pdserve.engine.entrypoints.engine import Engine
+from pdserve.entrypoints.engine import Engine
 
 SCHEMA = {
     "type": "object",

@@ -33,12 +33,12 @@ import torch
 import torch.distributed as dist
 
 from bench_model import ours_generate
-from pdserve.engine.entrypoints.cluster import free_port, split_cpus
+from pdserve.entrypoints.cluster import free_port, split_cpus
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor import parallel
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
 from pdserve.engine.model_executor.model_runner import ModelRunner
-from pdserve.engine.model_executor.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 HEADS, KV_HEADS = 8, 2  # a 2-way splittable variant of SmolLM2-135M's 9 / 3 (same head dim 64)
 

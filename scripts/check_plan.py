@@ -23,12 +23,12 @@ import time
 
 import aiohttp
 
-from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profiler import SHORT, TOKEN_ID_RANGE, describe, measure, stream_times
-from pdserve.engine.planner.scaling import Load, predict_itl, predict_ttft
-from pdserve.engine.entrypoints.procs import get_json
+from pdserve.entrypoints.cluster import Cluster, LaunchConfig
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.profiler import SHORT, TOKEN_ID_RANGE, describe, measure, stream_times
+from pdserve.entrypoints.planner.scaling import Load, predict_itl, predict_ttft
+from pdserve.entrypoints.procs import get_json
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -62,8 +62,8 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
 
-from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig  # noqa: E402
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
+from pdserve.entrypoints.cluster import Cluster, LaunchConfig  # noqa: E402
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
 
 SETUPS = ("colocated", "1p1d", "1p1d+local")
 INTERFERENCE_LONG_RATIO = 0.75  # interference's long prompts: lengths uniform from 3/4 of the flag's
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.makedirs(args.out_dir, exist_ok=True)
     log_dir = tempfile.mkdtemp(prefix="pdserve-compare-")
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_path)
     cores = len(os.sched_getaffinity(0))

@@ -1,6 +1,6 @@
 """Write the planner's benchmark trace as CSV (arrival_s,input_len,output_len).
 
-The shape (engine/planner/trace.py, ``TraceShape``): one day compressed into --duration seconds, a
+The shape (entrypoints/planner/trace.py, ``TraceShape``): one day compressed into --duration seconds, a
 raised cosine from a night trough (04:00, --trough of the peak) to an afternoon peak (16:00,
 --peak-rate req/s), a --burst-factor burst for 2% of the day from 10:00 and a quiet period (2% of
 the peak) for 4% of the day from 20:00; Poisson arrivals by thinning; log-normal input (mean 300,
@@ -16,7 +16,7 @@ import argparse
 
 import msgspec
 
-from pdserve.engine.planner.trace import TraceShape, daily_trace, write_csv
+from pdserve.entrypoints.planner.trace import TraceShape, daily_trace, write_csv
 
 _D = TraceShape()
 

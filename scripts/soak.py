@@ -47,7 +47,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.engine.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("completed", "error", "disconnected", "hung")

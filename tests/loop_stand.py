@@ -27,7 +27,7 @@ from pdserve.engine.messages import BootstrapInfo, TokenizedGenerateReq, TokenOu
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
 from pdserve.kvtransfer.prefill_kv_manager import PrefillKVManager
 from pdserve.prefill.prefill_loop import PrefillLoop

@@ -32,7 +32,7 @@ import torch
 
 from pdserve.engine.frontend.rank_transport import OnMessages, RankTransport
 from pdserve.engine.messages import SchedulerError, SchedulerInput
-from pdserve.engine.sched.scheduler_process import ready_info, serve_rank
+from pdserve.engine.sched.rank_loop import ready_info, serve_rank
 
 logger = logging.getLogger(__name__)
 

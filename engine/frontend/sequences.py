@@ -10,7 +10,7 @@ takes the same path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,15 +44,7 @@ from pdserve.engine.frontend.value_checks import (
 )
 from pdserve.engine.messages import BootstrapInfo
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
-
-
-@dataclass
-class ChatPrompt:
-    """Messages to render with the model's chat template."""
-
-    messages: list[dict[str, Any]]
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+from pdserve.engine.text.prompt import ChatPrompt
 
 
 @dataclass

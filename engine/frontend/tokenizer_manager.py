@@ -19,7 +19,7 @@ import time
 
 import msgspec
 
-from pdserve.engine.model_executor.detokenizer import Detokenizer
+from pdserve.engine.text.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
     RankMetrics,
@@ -34,7 +34,8 @@ from pdserve.engine.messages import (
 )
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.request_error import RequestError
-from pdserve.engine.frontend.sequences import ChatPrompt, SequenceSpec
+from pdserve.engine.frontend.sequences import SequenceSpec
+from pdserve.engine.text.prompt import encode_prompt
 from pdserve.engine.frontend.value_checks import RequestLimits
 from pdserve.engine.pd_rules import local_prefill_refusal
 from pdserve.engine.frontend.rank_transport import RankTransport
@@ -47,22 +48,6 @@ logger = logging.getLogger(__name__)
 
 class RankFailed(Exception):
     """A scheduler rank reported an error or died."""
-
-
-def encode_prompt(tokenizer, prompt: str | list[int] | ChatPrompt) -> list[int]:
-    """Token ids of a prompt: text as the tokenizer encodes it, chat through the model's template."""
-    if isinstance(prompt, list):
-        return list(prompt)
-    if isinstance(prompt, ChatPrompt):
-        text = tokenizer.apply_chat_template(
-            prompt.messages,
-            tokenize=False,
-            add_generation_prompt=not prompt.continue_final_message,
-            continue_final_message=prompt.continue_final_message,
-            **prompt.chat_template_kwargs,
-        )
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
 
 
 class TokenizerManager:

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.model_executor.tool_parsers import ToolCall, ToolCallParser, json_tool_call, make_tool_call_parser
+from pdserve.engine.text.tool_parsers import ToolCall, ToolCallParser, json_tool_call, make_tool_call_parser
 
 
 class ToolRequestError(ValueError):

@@ -28,7 +28,8 @@ from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, c
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
 from pdserve.engine.model_executor.model_config import ModelArch
-from pdserve.engine.model_executor.model_loader import ModelSource, load_model, read_q8_0_blocks
+from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks
+from pdserve.engine.model_source import ModelSource
 from pdserve.engine.model_executor.layers.kernel_plan import can_prepack
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.models.registry import build_model
@@ -36,7 +37,7 @@ from pdserve.engine.model_executor.pool_sizing import PoolSize, size_pool, tenso
 from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
 from pdserve.engine.quantization_names import W8A16
 from pdserve.engine.mem_cache.page_pool import PagePool
-from pdserve.engine.model_executor.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.engine.model_executor.attention.attention_backend import create_attention_backend
 from pdserve.kernels.cpu_native import cpu_flags
 

@@ -31,7 +31,8 @@ def model_sampling_defaults(model_path: str | None) -> dict[str, float | int]:
     """The request fields (``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``)
     the model sets, with its values; {} when it sets none."""
     # here, not at the top: the config and the CLI import SAMPLING_DEFAULTS without torch
-    from pdserve.engine.model_executor.model_loader import read_gguf_header, resolve_model_path
+    from pdserve.engine.model_executor.model_loader import read_gguf_header
+    from pdserve.engine.model_source import resolve_model_path
 
     source = resolve_model_path(model_path)
     if source.format == "gguf":

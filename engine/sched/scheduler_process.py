@@ -1,13 +1,11 @@
 """Entry function of one scheduler process: a DP rank, or one TP rank of it.
 
 ``run_scheduler_process`` builds the rank's loop with the builder it is
-given (``sched/loop_builders.py``: ``SchedulerLoop`` in colocated mode; the
-prefill and decode loops register themselves there), announces itself with
-``SchedulerReady``, then runs
-``serve_rank``: receive ``SchedulerInput``s from the HTTP process, step while
-there is work, send the ``TokenOutput``s of each step (one message per step)
-and a ``SchedulerStats`` at most every ``STATS_INTERVAL`` seconds or when it
-changes. The offline Engine runs the same ``serve_rank`` on a thread.
+given (the entry points' table, ``entrypoints/loops.py``: ``SchedulerLoop`` in
+colocated mode, ``PrefillLoop`` or ``DecodeLoop`` in the PD modes), announces itself with
+``SchedulerReady``, then runs the rank loop (``rank_loop.serve_rank``) over the
+messages of the HTTP process, which arrive over ZMQ (``_inputs``). The offline
+Engine runs the same ``serve_rank`` on a thread.
 The process dies with its parent (PR_SET_PDEATHSIG), so no rank outlives a
 killed server.
 
@@ -32,20 +30,18 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import msgspec
 import zmq
 
-from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerReady, SchedulerStats
-from pdserve.engine.sched.loop_builders import LoopBuilder
-from pdserve.engine.sched.rank_control import RankControl
+from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput
+from pdserve.engine.sched.loop_builder import LoopBuilder
+from pdserve.engine.sched.rank_loop import ready_info, serve_rank
 from pdserve.engine.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
 
-STATS_INTERVAL = 0.05  # seconds between stats while busy
-IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
 # A TP rank whose step fails (a dead peer surfaces as a collective error within a
 # second) waits this long before exiting, so that the server's monitor, polling every
 # 0.2 s, names the process that died first rather than the survivor.
@@ -96,7 +92,7 @@ def unpinned():
 
 def bootstrap_host(config: ServerConfig) -> str:
     """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
-    only (engine/entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
+    only (entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
     the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
     address would find no bootstrap server there, and decodes would wait for it in vain)."""
     if config.nnodes > 1:
@@ -111,20 +107,6 @@ def _die_with_parent(name: str) -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # shows in ps/top and /proc/PID/comm, so an operator (or a test) can tell the ranks apart
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"pdserve-{name}".encode()[:15]))
-
-
-def ready_info(loop, dp_rank: int, num_threads: int) -> SchedulerReady:
-    arch, pool = loop.arch, loop.pool
-    return SchedulerReady(
-        dp_rank=dp_rank,
-        vocab_size=arch.vocab_size,
-        max_context_len=arch.max_context_len,
-        eos_token_ids=list(arch.eos_token_ids),
-        page_size=pool.page_size,
-        max_total_num_tokens=pool.max_total_tokens,
-        kv_pool_bytes=getattr(loop.runner, "kv_pool_bytes", 0),
-        num_threads=num_threads,
-    )
 
 
 def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | None, out_addr: str | None,
@@ -243,11 +225,6 @@ def _run_in_worker_thread(fn, num_threads: int) -> None:
         raise errors[0]
 
 
-def _stats(loop, dp_rank: int) -> SchedulerStats:
-    s = loop.stats()
-    return s if s.dp_rank == dp_rank else msgspec.structs.replace(s, dp_rank=dp_rank)
-
-
 def _receive(pull: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:
     """The raw messages waiting (blocking up to ``timeout_ms`` for the first)."""
     raws: list[bytes] = []
@@ -287,52 +264,3 @@ def _inputs(pull: zmq.Socket | None, orphaned: Callable[[], bool]):
         return [dec.decode(raw) for raw in raws]
 
     return recv, lambda: stop[0]
-
-
-def serve_rank(
-    loop,
-    dp_rank: int,
-    recv: Callable[[int], Iterable[SchedulerInput]],
-    send: Callable[[list], None],
-    should_stop: Callable[[], bool],
-    after_step: Callable[[], None] | None = None,
-    tp_rank: int = 0,
-) -> None:
-    """The rank's loop, whatever carries its messages: take the inputs ``recv(timeout_ms)`` yields
-    (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
-    outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
-    feeds it from ZMQ (``_inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
-    drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline
-    Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
-    publisher). Requests, aborts and control operations go through the rank's ``RankControl``
-    (``rank_control.py``)."""
-    control = RankControl(loop, dp_rank, tp_rank)
-    loop.ship_early = send  # a PD decode's first token leaves before the step it joins, not after
-    last_stats = _stats(loop, dp_rank)
-    last_metrics = loop.rank_metrics()
-    send([last_stats] if last_metrics is None else [last_stats, last_metrics])
-    last_stats_time = time.monotonic()
-    while not should_stop():
-        busy = loop.has_work()
-        msgs: list = []
-        for msg in recv(0 if busy else IDLE_POLL_MS):
-            msgs.extend(control.handle(msg))
-        msgs.extend(control.poll())
-        if loop.has_work():
-            msgs.extend(loop.step())
-            control.after_step()
-        if after_step is not None:
-            after_step()
-        now = time.monotonic()
-        if now - last_stats_time >= STATS_INTERVAL:
-            stats = _stats(loop, dp_rank)
-            if stats != last_stats or now - last_stats_time >= 1.0:
-                msgs.append(stats)
-                last_stats = stats
-            metrics = loop.rank_metrics()
-            if metrics != last_metrics:
-                msgs.append(metrics)
-                last_metrics = metrics
-            last_stats_time = now
-        if msgs:
-            send(msgs)

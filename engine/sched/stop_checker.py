@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from pdserve.engine.model_executor.detokenizer import IncrementalDecoder
+from pdserve.engine.text.detokenizer import IncrementalDecoder
 from pdserve.engine.sched.request import FinishReason, Req
 
 

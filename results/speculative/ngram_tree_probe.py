@@ -28,7 +28,7 @@ def outputs() -> dict[str, list[list[int]]]:
         return json.load(open(CACHE))
     from bench_spec import workloads
     from pdserve.engine import Engine
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     rows = workloads(load_tokenizer(None), OUT_LEN)
     got = {}

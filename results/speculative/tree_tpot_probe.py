@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_spec import workloads  # noqa: E402
 
 from pdserve.engine import Engine  # noqa: E402
-from pdserve.engine.model_executor.tokenizer import load_tokenizer  # noqa: E402
+from pdserve.engine.text.tokenizer import load_tokenizer  # noqa: E402
 rows = workloads(load_tokenizer(None), 96)
 PROMPTS = {"copy": [list(r.prompt_ids) for r in rows["copy"][:3]], "chat": [list(r.prompt_ids) for r in rows["chat"][:3]]}
 

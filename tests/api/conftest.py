@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
-from pdserve.engine.model_executor.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 # relative noise on every matrix of B: large enough that greedy outputs differ from A's
 NOISE = 0.25

@@ -13,7 +13,7 @@ import requests
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from pdserve.engine import Engine
 from pdserve.engine.mem_cache.host_memory import OS_PAGE
-from pdserve.engine.model_executor.model_loader import resolve_model_path
+from pdserve.engine.model_source import resolve_model_path
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,7 +12,7 @@ import os
 import pytest
 
 from pdserve.engine import Engine
-from pdserve.engine.entrypoints.procs import free_port
+from pdserve.entrypoints.procs import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.entrypoints.cli import build_serve_parser, parse_serve_args
-from pdserve.engine.entrypoints.cluster import build_parser as build_launch_parser
-from pdserve.engine.entrypoints.cluster import parse_launch_args
+from pdserve.entrypoints.flags import build_serve_parser, parse_serve_args
+from pdserve.entrypoints.launch_flags import build_parser as build_launch_parser
+from pdserve.entrypoints.launch_flags import parse_launch_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.frontend.request_error import decode_body
 from pdserve.engine.frontend.request_schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from pdserve.engine.frontend.sequences import chat_sequences, completion_sequences, generate_sequences
 from pdserve.engine.frontend.value_checks import RequestLimits
 from pdserve.engine.model_executor import model_runner
-from pdserve.engine.model_executor.chat_templates import CHATML, resolve_chat_template
+from pdserve.engine.text.chat_templates import CHATML, resolve_chat_template
 from pdserve.engine.model_executor.model_loader import load_arch
 from pdserve.engine.model_executor.sampling_defaults import DEFAULT_MODEL_SAMPLING, model_sampling_defaults
 from pdserve.engine.mem_cache.page_pool import PagePool

@@ -89,7 +89,7 @@ def _expand(args: list[str], key_file: str = KEY_FILE) -> list[str]:
 
 
 def test_container_args_parse_with_pdserve_clis(tmp_path):
-    from pdserve.engine.entrypoints.cli import parse_serve_args
+    from pdserve.entrypoints.flags import parse_serve_args
     from pdserve.router.cli import build_parser, config_from_args
 
     key = tmp_path / "key"

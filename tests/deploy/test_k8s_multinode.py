@@ -63,7 +63,7 @@ def test_a_broken_pod_template_fails_validation(offline):  # noqa: F811
 
 
 def test_every_node_parses_and_registers_with_the_leader(tmp_path):
-    from pdserve.engine.entrypoints.cli import parse_serve_args
+    from pdserve.entrypoints.flags import parse_serve_args
     from pdserve.engine.sched.scheduler_process import bootstrap_host
 
     key = tmp_path / "key"

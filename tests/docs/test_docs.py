@@ -30,7 +30,7 @@ DOC_FILES = [*FLAG_DOCS, *sorted((ROOT / "results").rglob("*.md"))]  # whose lin
 COMMANDS = {
     "pdserve serve": ["-m", "pdserve.engine", "--help"],
     "pdserve router": ["-m", "pdserve.router", "--help"],
-    "pdserve launch": ["-m", "pdserve.engine.entrypoints.cli", "launch", "--help"],
+    "pdserve launch": ["-m", "pdserve.entrypoints.cli", "launch", "--help"],
 }
 
 # an option as argparse prints it at the start of a help line, or after ", " (aliases)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.model_executor.detokenizer import Detokenizer, IncrementalDecoder
+from pdserve.engine.text.detokenizer import Detokenizer, IncrementalDecoder
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.stop_checker import StopChecker
-from pdserve.engine.model_executor.tokenizer import load_tokenizer
+from pdserve.engine.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import socket
 
-from pdserve.engine.entrypoints.cli import build_serve_parser
-from pdserve.engine.entrypoints.cluster import Cluster, parse_launch_args, wants_managed_store
-from pdserve.engine.entrypoints.procs import group_pids
+from pdserve.entrypoints.flags import build_serve_parser
+from pdserve.entrypoints.cluster import Cluster, wants_managed_store
+from pdserve.entrypoints.launch_flags import parse_launch_args
+from pdserve.entrypoints.procs import group_pids
 
 
 def test_launch_manages_the_store_the_servers_name(tmp_path):

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from pdserve.engine import Engine
-from pdserve.engine.entrypoints.mooncake_service import MooncakeService
+from pdserve.entrypoints.mooncake_service import MooncakeService
 
 pytestmark = pytest.mark.timeout(300)
 

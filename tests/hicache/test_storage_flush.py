@@ -9,7 +9,7 @@ import multiprocessing as mp
 import os
 import time
 
-from pdserve.engine.entrypoints.serve import stop_ranks
+from pdserve.entrypoints.serve import stop_ranks
 from pdserve.engine.mem_cache.file_storage import FileStorage
 from pdserve.engine.mem_cache.storage_worker import StorageWorker
 from pdserve.engine.sched.scheduler_process import flush_on_stop

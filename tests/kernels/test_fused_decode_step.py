@@ -1,4 +1,4 @@
-"""The fused decode step (kernels/cpu_decode_layer.c through cpu_native.DecodeStack) against the
+"""The fused decode step (kernels/cpu_decode_layer.c through decode_step.DecodeStack) against the
 same model stepping op by op (--disable-fused-decode): bit-identical logits and K/V pages on the
 tiny random checkpoints, at every batch size gemv takes, in bf16 and w8a16, and in bf16 past
 them where the products are gemm's over the panels."""

@@ -43,7 +43,7 @@ def test_config_defaults_and_validation():
 
 
 def test_serve_cli_kv_flags_come_from_kvtransferconfig():
-    from pdserve.engine.entrypoints.cli import KV_FLAGS, build_serve_parser, parse_serve_args
+    from pdserve.entrypoints.flags import KV_FLAGS, build_serve_parser, parse_serve_args
 
     ns = build_serve_parser().parse_args([])
     cfg = KVTransferConfig()
@@ -63,7 +63,7 @@ def test_import_is_light():
     import subprocess
     import sys
 
-    code = ("import sys, pdserve.kvtransfer, pdserve.kvtransfer.config, pdserve.engine.server_config; "
+    code = ("import sys, pdserve.kvtransfer, pdserve.engine.kv_transfer_config, pdserve.engine.server_config; "
             "print(sorted(m for m in ('torch', 'zmq', 'mooncake', 'nixl') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

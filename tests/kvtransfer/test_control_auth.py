@@ -18,10 +18,10 @@ from loop_stand import PDPair, reference
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.messages import SchedulerStats
-from pdserve.kvtransfer.auth import AUTH_HEADER, AuthError, FrameAuth
+from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.kvtransfer.bootstrap_client import register_rank, route_url
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
-from pdserve.kvtransfer.config import KVTransferConfig
+from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.kv_poll import KVPoll
 
 pytestmark = pytest.mark.timeout(30)

@@ -111,7 +111,7 @@ def test_unknown_backend():
 
 
 def test_registry_names_and_external_specs():
-    from pdserve.kvtransfer.transfer_engine import TRANSFER_ENGINES, check_transfer_backend
+    from pdserve.engine.transfer_backends import TRANSFER_ENGINES, check_transfer_backend
 
     assert {"mooncake", "nixl", "local"} <= set(TRANSFER_ENGINES)
     for name in TRANSFER_ENGINES:

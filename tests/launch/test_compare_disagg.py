@@ -17,7 +17,7 @@ import compare_disagg as cd  # noqa: E402
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pdserve.engine.entrypoints.cluster import LaunchConfig, plan
-from pdserve.engine.entrypoints.event_ports import with_own_event_ports
+from pdserve.entrypoints.cluster import LaunchConfig, plan
+from pdserve.entrypoints.event_ports import with_own_event_ports
 from pdserve.engine.kv_events_config import KVEventsConfig
 
 EVENTS = json.dumps({"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv", "replay_endpoint": "tcp://*:5558"})

@@ -15,14 +15,15 @@ import urllib.request
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import build_serve_parser
-from pdserve.engine.entrypoints.cluster import LaunchConfig, parse_launch_args, plan, split_cpus
+from pdserve.entrypoints.flags import build_serve_parser
+from pdserve.entrypoints.cluster import LaunchConfig, plan, split_cpus
+from pdserve.entrypoints.launch_flags import parse_launch_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
 
 
 def launch_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "pdserve.engine.entrypoints.cli", "launch", "--port", "0", *args]
+    return [sys.executable, "-m", "pdserve.entrypoints.cli", "launch", "--port", "0", *args]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -195,7 +196,7 @@ def test_cpu_split_and_plan():
 def test_children_get_sigterm_when_the_launcher_is_killed():
     code = (
         "import time\n"
-        "from pdserve.engine.entrypoints.procs import spawn\n"
+        "from pdserve.entrypoints.procs import spawn\n"
         "p = spawn(['sleep', '60'], '/dev/null', die_with_parent=True)\n"
         "print(p.pid, flush=True)\n"
         "time.sleep(60)\n"

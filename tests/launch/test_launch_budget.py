@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import build_serve_parser
-from pdserve.engine.entrypoints.cluster import LaunchConfig, parse_launch_args, plan
+from pdserve.entrypoints.flags import build_serve_parser
+from pdserve.entrypoints.cluster import LaunchConfig, plan
+from pdserve.entrypoints.launch_flags import parse_launch_args
 
 
 def _flag(argv, name):

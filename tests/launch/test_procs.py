@@ -1,4 +1,4 @@
-"""pdserve.engine.entrypoints.procs on real processes: a stop reaches the whole process group (a child's own
+"""pdserve.entrypoints.procs on real processes: a stop reaches the whole process group (a child's own
 children too), SIGKILL follows a SIGTERM that is ignored, waiting for /health sees an early exit,
 and free_port never hands out a port twice."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port, group_pids, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, group_pids, spawn, stop_group, wait_healthy
 
 pytestmark = pytest.mark.timeout(60)
 

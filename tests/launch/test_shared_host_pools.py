@@ -17,7 +17,7 @@ from promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes
 from pdserve.engine.model_executor.pool_sizing import DEFAULT_POOL_CONTEXTS
-from pdserve.engine.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_groups, wait_healthy
+from pdserve.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_groups, wait_healthy
 
 pytestmark = pytest.mark.timeout(900)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}

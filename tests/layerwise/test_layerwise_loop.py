@@ -157,8 +157,8 @@ def test_a_write_failing_at_a_later_layer_fails_the_room_on_both_sides(rid):
 
 
 def test_the_serve_flag_sets_the_kv_config():
-    from pdserve.engine.entrypoints.cli import parse_serve_args
-    from pdserve.kvtransfer.config import KVTransferConfig
+    from pdserve.entrypoints.flags import parse_serve_args
+    from pdserve.engine.kv_transfer_config import KVTransferConfig
 
     assert parse_serve_args([]).kv_transfer.layerwise is KVTransferConfig.layerwise
     assert parse_serve_args(["--disaggregation-layerwise"]).kv_transfer.layerwise is True

@@ -9,7 +9,8 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_config import ModelArch
-from pdserve.engine.model_executor.model_loader import _unpermute_rope_rows, load_model, resolve_model_path
+from pdserve.engine.model_executor.model_loader import _unpermute_rope_rows, load_model
+from pdserve.engine.model_source import resolve_model_path
 from pdserve.engine.model_executor.model_runner import ModelRunner, cpu_supports_bf16, pool_num_pages, resolve_dtype
 from pdserve.engine.mem_cache.page_pool import PagePool
 

@@ -9,7 +9,8 @@ import torch
 from model_util import greedy_generate, write_q8_0_gguf
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks, resolve_model_path
+from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks
+from pdserve.engine.model_source import resolve_model_path
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels

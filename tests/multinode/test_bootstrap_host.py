@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import parse_serve_args
+from pdserve.entrypoints.flags import parse_serve_args
 from pdserve.engine.sched.scheduler_process import bootstrap_host
-from pdserve.engine.entrypoints.serve import _check_bootstrap_host
+from pdserve.entrypoints.serve import _check_bootstrap_host
 
 
 def config(*args: str):

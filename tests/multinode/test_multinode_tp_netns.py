@@ -25,7 +25,7 @@ from netns_stand import (NET, cut_link, namespaces, ns_request, ns_requests_resu
                          wait_unleaked, wait_up)
 from pd_stand import Proc, Server
 
-from pdserve.engine.entrypoints.procs import free_port
+from pdserve.entrypoints.procs import free_port
 
 pytestmark = pytest.mark.timeout(500)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import requests
 
-from pdserve.engine.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import start_router
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
 
-from pdserve.engine.entrypoints.procs import free_port, wait_healthy
+from pdserve.entrypoints.procs import free_port, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 

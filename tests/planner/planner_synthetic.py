@@ -1,7 +1,7 @@
 """A profile with round numbers for the planner's unit tests: prefill TTFT = 0.05 + 0.0005 x input
 length; decode ITL = 0.02 + 0.001 b + 0.00001 b x context (b sequences of context tokens)."""
 
-from pdserve.engine.planner.profile import (DecodePoint, MachineInfo, PrefillPoint, Profile,
+from pdserve.entrypoints.planner.profile import (DecodePoint, MachineInfo, PrefillPoint, Profile,
                                             ServerDescription)
 
 SERVER = ServerDescription(model="synthetic", dtype="bfloat16", max_total_tokens=0)

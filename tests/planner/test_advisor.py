@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import main
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.advisor import Traffic, advise, verdict
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.scaling import Load, Slo, predict_itl, predict_ttft
+from pdserve.entrypoints.cli import main
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.advisor import Traffic, advise, verdict
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.scaling import Load, Slo, predict_itl, predict_ttft
 
 from planner_synthetic import synthetic_profile
 

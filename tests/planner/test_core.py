@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.correction import MAX_FACTOR, Correction
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.predictor import make_predictor
-from pdserve.engine.planner.scaling import Counts, Limits, Slo
-from pdserve.engine.planner.sla_planner import Observation, SlaPlanner
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.correction import MAX_FACTOR, Correction
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.predictor import make_predictor
+from pdserve.entrypoints.planner.scaling import Counts, Limits, Slo
+from pdserve.entrypoints.planner.sla_planner import Observation, SlaPlanner
 
 from planner_synthetic import SERVER, itl, synthetic_profile, ttft
 

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from pdserve.engine.planner.k8s_connector import KubernetesConnector
-from pdserve.engine.planner.router_api import RouterApi
-from pdserve.engine.planner.scaling import Counts
+from pdserve.entrypoints.planner.k8s_connector import KubernetesConnector
+from pdserve.entrypoints.planner.router_api import RouterApi
+from pdserve.entrypoints.planner.scaling import Counts
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
 
@@ -122,8 +122,8 @@ async def test_patches_follow_the_manifests_and_the_schema():
 
 
 def test_planner_manifest_rbac_and_args():
-    from pdserve.engine.entrypoints.cli import build_serve_parser
-    from pdserve.engine.planner.cli import parse_planner_args
+    from pdserve.entrypoints.flags import build_serve_parser
+    from pdserve.entrypoints.planner.cli import parse_planner_args
 
     docs = {(d["kind"], d["metadata"]["name"]): d for d in _docs()}
     role = docs[("Role", "pdserve-planner")]

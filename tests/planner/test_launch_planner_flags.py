@@ -8,9 +8,10 @@ import logging
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import build_serve_parser
-from pdserve.engine.entrypoints.cluster import Cluster, LaunchConfig, parse_launch_args
-from pdserve.engine.planner.launch_planner import launch_planner
+from pdserve.entrypoints.flags import build_serve_parser
+from pdserve.entrypoints.cluster import Cluster, LaunchConfig
+from pdserve.entrypoints.launch_flags import parse_launch_args
+from pdserve.entrypoints.planner.launch_planner import launch_planner
 
 PROFILE = "--planner-arg=--profile=p.json"
 
@@ -50,7 +51,7 @@ def test_bad_planner_flags_are_refused_before_anything_starts(argv, message):
 
 
 def test_a_planner_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
-    from pdserve.engine.entrypoints.cluster import LaunchError
+    from pdserve.entrypoints.cluster import LaunchError
 
     config = parse("--planner", f"--planner-arg=--profile={tmp_path / 'missing.json'}", "--port", "0",
                    "--log-dir", str(tmp_path))

@@ -32,12 +32,12 @@ import warnings
 import aiohttp
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_group
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.profiler import TOKEN_ID_RANGE, ProfilePlan, measure, measure_ttft, stream_times
-from pdserve.engine.planner.scaling import Counts, Limits, Load, Slo, decide, predict_itl, predict_ttft
-from pdserve.engine.planner.scrape import parse_worker
+from pdserve.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_group
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.profiler import TOKEN_ID_RANGE, ProfilePlan, measure, measure_ttft, stream_times
+from pdserve.entrypoints.planner.scaling import Counts, Limits, Load, Slo, decide, predict_itl, predict_ttft
+from pdserve.entrypoints.planner.scrape import parse_worker
 
 SERVE = ("--max-total-tokens", "2048", "--dtype", "float32")
 TOKENS = 12
@@ -137,7 +137,7 @@ async def test_launch_planner_plan_error_and_scaling(tmp_path):
     assert decide(pm, dm, Load(HIGH, 8, TOKENS), SLO, limits, Counts(1, 1), never).counts == Counts(1, 2)
     port, planner_port = free_port(), free_port()
     url, planner = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{planner_port}"
-    argv = [sys.executable, "-m", "pdserve.engine.entrypoints.cli", "launch", "--prefill", "1", "--decode", "1",
+    argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "launch", "--prefill", "1", "--decode", "1",
             "--port", str(port), "--log-dir", str(tmp_path), "--cpu-split", "auto", *SERVE, "--planner", "--planner-port", str(planner_port),
             f"--planner-arg=--profile={path}", "--planner-arg=--skip-profile-check",
             f"--planner-arg=--ttft-slo={SLO.ttft_s}", f"--planner-arg=--itl-slo={SLO.itl_s}",

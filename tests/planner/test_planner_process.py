@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.planner import profile as prof
-from pdserve.engine.planner.connector import VirtualConnector
-from pdserve.engine.planner.local_connector import LocalConnector
-from pdserve.engine.planner.planner_config import PlannerConfig
-from pdserve.engine.planner.planner_process import PlannerProcess, check_profiles
-from pdserve.engine.planner.router_api import RouterApi
-from pdserve.engine.planner.scaling import Counts
-from pdserve.engine.planner.scrape import Snapshot, observe, parse_router, parse_worker, scrape
-from pdserve.engine.planner.sla_planner import Observation
-from pdserve.engine.entrypoints.procs import group_pids
+from pdserve.entrypoints.planner import profile as prof
+from pdserve.entrypoints.planner.connector import VirtualConnector
+from pdserve.entrypoints.planner.local_connector import LocalConnector
+from pdserve.entrypoints.planner.planner_config import PlannerConfig
+from pdserve.entrypoints.planner.planner_process import PlannerProcess, check_profiles
+from pdserve.entrypoints.planner.router_api import RouterApi
+from pdserve.entrypoints.planner.scaling import Counts
+from pdserve.entrypoints.planner.scrape import Snapshot, observe, parse_router, parse_worker, scrape
+from pdserve.entrypoints.planner.sla_planner import Observation
+from pdserve.entrypoints.procs import group_pids
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.server import start_router

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from pdserve.engine.planner.perf_model import DecodeModel, PrefillModel
-from pdserve.engine.planner.scaling import (Counts, Limits, Load, Slo, decide, max_prefill_utilization,
+from pdserve.entrypoints.planner.perf_model import DecodeModel, PrefillModel
+from pdserve.entrypoints.planner.scaling import (Counts, Limits, Load, Slo, decide, max_prefill_utilization,
                                             planned_batch, predict_itl, predict_ttft)
 
 from planner_synthetic import itl, synthetic_profile, ttft

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.planner.scaling import Counts, Limits, Slo
-from pdserve.engine.planner.simulator import SimConfig, simulate
-from pdserve.engine.planner.sla_planner import SlaPlanner
-from pdserve.engine.planner.trace import Request, TraceShape, daily_trace, rate_at, read_csv, write_csv
+from pdserve.entrypoints.planner.scaling import Counts, Limits, Slo
+from pdserve.entrypoints.planner.simulator import SimConfig, simulate
+from pdserve.entrypoints.planner.sla_planner import SlaPlanner
+from pdserve.entrypoints.planner.trace import Request, TraceShape, daily_trace, rate_at, read_csv, write_csv
 
 from planner_synthetic import synthetic_profile
 

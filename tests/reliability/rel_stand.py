@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pd_stand import Proc, Server
 
-from pdserve.engine.entrypoints.procs import free_port, group_pids, wait_healthy
+from pdserve.entrypoints.procs import free_port, group_pids, wait_healthy
 
 
 def load_soak():

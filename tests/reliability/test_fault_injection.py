@@ -77,9 +77,9 @@ def test_injection_is_off_by_default():
     """Fault injection is no part of the package: no config field, no module; only the external spec."""
     import importlib.util
 
-    from pdserve.engine.entrypoints.cli import parse_serve_args
+    from pdserve.entrypoints.flags import parse_serve_args
     from pdserve.engine.server_config import ServerConfig
-    from pdserve.kvtransfer.config import KVTransferConfig
+    from pdserve.engine.kv_transfer_config import KVTransferConfig
 
     def faulty(name: str) -> bool:  # a word of the name, so that sampling_defaults does not count
         return any(word.startswith("fault") for word in name.split("_"))

@@ -54,7 +54,7 @@ def test_bad_flags_fail_at_start(argv):
 
 def test_unknown_policy_is_a_cli_error_before_anything_starts():
     # a fresh interpreter: the router's server module (and so its sockets) must not be reached
-    code = ("import sys\nfrom pdserve.engine.entrypoints.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+    code = ("import sys\nfrom pdserve.entrypoints.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
             "    print('server imported:', 'pdserve.router.server' in sys.modules)\n")
     for flag in ("--policy", "--prefill-policy", "--decode-policy"):
         out = subprocess.run([sys.executable, "-c", code, "router", flag, "troch"], capture_output=True,

@@ -78,14 +78,13 @@ def test_kv_aware_is_registered_with_its_flags():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 
 
 def test_prompt_ids_match_the_servers_tokenization(tokenizer):
-    from pdserve.engine.frontend.sequences import ChatPrompt
-    from pdserve.engine.frontend.tokenizer_manager import encode_prompt
+    from pdserve.engine.text.prompt import ChatPrompt, encode_prompt
 
     body = {"messages": [{"role": "developer", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]}

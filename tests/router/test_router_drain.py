@@ -15,7 +15,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
 from standin_worker import Behavior, StandinWorker
 
 pytestmark = pytest.mark.timeout(60)

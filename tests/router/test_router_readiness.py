@@ -9,7 +9,7 @@ import time
 import aiohttp
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port
+from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.health import probe_delays
 from pdserve.router.server import start_router

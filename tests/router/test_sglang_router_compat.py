@@ -13,7 +13,7 @@ import sys
 import aiohttp
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group
+from pdserve.entrypoints.procs import free_port, spawn, stop_group
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
 from standin_worker import StandinWorker

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from pdserve.engine.entrypoints.procs import free_port, log_tail, spawn, stop_groups
+from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_groups
 
 pytestmark = pytest.mark.timeout(400)
 

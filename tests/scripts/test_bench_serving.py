@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdserve.engine.entrypoints.procs import free_port, spawn, stop_group, wait_healthy
+from pdserve.entrypoints.procs import free_port, spawn, stop_group, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_serving.py"
@@ -45,7 +45,7 @@ METRIC_KEYS = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 

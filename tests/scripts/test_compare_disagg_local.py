@@ -14,7 +14,7 @@ import compare_disagg as cd  # noqa: E402
 
 
 def test_interference_has_short_chats_and_a_long_prompt_every_period():
-    from pdserve.engine.model_executor.tokenizer import load_tokenizer
+    from pdserve.engine.text.tokenizer import load_tokenizer
 
     args = cd.parse_args(["--num-prompts", "30", "--interference-period", "2"])
     rows, offsets, kinds = cd.workload("interference", 3.0, args, load_tokenizer(None))

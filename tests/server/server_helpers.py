@@ -11,7 +11,7 @@ from pathlib import Path
 
 import requests
 
-from pdserve.engine.entrypoints.procs import free_port, wait_healthy
+from pdserve.entrypoints.procs import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[2]
 TEST_MAX_TOTAL_TOKENS = 16384  # keep the KV pools small: several servers run side by side in CI

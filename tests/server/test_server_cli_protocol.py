@@ -9,7 +9,8 @@ import sys
 import msgspec
 import pytest
 
-from pdserve.engine.entrypoints.cli import build_serve_parser, main, parse_serve_args
+from pdserve.entrypoints.cli import main
+from pdserve.entrypoints.flags import build_serve_parser, parse_serve_args
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import SchedulerError, SchedulerOutput, SchedulerReady, SchedulerStats, TokenOutput
 from pdserve.engine.frontend.metrics import ServerMetrics
@@ -58,12 +59,12 @@ try:
 finally:
     print("imported:", [m for m in {heavy} if m in sys.modules])
 """
-_MODEL_MODULES = ["pdserve.engine.entrypoints.serve", "pdserve.engine.model_executor.model_runner",
+_MODEL_MODULES = ["pdserve.entrypoints.serve", "pdserve.engine.model_executor.model_runner",
                   "pdserve.engine.sched.scheduler_process"]
 
 
 def test_unknown_attention_backend_is_a_cli_error_before_anything_starts():
-    code = _RUN_CLI.format(module="pdserve.engine.entrypoints.cli", heavy=_MODEL_MODULES)
+    code = _RUN_CLI.format(module="pdserve.entrypoints.cli", heavy=_MODEL_MODULES)
     out = subprocess.run([sys.executable, "-c", code, "serve", "--attention-backend", "troch"],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 2, out

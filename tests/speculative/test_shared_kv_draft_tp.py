@@ -61,7 +61,7 @@ def _rank_main(rank: int, addr: str, model_path: str, out) -> None:
 
 
 def test_tp2_self_draft_over_each_ranks_shard_drafts_alike_and_greedy_equals_plain(tmp_path):
-    from pdserve.engine.entrypoints.cluster import free_port
+    from pdserve.entrypoints.cluster import free_port
 
     make_tiny_checkpoint("llama", str(tmp_path))
     ctx = mp.get_context("spawn")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.entrypoints.cli import main
+from pdserve.entrypoints.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 # model_util.make_tiny_checkpoint's llama, its config.json alone
@@ -85,7 +85,7 @@ def test_the_offline_engine_refuses_a_draft_that_does_not_load_before_loading_we
 def test_a_draft_of_another_vocabulary_or_tp_split_is_refused_from_its_header(tmp_path):
     """What ``pdserve serve`` checks before its ranks load weights (``check_model``): the draft's
     vocabulary size against the target's, and that it splits over the TP size."""
-    from pdserve.engine.entrypoints.serve import check_draft_model
+    from pdserve.entrypoints.serve import check_draft_model
     from pdserve.engine.model_executor.model_loader import load_arch
 
     for name, vocab in (("target", 1024), ("draft", 512)):

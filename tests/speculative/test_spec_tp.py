@@ -106,7 +106,7 @@ def _rank_main(rank: int, addr: str, model_path: str, draft_path: str, out) -> N
 
 def test_tp2_ranks_verify_alike_and_greedy_equals_tp1_plain(tmp_path):
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.entrypoints.cluster import free_port
+    from pdserve.entrypoints.cluster import free_port
     from pdserve.engine.model_executor.model_runner import ModelRunner
 
     model, draft = str(tmp_path / "llama"), str(tmp_path / "draft")

@@ -4,6 +4,12 @@ Every module of the package is read with ``ast`` (no import runs); every import 
 module level or inside a function (``TYPE_CHECKING`` blocks included), must name a module of its
 own group or of a lower level. Two groups on one level are siblings and import neither each
 other. A module that no row of the table claims fails too, so a new module gets a place.
+
+The top-level folders obey the same rule as boxes (``FOLDER_LEVELS``): a module imports from its
+own folder or from a folder of a lower level, never from a sibling folder or one above, so the
+folder picture has no arrow back up. The one exception is ``PUBLIC_ALIASES``: the ``pdserve.engine``
+package's lazy ``Engine`` and ``python -m pdserve.engine``, public names of what lives in
+``entrypoints/``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"engine": "pdserve.engine", "prefill": "pdserve.prefill", "decode": "pdserve.decode",
-           "kvtransfer": "pdserve.kvtransfer", "router": "pdserve.router", "kernels": "pdserve.kernels"}
+           "kvtransfer": "pdserve.kvtransfer", "router": "pdserve.router", "kernels": "pdserve.kernels",
+           "entrypoints": "pdserve.entrypoints"}
+
+# top-level package -> its folder level; the same table, in words, is docs/ARCHITECTURE.md's "Levels"
+FOLDER_LEVELS: dict[str, int] = {
+    "pdserve.kernels": 0,
+    "pdserve.engine": 1,
+    "pdserve.kvtransfer": 2,
+    "pdserve.prefill": 3,
+    "pdserve.decode": 3,
+    "pdserve.router": 4,
+    "pdserve.entrypoints": 5,
+}
+
+# the only imports of a folder above: module -> the modules it may name there (public names of
+# what lives in entrypoints/: ``from pdserve.engine import Engine`` and ``python -m pdserve.engine``)
+PUBLIC_ALIASES: dict[str, set[str]] = {
+    "pdserve.engine": {"pdserve.entrypoints.engine"},
+    "pdserve.engine.__main__": {"pdserve.entrypoints.cli"},
+}
 
 # (level, group, module prefixes), lowest first; a module belongs to the row of its longest prefix.
 # The same table, in words, is docs/ARCHITECTURE.md's "Levels".
@@ -24,8 +49,10 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
     (1, "base", ("pdserve.engine.env", "pdserve.engine.version", "pdserve.engine.sampling_params",
                  "pdserve.engine.messages", "pdserve.engine.kv_events_config", "pdserve.engine.quantization_names",
                  "pdserve.engine.pd_rules", "pdserve.engine.json_flags",
-                 "pdserve.engine.speculative_names")),
+                 "pdserve.engine.speculative_names", "pdserve.engine.model_source", "pdserve.engine.prometheus_text",
+                 "pdserve.engine.kv_transfer_config", "pdserve.engine.kv_auth", "pdserve.engine.transfer_backends")),
     (2, "mem_cache", ("pdserve.engine.mem_cache",)),
+    (2, "text", ("pdserve.engine.text",)),
     (3, "model_executor", ("pdserve.engine.model_executor", "pdserve.engine.config")),
     (4, "kvtransfer", ("pdserve.kvtransfer",)),
     (4, "speculative", ("pdserve.engine.speculative",)),
@@ -34,7 +61,7 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
     (6, "decode", ("pdserve.decode",)),
     (6, "frontend", ("pdserve.engine.frontend",)),
     (7, "router", ("pdserve.router",)),
-    (8, "entrypoints", ("pdserve.engine.entrypoints", "pdserve.engine.planner", "pdserve.engine", "pdserve.engine.__main__")),
+    (8, "entrypoints", ("pdserve.entrypoints", "pdserve.entrypoints.planner", "pdserve.engine", "pdserve.engine.__main__")),
 ]
 
 
@@ -105,27 +132,89 @@ def test_no_import_reaches_up_or_sideways():
     assert not bad, "imports against the levels:\n" + "\n".join(bad)
 
 
+def folder(module: str) -> str:
+    """The top-level package of ``module`` (``pdserve.engine.sched.x`` -> ``pdserve.engine``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_every_folder_has_a_level():
+    assert set(FOLDER_LEVELS) == set(FOLDERS.values())
+
+
+def test_no_folder_imports_a_sibling_or_one_above():
+    known = modules()
+    bad = []
+    for name, path in known.items():
+        mine = folder(name)
+        for line, target in imports(path, name, known):
+            theirs = folder(target)
+            if theirs == mine or FOLDER_LEVELS[theirs] < FOLDER_LEVELS[mine]:
+                continue
+            if target in PUBLIC_ALIASES.get(name, ()):
+                continue
+            where = "a higher" if FOLDER_LEVELS[theirs] > FOLDER_LEVELS[mine] else "a sibling"
+            bad.append(f"{path.relative_to(ROOT)}:{line} ({mine}, folder level {FOLDER_LEVELS[mine]}) imports "
+                       f"{target} ({where} folder: {theirs}, level {FOLDER_LEVELS[theirs]})")
+    assert not bad, "imports against the folder levels:\n" + "\n".join(bad)
+
+
+def test_the_public_aliases_are_the_ones_documented():
+    """Each alias names a module that exists and is the only import of a folder above it in its
+    file; the engine package says so in its docstring."""
+    known = modules()
+    for name, allowed in PUBLIC_ALIASES.items():
+        above = {t for _, t in imports(known[name], name, known)
+                 if FOLDER_LEVELS[folder(t)] > FOLDER_LEVELS[folder(name)]}
+        assert above == allowed and allowed <= set(known), name
+    assert "PUBLIC_ALIASES" in (ROOT / "engine" / "__init__.py").read_text()
+
+
+def test_the_folder_check_sees_an_import_of_a_folder_above(tmp_path):
+    """An import of router/ from engine/ is against the folder levels, one of engine/ from
+    router/ is not (so the folder test above could fail)."""
+    f = tmp_path / "m.py"
+    f.write_text("from pdserve.router import worker_hook\n")
+    known = {"pdserve.router.worker_hook": f}
+    (target,) = [t for _, t in imports(f, "pdserve.engine.sched.m", known)]
+    assert FOLDER_LEVELS[folder(target)] > FOLDER_LEVELS[folder("pdserve.engine.sched.m")]
+    assert FOLDER_LEVELS[folder("pdserve.engine.text.prompt")] < FOLDER_LEVELS[folder("pdserve.router.kv_aware_policy")]
+
+
 def test_the_check_sees_upward_and_function_level_imports(tmp_path):
     """The reader finds an import inside a function and a `from pkg import submodule` (so the test
     above could fail)."""
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from pdserve.engine.entrypoints import cli\n"
+    f.write_text("def f():\n    from pdserve.entrypoints import cli\n"
                  "from pdserve.engine import env\n")
-    known = {"pdserve.engine.entrypoints.cli": f, "pdserve.engine.env": f}
+    known = {"pdserve.entrypoints.cli": f, "pdserve.engine.env": f}
     found = dict((t, line) for line, t in imports(f, "pdserve.engine.mem_cache.m", known))
-    assert found == {"pdserve.engine.entrypoints.cli": 2, "pdserve.engine.env": 3}
-    assert place("pdserve.engine.mem_cache.m")[0] < place("pdserve.engine.entrypoints.cli")[0]
+    assert found == {"pdserve.entrypoints.cli": 2, "pdserve.engine.env": 3}
+    assert place("pdserve.engine.mem_cache.m")[0] < place("pdserve.entrypoints.cli")[0]
     assert place("pdserve.engine.new_top_module") is None  # a new top module of engine needs a row
 
 
 def test_the_architecture_page_states_the_same_levels():
     """docs/ARCHITECTURE.md's "Levels" table: one row per level, naming the same groups' packages."""
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    section = text.split("## Levels", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Levels", 1)[1].split("\n## ", 1)[0].split("| folder level |", 1)[0]
     stated = {}
     for row in re.findall(r"^\| *(\d+) *\|([^|]*)\|", section, re.M):
         stated[int(row[0])] = set(re.findall(r"`([a-z_.]+)`", row[1]))
     expected = {}
     for level, _, prefixes in LEVELS:
         expected.setdefault(level, set()).update(p.removeprefix("pdserve.") for p in prefixes)
+    assert stated == expected
+
+
+def test_the_architecture_page_states_the_same_folder_levels():
+    """docs/ARCHITECTURE.md's "Levels": the folder table, one row per folder level."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Levels", 1)[1].split("\n## ", 1)[0]
+    table = section.split("| folder level |", 1)[1].split("\n\n", 1)[0]
+    stated = {}
+    for row in re.findall(r"^\| *(\d+) *\|([^|]*)\|", table, re.M):
+        stated[int(row[0])] = set(re.findall(r"`([a-z_.]+)/`", row[1]))
+    expected = {}
+    for pkg, level in FOLDER_LEVELS.items():
+        expected.setdefault(level, set()).add(pkg.removeprefix("pdserve."))
     assert stated == expected

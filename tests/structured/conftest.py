@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
 
 from pd_stand import Proc, Server  # noqa: E402
 
-from pdserve.engine.entrypoints.procs import free_port, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, wait_healthy  # noqa: E402
 
 # tool_choice auto finds hermes-style calls
 SERVER_FLAGS = ("--max-total-tokens", "4096", "--tool-call-parser", "hermes")

@@ -11,8 +11,8 @@ import torch
 from pdserve.engine.constrained.grammar_masks import GrammarMasks
 from pdserve.engine.constrained.grammar_spec import InvalidGrammar, check_grammar, schema_text
 from pdserve.engine.frontend.tool_calls import ToolCallStream, ToolRequestError, tool_choice
-from pdserve.engine.model_executor.tool_parsers import HermesParser
-from pdserve.engine.model_executor.tokenizer import load_tokenizer
+from pdserve.engine.text.tool_parsers import HermesParser
+from pdserve.engine.text.tokenizer import load_tokenizer
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sched.stop_checker import StopChecker

@@ -8,7 +8,7 @@ import multiprocessing as mp
 
 import pytest
 
-from pdserve.engine.entrypoints.procs import free_port
+from pdserve.entrypoints.procs import free_port
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from pdserve.engine.entrypoints.cli import parse_serve_args
-from pdserve.engine.entrypoints.cluster import LaunchConfig, plan
+from pdserve.entrypoints.flags import parse_serve_args
+from pdserve.entrypoints.cluster import LaunchConfig, plan
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_config import check_tp_heads
 from pdserve.engine.model_executor.model_loader import load_arch
 from pdserve.engine.model_executor.parallel import head_shard
-from pdserve.engine.entrypoints.serve import plan_ranks
+from pdserve.entrypoints.serve import plan_ranks
 from pdserve.engine.server_config import ServerConfig
 
 

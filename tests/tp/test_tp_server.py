@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from server_helpers import ServerProcess, children_of, is_running
 
-from pdserve.engine.entrypoints.engine import Engine
+from pdserve.entrypoints.engine import Engine
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pdserve.engine.entrypoints.cluster import free_port
+from pdserve.entrypoints.cluster import free_port
 
 RANK_TIMEOUT_S = 60.0  # collective timeout of the harness's group
 MAX_TOTAL_TOKENS = 2048

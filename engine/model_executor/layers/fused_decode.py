@@ -1,4 +1,4 @@
-"""The native fused decode step's view of a model (``cpu_native.DecodeStack``): a dense decoder
+"""The native fused decode step's view of a model (``decode_step.DecodeStack``): a dense decoder
 layer's norms and linears, read through their methods' prepared forms (gemv's packed copy and,
 with the native panel products, the panels), never through a model's internals.
 
@@ -21,7 +21,7 @@ from pdserve.engine.model_executor.layers.norm import RMSNorm
 from pdserve.engine.model_executor.layers.rotary import RotaryEmbedding
 from pdserve.engine.model_executor.layers.vocab import ParallelLMHead
 from pdserve.engine.model_executor.attention.attention_backend import AttentionBackend
-from pdserve.kernels.cpu_native import DecodeLayerTensors, DecodeShape, DecodeStack
+from pdserve.kernels.decode_step import DecodeLayerTensors, DecodeShape, DecodeStack
 
 
 @dataclass(frozen=True)
