@@ -206,6 +206,11 @@ def test_sglang_router_drives_pdserve_servers(stand, reference, colocated):
         r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want
+        # n > 1: its one room, numbered per choice by the servers as SGLang's number it
+        body = N_BODIES["/v1/completions"]
+        want = _choices("/v1/completions", colocated.post("/v1/completions", body), False)
+        assert _choices("/v1/completions", requests.post(f"{url}/v1/completions", json=body, timeout=120),
+                        False) == want
     P.wait_unleaked()
     D.wait_unleaked()
 
