@@ -1,4 +1,9 @@
-"""The router's HTTP server: endpoints, admission (auth, payload size, concurrency) and lifecycle.
+"""The router's HTTP server: the inference endpoint, probes, admission and lifecycle.
+
+An inference request passes the inference key (router/auth.py), takes an admission slot
+(``--max-concurrent-requests``, router/admission.py) and only then has its body read, within
+``--max-payload-size`` (router/http_io.py). The routes that change the router or its workers
+live in router/admin_api.py.
 
 ``Router(config)`` owns the worker registry, the policies, the health checker
 and one pooled aiohttp client session; ``await router.start()`` probes the

@@ -243,3 +243,27 @@ async def test_the_admission_slot_comes_before_the_body(cluster):
     holder.cancel()
     await asyncio.gather(holder, return_exceptions=True)
 
+
+
+async def test_the_drain_hook_and_the_planner_send_the_admin_key(cluster, capsys, monkeypatch):
+    from pdserve.engine import env
+    from pdserve.engine.planner.router_api import RouterApi, RouterApiError
+    from pdserve.router.worker_hook import main as hook
+
+    await cluster.start(admin_api_key="ops")
+    dec = cluster.decodes[0]
+    worker = cluster.router.registry.get(dec.url)
+    await asyncio.to_thread(hook, ["drain", "--router", cluster.url, "--worker", dec.url])
+    assert "HTTP 401" in capsys.readouterr().out and not worker.draining
+    monkeypatch.setattr(env, "PDSERVE_ROUTER_ADMIN_API_KEY", "ops")  # the hooks' Secret
+    await asyncio.to_thread(hook, ["drain", "--router", cluster.url, "--worker", dec.url])
+    assert "drained=True" in capsys.readouterr().out and worker.draining
+    extra = StandinWorker("decode")
+    await extra.start()
+    try:
+        with pytest.raises(RouterApiError, match="HTTP 401"):
+            await asyncio.to_thread(RouterApi(cluster.url, admin_api_key="wrong").add, extra.url, "decode")
+        answer = await asyncio.to_thread(RouterApi(cluster.url, admin_api_key="ops").add, extra.url, "decode")
+        assert answer["url"] == extra.url and cluster.router.registry.get(extra.url) is not None
+    finally:
+        await extra.close()
