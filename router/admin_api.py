@@ -64,7 +64,7 @@ class AdminApi:
         if not workers:
             return error_response(RouterError(503, "no worker registered", "service_unavailable"))
         status, answer = await fan_out(router.session, workers, request.path, body or b"{}",
-                                       router.control_headers)
+                                       router.control_headers, router.config.max_response_bytes)
         return json_response(answer, status)
 
     async def _list_workers(self, request: web.Request) -> web.Response:
