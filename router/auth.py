@@ -62,9 +62,11 @@ def is_loopback(remote: str | None) -> bool:
     if not remote:
         return False
     try:
-        return ipaddress.ip_address(remote.split("%", 1)[0]).is_loopback
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
     except ValueError:
         return False
+    mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack socket's ::ffff:127.0.0.1
+    return (mapped or addr).is_loopback
 
 
 class Access:

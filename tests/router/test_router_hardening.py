@@ -267,3 +267,12 @@ async def test_the_drain_hook_and_the_planner_send_the_admin_key(cluster, capsys
         assert answer["url"] == extra.url and cluster.router.registry.get(extra.url) is not None
     finally:
         await extra.close()
+
+
+def test_loopback_peers_are_told_apart_from_the_rest():
+    from pdserve.router.auth import is_loopback
+
+    for remote in ("127.0.0.1", "127.8.9.1", "::1", "::ffff:127.0.0.1"):
+        assert is_loopback(remote), remote
+    for remote in ("192.0.2.2", "10.0.0.1", "::ffff:10.0.0.1", "fd00::2", "", None, "localhost", "unix"):
+        assert not is_loopback(remote), remote
