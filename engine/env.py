@@ -20,3 +20,9 @@ UCX_NET_DEVICES: str = os.environ.get("UCX_NET_DEVICES", "")
 # Where /start_profile writes traces when the request names no output_dir (SGLang's
 # SGLANG_TORCH_PROFILER_DIR).
 PDSERVE_TORCH_PROFILER_DIR: str = os.environ.get("PDSERVE_TORCH_PROFILER_DIR", "/tmp")
+# The router's keys (``--api-key`` for inference routes, ``--admin-api-key`` for the routes that
+# change the router or its workers) when neither the flag nor its ``-file`` form is given: set them
+# from a Kubernetes Secret, so that they never show in a process list. The planner sends the admin
+# key from here too when it is not given ``--admin-api-key``.
+PDSERVE_ROUTER_API_KEY: str = os.environ.get("PDSERVE_ROUTER_API_KEY", "")
+PDSERVE_ROUTER_ADMIN_API_KEY: str = os.environ.get("PDSERVE_ROUTER_ADMIN_API_KEY", "")

@@ -4,6 +4,10 @@ A prefill or decode server serves a request with bootstrap fields (the room its 
 without them only a colocated server serves it, or a decode server that prefills short prompts
 itself (``--max-local-prefill-tokens``). The HTTP layer answers 400 with these messages and the
 decode loop checks again, so both say the same.
+
+``sequence_room`` is the rule by which both sides of a pair find the room of each sequence of a
+request that expands (``n`` > 1, a batch): the router sends the request's rooms once, and the
+prefill and the decode server derive the same room per sequence from them.
 """
 
 from __future__ import annotations
@@ -24,3 +28,18 @@ def local_prefill_refusal(num_tokens: int, limit: int) -> str:
         return bootstrap_refusal("decode", 0)
     return (f"a decode server prefills at most {limit} prompt tokens itself (--max-local-prefill-tokens); "
             f"this prompt has {num_tokens}: send it with bootstrap_host, bootstrap_port and bootstrap_room")
+
+
+ROOM_SPACE = 2**63  # rooms are below 2^63 (SGLang's range)
+
+
+def sequence_room(rooms: int | list[int], prompt: int, choice: int, num_prompts: int) -> int:
+    """The room of choice ``choice`` of prompt ``prompt`` (of ``num_prompts``) of one request.
+
+    A list gives choice 0 of each prompt its room; choice j of prompt i has ``rooms[i] + j *
+    num_prompts``. One int ``r`` stands for the list ``[r, r + 1, ..., r + num_prompts - 1]``, so
+    sequence k of SGLang's expanded order (``k = j * num_prompts + i``) has room ``r + k``, as
+    SGLang's servers number it. Sums wrap below 2^63.
+    """
+    base = rooms[prompt] if isinstance(rooms, list) else rooms + prompt
+    return (base + choice * num_prompts) % ROOM_SPACE

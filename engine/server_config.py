@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.http_limits import MAX_REQUEST_BYTES
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
@@ -53,7 +54,7 @@ class ServerConfig:
     api_key: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
-    max_request_bytes: int = 8 * 1024 * 1024  # larger bodies get 413
+    max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get 413
     max_n: int = 8  # most choices per OpenAI request
     # SGLang's flag: "model" takes the OpenAI endpoints' sampling defaults from the model's
     # generation_config.json (or GGUF metadata), "openai" keeps OpenAI's (sampling_defaults.py)

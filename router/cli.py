@@ -7,6 +7,7 @@ import argparse
 import logging
 from dataclasses import fields
 
+from pdserve.router.auth import keys_from_flags
 from pdserve.router.config import LOG_LEVELS, RouterConfig, WorkerSpec
 from pdserve.router.policy import POLICY_NAMES
 
@@ -49,12 +50,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-queue-threshold", type=int, default=_D["prefill_queue_threshold"],
                    help="also prefill on the decode worker when every prefill worker has more than this "
                    "many requests in flight (0: off)")
-    p.add_argument("--api-key", default=_D["api_key"])
+    p.add_argument("--api-key", default=_D["api_key"],
+                   help="key of the inference routes ('Authorization: Bearer KEY'); it shows in the process "
+                        "list: prefer --api-key-file or PDSERVE_ROUTER_API_KEY")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="file holding --api-key")
+    p.add_argument("--admin-api-key", default=_D["admin_api_key"],
+                   help="key of the admin routes (/workers add, remove, drain; control fan-outs); without "
+                        "one they answer loopback peers only; prefer --admin-api-key-file or "
+                        "PDSERVE_ROUTER_ADMIN_API_KEY")
+    p.add_argument("--admin-api-key-file", default=None, metavar="PATH", help="file holding --admin-api-key")
     p.add_argument("--max-concurrent-requests", type=int, default=_D["max_concurrent_requests"])
     p.add_argument("--queue-size", type=int, default=_D["queue_size"])
     p.add_argument("--queue-timeout-secs", type=float, default=_D["queue_timeout_secs"])
     p.add_argument("--request-timeout-secs", type=float, default=_D["request_timeout_secs"])
-    p.add_argument("--max-payload-size", type=int, default=_D["max_payload_size"])
+    p.add_argument("--max-payload-size", type=int, default=_D["max_payload_size"],
+                   help="largest request body in bytes (default: the engine servers' limit); larger: 413")
+    p.add_argument("--max-response-bytes", type=int, default=_D["max_response_bytes"],
+                   help="largest non-streamed worker answer relayed, in bytes; larger: 502")
     p.add_argument("--retry-max-retries", type=int, default=_D["retry_max_retries"],
                    help="attempts in total, as in sglang-router (1: no retry)")
     p.add_argument("--retry-initial-backoff-ms", type=float, default=_D["retry_initial_backoff_ms"])
@@ -98,6 +110,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     kwargs = {name: getattr(args, name) for name in names}
     if args.disable_retries:
         kwargs["retry_max_retries"] = 1
+    kwargs["api_key"], kwargs["admin_api_key"] = keys_from_flags(
+        args.api_key, args.api_key_file, args.admin_api_key, args.admin_api_key_file)
     return RouterConfig(prefill=tuple(parse_prefill(v) for v in args.prefill),
                         decode=tuple(WorkerSpec(u, "decode") for u in args.decode), **kwargs)
 

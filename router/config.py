@@ -9,8 +9,9 @@ fails at start with a message naming the field.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
+from pdserve.engine.http_limits import MAX_REQUEST_BYTES
 from pdserve.router.policy import POLICY_NAMES
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -67,13 +68,18 @@ class RouterConfig:
     # ... and any request when every prefill endpoint has more than this many requests in flight
     # and the decode endpoint fewer local prefills (router/local_prefill.py); 0: never
     prefill_queue_threshold: int = 0
-    # security and limits
-    api_key: str | None = None
+    # security and limits (router/auth.py): the inference key and the admin key (None: admin
+    # routes answer loopback peers only); the CLI also reads them from files or the environment
+    api_key: str | None = field(default=None, repr=False)
+    admin_api_key: str | None = field(default=None, repr=False)
     max_concurrent_requests: int = -1  # -1: unlimited
     queue_size: int = 100  # 0: no queue, answer 429 at once
     queue_timeout_secs: float = 60.0
     request_timeout_secs: float = 1800.0
-    max_payload_size: int = 512 * 1024 * 1024
+    # the largest request body read (the engine servers' own limit: a larger one they would
+    # refuse) and the largest non-streamed answer of a worker relayed (over it: 502)
+    max_payload_size: int = MAX_REQUEST_BYTES
+    max_response_bytes: int = 64 * 1024 * 1024
     # retries: retry_max_retries counts attempts in total, as sglang-router does (1 = no retry)
     retry_max_retries: int = 5
     retry_initial_backoff_ms: float = 50.0
@@ -114,7 +120,7 @@ class RouterConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("retry_max_retries", "health_failure_threshold", "health_success_threshold",
-                     "max_tree_size", "max_payload_size"):
+                     "max_tree_size", "max_payload_size", "max_response_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 import aiohttp
 import msgspec
 
+from pdserve.router.errors import RouterError
+from pdserve.router.http_io import read_capped
+
 FANOUT_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation",
                 "/resume_memory_occupation")
 
@@ -48,17 +51,21 @@ def _parse(data: bytes) -> object:
         return data.decode(errors="replace")
 
 
-async def _post_one(session: aiohttp.ClientSession, worker, path: str, body: bytes, headers: dict) -> WorkerResult:
+async def _post_one(session: aiohttp.ClientSession, worker, path: str, body: bytes, headers: dict,
+                    max_bytes: int) -> WorkerResult:
     try:
         async with session.post(worker.url + path, data=body, headers=headers) as resp:
-            return WorkerResult(worker.url, worker.role, resp.status, _parse(await resp.read()))
+            return WorkerResult(worker.url, worker.role, resp.status, _parse(await read_capped(resp, max_bytes)))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         return WorkerResult(worker.url, worker.role, 0, f"{type(e).__name__}: {e}")
+    except RouterError as e:  # an answer over the cap
+        return WorkerResult(worker.url, worker.role, 0, e.message)
 
 
 async def fan_out(session: aiohttp.ClientSession, workers, path: str, body: bytes,
-                  headers: dict) -> tuple[int, dict]:
-    """POST ``body`` to ``path`` on every worker at once; returns (status, answer) as above."""
-    results = await asyncio.gather(*(_post_one(session, w, path, body, headers) for w in workers))
+                  headers: dict, max_bytes: int) -> tuple[int, dict]:
+    """POST ``body`` to ``path`` on every worker at once, reading at most ``max_bytes`` of each
+    answer (``--max-response-bytes``); returns (status, answer) as above."""
+    results = await asyncio.gather(*(_post_one(session, w, path, body, headers, max_bytes) for w in workers))
     ok = bool(results) and all(r.success for r in results)
     return (200 if ok else 502), {"success": ok, "workers": [r.to_json() for r in results]}

@@ -1,7 +1,9 @@
 """Health checks: probe every worker each interval; out of rotation after
 ``health_failure_threshold`` failures in a row, back after
 ``health_success_threshold`` passes. A worker's DP size comes from
-``/get_server_info`` (``/server_info`` on newer SGLang) the first time it passes.
+``/get_server_info`` (``/server_info`` on newer SGLang) the first time it passes; one that
+reports a DP size that is not an integer in 1..``MAX_DP_SIZE`` stays unhealthy (the router
+would otherwise make an endpoint per rank it claims).
 
 A worker that was never healthy (starting up, or just added through ``/workers``)
 is not left to the interval: ``watch`` probes it every ``STARTUP_PROBE_S``
@@ -23,7 +25,7 @@ from collections.abc import Iterator
 import aiohttp
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.worker_registry import Worker, WorkerRegistry
+from pdserve.router.worker_registry import MAX_DP_SIZE, Worker, WorkerRegistry
 
 log = logging.getLogger("pdserve.router.health")
 PROBE_INITIAL_S = 0.5
@@ -157,9 +159,14 @@ class HealthChecker:
                 worker.model_path = info.get("tokenizer_path") or info.get("model_path")
                 limits = [info.get(k) for k in ("max_context_len", "max_total_num_tokens")]
                 worker.token_room = min(limits) if all(type(v) is int for v in limits) else None
+                dp_size = info.get("dp_size", 1)
+                if type(dp_size) is not int or not 1 <= dp_size <= MAX_DP_SIZE:
+                    log.error("%s worker %s reports dp_size %.40r, not an integer in 1..%d: it stays "
+                              "out of rotation", worker.role, worker.url, dp_size, MAX_DP_SIZE)
+                    return False
                 if worker.role == "decode":
                     self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
-                self.registry.set_server_info(worker, info.get("dp_size") or 1, model)
+                self.registry.set_server_info(worker, dp_size, model)
                 return True
         log.warning("%s answers /health but neither /get_server_info nor /server_info", worker.url)
         # a server without server info still serves: assume one DP rank

@@ -42,7 +42,7 @@ from pdserve.router.openai_migration import openai_migratable, with_token_ids
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pair, Pairing, batch_size
-from pdserve.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse, drain_response
+from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
 from pdserve.router.worker_registry import Endpoint
 
 log = logging.getLogger("pdserve.router")
@@ -242,6 +242,7 @@ class PDProxy:
             resp = await self.upstream.post(url, path, data)
             payload = await resp.read()
         except UpstreamError as e:
+            _refuse_too_large(leg, ep, e)
             raise LegFailure(leg, ep, str(e), cause=e.cause) from None
         finally:
             ep.load -= 1
@@ -383,6 +384,7 @@ class PDProxy:
         except UpstreamError as e:
             if resp is not None:
                 resp.close()
+            _refuse_too_large("decode", ep, e)
             raise LegFailure("decode", ep, str(e), cause=e.cause) from None
         except BaseException:
             if resp is not None:
@@ -422,6 +424,13 @@ def _has_error(payload: bytes) -> bool:
         if isinstance(obj, dict) and obj.get("error"):
             return True
     return False
+
+
+def _refuse_too_large(leg: str, ep: Endpoint, e: UpstreamError) -> None:
+    """An answer over --max-response-bytes ends the request with a 502 naming the cap: any pair
+    would answer as much, so it is not retried."""
+    if e.cause == TOO_LARGE:
+        raise upstream_failed(f"{leg} worker {ep.key}: {e}") from None
 
 
 def _short(payload: bytes, n: int = 300) -> str:

@@ -1,4 +1,9 @@
-"""The router's HTTP server: endpoints, admission (auth, payload size, concurrency) and lifecycle.
+"""The router's HTTP server: the inference endpoint, probes, admission and lifecycle.
+
+An inference request passes the inference key (router/auth.py), takes an admission slot
+(``--max-concurrent-requests``, router/admission.py) and only then has its body read, within
+``--max-payload-size`` (router/http_io.py). The routes that change the router or its workers
+live in router/admin_api.py.
 
 ``Router(config)`` owns the worker registry, the policies, the health checker
 and one pooled aiohttp client session; ``await router.start()`` probes the
@@ -22,19 +27,20 @@ import asyncio
 import logging
 import signal
 import time
-from urllib.parse import unquote
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from pdserve.router.admin_api import AdminApi
 from pdserve.router.admission import Admission
-from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, drain_worker, remember_response
-from pdserve.router.fanout import FANOUT_PATHS, fan_out
-from pdserve.router.errors import RouterError, bad_request, error_response, payload_too_large, unauthorized
+from pdserve.router.auth import Access
+from pdserve.router.config import RouterConfig
+from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, remember_response
+from pdserve.router.errors import RouterError, bad_request, error_response
 from pdserve.router.health import HealthChecker
 from pdserve.router.health_generate import health_generate
+from pdserve.router.http_io import json_response, read_body, read_capped
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
@@ -42,16 +48,12 @@ from pdserve.router.policy import make_policy
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
-from pdserve.router.worker_registry import Worker, WorkerRegistry
+from pdserve.router.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
-
-
-def json_response(obj, status: int = 200) -> web.Response:
-    return web.Response(body=_encode(obj), status=status, content_type="application/json")
 
 
 @web.middleware
@@ -83,10 +85,18 @@ class Router:
                                  if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
         self.registry.on_change(self._prepare_routing)
         self.shutdown = Shutdown(config.graceful_shutdown_timeout)
+        self.access = Access(config.api_key, config.admin_api_key)
+        # the workers get the router's inference key, and its admin key on the control routes
+        # fanned out to them (each falls back to the other when only one is set)
         self.worker_headers = {"Content-Type": "application/json"}
-        if config.api_key:
-            self.worker_headers["Authorization"] = f"Bearer {config.api_key}"
-        self._auth = f"Bearer {config.api_key}" if config.api_key else None
+        self.control_headers = {"Content-Type": "application/json"}
+        inference_key = config.api_key or config.admin_api_key
+        control_key = config.admin_api_key or config.api_key
+        if inference_key:
+            self.worker_headers["Authorization"] = f"Bearer {inference_key}"
+        if control_key:
+            self.control_headers["Authorization"] = f"Bearer {control_key}"
+        self.admin_api = AdminApi(self)
         self.session: aiohttp.ClientSession | None = None
         self.proxy: PDProxy | None = None
         self.upstream: UpstreamPool | None = None
@@ -103,7 +113,8 @@ class Router:
                                              auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"))
         auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
-        self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth)
+        self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth,
+                                     max_response_bytes=self.config.max_response_bytes)
         self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.prompt_tokenizer)
         if self.prompt_tokenizer is not None and self.config.tokenizer_path:
             self.prompt_tokenizer.start(None)
@@ -170,18 +181,12 @@ class Router:
             r.add_get(path, self._forward_one)
         for path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
             r.add_post(path, self._forward_one)
-        for path in FANOUT_PATHS:
-            r.add_post(path, self._fan_out)
+        self.admin_api.add_routes(r)
         r.add_get("/health", self._health)
         r.add_get("/health_generate", self._health_generate)
         r.add_get("/liveness", self._liveness)
         r.add_get("/readiness", self._readiness)
         r.add_get("/metrics", self._metrics)
-        r.add_get("/workers", self._list_workers)
-        r.add_post("/workers", self._add_worker)
-        r.add_post("/workers/drain", self._drain_worker)
-        r.add_post("/workers/undrain", self._undrain_worker)
-        r.add_delete("/workers/{url:.+}", self._remove_worker)
         app.on_response_prepare.append(remember_response)
         app.on_cleanup.append(lambda _app: self.close())
         return app
@@ -195,16 +200,17 @@ class Router:
         try:
             self.shutdown.enter()
             entered = True
-            self._check_auth(request)
-            raw = await self._read_body(request)
+            self.access.check_inference(request)
+            # the slot before the body: concurrent uploads wait in the queue, not in memory
+            await self.admission.acquire()
+            admitted = True
+            raw = await read_body(request, self.config.max_payload_size)
             try:
                 body = _decode(raw)
             except msgspec.DecodeError as e:
                 raise bad_request(f"invalid JSON body: {e}") from None
             if not isinstance(body, dict):
                 raise bad_request("the JSON body must be an object")
-            await self.admission.acquire()
-            admitted = True
             if not self.gate.is_open:  # workers starting or restarting: wait for a pair
                 await self.gate.wait(self.config.request_queue_timeout_secs)
             resp = await self.proxy.handle(request, route, body, t0)
@@ -229,19 +235,6 @@ class Router:
             self.metrics.requests.inc(route, str(status))
             self.metrics.e2e.observe(time.perf_counter() - t0)
 
-    def _check_auth(self, request: web.Request) -> None:
-        if self._auth is not None and request.headers.get("Authorization") != self._auth:
-            raise unauthorized()
-
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.max_payload_size
-        if request.content_length is not None and request.content_length > limit:
-            raise payload_too_large(limit)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise payload_too_large(limit) from None
-
     # other endpoints --------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
         counts = {role: len(self.registry.healthy_endpoints(role)) for role in ("prefill", "decode")}
@@ -250,7 +243,7 @@ class Router:
     async def _health_generate(self, request: web.Request) -> web.Response:
         """200 when every worker that is not draining generated a token now; else 503 with each one's answer."""
         try:
-            self._check_auth(request)
+            self.access.check_inference(request)
         except RouterError as err:
             return error_response(err)
         status, body = await health_generate(self.session, self.registry.workers(), self.worker_headers)
@@ -279,126 +272,29 @@ class Router:
     async def _forward_one(self, request: web.Request) -> web.Response:
         """Model and server info, and (de)tokenization, come from a healthy worker (decode first: it
         serves the answers)."""
+        admitted = False
         try:
-            self._check_auth(request)
-            body = await self._read_body(request) if request.method == "POST" else None
-        except RouterError as err:
-            return error_response(err)
-        endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")
-        if not endpoints:
-            return error_response(RouterError(503, "no healthy worker available", "service_unavailable"))
-        url = endpoints[0].worker.url + request.path
-        try:
-            async with self.session.request(request.method, url, data=body, headers=self.worker_headers) as resp:
-                data = await resp.read()
-                return web.Response(body=data, status=resp.status,
-                                    content_type=resp.content_type or "application/json")
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return error_response(RouterError(502, f"{url}: {type(e).__name__}: {e}", "upstream_error"))
-
-    async def _fan_out(self, request: web.Request) -> web.Response:
-        """A control operation for every worker (router/fanout.py)."""
-        try:
-            self._check_auth(request)
-            body = await self._read_body(request)
-        except RouterError as err:
-            return error_response(err)
-        workers = self.registry.workers()
-        if not workers:
-            return error_response(RouterError(503, "no worker registered", "service_unavailable"))
-        status, answer = await fan_out(self.session, workers, request.path, body or b"{}", self.worker_headers)
-        return json_response(answer, status)
-
-    async def _list_workers(self, request: web.Request) -> web.Response:
-        try:
-            self._check_auth(request)
-        except RouterError as err:
-            return error_response(err)
-        return json_response({role: [w.to_json() for w in self.registry.workers(role)]
-                              for role in ("prefill", "decode")})
-
-    async def _add_worker(self, request: web.Request) -> web.Response:
-        """Body: {"url", "role" (or SGLang's "worker_type"): "prefill"|"decode", "bootstrap_port"}."""
-        try:
-            self._check_auth(request)
-            body = await self._url_body(request, "expected a JSON object with 'url' and 'role'")
+            self.access.check_inference(request)
+            await self.admission.acquire()
+            admitted = True
+            body = await read_body(request, self.config.max_payload_size) if request.method == "POST" else None
+            endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")
+            if not endpoints:
+                raise RouterError(503, "no healthy worker available", "service_unavailable")
+            url = endpoints[0].worker.url + request.path
             try:
-                spec = WorkerSpec(body["url"], body.get("role") or body.get("worker_type") or "",
-                                  body.get("bootstrap_port"))
-            except (ValueError, TypeError) as e:
-                raise bad_request(str(e)) from None
-            try:
-                worker = self.registry.add(spec)
-            except ValueError as e:
-                raise RouterError(409, str(e), "conflict", "url") from None
+                async with self.session.request(request.method, url, data=body,
+                                                headers=self.worker_headers) as resp:
+                    data = await read_capped(resp, self.config.max_response_bytes)
+                    return web.Response(body=data, status=resp.status,
+                                        content_type=resp.content_type or "application/json")
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise RouterError(502, f"{url}: {type(e).__name__}: {e}", "upstream_error") from None
         except RouterError as err:
             return error_response(err)
-        await self.health.check(worker, first=True)
-        if not worker.healthy:
-            self.health.watch(worker, first=True)
-        log.info("added %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
-        return json_response(worker.to_json())
-
-    async def _url_body(self, request: web.Request, expected: str) -> dict:
-        """The JSON object body of a /workers call, which must name a worker ``url``."""
-        try:
-            body = _decode(await self._read_body(request))
-        except msgspec.DecodeError as e:
-            raise bad_request(f"invalid JSON body: {e}") from None
-        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            raise bad_request(expected, "url")
-        return body
-
-    async def _worker_from_body(self, request: web.Request) -> tuple[dict, Worker]:
-        """The JSON body of a /workers/drain or /workers/undrain call and the worker its url names."""
-        self._check_auth(request)
-        body = await self._url_body(request, "expected a JSON object with 'url'")
-        worker = self.registry.get(body["url"])
-        if worker is None:
-            raise RouterError(404, f"no worker {body['url']}", "not_found", "url")
-        return body, worker
-
-    async def _drain_worker(self, request: web.Request) -> web.Response:
-        """Body: {"url", "wait_secs" (optional, default 0)}. No new requests go to the worker; the
-        answer comes once it is drained or ``wait_secs`` passed, and says which ("drained")."""
-        try:
-            body, worker = await self._worker_from_body(request)
-            wait = body.get("wait_secs", 0)
-            if not isinstance(wait, (int, float)) or wait < 0:
-                raise bad_request("wait_secs must be a number >= 0", "wait_secs")
-        except RouterError as err:
-            return error_response(err)
-        log.info("draining %s worker %s (%d requests in flight)", worker.role, worker.url, worker.load)
-        return json_response(await drain_worker(self.registry, worker, float(wait)))
-
-    async def _undrain_worker(self, request: web.Request) -> web.Response:
-        """Body: {"url"}. A drained worker (restarted, say) takes new requests again."""
-        try:
-            _, worker = await self._worker_from_body(request)
-        except RouterError as err:
-            return error_response(err)
-        self.registry.set_draining(worker, False)
-        if not worker.healthy:
-            self.health.watch(worker)
-        log.info("%s worker %s takes requests again", worker.role, worker.url)
-        return json_response(worker.to_json())
-
-    async def _remove_worker(self, request: web.Request) -> web.Response:
-        try:
-            self._check_auth(request)
-        except RouterError as err:
-            return error_response(err)
-        url = unquote(request.match_info["url"])
-        worker = self.registry.remove(url)
-        if worker is None:
-            return error_response(RouterError(404, f"no worker {url}", "not_found", "url"))
-        # both: the prefill policy (kv_aware) also follows decode workers' events for local prefill
-        for policy in (self.prefill_policy, self.decode_policy):
-            for ep in worker.endpoints:
-                policy.forget(ep.key)
-        log.info("removed %s worker %s (%d requests in flight finish there)", worker.role,
-                 worker.url, worker.load)
-        return json_response(worker.to_json())
+        finally:
+            if admitted:
+                self.admission.release()
 
 
 async def start_router(config: RouterConfig, host: str | None = None,

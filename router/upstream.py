@@ -22,11 +22,13 @@ from urllib.parse import urlsplit
 import httptools
 
 _HIGH_WATER = 1 << 20  # pause reading a stream the client does not keep up with
+TOO_LARGE = "too_large"  # UpstreamError cause: an answer over max_response_bytes
 
 
 class UpstreamError(Exception):
     """Connection refused or lost, timeout, or a malformed answer; ``cause`` names which, for the
-    router's retries-by-cause metric: connect, timeout, connection_lost, malformed, bad_url."""
+    router's retries-by-cause metric: connect, timeout, connection_lost, malformed, bad_url,
+    too_large (not retried: any pair would answer as much)."""
 
     def __init__(self, message: str, cause: str):
         super().__init__(message)
@@ -169,14 +171,31 @@ class UpstreamResponse:
         return self._conn.complete and not self._conn.chunks
 
     async def read(self) -> bytes:
-        """The whole body."""
+        """The whole body, taken as it arrives (reading resumes past the high-water mark); one
+        larger than the pool's ``max_response_bytes`` aborts the connection and raises an
+        ``UpstreamError`` with cause ``too_large``."""
         c = self._conn
-        while not c.complete:
+        cap = c.pool.max_response_bytes
+        parts: list[bytes] = []
+        total = 0
+        while True:
+            if c.chunks:
+                total += c.size
+                if total > cap:
+                    self.close()
+                    raise UpstreamError(f"the answer is larger than --max-response-bytes ({cap} bytes)",
+                                        TOO_LARGE)
+                parts.extend(c.chunks)
+                c.chunks.clear()
+                c.size = 0
+                if c.paused:
+                    c.paused = False
+                    c.transport.resume_reading()
+            if c.complete:
+                break
             await c._wait()
-        data = b"".join(c.chunks)
-        c.chunks.clear()
         self.close()
-        return data
+        return b"".join(parts)
 
     def close(self) -> None:
         """Give the connection back when the answer is complete, else abort it."""
@@ -187,8 +206,12 @@ class UpstreamResponse:
 
 
 class UpstreamPool:
-    def __init__(self, timeout: float, connect_timeout: float = 10.0, extra_headers: dict | None = None):
+    def __init__(self, timeout: float, connect_timeout: float = 10.0, extra_headers: dict | None = None,
+                 max_response_bytes: int | None = None):
+        """``max_response_bytes``: the largest body ``read()`` takes whole (None: no cap; the router
+        passes ``--max-response-bytes``); streams are relayed piece by piece and not capped."""
         self.timeout = timeout
+        self.max_response_bytes = max_response_bytes if max_response_bytes is not None else float("inf")
         self.connect_timeout = connect_timeout
         self._extra = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in (extra_headers or {}).items())
         self._idle: dict[tuple[str, int], list[_Connection]] = {}

@@ -5,7 +5,8 @@ take it back after it started.
 --worker http://pdserve-decode-0.pdserve-decode:30000 --wait-secs 120`` calls ``POST
 /workers/drain`` on every address the router's host name resolves to (a headless Service lists
 every router pod), all at once, and returns when each answered (drained, or ``--wait-secs``
-passed). ``undrain`` calls ``POST /workers/undrain`` the same way. A router that does not know
+passed). ``undrain`` calls ``POST /workers/undrain`` the same way. Both are admin routes: the
+hook sends ``--admin-api-key`` or ``PDSERVE_ROUTER_ADMIN_API_KEY`` (router/auth.py). A router that does not know
 the worker, or does not answer, is reported and skipped: the hook always exits 0, because a
 failing postStart hook would kill the container and a failing preStop hook changes nothing.
 """
@@ -20,6 +21,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
+
+from pdserve.engine import env
 
 CALL_MARGIN_S = 10.0  # beyond --wait-secs: the router answers once drained or after wait_secs
 
@@ -60,14 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker", required=True, help="the worker's URL as the router knows it")
     p.add_argument("--wait-secs", type=float, default=0.0, help="drain: how long each router waits "
                                                                "for the worker's in-flight requests")
-    p.add_argument("--api-key", default=None, help="the routers' --api-key, if they have one")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the routers' --admin-api-key (default: PDSERVE_ROUTER_ADMIN_API_KEY); a router "
+                        "without one takes drains from loopback peers only")
     args = p.parse_args(argv)
+    key = args.admin_api_key or env.PDSERVE_ROUTER_ADMIN_API_KEY or None
     body = {"url": args.worker}
     if args.action == "drain":
         body["wait_secs"] = args.wait_secs
     urls = router_urls(args.router)
     with ThreadPoolExecutor(max(1, len(urls))) as pool:
-        results = list(pool.map(lambda u: call(u, args.action, body, args.api_key,
+        results = list(pool.map(lambda u: call(u, args.action, body, key,
                                                args.wait_secs + CALL_MARGIN_S), urls))
     for line in results or [f"no router address for {args.router}"]:
         print(f"worker_hook {args.action} {args.worker}: {line}", flush=True)

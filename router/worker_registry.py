@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 from pdserve.router.config import WorkerSpec
 
 ROLES = ("prefill", "decode")
+# the most DP ranks a worker may report: an endpoint is made per rank, so a reported size is bounded
+MAX_DP_SIZE = 1024
 
 
 class Endpoint:
@@ -128,7 +130,8 @@ class WorkerRegistry:
         worker.info_known = True
         if model_id:
             worker.model_id = model_id
-        dp_size = max(1, int(dp_size))
+        if not 1 <= dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"dp_size must be in 1..{MAX_DP_SIZE}, got {dp_size}")
         worker.dp_size = dp_size
         ranks = list(range(dp_size)) if (self.dp_aware or dp_size > 1) else [None]
         if [e.dp_rank for e in worker.endpoints] != ranks:

@@ -162,7 +162,7 @@ def generate_sequences(
         if isinstance(v, list) and len(v) != num:
             raise RequestError(f"{name} has {len(v)} entries for {num} prompts", param=name)
     routed = check_dp_rank(req, limits)
-    boots = bootstrap_infos(req, num, limits, req.disagg_prefill_dp_rank)
+    boots = bootstrap_infos(req, num, n, limits, req.disagg_prefill_dp_rank)
     rids = sequence_rids(req.rid, num, n)
     seqs = []
     for i in range(num):
@@ -184,7 +184,7 @@ def generate_sequences(
                     top_logprobs_num=top_n,
                     logprob_start_len=-1 if start is None else start,
                     routed_dp_rank=routed,
-                    bootstrap=boots[i],
+                    bootstrap=boots[i * n + j],
                     no_stop_trim=no_trim,
                     prompt_param=prompt_param,
                     max_tokens_param="sampling_params.max_new_tokens",
@@ -255,7 +255,7 @@ def _openai_sequences(
 ) -> list[SequenceSpec]:
     n = check_n(req.n, limits)
     routed = check_dp_rank(req, limits)
-    boots = bootstrap_infos(req, len(prompts), limits, req.disagg_prefill_dp_rank)
+    boots = bootstrap_infos(req, len(prompts), n, limits, req.disagg_prefill_dp_rank)
     rids = sequence_rids(req.rid, len(prompts), n)
     seqs = []
     for i, p in enumerate(prompts):
@@ -271,7 +271,7 @@ def _openai_sequences(
                     return_logprob=return_logprob,
                     top_logprobs_num=top_logprobs,
                     routed_dp_rank=routed,
-                    bootstrap=boots[i],
+                    bootstrap=boots[i * n + j],
                     no_stop_trim=bool(req.no_stop_trim),
                     prompt_param=prompt_param,
                     max_tokens_param=max_tokens_param,

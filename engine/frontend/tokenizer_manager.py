@@ -174,10 +174,14 @@ class TokenizerManager:
         detok = Detokenizer(self.tokenizer, stops, sp.skip_special_tokens)
         return SeqState(spec=spec, input_ids=ids, detok=detok, prompt_tokens=len(ids))
 
+    def _placed_by_room(self, spec: SequenceSpec) -> bool:
+        return (spec.routed_dp_rank is None and spec.bootstrap is not None
+                and self.config.disaggregation_mode == "prefill")
+
     def _pick_rank(self, spec: SequenceSpec) -> int:
         if spec.routed_dp_rank is not None:
             return spec.routed_dp_rank
-        if spec.bootstrap is not None and self.config.disaggregation_mode == "prefill":
+        if self._placed_by_room(spec):
             return spec.bootstrap.room % self.dp_size
         # least loaded by sequences in flight; ties go round robin so idle ranks share the work
         n = self.dp_size
@@ -211,10 +215,14 @@ class TokenizerManager:
         handle = RequestHandle(self, states)
         rank_by_prompt: dict[int, int] = {}
         for st in states:
-            # every choice of one prompt goes to the same rank, where they share the prompt's cache
-            if st.spec.prompt_index not in rank_by_prompt:
-                rank_by_prompt[st.spec.prompt_index] = self._pick_rank(st.spec)
-            st.dp_rank = rank_by_prompt[st.spec.prompt_index]
+            # every choice of one prompt goes to the same rank, where they share the prompt's cache;
+            # a prefill server places each by its own room, where its decode peer looks for it
+            if self._placed_by_room(st.spec):
+                st.dp_rank = self._pick_rank(st.spec)
+            else:
+                if st.spec.prompt_index not in rank_by_prompt:
+                    rank_by_prompt[st.spec.prompt_index] = self._pick_rank(st.spec)
+                st.dp_rank = rank_by_prompt[st.spec.prompt_index]
             st.num_prompts_in_batch = num_prompts if batch else 0
             self._seqs[st.rid] = (st, handle.queue)
             if st.spec.bootstrap is not None:

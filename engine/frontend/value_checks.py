@@ -10,7 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.pd_rules import bootstrap_refusal
+from pdserve.engine.pd_rules import bootstrap_refusal, sequence_room
 from pdserve.engine.frontend import refused_fields
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.messages import BootstrapInfo
@@ -109,14 +109,17 @@ def pick(x, i: int):
     return x[i] if isinstance(x, list) else x
 
 
-def bootstrap_infos(req, num_prompts: int, limits: RequestLimits, prefill_rank: int | None) -> list[BootstrapInfo | None]:
-    """The bootstrap fields of each prompt, checked (the PD rules: ``pd_rules.py``)."""
+def bootstrap_infos(req, num_prompts: int, n: int, limits: RequestLimits,
+                    prefill_rank: int | None) -> list[BootstrapInfo | None]:
+    """The bootstrap fields of each sequence (prompt-major: prompt i's choice j at ``i * n + j``),
+    checked (the PD rules: ``pd_rules.py``); each sequence has a room of its own
+    (``sequence_room``)."""
     fields_ = (req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
     if all(f is None for f in fields_):
         refusal = bootstrap_refusal(limits.disaggregation_mode, limits.max_local_prefill_tokens)
         if refusal is not None:
             raise RequestError(refusal, param="bootstrap_room")
-        return [None] * num_prompts
+        return [None] * (num_prompts * n)
     for name, f in zip(("bootstrap_host", "bootstrap_port", "bootstrap_room"), fields_):
         if f is None:
             raise RequestError(f"{name} is missing while other bootstrap fields are given", param=name)
@@ -134,14 +137,10 @@ def bootstrap_infos(req, num_prompts: int, limits: RequestLimits, prefill_rank: 
         if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() or c in "/?#@" for c in host):
             raise RequestError(f"bootstrap_host must be a host name or address, got {host[:64]!r}",
                                param="bootstrap_host")
-        out.append(
-            BootstrapInfo(
-                host=host,
-                port=port,
-                room=room,
-                prefill_dp_rank=prefill_rank,
-            )
-        )
+        for j in range(n):
+            out.append(BootstrapInfo(host=host, port=port,
+                                     room=sequence_room(req.bootstrap_room, i, j, num_prompts),
+                                     prefill_dp_rank=prefill_rank))
     return out
 
 

@@ -171,6 +171,7 @@ def _option_json(o) -> dict:
 
 _PLANNER_HELP = {
     "router": "the router whose /metrics and /workers are read",
+    "admin_api_key": "the router's --admin-api-key (adds, drains, removes workers); default: PDSERVE_ROUTER_ADMIN_API_KEY",
     "profile": "profile (pdserve profile) of both roles' servers",
     "ttft_slo": "seconds, met by --slo-quantile of the requests",
     "itl_slo": "seconds, mean per request, met by --slo-quantile of the requests",

@@ -60,7 +60,7 @@ class VirtualConnector(Connector):
         from pdserve.entrypoints.planner.router_api import RouterApi
 
         try:
-            listing = RouterApi(config.router, config.api_key, config.scrape_timeout).workers()
+            listing = RouterApi(config.router, config.api_key, config.scrape_timeout, config.admin_api_key).workers()
             n = {r: sum(1 for w in listing.get(r) or [] if not w.get("draining")) for r in ("prefill", "decode")}
             return cls(Counts(n["prefill"], n["decode"]))
         except OSError:

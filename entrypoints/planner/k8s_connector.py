@@ -53,7 +53,7 @@ class KubernetesConnector(Connector):
         urls = router_urls(config.router_pods) or [config.router]
         return cls(client.AppsV1Api(), config.namespace,
                    {"prefill": config.prefill_statefulset, "decode": config.decode_statefulset},
-                   [RouterApi(u, config.api_key, config.scrape_timeout) for u in urls], config.drain_timeout)
+                   [RouterApi(u, config.api_key, config.scrape_timeout, config.admin_api_key) for u in urls], config.drain_timeout)
 
     def pod_url(self, role: str, ordinal: int) -> str:
         name = self.statefulsets[role]

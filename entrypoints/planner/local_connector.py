@@ -79,7 +79,7 @@ class LocalConnector(Connector):
         def argv(role, host, port, bootstrap):
             return pdserve_server_argv(role, host, port, bootstrap, config.transfer_backend, config.serve_args)
 
-        return cls(RouterApi(config.router, config.api_key, config.scrape_timeout), argv,
+        return cls(RouterApi(config.router, config.api_key, config.scrape_timeout, config.admin_api_key), argv,
                    log_dir=config.log_dir, startup_timeout=config.startup_timeout,
                    drain_timeout=config.drain_timeout, leave_servers=config.leave_servers, metrics=metrics)
 

@@ -32,6 +32,9 @@ class PlannerConfig:
     host: str = "127.0.0.1"  # the planner's own /metrics
     port: int = 0  # 0: a free port
     api_key: str | None = None  # the router's --api-key
+    # the router's --admin-api-key, for adding, draining and removing workers (default:
+    # PDSERVE_ROUTER_ADMIN_API_KEY; a router without one takes those calls from loopback only)
+    admin_api_key: str | None = None
     scrape_timeout: float = 5.0
     skip_profile_check: bool = False  # use the profiles even if the servers' configuration differs
     # local connector: how new servers start (flags of `pdserve serve`, the transfer backend)

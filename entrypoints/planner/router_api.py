@@ -7,22 +7,36 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from pdserve.engine import env
+
 
 class RouterApiError(OSError):
     """The router refused a call or did not answer."""
 
 
+def _headers(key: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    return headers
+
+
 class RouterApi:
-    def __init__(self, base: str, api_key: str | None = None, timeout: float = 5.0):
+    def __init__(self, base: str, api_key: str | None = None, timeout: float = 5.0,
+                 admin_api_key: str | None = None):
+        """``api_key`` reads the listing; ``admin_api_key`` (default: PDSERVE_ROUTER_ADMIN_API_KEY)
+        adds, drains and removes workers. A router without an admin key takes those calls from
+        loopback peers only (router/auth.py)."""
         self.base = base.rstrip("/")
-        self.headers = {"Content-Type": "application/json"}
-        if api_key:
-            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.headers = _headers(api_key)
+        self.admin_headers = _headers(admin_api_key or env.PDSERVE_ROUTER_ADMIN_API_KEY or None)
         self.timeout = timeout
 
-    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None) -> dict:
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float | None = None,
+              admin: bool = True) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base + path, data=data, headers=self.headers, method=method)
+        headers = self.admin_headers if admin else self.headers
+        req = urllib.request.Request(self.base + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
                 return json.loads(r.read() or b"{}")
@@ -32,7 +46,7 @@ class RouterApi:
             raise RouterApiError(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     def workers(self) -> dict:
-        return self._call("GET", "/workers")
+        return self._call("GET", "/workers", admin=False)
 
     def add(self, url: str, role: str, bootstrap_port: int | None = None) -> dict:
         return self._call("POST", "/workers", {"url": url, "role": role, "bootstrap_port": bootstrap_port})

@@ -54,11 +54,12 @@ def cut_link(names: dict[str, str], key: str) -> None:
     ip("-n", f"pdmn-hub{tag}", "link", "set", f"veth{key}{tag}", "down")
 
 
-def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:
+def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120,
+               headers: dict | None = None) -> tuple[int, str]:
     """An HTTP request made from inside namespace ``ns``: (status, text); status 0 if it could not be made."""
     code = (
         "import json, sys, requests\n"
-        f"r = requests.request({method!r}, {url!r}, json={body!r}, timeout={timeout})\n"
+        f"r = requests.request({method!r}, {url!r}, json={body!r}, headers={headers!r}, timeout={timeout})\n"
         "sys.stdout.write(json.dumps([r.status_code, r.text]))\n"
     )
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,

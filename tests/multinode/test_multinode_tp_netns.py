@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(500)
 ADDRS = {"p0": f"{NET}.31", "p1": f"{NET}.32", "d0": f"{NET}.33", "d1": f"{NET}.34", "r": f"{NET}.35",
          "s": f"{NET}.36"}
 POOL = ["--max-total-tokens", "1024"]
+ADMIN_KEY = "the multinode router's admin key"  # its admin routes face a non-loopback peer
 # how long a TP collective waits for a peer that sends nothing (a cut link: no reset arrives);
 # long enough for the two nodes' start-up rendezvous on a loaded machine
 DIST_TIMEOUT = 30
@@ -127,7 +128,7 @@ def stand(request, tiny, ref_server):
                 str(p_nodes[0].bootstrap_port), "--decode", d_nodes[0].url, "--host", ADDRS["r"],
                 "--port", "30000", "--log-level", "warning", "--health-check-interval-secs", "1",
                 "--health-failure-threshold", "1", "--request-queue-timeout-secs", "0"],
-                cmd_prefix=["ip", "netns", "exec", ns["r"]])
+                env={"PDSERVE_ROUTER_ADMIN_API_KEY": ADMIN_KEY}, cmd_prefix=["ip", "netns", "exec", ns["r"]])
             procs.append(router)
             wait_up(ns["r"], router_url + "/health", [router], timeout=60)
             yield Stand(backend, ns, p_nodes, d_nodes, router, router_url, spare)
@@ -201,8 +202,10 @@ def test_a_lost_node_takes_its_server_out_fast(stand, ref_server):
     wait_unleaked(ns["d0"], D.url)
     # the healthy pair: a TP 1 prefill server and the two-node decode server
     spare = stand.spare
+    # the router listens on a non-loopback address: registering a worker takes its admin key
     status, text = ns_request(ns["r"], "POST", stand.router_url + "/workers",
-                              {"url": spare.url, "role": "prefill", "bootstrap_port": spare.bootstrap_port})
+                              {"url": spare.url, "role": "prefill", "bootstrap_port": spare.bootstrap_port},
+                              headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert status == 200 and json.loads(text)["healthy"], (status, text)
     for b, w in zip(busy[:2], want):
         status, text = ns_request(ns["r"], "POST", stand.router_url + "/generate", b, timeout=60)

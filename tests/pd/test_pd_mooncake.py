@@ -206,6 +206,11 @@ def test_sglang_router_drives_pdserve_servers(stand, reference, colocated):
         r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == want
+        # n > 1: its one room, numbered per choice by the servers as SGLang's number it
+        body = N_BODIES["/v1/completions"]
+        want = _choices("/v1/completions", colocated.post("/v1/completions", body), False)
+        assert _choices("/v1/completions", requests.post(f"{url}/v1/completions", json=body, timeout=120),
+                        False) == want
     P.wait_unleaked()
     D.wait_unleaked()
 
@@ -264,3 +269,121 @@ def test_decode_killed_prefill_frees_rooms(stand):
         assert "KV transfer failed" in p.json()["error"]["message"], p.text
     assert took < 4.0 + 10.0
     P.wait_unleaked()
+
+
+# -- n > 1 through a router: every expanded sequence has a room of its own ----------------------
+
+N = 3
+N_BODIES = {
+    "/generate": {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 5, "temperature": 0,
+                                                                         "n": N}},
+    "/v1/completions": {"model": "default", "prompt": "Once upon a time", "max_tokens": 5, "temperature": 0,
+                        "n": N},
+    "/v1/chat/completions": {"model": "default", "messages": [{"role": "user", "content": "Name a fruit"}],
+                             "max_tokens": 5, "temperature": 0, "n": N},
+}
+
+
+def _choices(path: str, r: requests.Response, stream: bool) -> list[str]:
+    """The text of each choice, by index, from a JSON answer or an SSE stream."""
+    import json
+
+    assert r.status_code == 200, r.text
+    if not stream:
+        j = r.json()
+        if path == "/generate":
+            return [c["text"] for c in j]
+        key = "text" if path == "/v1/completions" else "message"
+        return [c[key] if key == "text" else c[key]["content"] for c in sorted(j["choices"], key=lambda c: c["index"])]
+    assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    out: dict[int, str] = {}
+    for line in r.text.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        ev = json.loads(line[6:])
+        if path == "/generate":
+            out[ev["index"]] = ev["text"]  # whole text so far
+            continue
+        for c in ev["choices"]:
+            piece = c.get("text") if path == "/v1/completions" else (c.get("delta") or {}).get("content")
+            out[c["index"]] = out.get(c["index"], "") + (piece or "")
+    return [out[i] for i in sorted(out)]
+
+
+@pytest.fixture(scope="module")
+def n_router(stand):
+    from pd_stand import InProcessRouter
+
+    from pdserve.router.config import RouterConfig, WorkerSpec
+
+    P, D = stand["PB"], stand["DB"]
+    r = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
+                                     decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600,
+                                     policy="round_robin"))
+    try:
+        yield f"http://127.0.0.1:{r.port}"
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_n_choices_through_the_router_equal_colocated(stand, colocated, n_router, stream):
+    """Before, every choice reused the request's room and the servers answered 400 'bootstrap_room ...
+    is already in flight'."""
+    for path, body in N_BODIES.items():
+        want = _choices(path, colocated.post(path, body), False)
+        assert len(want) == N
+        r = requests.post(n_router + path, json=dict(body, stream=stream), timeout=120)
+        assert _choices(path, r, stream) == want, path
+    stand["PB"].wait_unleaked()
+    stand["DB"].wait_unleaked()
+
+
+def test_n_choices_of_a_batch_and_over_dp_ranks(stand, colocated):
+    """A batch of two prompts with n = 2 (the router's list of rooms), over a prefill and a decode
+    server of 2 DP ranks each: each sequence's room places it on both sides alike."""
+    from pd_stand import InProcessRouter
+
+    from pdserve.router.config import RouterConfig, WorkerSpec
+
+    P, D = stand["PA"], stand["DA"]
+    body = {"text": ["The sky is", "Water boils at"], "sampling_params": {"max_new_tokens": 4, "temperature": 0, "n": 2}}
+    want = [c["text"] for c in colocated.post("/generate", body).json()]
+    r = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
+                                     decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600))
+    try:
+        got = requests.post(f"http://127.0.0.1:{r.port}/generate", json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        assert len(want) == 4 and [c["text"] for c in got.json()] == want
+        one = dict(N_BODIES["/v1/completions"], n=4)
+        want = _choices("/v1/completions", colocated.post("/v1/completions", one), False)
+        got = requests.post(f"http://127.0.0.1:{r.port}/v1/completions", json=one, timeout=120)
+        assert _choices("/v1/completions", got, False) == want
+    finally:
+        r.close()
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+def test_a_client_leaving_an_n_stream_frees_both_pools(stand, n_router):
+    P, D = stand["PB"], stand["DB"]
+    body = {"model": "default", "prompt": "Tell a long story", "max_tokens": 400, "temperature": 0, "n": 4,
+            "ignore_eos": True, "stream": True}
+    with requests.post(n_router + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data: {"))
+    # the connection is closed mid-stream: every choice's room ends on both sides
+    P.wait_unleaked(60)
+    D.wait_unleaked(60)
+
+
+def test_sequence_rooms_follow_sglangs_numbering():
+    from pdserve.engine.pd_rules import ROOM_SPACE, sequence_room
+
+    r = 1000
+    # one int: sequence k of SGLang's expanded order (k = choice * prompts + prompt) has room r + k
+    assert [sequence_room(r, i, j, 2) for j in range(3) for i in range(2)] == [r + k for k in range(6)]
+    rooms = [7, 99]
+    assert [sequence_room(rooms, i, j, 2) for i in range(2) for j in range(2)] == [7, 9, 99, 101]
+    assert sequence_room(ROOM_SPACE - 1, 0, 2, 1) == 1  # wraps below 2^63

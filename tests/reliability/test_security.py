@@ -2,8 +2,10 @@
 
 - Every TCP socket a prefill or decode server listens on (HTTP, bootstrap server, the KV manager's
   control socket, the transfer engine) is bound to the configured ``--host``, never a wildcard.
-- ``--api-key`` on the router protects every endpoint but ``/health`` and ``/metrics``; the servers
-  take the same flag and the router forwards the key, so a keyed router + keyed servers work end to end.
+- ``--api-key`` on the router protects every endpoint but ``/health``, ``/metrics`` and the admin
+  routes (those take ``--admin-api-key``, here from a file; the inference key does not open them);
+  the servers take the same flag and the router forwards the key, so a keyed router + keyed
+  servers work end to end.
 - KV destinations are page indices checked against the registered pool: proven over the wire in
   ``tests/kvtransfer/test_two_process_transfer.py::test_prefill_validates_registrations_and_destinations``
   and, from a process outside the pair, in ``test_bad_input.py::test_garbage_control_frames_are_rejected_and_logged``.
@@ -24,14 +26,17 @@ WILDCARDS = {"0.0.0.0", "::"}
 
 
 @pytest.fixture(scope="module")
-def keyed():
+def keyed(tmp_path_factory):
+    admin_key = tmp_path_factory.mktemp("router-admin") / "admin.key"
+    admin_key.write_text("an operator's key\n")
     p = Server("rel-key-P", "prefill", "--max-total-tokens", "1024", "--api-key", KEY)
     d = Server("rel-key-D", "decode", "--max-total-tokens", "1024", "--api-key", KEY)
     r = None
     try:
         p.wait_ready()
         d.wait_ready()
-        r = Router("rel-key-router", [p], [d], "--api-key", KEY).wait_ready()
+        r = Router("rel-key-router", [p], [d], "--api-key", KEY,
+                   "--admin-api-key-file", str(admin_key)).wait_ready()
         yield p, d, r
     finally:
         for s in (r, p, d):
@@ -89,10 +94,12 @@ def test_router_api_key_guards_everything_but_health_and_metrics(keyed):
         assert r.status_code == 401 and "error" in r.json(), (path, r.text)
         r = requests.post(R.url + path, json=body, headers=AUTH, timeout=60)
         assert r.status_code == 200, (path, r.text)
-    # the worker API: add and remove need the key too
+    # the worker API: add and remove need the admin key, which the inference key is not
     spec = {"url": "http://127.0.0.1:9", "role": "decode"}
-    assert requests.post(R.url + "/workers", json=spec, timeout=10).status_code == 401
-    assert requests.delete(R.url + "/workers/" + requests.utils.quote(D.url, safe=""), timeout=10).status_code == 401
+    for headers in ({}, AUTH):
+        assert requests.post(R.url + "/workers", json=spec, headers=headers, timeout=10).status_code == 401
+        assert requests.delete(R.url + "/workers/" + requests.utils.quote(D.url, safe=""), headers=headers,
+                               timeout=10).status_code == 401
     assert [w["url"] for w in requests.get(R.url + "/workers", headers=AUTH, timeout=10).json()["decode"]] == [D.url]
 
 

@@ -49,6 +49,7 @@ class Behavior:
     control_status: int = 200  # the answer to the control endpoints (/flush_cache, ...)
     # a decode stand-in's /server_info max_local_prefill_tokens (pdserve's flag; 0: refuses local prefills)
     max_local_prefill_tokens: int = 1 << 20
+    pad_bytes: int = 0  # JSON answers carry a "pad" string of this many bytes (large answers)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class StandinWorker:
         self.cancelled: list[Record] = []  # client went away before the answer was complete
         self.completed = 0
         self.health_checks = 0
+        self.last_answer = b""  # the body of the last JSON inference answer
         self.in_flight = 0
         self._runner: web.AppRunner | None = None
 
@@ -178,8 +180,11 @@ class StandinWorker:
             n = 1 if self.role == "prefill" else max(1, _max_tokens(body, b.num_tokens))
             if body.get("stream"):
                 return await self._stream(request, rec, body, n)
-            resp = web.Response(body=_encode(_final(request.path, body, n, b.model, self.role)),
-                                content_type=_JSON)
+            answer = _final(request.path, body, n, b.model, self.role)
+            if b.pad_bytes:
+                answer["pad"] = "".join(chr(97 + i % 26) for i in range(b.pad_bytes))
+            self.last_answer = _encode(answer)
+            resp = web.Response(body=self.last_answer, content_type=_JSON)
             self.completed += 1
             return resp
         except (asyncio.CancelledError, ConnectionResetError):

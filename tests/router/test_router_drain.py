@@ -201,7 +201,7 @@ async def test_drain_answers_wait_for_the_in_flight_request(cluster):
 
 
 async def test_drain_errors_and_auth(cluster):
-    await cluster.start(1, 1, api_key="k")
+    await cluster.start(1, 1, admin_api_key="k")
     auth = {"Authorization": "Bearer k"}
     dec = cluster.decodes[0]
     assert (await cluster.post("/workers/drain", {"url": dec.url}))[0] == 401

@@ -281,14 +281,17 @@ async def test_payload_too_large_is_413(cluster):
 
 
 async def test_api_key(cluster):
-    await cluster.start(1, 1, api_key="sekret")
+    await cluster.start(1, 1, api_key="sekret", admin_api_key="ops")
     assert_error(*(await cluster.post("/generate", {"text": "x"})), 401)
     assert_error(*(await cluster.post("/generate", {"text": "x"}, {"Authorization": "Bearer nope"})), 401)
     for path in ("/workers", "/v1/models"):
         async with cluster.client.get(cluster.url + path) as r:
             assert_error(r.status, await r.json(), 401)
-    async with cluster.client.delete(cluster.url + "/workers/" + quote(cluster.decodes[0].url, safe="")) as r:
-        assert r.status == 401
+    for key in (None, "sekret"):  # an admin route: the inference key does not open it
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        async with cluster.client.delete(cluster.url + "/workers/" + quote(cluster.decodes[0].url, safe=""),
+                                         headers=headers) as r:
+            assert r.status == 401
     for path in ("/health", "/metrics"):
         async with cluster.client.get(cluster.url + path) as r:
             assert r.status == 200

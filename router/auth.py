@@ -1,0 +1,92 @@
+"""Who may call which route of the router: two keys, compared in constant time, failing closed.
+
+- Inference routes (``/generate``, the OpenAI routes, (de)tokenize, model and server info,
+  ``/health_generate``, ``GET /workers``) take ``--api-key`` when one is set; without it they are
+  open, as SGLang's router's are.
+- Admin routes (everything that changes the router or its workers: ``/workers`` add, remove,
+  drain and undrain, and the control routes fanned out to every worker) take ``--admin-api-key``
+  when one is set, from any peer; without it they answer only to loopback peers, and a 403 says
+  so. The inference key never opens an admin route (nor the admin key an inference route): users
+  and operators hold different keys.
+
+Registering a worker makes the router send it users' prompts and fetch its ``/health`` and
+``/get_server_info``; closing registration to operators is what keeps a stranger from making the
+router fetch hosts of their choice.
+
+Keys come from ``--api-key`` / ``--admin-api-key``, from ``--api-key-file`` /
+``--admin-api-key-file`` (the file's content, stripped), or from ``PDSERVE_ROUTER_API_KEY`` /
+``PDSERVE_ROUTER_ADMIN_API_KEY`` (engine/env.py), in that order of precedence.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from pathlib import Path
+
+from aiohttp import web
+
+from pdserve.engine import env
+from pdserve.router.errors import RouterError, unauthorized
+
+
+def read_key(flag: str, value: str | None, path: str | None, env_value: str) -> str | None:
+    """One key from its flag, its file or its environment variable; ValueError naming the flag."""
+    if value is not None and path is not None:
+        raise ValueError(f"give --{flag} or --{flag}-file, not both")
+    if path is not None:
+        try:
+            value = Path(path).read_text().strip()
+        except OSError as e:
+            raise ValueError(f"--{flag}-file {path}: {e.strerror or e}") from None
+        if not value:
+            raise ValueError(f"--{flag}-file {path} is empty")
+    if value is None:
+        value = env_value or None
+    return value
+
+
+def keys_from_flags(api_key: str | None, api_key_file: str | None, admin_api_key: str | None,
+                    admin_api_key_file: str | None) -> tuple[str | None, str | None]:
+    """(api_key, admin_api_key) as the CLI resolves them."""
+    return (read_key("api-key", api_key, api_key_file, env.PDSERVE_ROUTER_API_KEY),
+            read_key("admin-api-key", admin_api_key, admin_api_key_file, env.PDSERVE_ROUTER_ADMIN_API_KEY))
+
+
+def _bearer(request: web.Request) -> bytes:
+    header = request.headers.get("Authorization", "")
+    return header[7:].encode() if header.startswith("Bearer ") else b""
+
+
+def is_loopback(remote: str | None) -> bool:
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack socket's ::ffff:127.0.0.1
+    return (mapped or addr).is_loopback
+
+
+class Access:
+    """The two checks; each raises a RouterError (401 or 403) or returns."""
+
+    def __init__(self, api_key: str | None, admin_api_key: str | None):
+        self._api = api_key.encode() if api_key else None
+        self._admin = admin_api_key.encode() if admin_api_key else None
+
+    def check_inference(self, request: web.Request) -> None:
+        if self._api is not None and not hmac.compare_digest(_bearer(request), self._api):
+            raise unauthorized()
+
+    def check_admin(self, request: web.Request) -> None:
+        if self._admin is not None:
+            if not hmac.compare_digest(_bearer(request), self._admin):
+                raise RouterError(401, f"{request.method} {request.path} is an admin route: it needs "
+                                  "'Authorization: Bearer <--admin-api-key>'", "authentication_error")
+            return
+        if not is_loopback(request.remote):
+            raise RouterError(403, f"{request.method} {request.path} is an admin route and this router has "
+                              f"no --admin-api-key: it answers only to loopback peers, not {request.remote}",
+                              "permission_denied")
