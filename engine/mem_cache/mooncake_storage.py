@@ -59,9 +59,15 @@ class MooncakeStorage(StorageBackend):
 
     def put(self, key, value):
         rc = self.store.put(key, value)
-        # a key another server stored first is refused; that is success here
+        # a key another server stored first is refused; that is success here: the first writer wins,
+        # and readers check every object (storage_object.py), so a planted one is refused and deleted
         if rc != 0 and self.store.is_exist(key) != 1:
             raise StorageError(f"mooncake put {key} failed (rc {rc})")
+
+    def delete(self, key):
+        rc = self.store.remove(key)
+        if rc != 0 and self.store.is_exist(key) == 1:
+            raise StorageError(f"mooncake remove {key} failed (rc {rc})")
 
     def close(self):
         self.store.close()

@@ -4,7 +4,8 @@
 
 - Write: every page that gets a host copy (by the write policy) is also put in
   the store under its namespaced chained hash (``storage_key``), once per page
-  per process.
+  per process, sealed with its token hash and a checksum (``storage_object``).
+  The namespace follows weight updates (``set_namespace``).
 - Prefetch: when a request is queued (``start_prefetch``), the pages of its
   prompt past what the tree holds in any tier are fetched by the worker, while
   the request waits (for the queue, or in PD for the decode's destination).
@@ -76,7 +77,7 @@ class StoreHiRadixCache(HiRadixCache):
                 # a copy: the slot may be reused before the worker sends it
                 data = self.host.slot_bytes_view(n.host).numpy().tobytes()
                 dropped = self.storage.stats.dropped_puts
-                self.storage.submit_put(page_key(self.namespace, n.hash), data)
+                self.storage.submit_put(page_key(self.namespace, n.hash), n.hash, data)
                 if self.storage.stats.dropped_puts == dropped:
                     sent.append(n)
         self._record_stored(sent, MEDIUM_STORAGE)
@@ -92,7 +93,7 @@ class StoreHiRadixCache(HiRadixCache):
         now = time.monotonic()
         timeout = self.timeout_base + self.timeout_per_ki_token * len(tokens) / 1024
         self._prefetches[rid] = _Prefetch(tokens, now, now + timeout)
-        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes])
+        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes], hashes)
 
     def _held_prefix(self, tokens, num_pages: int) -> int:
         """Pages of ``tokens`` the tree holds in any tier."""
@@ -177,6 +178,15 @@ class StoreHiRadixCache(HiRadixCache):
             child.last_access = now
             node = child
         self._record_stored(added, MEDIUM_CPU)
+
+    def set_namespace(self, namespace: str) -> None:
+        """After a weight update: read and write under the new weights' name (the tree is flushed
+        with it; pages known stored under the old name are not known under the new one)."""
+        if namespace != self.namespace:
+            self.namespace = namespace
+            self._put.clear()
+            for rid in list(self._prefetches):
+                self.cancel_prefetch(rid)
 
     def match_prefix(self, token_ids):
         self.poll_storage()

@@ -182,6 +182,17 @@ class SchedulerLoop:
         self.cache.flush()
         return True
 
+    def weights_changed(self) -> None:
+        """After a weight update (idle): the cached KV came from the old weights, so the cache is
+        flushed, and a storage tier reads and writes under the new weights' namespace."""
+        self.cache.flush()
+        set_namespace = getattr(self.cache, "set_namespace", None)
+        if set_namespace is not None:
+            from pdserve.engine.mem_cache.storage_key import kv_namespace
+
+            path, kv_start = _namespace_of(self.runner)
+            set_namespace(kv_namespace(path, self.pool.layout(), kv_start))
+
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
         return bool(self._outbox) or self.scheduler.has_work() or bool(self.scheduler.newly_finished)
