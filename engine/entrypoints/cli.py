@@ -102,10 +102,12 @@ _HELP = {
     "hicache_storage_backend": "storage tier under the host tier, shared by servers and restarts: file (a local "
                                "directory) or mooncake (Mooncake Store); needs --enable-hierarchical-cache",
     "hicache_storage_prefetch_policy": "how long a queued request waits for its pages from storage: best_effort "
-                                       "(not at all), wait_complete (until fetched), timeout (until fetched or "
-                                       "the extra config's prefetch_timeout_base + _per_ki_token)",
-    "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR} for '
-                                            'file, {"master_server_address": "host:50051", "metadata_server": '
+                                       "(not at all), wait_complete (until fetched), timeout (until fetched or, "
+                                       "when fetching is cheaper than computing, as long as computing them "
+                                       "would take; the extra config's prefetch_timeout_base + _per_ki_token "
+                                       "fix it instead)",
+    "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR, '
+                                            '"max_bytes": N} for file, {"master_server_address": "host:50051", "metadata_server": '
                                             '"http://host:8080/metadata"} for mooncake (docs/HICACHE.md)',
     "speculative_algorithm": "speculative decoding on this server (decode side in PD): NGRAM (prompt lookup) or "
                              "STANDALONE (a draft model); default: off (docs/SPECULATIVE.md)",

@@ -42,6 +42,7 @@ class FetchResult:
     rid: str
     start: int  # page index of values[0] in the request's prompt
     values: list[bytes] = field(default_factory=list)  # the leading pages found, in order
+    seconds: float = 0.0  # the backend calls' time
 
 
 @dataclass
@@ -228,7 +229,8 @@ class StorageWorker:
                 self._bad_object(backend, key, payload)
                 break
             result.values.append(payload)
-        self.stats.get_s += time.perf_counter() - t0
+        result.seconds = time.perf_counter() - t0
+        self.stats.get_s += result.seconds
         self.stats.get_pages += len(result.values)
         self.stats.get_bytes += sum(map(len, result.values))
         self.stats.prefetch_done += 1

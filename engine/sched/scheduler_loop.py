@@ -42,7 +42,7 @@ from pdserve.engine.sched.cache_factory import make_cache
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
-from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
+from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
 from pdserve.engine.speculative.proposer import chain_parents
 from pdserve.engine.speculative.spec_metrics import SpecStats
@@ -213,7 +213,11 @@ class SchedulerLoop:
             self.num_steps += 1
             if self.spec is not None:
                 self.spec.attach(batch, self.scheduler)
-            events = self.scheduler.postprocess(batch, self.run_batch(batch))
+            t0 = time.perf_counter()
+            sampled = self.run_batch(batch)
+            if batch.mode is ForwardMode.PREFILL:
+                self.cache.observe_compute(time.perf_counter() - t0, batch.num_tokens)
+            events = self.scheduler.postprocess(batch, sampled)
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
             s = self.scheduler
