@@ -65,7 +65,10 @@ class MooncakeStorage(StorageBackend):
             raise StorageError(f"mooncake put {key} failed (rc {rc})")
 
     def delete(self, key):
-        rc = self.store.remove(key)
+        # force: a get leases the object for a few seconds (and every reader's get renews it), so an
+        # ordinary remove of the bad object just read fails; a reader racing this reads bytes the
+        # tag check refuses
+        rc = self.store.remove(key, force=True)
         if rc != 0 and self.store.is_exist(key) == 1:
             raise StorageError(f"mooncake remove {key} failed (rc {rc})")
 
