@@ -39,6 +39,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from pdserve.engine.secret_files import read_secret
+
 MIN_SECRET_BYTES = 32
 # placeholders that appeared in example manifests: publicly known, so never a key
 PLACEHOLDER_SECRETS = (b"replace-me-with-a-random-secret",)
@@ -55,17 +57,7 @@ class AuthError(Exception):
 
 def load_secret(path: str) -> bytes:
     """The shared secret in ``path`` (surrounding whitespace dropped); ValueError when unusable."""
-    try:
-        with open(path, "rb") as f:
-            secret = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"auth key file {path!r} cannot be read: {e.strerror}") from e
-    if secret in PLACEHOLDER_SECRETS:
-        raise ValueError(f"auth key file {path!r} holds the example placeholder, which is public: generate a key "
-                         "(head -c 32 /dev/urandom | base64 > FILE)")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"auth key file {path!r} holds {len(secret)} bytes; at least {MIN_SECRET_BYTES} needed")
-    return secret
+    return read_secret(path, MIN_SECRET_BYTES, "auth key file", PLACEHOLDER_SECRETS)
 
 
 class FrameAuth:

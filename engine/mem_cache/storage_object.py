@@ -24,6 +24,8 @@ import hashlib
 import hmac
 import struct
 
+from pdserve.engine.secret_files import read_secret
+
 MAGIC = b"PDK1"
 _HEADER = struct.Struct("!4sQ32s")
 HEADER_BYTES = _HEADER.size
@@ -31,15 +33,8 @@ MIN_KEY_BYTES = 32
 
 
 def load_store_key(path: str) -> bytes:
-    """The store key in ``path`` (whitespace stripped); ValueError naming the extra-config key."""
-    try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"hicache storage key_file {path!r} cannot be read: {e.strerror}") from e
-    if len(key) < MIN_KEY_BYTES:
-        raise ValueError(f"hicache storage key_file {path!r} holds {len(key)} bytes; at least {MIN_KEY_BYTES} needed")
-    return key
+    """The store key in ``path``; ValueError naming the extra-config key."""
+    return read_secret(path, MIN_KEY_BYTES, "hicache storage key_file")
 
 
 class ObjectCodec:

@@ -24,7 +24,7 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
     (1, "base", ("pdserve.engine.env", "pdserve.engine.version", "pdserve.engine.sampling_params",
                  "pdserve.engine.messages", "pdserve.engine.kv_events_config", "pdserve.engine.quantization_names",
                  "pdserve.engine.pd_rules", "pdserve.engine.json_flags",
-                 "pdserve.engine.speculative_names")),
+                 "pdserve.engine.speculative_names", "pdserve.engine.secret_files")),
     (2, "mem_cache", ("pdserve.engine.mem_cache",)),
     (3, "model_executor", ("pdserve.engine.model_executor", "pdserve.engine.config")),
     (4, "kvtransfer", ("pdserve.kvtransfer",)),
