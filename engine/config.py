@@ -67,7 +67,7 @@ class EngineConfig:
     # the storage tier under the host tier, shared by servers and restarts: "file" or "mooncake"
     # (extra config: a JSON object of the backend's keys, docs/HICACHE.md); None: no storage tier
     hicache_storage_backend: str | None = None
-    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_policy: str = "timeout"
     hicache_storage_backend_extra_config: str | None = None
     # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
     schedule_policy: str = "fcfs"

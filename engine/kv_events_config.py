@@ -64,12 +64,21 @@ def rank_endpoint(endpoint: str, dp_rank: int) -> str:
     return f"{endpoint}_dp{dp_rank}"
 
 
+WILDCARD_HOSTS = ("", "*", "0.0.0.0", "::")
+
+
 def connect_endpoint(endpoint: str, host: str) -> str:
     """The address a subscriber connects to: a wildcard bind host replaced by ``host``."""
     for wildcard in ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"):
         if endpoint.startswith(wildcard):
-            return f"tcp://{host}:{endpoint[len(wildcard):]}"
+            return f"tcp://{f'[{host}]' if ':' in host else host}:{endpoint[len(wildcard):]}"
     return endpoint
+
+
+def bind_endpoint(endpoint: str, host: str) -> str:
+    """Where a rank binds: a wildcard endpoint binds the server's ``host`` (``--host``), unless that
+    is a wildcard too; an explicit endpoint host is the operator's choice and stays."""
+    return endpoint if host in WILDCARD_HOSTS else connect_endpoint(endpoint, host)
 
 
 def advertised_endpoints(config: KVEventsConfig, dp_size: int, host: str) -> list[dict]:

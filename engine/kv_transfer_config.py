@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from pdserve.engine.net_allowlist import is_loopback, parse_allowlist
 from pdserve.engine.kv_auth import FrameAuth, load_secret
 from pdserve.engine.transfer_backends import check_transfer_backend
 from pdserve.engine.sampling_params import MAX_TOP_LOGPROBS
@@ -42,8 +43,16 @@ class KVTransferConfig:
     aux_num_slots: int = 256  # decode-side aux slots (first token, logprobs) = max rooms in flight
     aux_max_top_logprobs: int = MAX_TOP_LOGPROBS  # a slot holds any output's top logprobs
     # a file holding the shared secret of the KV control plane (ZMQ frames and bootstrap PUT /route
-    # carry an HMAC made with it: engine/kv_auth.py); "" leaves the control plane unauthenticated
+    # carry an HMAC made with it: engine/kv_auth.py); "" leaves the control plane unauthenticated,
+    # which a PD server on a non-loopback host refuses unless allow_unauthenticated
     auth_key_file: str = ""
+    # during a key rotation: the previous key, still accepted (frames are sealed with auth_key_file's)
+    auth_previous_key_file: str = ""
+    # run a PD server on a non-loopback host without a key (a private network that is trusted)
+    allow_unauthenticated: bool = False
+    # decode servers: the hosts or CIDRs a request's bootstrap_host may name (comma-separated);
+    # "" allows any (a client calling a decode directly then chooses whom it fetches from)
+    bootstrap_allowlist: str = ""
 
     def __post_init__(self):
         check_transfer_backend(self.backend)
@@ -60,6 +69,12 @@ class KVTransferConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.auth_key_file:
             load_secret(self.auth_key_file)  # an unreadable or short key fails before any rank starts
+        if self.auth_previous_key_file:
+            if not self.auth_key_file:
+                raise ValueError("auth_previous_key_file is a key still accepted during rotation: it needs "
+                                 "auth_key_file (the current key)")
+            load_secret(self.auth_previous_key_file)
+        parse_allowlist(self.bootstrap_allowlist)  # a bad entry fails here, naming it
         if self.aux_max_top_logprobs < 0:
             raise ValueError(f"aux_max_top_logprobs must be >= 0, got {self.aux_max_top_logprobs}")
 
@@ -76,7 +91,18 @@ class KVTransferConfig:
     def frame_auth(self, purpose: str) -> FrameAuth | None:
         """The authenticator of one channel (``control``: ZMQ frames, ``bootstrap``: PUT /route)
         from ``auth_key_file``; None when no key is configured."""
-        return FrameAuth.from_file(self.auth_key_file, purpose) if self.auth_key_file else None
+        if not self.auth_key_file:
+            return None
+        return FrameAuth.from_file(self.auth_key_file, purpose, self.auth_previous_key_file)
+
+    def check_exposure(self, mode: str, host: str) -> None:
+        """A prefill or decode server on a non-loopback ``host`` needs a key (or the explicit
+        opt-out): ValueError naming both flags."""
+        if mode in ("prefill", "decode") and not self.auth_key_file and not self.allow_unauthenticated \
+                and not is_loopback(host):
+            raise ValueError(f"a {mode} server on host {host!r} (not loopback) exposes the KV control plane: give "
+                             "--disaggregation-auth-key-file (a shared secret of >= 32 bytes), or "
+                             "--disaggregation-allow-unauthenticated on a trusted network")
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -32,6 +32,9 @@ KV_FLAGS = {
     "heartbeat_interval": "disaggregation_heartbeat_interval",
     "heartbeat_max_failures": "disaggregation_heartbeat_max_failures",
     "auth_key_file": "disaggregation_auth_key_file",
+    "auth_previous_key_file": "disaggregation_auth_previous_key_file",
+    "allow_unauthenticated": "disaggregation_allow_unauthenticated",
+    "bootstrap_allowlist": "disaggregation_bootstrap_allowlist",
     "layerwise": "disaggregation_layerwise",
 }
 
@@ -106,6 +109,7 @@ class ServerConfig:
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
         KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
+        self.kv_transfer.check_exposure(self.disaggregation_mode, self.host)
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
             raise ValueError(f"bootstrap_port must be in [1, 65535], got {self.kv_transfer.bootstrap_port}")
 

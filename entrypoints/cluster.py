@@ -225,10 +225,10 @@ class Cluster:
     so that the launcher does not import the planner) builds the planner of ``--planner``."""
 
     def __init__(self, config: LaunchConfig, make_planner: Callable | None = None):
-        self.config = config
         self.make_planner = make_planner
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
+        self.config = config = with_kv_key(config, self.log_dir)
         self.specs = plan(config)
         self.procs: dict[str, subprocess.Popen] = {}
         # --hicache-storage-backend mooncake without an extra config: launch runs the store itself
@@ -344,6 +344,24 @@ class Cluster:
             print(f"[launch] {names[p.pid]} did not stop within {self.config.stop_grace:g} s: SIGKILL", flush=True)
         if self.store is not None:  # after the servers, whose store clients say goodbye to the master
             self.store.stop()
+
+
+KEY_FLAGS = ("--disaggregation-auth-key-file", "--disaggregation-allow-unauthenticated")
+
+
+def with_kv_key(config: LaunchConfig, key_dir: str) -> LaunchConfig:
+    """On a non-loopback host, servers refuse to start without a KV control-plane key: unless the
+    flags name one (or the opt-out), a fresh random key, private to this launch (0600 in
+    ``key_dir``), goes to every server it starts, the planner's included."""
+    from pdserve.engine.net_allowlist import is_loopback
+
+    if is_loopback(config.host) or any(a.split("=")[0] in KEY_FLAGS for a in config.engine_args):
+        return config
+    path = os.path.join(key_dir, "kv-auth.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex())
+    return dataclasses.replace(config, engine_args=config.engine_args + ("--disaggregation-auth-key-file", path))
 
 
 def wants_managed_store(engine_args: tuple[str, ...]) -> bool:

@@ -74,8 +74,14 @@ _HELP = {
     "disable_cuda_graph": "CUDA: run every decode step eagerly (no graphs captured)",
     "disable_native_gemm": "run larger bf16 steps' products through oneDNN's prepacked linears instead of the "
     "native panel kernels",
-    "disaggregation_auth_key_file": "file with the shared secret (>= 16 bytes) that authenticates the KV control "
-    "plane (ZMQ and bootstrap PUT /route); empty: unauthenticated",
+    "disaggregation_auth_key_file": "file with the shared secret (>= 32 bytes) that authenticates the KV control "
+    "plane (ZMQ and bootstrap PUT /route); needed by a prefill or decode server on a non-loopback --host",
+    "disaggregation_auth_previous_key_file": "during a key rotation: the previous key file, still accepted "
+    "(frames are sealed with --disaggregation-auth-key-file's key)",
+    "disaggregation_allow_unauthenticated": "let a prefill or decode server on a non-loopback --host run without "
+    "--disaggregation-auth-key-file (a trusted private network only)",
+    "disaggregation_bootstrap_allowlist": "decode servers: comma-separated hosts or CIDRs a request's "
+    "bootstrap_host may name (others get 400); empty: any",
     "kv_events_config": 'publish KV cache events (SGLang/vLLM JSON: {"publisher": "zmq", "endpoint": '
                         '"tcp://*:5557", "topic": "kv", "replay_endpoint": "tcp://*:5558"}); docs/KV_EVENTS.md',
     "max_local_prefill_tokens": "decode mode: prefill prompts up to this many tokens here when they come "
@@ -91,10 +97,12 @@ _HELP = {
     "hicache_storage_backend": "storage tier under the host tier, shared by servers and restarts: file (a local "
                                "directory) or mooncake (Mooncake Store); needs --enable-hierarchical-cache",
     "hicache_storage_prefetch_policy": "how long a queued request waits for its pages from storage: best_effort "
-                                       "(not at all), wait_complete (until fetched), timeout (until fetched or "
-                                       "the extra config's prefetch_timeout_base + _per_ki_token)",
-    "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR} for '
-                                            'file, {"master_server_address": "host:50051", "metadata_server": '
+                                       "(not at all), wait_complete (until fetched), timeout (until fetched or, "
+                                       "when fetching is cheaper than computing, as long as computing them "
+                                       "would take; the extra config's prefetch_timeout_base + _per_ki_token "
+                                       "fix it instead)",
+    "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR, '
+                                            '"max_bytes": N} for file, {"master_server_address": "host:50051", "metadata_server": '
                                             '"http://host:8080/metadata"} for mooncake (docs/HICACHE.md)',
     "speculative_algorithm": "speculative decoding on this server (decode side in PD): NGRAM (prompt lookup) or "
                              "STANDALONE (a draft model); default: off (docs/SPECULATIVE.md)",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+import urllib.error
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -33,6 +34,10 @@ from pdserve.kvtransfer.receiver_rooms import ReceiverRooms
 from pdserve.kvtransfer.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
+
+# bootstrap lookups and dead-peer probes run on these threads; one lookup per bootstrap host at a
+# time (prefill_peers), so hosts that hang cannot hold them all for long
+LOOKUP_THREADS = 4
 
 
 class DecodeKVManager(KVManager):
@@ -56,7 +61,7 @@ class DecodeKVManager(KVManager):
         self.rooms = ReceiverRooms(self.metrics, clock, self.id, self.endpoint, pool.num_pages, self.aux_pool.num_slots,
                                    self._tell)
         self.directory = PrefillPeers(tp, self.kv_heads, self.layout, self.engine.name, self.id, self.endpoint, clock)
-        self._lookups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-bootstrap-lookup")
+        self._lookups = ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="kv-bootstrap-lookup")
 
     # ---------------------------------------------------------- scheduler API
     def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:
@@ -107,9 +112,10 @@ class DecodeKVManager(KVManager):
         fut.add_done_callback(lambda f: self.call_soon(lambda: self._on_route(peer, f)))
 
     def _on_route(self, peer: PrefillPeer, fut: Future) -> None:
+        exc = fut.exception()
+        self.directory.lookup_ended(peer, isinstance(exc, OSError) and not isinstance(exc, urllib.error.HTTPError))
         if not self.directory.is_current(peer):
             return  # dropped while its lookup ran
-        exc = fut.exception()
         reason = self.directory.lookup_failed(peer, exc) if exc is not None else self.directory.accept_route(peer, fut.result())
         if reason is not None:
             self._fail_peer(peer, reason)

@@ -79,6 +79,10 @@ class DecodePeers:
         self.peers[reg.decode_id] = peer
         return peer
 
+    def remove(self, decode_id: str) -> DecodePeer | None:
+        """Forget a decode rank (it stopped heartbeating); a new ``RegisterPool`` brings it back."""
+        return self.peers.pop(decode_id, None)
+
     def check_request(self, req: m.RoomRequest) -> tuple[DecodePeer | None, str | None]:
         """(the room's decode peer, why its destination cannot be written). Peer None: the decode rank
         never registered here (the request is dropped)."""

@@ -96,15 +96,18 @@ def slices_into(decode_rank: int, prefill_tp: int, decode_tp: int, kv_heads: int
 
 
 def layout_mismatch(prefill, prefill_heads: int, decode, decode_heads: int) -> str | None:
-    """Why a prefill rank's pool and a decode rank's cannot pair (``None``: they can): the weights'
-    quantization, then ``LayoutInfo.mismatch`` comparing the model's KV heads rather than each rank's
+    """Why a prefill rank's pool and a decode rank's cannot pair (``None``: they can): the model's
+    identity (both names), the weights' quantization, then ``LayoutInfo.mismatch`` comparing the model's KV heads rather than each rank's
     share (which differs when the two sides' TP sizes do)."""
     import msgspec
 
     reasons = []
+    if prefill.model != decode.model:
+        reasons.append(f"model mismatch: prefill {prefill.model or 'unknown'}, decode {decode.model or 'unknown'}")
     if prefill.quantization != decode.quantization:
         reasons.append(f"weights quantization: prefill {prefill.quantization}, decode {decode.quantization}")
-    diff = msgspec.structs.replace(prefill, num_kv_heads=prefill_heads, quantization=decode.quantization).mismatch(
+    diff = msgspec.structs.replace(prefill, num_kv_heads=prefill_heads, quantization=decode.quantization,
+                                   model=decode.model).mismatch(
         msgspec.structs.replace(decode, num_kv_heads=decode_heads)
     )
     if diff:

@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 _TIMER_PERIOD_S = 0.05
 _DROP_LINGER_MS = 1000
+MAX_PUSH_SOCKETS = 256  # per-endpoint sockets kept open; past this the least recently used one closes
 _REFUSAL_LOG_PERIOD_S = 5.0  # a flood of unauthenticated frames logs once per period, with its count
 
 
@@ -89,7 +91,7 @@ class KVManager(ABC):
             port = self._pull.bind_to_random_port(f"tcp://{config.host}")
         self.endpoint = f"{config.host}:{port}"
         self.id = f"{self.role}-{self.endpoint}-{uuid.uuid4().hex[:8]}"
-        self._push: dict[str, zmq.Socket] = {}
+        self._push: OrderedDict[str, zmq.Socket] = OrderedDict()  # least recently used first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._control_loop, name=f"kv-{self.role}-control", daemon=True)
 
@@ -116,20 +118,30 @@ class KVManager(ABC):
         """Control thread only: send ``msg`` to a peer's control endpoint, never blocking."""
         sock = self._push.get(endpoint)
         if sock is None:
+            while len(self._push) >= MAX_PUSH_SOCKETS:
+                self.drop_endpoint(next(iter(self._push)))
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 10000)
             sock.connect(f"tcp://{endpoint}")
             self._push[endpoint] = sock
+        else:
+            self._push.move_to_end(endpoint)
         try:
-            sock.send(self.frame(msg), zmq.NOBLOCK)
+            sock.send(self.frame(msg, endpoint), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("kv %s: control queue to %s full, dropped %s", self.role, endpoint, type(msg).__name__)
 
-    def frame(self, msg: m.ControlMessage) -> bytes:
-        """``msg`` as it goes on the wire: encoded, and sealed when a key is configured (any thread)."""
+    def frame(self, msg: m.ControlMessage, endpoint: str) -> bytes:
+        """``msg`` as it goes on the wire to ``endpoint``: encoded, and sealed from this rank's
+        endpoint for that one when a key is configured (any thread)."""
         payload = m.encode(msg)
-        return payload if self.auth is None else self.auth.seal(payload)
+        return payload if self.auth is None else self.auth.seal(payload, self.endpoint, endpoint)
+
+    @property
+    def open_endpoints(self) -> list[str]:
+        """The peers this rank holds a control socket to (tests, /metrics)."""
+        return list(self._push)
 
     def drop_endpoint(self, endpoint: str) -> None:
         sock = self._push.pop(endpoint, None)
@@ -175,9 +187,10 @@ class KVManager(ABC):
                 frame = self._pull.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            sender = None
             if self.auth is not None:
                 try:
-                    frame = self.auth.open(frame)
+                    sender, frame = self.auth.open_from(frame, self.endpoint)
                 except AuthError as e:
                     self._refuse(len(frame), str(e))
                     continue
@@ -186,6 +199,11 @@ class KVManager(ABC):
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 # garbage or truncated frames from the network are dropped, never fatal
                 logger.warning("kv %s: rejected bad control frame (%d bytes): %s", self.role, len(frame), e)
+                continue
+            reply_to = getattr(msg, "endpoint", "")
+            if sender is not None and reply_to and reply_to != sender:
+                # a key holder may not send replies (acks, closes) to a third party's endpoint
+                self._refuse(len(frame), f"{type(msg).__name__} names endpoint {reply_to}, sealed by {sender}")
                 continue
             self._guard(lambda: self._on_message(msg))
 

@@ -108,7 +108,7 @@ class RoomOutcome(Protocol):
 class KVWriter:
     def __init__(self, engine: TransferEngine, src: SourcePool, num_threads: int, aux_max_top_logprobs: int,
                  tp_rank: int, metrics: RoomMetrics, outcome: RoomOutcome, ctx: zmq.Context,
-                 frame: Callable[[m.ControlMessage], bytes], stop: threading.Event):
+                 frame: Callable[[m.ControlMessage, str], bytes], stop: threading.Event):
         """``frame``: a control message as it goes on the wire (sealed); ``stop``: set when the manager
         closes (the threads end). The aux staging slots must be registered with ``engine`` by the
         caller (``staging.base_addr``, ``staging.nbytes``)."""
@@ -250,6 +250,6 @@ class KVWriter:
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{endpoint}")
         try:
-            sock.send(self._frame(msg), zmq.NOBLOCK)
+            sock.send(self._frame(msg, endpoint), zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("kv prefill: control queue to %s full, dropped %s", endpoint, type(msg).__name__)

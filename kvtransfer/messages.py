@@ -26,11 +26,12 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     head_dim: int
     dtype: str
     quantization: str = UNQUANTIZED  # the weights' (KVLayout.quantization); a peer that predates it sends none
+    model: str = ""  # the model's identity (KVLayout.model: architecture, weights fingerprint, dtype, quantization)
 
     @classmethod
     def from_layout(cls, layout) -> "LayoutInfo":
         return cls(layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                   layout.quantization)
+                   layout.quantization, layout.model)
 
     def mismatch(self, other: "LayoutInfo") -> str | None:
         """``None`` when equal, else which fields differ, e.g. ``page_size: 16 vs 32``."""
@@ -167,10 +168,11 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tp_size: int = 1  # the prefill server's TP size
     kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, TP 1); num_kv_heads is this rank's share
     quantization: str = UNQUANTIZED  # the weights' (as in LayoutInfo)
+    model: str = ""  # the model's identity (as in LayoutInfo)
 
     def layout(self) -> LayoutInfo:
         return LayoutInfo(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.kv_dtype,
-                          self.quantization)
+                          self.quantization, self.model)
 
 
 class Topology(msgspec.Struct, frozen=True):

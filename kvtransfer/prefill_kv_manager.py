@@ -8,6 +8,11 @@
 over ``kv_manager``'s control channel (one control thread owns the sockets and the timers).
 The scheduler thread creates senders and queues chunks; the control thread handles
 ``RegisterPool``, ``RoomRequest``, ``AbortRoom`` and ``Heartbeat``; the transfer threads write.
+
+Peer expiry: a decode rank heartbeats every prefill rank it knows. One silent for
+``heartbeat_interval * (heartbeat_max_failures + 1)`` with no room in flight here is forgotten:
+its pool registration and engine connection go, and its control socket closes (a restarted
+decode registers anew). Sockets to endpoints that never registered expire the same way.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class PrefillKVManager(KVManager):
         self.peers = DecodePeers(self.layout, self.kv_heads, self.engine.name, self.page_bytes, self.head_page_bytes,
                                  self.writer.staging.slot_bytes)
         self.rooms = SenderRooms(self.metrics, clock, self.peers, tp, self.kv_heads, self.endpoint, self._tell)
+        self._heard: dict[str, float] = {}  # control endpoint -> when a frame from it last came (clock)
+        self.expired_peers = 0  # decode ranks forgotten for silence (tests, logs)
         self.registration = BootstrapRegistration(
             self.bootstrap_host, self.bootstrap_port, self._rank_registration(), config.frame_auth("bootstrap"),
             max(config.bootstrap_timeout, _REGISTER_DEADLINE_S), self._stop)
@@ -87,6 +94,7 @@ class PrefillKVManager(KVManager):
             tp_size=self.tp.size,
             kv_heads=self.kv_heads,
             quantization=self.layout.quantization,
+            model=self.layout.model,
         )
 
     def start(self) -> "PrefillKVManager":
@@ -158,6 +166,12 @@ class PrefillKVManager(KVManager):
         self.call_soon(lambda: self.send_msg(endpoint, msg))
 
     def _on_message(self, msg: m.ControlMessage) -> None:
+        heard = getattr(msg, "endpoint", "")
+        if not heard and isinstance(msg, m.RoomRequest):
+            peer = self.peers.get(msg.decode_id)
+            heard = peer.reg.endpoint if peer is not None else ""
+        if heard:
+            self._heard[heard] = self.clock()
         if isinstance(msg, m.RegisterPool):
             self._on_register_pool(msg)
         elif isinstance(msg, m.RoomRequest):
@@ -198,6 +212,31 @@ class PrefillKVManager(KVManager):
     def _on_timer(self, now: float) -> None:
         with self.lock:
             self.rooms.on_timer(now, self.config.bootstrap_timeout)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Forget decode ranks and close sockets of endpoints silent for the peer window (no room
+        of theirs in flight)."""
+        window = self.config.heartbeat_interval * (self.config.heartbeat_max_failures + 1)
+        with self.lock:
+            busy = {ep for sender in self.rooms.rooms.values() if not sender.state.done
+                    for ep in self.rooms.endpoints(sender)}
+            silent = {ep for ep in set(self._heard) | set(self.open_endpoints)
+                      if now - self._heard.setdefault(ep, now) > window and ep not in busy}
+            gone = [d for d, p in self.peers.peers.items() if p.reg.endpoint in silent]
+            dropped = [self.peers.remove(d) for d in gone]
+        for peer in dropped:
+            self.expired_peers += 1
+            logger.warning("kv prefill: decode %s (%s) silent for %.0f s: forgotten", peer.reg.decode_id,
+                           peer.reg.endpoint, window)
+            if peer.engine_peer is not None:
+                try:
+                    self.engine.disconnect(peer.engine_peer)
+                except Exception as e:  # noqa: BLE001 - the peer is gone either way
+                    logger.warning("kv prefill: disconnect %s: %s", peer.reg.decode_id, e)
+        for ep in silent:
+            self._heard.pop(ep, None)
+            self.drop_endpoint(ep)
 
     def _close_extra(self) -> None:
         self.writer.close()

@@ -34,6 +34,10 @@ from pdserve.kvtransfer.transfer_engine import TransferEngine
 logger = logging.getLogger(__name__)
 
 LOOKUP_RETRY_S = 0.2
+# a bootstrap host that did not answer (refused, timed out, unreachable) is not asked again for
+# this long, doubling from the first value per failure in a row: a dead or bogus host costs the
+# lookup threads one call per backoff, and the other hosts' lookups go on meanwhile
+HOST_BACKOFF_S = (0.2, 10.0)
 
 PeerKey = tuple[str, int, int]  # (bootstrap_host, bootstrap_port, prefill dp rank)
 
@@ -137,6 +141,10 @@ class PrefillPeers:
         self.clock = clock
         self.peers: dict[PeerKey, PrefillPeer] = {}
         self.dead_checks: list[DeadCheck] = []
+        # per bootstrap (host, port): a lookup in flight (at most one per host), and the negative
+        # cache of hosts that did not answer: (not before, failures in a row)
+        self.host_busy: set[tuple[str, int]] = set()
+        self.host_down: dict[tuple[str, int], tuple[float, int]] = {}
 
     def peer(self, key: PeerKey) -> PrefillPeer:
         """The peer of ``key``, new (resolving) if unknown."""
@@ -153,8 +161,24 @@ class PrefillPeers:
         """A lookup of ``peer`` should start now (then it counts as in flight)."""
         if peer.state != "resolving" or peer.lookup_inflight or time.monotonic() < peer.next_lookup or not peer.receivers:
             return False
+        host = peer.key[:2]
+        if host in self.host_busy or time.monotonic() < self.host_down.get(host, (0.0, 0))[0]:
+            return False
         peer.lookup_inflight = True
+        self.host_busy.add(host)
         return True
+
+    def lookup_ended(self, peer: PrefillPeer, unreachable: bool) -> None:
+        """A lookup of ``peer`` returned (whatever became of the peer): its host is free for the next
+        one; ``unreachable`` (no HTTP answer) puts the host in the negative cache, backing off."""
+        host = peer.key[:2]
+        self.host_busy.discard(host)
+        if not unreachable:
+            self.host_down.pop(host, None)
+            return
+        fails = self.host_down.get(host, (0.0, 0))[1] + 1
+        delay = min(HOST_BACKOFF_S[0] * 2 ** (fails - 1), HOST_BACKOFF_S[1])
+        self.host_down[host] = (time.monotonic() + delay, fails)
 
     def lookup_failed(self, peer: PrefillPeer, exc: BaseException) -> str | None:
         """A lookup raised ``exc``: the reason the peer fails, or None when it is retried (the bootstrap

@@ -71,11 +71,15 @@ run_in() {  # run_in NODE LOGNAME cmd...: in the background, inside the node's n
 }
 
 # --- the three nodes: exactly the README's commands ----------------------------------------------
+# the KV control plane's shared secret: a PD server on a non-loopback host refuses to start without one
+KEY="$LOGS/kv-auth.key"
+(umask 077 && head -c 32 /dev/urandom | base64 > "$KEY")
 run_in prefill prefill "$PY" -m pdserve.engine --disaggregation-mode prefill \
   --host "$PREFILL_IP" --port $PORT --disaggregation-bootstrap-port $BOOTSTRAP_PORT \
-  --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
+  --disaggregation-auth-key-file "$KEY" --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
 run_in decode decode "$PY" -m pdserve.engine --disaggregation-mode decode \
-  --host "$DECODE_IP" --port $PORT --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
+  --host "$DECODE_IP" --port $PORT --disaggregation-auth-key-file "$KEY" \
+  --disaggregation-bootstrap-allowlist "$PREFILL_IP" --disaggregation-transfer-backend "$BACKEND" "${EXTRA[@]}"
 # the router marks a worker healthy at its first check, then every --health-check-interval-secs
 # (60 s by default): start it once both servers answer, as `pdserve launch` does
 ip netns exec "$(ns router)" "$PY" - "$PREFILL_IP" "$DECODE_IP" "$PORT" "$LOGS" <<'EOF'

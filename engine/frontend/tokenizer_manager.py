@@ -121,6 +121,7 @@ class TokenizerManager:
             vocab_size=self.model_info.vocab_size,
             disaggregation_mode=c.disaggregation_mode,
             max_local_prefill_tokens=c.max_local_prefill_tokens if c.disaggregation_mode == "decode" else 0,
+            bootstrap_allowlist=c.kv_transfer.bootstrap_allowlist if c.disaggregation_mode == "decode" else "",
             sampling_defaults=self.sampling_defaults,
             tool_call_parser=c.tool_call_parser,
         )

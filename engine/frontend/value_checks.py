@@ -14,6 +14,7 @@ from pdserve.engine.pd_rules import bootstrap_refusal, sequence_room
 from pdserve.engine.frontend import refused_fields
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.messages import BootstrapInfo
+from pdserve.engine.net_allowlist import host_allowed, parse_allowlist
 
 if TYPE_CHECKING:
     from pdserve.engine.frontend.request_schemas import GenerateRequest
@@ -29,6 +30,8 @@ class RequestLimits:
     vocab_size: int
     disaggregation_mode: str = "null"
     max_local_prefill_tokens: int = 0  # decode mode: prompts this short may come without bootstrap fields
+    # decode mode: the bootstrap hosts a request may name (--disaggregation-bootstrap-allowlist); empty: any
+    bootstrap_allowlist: str = ""
     # the OpenAI endpoints' defaults for the sampling fields a request leaves out (--sampling-defaults model)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -137,6 +140,9 @@ def bootstrap_infos(req, num_prompts: int, n: int, limits: RequestLimits,
         if not host or len(host) > 255 or any(c.isspace() or not c.isprintable() or c in "/?#@" for c in host):
             raise RequestError(f"bootstrap_host must be a host name or address, got {host[:64]!r}",
                                param="bootstrap_host")
+        if limits.bootstrap_allowlist and not host_allowed(parse_allowlist(limits.bootstrap_allowlist), host):
+            raise RequestError(f"bootstrap_host {host!r} is not in this server's --disaggregation-bootstrap-allowlist "
+                               f"({limits.bootstrap_allowlist})", param="bootstrap_host")
         for j in range(n):
             out.append(BootstrapInfo(host=host, port=port,
                                      room=sequence_room(req.bootstrap_room, i, j, num_prompts),

@@ -10,7 +10,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 
 
 def check_hicache(enable: bool, ratio: float, size_gb: float, write_policy: str, disable_radix_cache: bool,
-                  storage_backend: str | None = None, prefetch_policy: str = "best_effort") -> None:
+                  storage_backend: str | None = None, prefetch_policy: str = "timeout") -> None:
     """Raise ValueError naming the bad ``hicache_*`` field."""
     if storage_backend is not None and storage_backend not in STORAGE_BACKENDS:
         raise ValueError(f"hicache_storage_backend must be one of {STORAGE_BACKENDS}, got {storage_backend!r}")

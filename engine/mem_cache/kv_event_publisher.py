@@ -8,6 +8,11 @@ Wire (vLLM's ``ZmqEventPublisher``):
   gets ``[b"", seq, payload]`` for every kept batch with ``seq >= start_seq``,
   then ``[b"", -1 (8 bytes, signed), b""]``.
 
+The events carry every cached page's token ids (prompt text, in effect) on an
+unauthenticated socket: a wildcard bind host (``tcp://*:5557``) binds the
+server's ``--host`` (``bind_endpoint``), so they are published where the server
+listens, not on every interface; subscribers must be trusted (docs/KV_EVENTS.md).
+
 One thread owns both sockets (ZMQ sockets are not thread-safe) and the ring
 buffer of the last ``buffer_steps`` batches; the scheduler thread only
 encodes a batch and puts it on a queue, so a slow subscriber never stalls a
@@ -24,7 +29,7 @@ from collections import deque
 
 import zmq
 
-from pdserve.engine.kv_events_config import KVEventsConfig, rank_endpoint
+from pdserve.engine.kv_events_config import KVEventsConfig, bind_endpoint, rank_endpoint
 from pdserve.engine.mem_cache.kv_events import KVEvent, KVEventBatch, encode_batch
 
 logger = logging.getLogger(__name__)
@@ -34,11 +39,13 @@ _POLL_MS = 20  # how long the thread waits on the replay socket between queue dr
 
 
 class ZmqEventPublisher:
-    def __init__(self, config: KVEventsConfig, dp_rank: int, ctx: zmq.Context | None = None):
+    def __init__(self, config: KVEventsConfig, dp_rank: int, ctx: zmq.Context | None = None, host: str = ""):
+        """``host``: the server's ``--host``, which a wildcard endpoint binds ("": the endpoint as given)."""
         self.config = config
         self.dp_rank = dp_rank
-        self.endpoint = rank_endpoint(config.endpoint, dp_rank)
-        self.replay_endpoint = rank_endpoint(config.replay_endpoint, dp_rank) if config.replay_endpoint else None
+        self.endpoint = bind_endpoint(rank_endpoint(config.endpoint, dp_rank), host)
+        self.replay_endpoint = (bind_endpoint(rank_endpoint(config.replay_endpoint, dp_rank), host)
+                                if config.replay_endpoint else None)
         self.dropped = 0  # batches lost to a full queue
         self._topic = config.topic.encode()
         self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=config.max_queue_size)

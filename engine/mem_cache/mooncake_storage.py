@@ -59,9 +59,18 @@ class MooncakeStorage(StorageBackend):
 
     def put(self, key, value):
         rc = self.store.put(key, value)
-        # a key another server stored first is refused; that is success here
+        # a key another server stored first is refused; that is success here: the first writer wins,
+        # and readers check every object (storage_object.py), so a planted one is refused and deleted
         if rc != 0 and self.store.is_exist(key) != 1:
             raise StorageError(f"mooncake put {key} failed (rc {rc})")
+
+    def delete(self, key):
+        # force: a get leases the object for a few seconds (and every reader's get renews it), so an
+        # ordinary remove of the bad object just read fails; a reader racing this reads bytes the
+        # tag check refuses
+        rc = self.store.remove(key, force=True)
+        if rc != 0 and self.store.is_exist(key) == 1:
+            raise StorageError(f"mooncake remove {key} failed (rc {rc})")
 
     def close(self):
         self.store.close()

@@ -41,6 +41,8 @@ class KVLayout:
     # the weights' (quantization_names.QUANTIZATIONS): KV computed by differently quantized weights differs,
     # so a prefill and a decode must agree on it as on the dtype
     quantization: str
+    # which model and weights compute the KV (model_executor/model_identity.py); "" when unknown
+    model: str = ""
 
     @property
     def head_page_bytes(self) -> int:
@@ -88,6 +90,7 @@ class PagePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.quantization = quantization
+        self.model = ""  # the model's identity, set by the runner that computes into this pool
         self.device = torch.device(device)
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         # zeros, not empty: untouched pages must read as zeros in transfer tests
@@ -186,6 +189,7 @@ class PagePool:
             head_dim=self.head_dim,
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
+            model=self.model,
         )
 
     def buffer_infos(self) -> list[BufferInfo]:

@@ -119,6 +119,9 @@ class PrefixCache(ABC):
     def cancel_prefetch(self, rid: str) -> None:
         """The request ended: drop its prefetch."""
 
+    def observe_compute(self, seconds: float, tokens: int) -> None:
+        """A prefill step computed ``tokens`` tokens in ``seconds`` (what a fetch is weighed against)."""
+
     def close(self) -> None:
         """Stop background work (a storage tier's thread)."""
 

@@ -38,7 +38,12 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def put(self, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key`` (an object already stored under it is left as is)."""
+        """Store ``value`` under ``key`` (a backend may keep an object already stored under it:
+        the reader checks every object, and deletes a bad one, so the next put replaces it)."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object under ``key`` (a bad one); no error if it is not stored."""
 
     def close(self) -> None:
         """Release connections and registered memory."""

@@ -7,8 +7,11 @@ runs them, fetches first, and the cache drains finished fetches between steps.
 Faults: a backend error (master killed or unreachable, setup refused) opens a
 circuit breaker: the backend is dropped, and for a backoff (1 s doubling to
 30 s) fetches finish empty at once and puts are skipped; then the worker
-connects again. A fetched object of the wrong length ends the chain there (the
-rest is recomputed). Every failure is counted; none reaches a request.
+connects again. Objects are sealed here (``storage_object.py``: the page's token
+hash and a checksum, keyed when the store has a key) and checked on fetch: a bad
+object (wrong length, wrong token hash, checksum mismatch) is deleted from the
+store, counted (``corrupt``), and ends the chain there (the rest is recomputed,
+and written again). Every failure is counted; none reaches a request.
 
 Shutdown: ``close`` sends the puts still queued, for up to ``CLOSE_FLUSH_S``
 seconds (the thread is a daemon: without it, pages queued at exit would never
@@ -25,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.mem_cache.storage_backend import StorageBackend
+from pdserve.engine.mem_cache.storage_object import ObjectCodec
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ class FetchResult:
     rid: str
     start: int  # page index of values[0] in the request's prompt
     values: list[bytes] = field(default_factory=list)  # the leading pages found, in order
+    seconds: float = 0.0  # the backend calls' time
 
 
 @dataclass
@@ -49,16 +54,18 @@ class StorageStats:
     get_bytes: int = 0
     get_s: float = 0.0
     errors: int = 0  # backend calls that failed (unreachable, refused)
-    corrupt: int = 0  # objects of the wrong length
+    corrupt: int = 0  # bad objects fetched (length, token hash, checksum), deleted from the store
     dropped_puts: int = 0  # skipped while the breaker was open or the queue full
     prefetch_done: int = 0
     prefetch_empty: int = 0
 
 
 class StorageWorker:
-    def __init__(self, connect: Callable[[], StorageBackend], object_bytes: int):
+    def __init__(self, connect: Callable[[], StorageBackend], object_bytes: int, codec: ObjectCodec | None = None):
+        """``object_bytes``: a page's payload; ``codec``: seals and checks objects (default: unkeyed)."""
         self._connect = connect
         self.object_bytes = object_bytes
+        self.codec = codec or ObjectCodec()
         self.stats = StorageStats()
         self._backend: StorageBackend | None = None
         self._backoff = BACKOFF_S[0]
@@ -66,8 +73,8 @@ class StorageWorker:
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # work for the thread
         self._fetched = threading.Condition(lock)  # a fetch finished (``wait_fetched``)
-        self._puts: deque[tuple[str, bytes]] = deque()
-        self._fetches: deque[tuple[str, int, list[str]]] = deque()
+        self._puts: deque[tuple[str, int, bytes]] = deque()
+        self._fetches: deque[tuple[str, int, list[str], list[int]]] = deque()
         self._cancelled: set[str] = set()
         self._done: deque[FetchResult] = deque()
         self._closed = False
@@ -76,18 +83,20 @@ class StorageWorker:
         self._thread.start()
 
     # ------------------------------------------------------------ the cache's side
-    def submit_put(self, key: str, value: bytes) -> None:
+    def submit_put(self, key: str, block_hash: int, value: bytes) -> None:
+        """Store page ``value`` (its chained token hash ``block_hash``) under ``key``."""
         with self._cond:
             if len(self._puts) >= MAX_PENDING_PUTS or time.monotonic() < self._down_until:
                 self.stats.dropped_puts += 1
                 return
-            self._puts.append((key, value))
+            self._puts.append((key, block_hash, value))
             self._cond.notify()
 
-    def submit_fetch(self, rid: str, start: int, keys: list[str]) -> None:
+    def submit_fetch(self, rid: str, start: int, keys: list[str], hashes: list[int]) -> None:
+        """Fetch the chain ``keys`` (their pages' token hashes ``hashes``) for request ``rid``."""
         with self._cond:
             self._cancelled.discard(rid)
-            self._fetches.append((rid, start, keys))
+            self._fetches.append((rid, start, keys, hashes))
             self._cond.notify()
 
     def cancel(self, rid: str) -> None:
@@ -176,14 +185,14 @@ class StorageWorker:
             except Exception:  # noqa: BLE001 - closing a broken client may fail too
                 pass
 
-    def _put(self, key: str, value: bytes) -> None:
+    def _put(self, key: str, block_hash: int, value: bytes) -> None:
         backend = self._ready()
         if backend is None:
             self.stats.dropped_puts += 1
             return
         t0 = time.perf_counter()
         try:
-            backend.put(key, value)
+            backend.put(key, self.codec.seal(key, block_hash, value))
         except Exception as e:  # noqa: BLE001
             self._fail(e)
             return
@@ -192,11 +201,20 @@ class StorageWorker:
         self.stats.put_pages += 1
         self.stats.put_bytes += len(value)
 
-    def _fetch(self, rid: str, start: int, keys: list[str]) -> None:
+    def _bad_object(self, backend: StorageBackend, key: str, why: str) -> None:
+        """Count a bad object and delete it, so that the recomputed page is written in its place."""
+        self.stats.corrupt += 1
+        logger.warning("hicache storage: bad object %s (%s): deleted, the page is recomputed", key, why)
+        try:
+            backend.delete(key)
+        except Exception as e:  # noqa: BLE001 - a store that cannot delete still serves; the object stays refused
+            logger.warning("hicache storage: delete %s failed: %s", key, e)
+
+    def _fetch(self, rid: str, start: int, keys: list[str], hashes: list[int]) -> None:
         result = FetchResult(rid, start)
         backend = None if rid in self._cancelled else self._ready()
         t0 = time.perf_counter()
-        for key in keys if backend is not None else ():
+        for key, block_hash in zip(keys, hashes) if backend is not None else ():
             if rid in self._cancelled:
                 break
             try:
@@ -206,11 +224,13 @@ class StorageWorker:
                 break
             if value is None:
                 break
-            if len(value) != self.object_bytes:
-                self.stats.corrupt += 1
+            payload = self.codec.open(key, block_hash, value, self.object_bytes)
+            if isinstance(payload, str):
+                self._bad_object(backend, key, payload)
                 break
-            result.values.append(value)
-        self.stats.get_s += time.perf_counter() - t0
+            result.values.append(payload)
+        result.seconds = time.perf_counter() - t0
+        self.stats.get_s += result.seconds
         self.stats.get_pages += len(result.values)
         self.stats.get_bytes += sum(map(len, result.values))
         self.stats.prefetch_done += 1

@@ -4,7 +4,8 @@
 
 - Write: every page that gets a host copy (by the write policy) is also put in
   the store under its namespaced chained hash (``storage_key``), once per page
-  per process.
+  per process, sealed with its token hash and a checksum (``storage_object``).
+  The namespace follows weight updates (``set_namespace``).
 - Prefetch: when a request is queued (``start_prefetch``), the pages of its
   prompt past what the tree holds in any tier are fetched by the worker, while
   the request waits (for the queue, or in PD for the decode's destination).
@@ -13,9 +14,11 @@
 - Prefetch policy (SGLang's ``--hicache-storage-prefetch-policy``): how long a
   request at the head of the queue waits for its prefetch. ``best_effort``:
   not at all (what arrived is used); ``wait_complete``: until it finished;
-  ``timeout``: until it finished or ``prefetch_timeout_base`` +
-  ``prefetch_timeout_per_ki_token`` per 1024 prompt tokens seconds passed
-  (extra-config keys, SGLang's names; defaults 1 s and 0.25 s).
+  ``timeout`` (the default): until it finished or its deadline passed. The
+  deadline follows the tier costs (``prefetch_rule``: as long as computing the
+  pages would take, when a fetch is cheaper than that, else none), unless the
+  extra config sets SGLang's ``prefetch_timeout_base`` +
+  ``prefetch_timeout_per_ki_token`` (seconds, per 1024 prompt tokens).
 - A prefetch outliving its request is cancelled (``cancel_prefetch``); its
   result, if it comes, is dropped without taking host slots.
 - A fetched chain attaches only where the tree still holds its ancestors: if
@@ -34,6 +37,7 @@ import torch
 
 from pdserve.engine.mem_cache.hiradix_cache import HiRadixCache, HiTreeNode
 from pdserve.engine.mem_cache.host_pool import HostKVPool
+from pdserve.engine.mem_cache.prefetch_rule import TierCosts
 from pdserve.engine.mem_cache.storage_key import page_key
 from pdserve.engine.mem_cache.storage_worker import FetchResult, StorageWorker
 from pdserve.engine.mem_cache.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, block_hashes
@@ -52,14 +56,17 @@ class _Prefetch:
 
 class StoreHiRadixCache(HiRadixCache):
     def __init__(self, pool: PagePool, host: HostKVPool, write_policy: str, storage: StorageWorker,
-                 namespace: str, prefetch_policy: str = "best_effort", extra: dict | None = None):
+                 namespace: str, prefetch_policy: str = "timeout", extra: dict | None = None):
         super().__init__(pool, host, write_policy)
         self.storage = storage
         self.namespace = namespace
         self.prefetch_policy = prefetch_policy
         extra = extra or {}
+        # SGLang's fixed timeout, when the extra config sets it; else the tier costs' rule decides
+        self.fixed_timeout = "prefetch_timeout_base" in extra or "prefetch_timeout_per_ki_token" in extra
         self.timeout_base = float(extra.get("prefetch_timeout_base", 1.0))
         self.timeout_per_ki_token = float(extra.get("prefetch_timeout_per_ki_token", 0.25))
+        self.costs = TierCosts()
         self._put: set[int] = set()
         self._prefetches: dict[str, _Prefetch] = {}
         self.prefetch_outcomes = {"complete": 0, "timeout": 0, "best_effort": 0, "cancelled": 0}
@@ -76,7 +83,7 @@ class StoreHiRadixCache(HiRadixCache):
                 # a copy: the slot may be reused before the worker sends it
                 data = self.host.slot_bytes_view(n.host).numpy().tobytes()
                 dropped = self.storage.stats.dropped_puts
-                self.storage.submit_put(page_key(self.namespace, n.hash), data)
+                self.storage.submit_put(page_key(self.namespace, n.hash), n.hash, data)
                 if self.storage.stats.dropped_puts == dropped:
                     sent.append(n)
         self._record_stored(sent, MEDIUM_STORAGE)
@@ -90,9 +97,12 @@ class StoreHiRadixCache(HiRadixCache):
             return
         hashes = block_hashes(tokens, self.page_size)[held:num_pages]
         now = time.monotonic()
-        timeout = self.timeout_base + self.timeout_per_ki_token * len(tokens) / 1024
+        if self.fixed_timeout:
+            timeout = self.timeout_base + self.timeout_per_ki_token * len(tokens) / 1024
+        else:
+            timeout = self.costs.wait_s(len(hashes), self.page_size)
         self._prefetches[rid] = _Prefetch(tokens, now, now + timeout)
-        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes])
+        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes], hashes)
 
     def _held_prefix(self, tokens, num_pages: int) -> int:
         """Pages of ``tokens`` the tree holds in any tier."""
@@ -141,6 +151,7 @@ class StoreHiRadixCache(HiRadixCache):
             if p is None:
                 continue  # its request was admitted (best effort, timeout) or ended
             p.done = True
+            self.costs.observe_fetch(result.seconds, len(result.values))
             self._attach(p.token_ids, result)
 
     def _attach(self, tokens: list[int], result: FetchResult) -> None:
@@ -177,6 +188,18 @@ class StoreHiRadixCache(HiRadixCache):
             child.last_access = now
             node = child
         self._record_stored(added, MEDIUM_CPU)
+
+    def observe_compute(self, seconds: float, tokens: int) -> None:
+        self.costs.observe_compute(seconds, tokens)
+
+    def set_namespace(self, namespace: str) -> None:
+        """After a weight update: read and write under the new weights' name (the tree is flushed
+        with it; pages known stored under the old name are not known under the new one)."""
+        if namespace != self.namespace:
+            self.namespace = namespace
+            self._put.clear()
+            for rid in list(self._prefetches):
+                self.cancel_prefetch(rid)
 
     def match_prefix(self, token_ids):
         self.poll_storage()

@@ -14,7 +14,7 @@
   (fetched before admission), ``best_effort`` / ``timeout`` (admitted before),
   ``cancelled`` (the request ended first).
 - ``pdserve_hicache_storage_errors_total{kind}``: ``unreachable`` (backend calls
-  failed), ``corrupt`` (objects of the wrong length), ``dropped_put`` (writes
+  failed), ``corrupt`` (bad objects: length, token hash, checksum; deleted), ``dropped_put`` (writes
   skipped while the store was down or behind).
 - ``pdserve_hicache_host_pages{state}``: the host tier's ``used`` and ``total`` pages.
 """

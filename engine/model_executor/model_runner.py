@@ -131,6 +131,7 @@ class ModelRunner:
             num_pages = all_reduce_min(size.num_pages(config.page_size))
             self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
                                       arch.head_dim, self.dtype, self.device, config.quantization)
+            self.page_pool.model = self._identity(source)
             rule = size.rule
         else:
             layout = (arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype, self.device)
@@ -155,6 +156,13 @@ class ModelRunner:
                     num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, rule)
         self.graph_runner: DecodeGraphRunner | None = None
         self._capture_graphs()
+
+    def _identity(self, source: ModelSource) -> str:
+        """The pool's model identity: what the PD pairing check compares (model_identity.py)."""
+        from pdserve.engine.model_executor.model_identity import model_identity
+
+        return model_identity(self.arch.arch, source.path, str(self.dtype).removeprefix("torch."),
+                              self.config.quantization)
 
     def _capture_graphs(self) -> None:
         """On CUDA (unless disabled): capture the decode step per batch-size bucket, at start-up
@@ -194,6 +202,8 @@ class ModelRunner:
         self.release_weights()  # the old copy goes first: the peak is one model, not two
         self.model = self._build_model(weights, source)
         self.model_path, self.model_source = model_path, source
+        if self.page_pool.model:
+            self.page_pool.model = self._identity(source)
         self._capture_graphs()
         logger.info("weights updated from %s", source.path)
 

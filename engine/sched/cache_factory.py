@@ -23,12 +23,14 @@ def make_cache(pool: PagePool, config: EngineConfig, model_path: str = "", kv_st
         return HiRadixCache(pool, host, config.hicache_write_policy)
     from pdserve.engine.mem_cache.storage_backend import create_storage_backend, parse_extra_config
     from pdserve.engine.mem_cache.storage_key import kv_namespace
+    from pdserve.engine.mem_cache.storage_object import ObjectCodec, load_store_key
     from pdserve.engine.mem_cache.storage_worker import StorageWorker
     from pdserve.engine.mem_cache.store_cache import StoreHiRadixCache
 
     extra = parse_extra_config(config.hicache_storage_backend_extra_config)
     name = config.hicache_storage_backend
-    worker = StorageWorker(lambda: create_storage_backend(name, extra), host.slot_bytes)
+    codec = ObjectCodec(load_store_key(extra["key_file"]) if extra.get("key_file") else None)
+    worker = StorageWorker(lambda: create_storage_backend(name, extra), host.slot_bytes, codec)
     return StoreHiRadixCache(pool, host, config.hicache_write_policy, worker,
                              kv_namespace(model_path, pool.layout(), kv_start),
                              config.hicache_storage_prefetch_policy, extra)

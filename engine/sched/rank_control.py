@@ -124,7 +124,7 @@ class RankControl:
         try:
             self.loop.runner.load_weights(req.model_path)
             self.released.discard("weights")  # released weights are back, the new ones
-            self.loop.flush_cache()
+            self.loop.weights_changed()
             result = self._result(req, True, f"weights updated from {req.model_path}")
         except Exception as e:  # noqa: BLE001 - the answer carries it; the old weights stay
             logger.exception("weight update from %s failed", req.model_path)

@@ -42,7 +42,7 @@ from pdserve.engine.sched.cache_factory import make_cache
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
-from pdserve.engine.sched.scheduler import SampleOutput, ScheduledBatch, Scheduler, StepEvents
+from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
 from pdserve.engine.speculative.proposer import chain_parents
 from pdserve.engine.speculative.spec_metrics import SpecStats
@@ -182,6 +182,17 @@ class SchedulerLoop:
         self.cache.flush()
         return True
 
+    def weights_changed(self) -> None:
+        """After a weight update (idle): the cached KV came from the old weights, so the cache is
+        flushed, and a storage tier reads and writes under the new weights' namespace."""
+        self.cache.flush()
+        set_namespace = getattr(self.cache, "set_namespace", None)
+        if set_namespace is not None:
+            from pdserve.engine.mem_cache.storage_key import kv_namespace
+
+            path, kv_start = _namespace_of(self.runner)
+            set_namespace(kv_namespace(path, self.pool.layout(), kv_start))
+
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
         return bool(self._outbox) or self.scheduler.has_work() or bool(self.scheduler.newly_finished)
@@ -202,7 +213,11 @@ class SchedulerLoop:
             self.num_steps += 1
             if self.spec is not None:
                 self.spec.attach(batch, self.scheduler)
-            events = self.scheduler.postprocess(batch, self.run_batch(batch))
+            t0 = time.perf_counter()
+            sampled = self.run_batch(batch)
+            if batch.mode is ForwardMode.PREFILL:
+                self.cache.observe_compute(time.perf_counter() - t0, batch.num_tokens)
+            events = self.scheduler.postprocess(batch, sampled)
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
             s = self.scheduler

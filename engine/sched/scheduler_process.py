@@ -196,7 +196,7 @@ def _kv_event_publisher(config: ServerConfig, dp_rank: int, cache, ctx: zmq.Cont
         return None
     from pdserve.engine.mem_cache.kv_event_publisher import ZmqEventPublisher
 
-    publisher = ZmqEventPublisher(config.kv_events, dp_rank, ctx)
+    publisher = ZmqEventPublisher(config.kv_events, dp_rank, ctx, host=config.host)
     cache.enable_events()
     return lambda: publisher.publish(cache.drain_events())
 

@@ -141,6 +141,25 @@ async def play_turns(url: str, convs: Conversations, turns: range, *, think_time
     return records
 
 
+async def play_one_by_one(url: str, convs: Conversations, turns: range, *, think_time: float = 0.0,
+                          request_timeout: float = 3600.0) -> list[TurnRecord]:
+    """Play each conversation's ``turns`` alone, one request at a time, then the next conversation:
+    a server is idle when each request comes (a new user's first try)."""
+    records: list[TurnRecord] = []
+    timeout = aiohttp.ClientTimeout(total=request_timeout)
+    async with aiohttp.ClientSession(timeout=timeout, trust_env=False) as session:
+        for c in range(len(convs.histories)):
+            for t in turns:
+                h = convs.histories[c]
+                prompt = h + convs.messages[c][t]
+                rec = TurnRecord(c, t, len(prompt), len(h))
+                convs.histories[c] = prompt + await _one(session, url, rec, prompt, convs.answer_len, None)
+                records.append(rec)
+                if think_time > 0:
+                    await asyncio.sleep(think_time)
+    return records
+
+
 def ideal_cached(history_len: int, prompt_len: int, page_size: int) -> int:
     """Every earlier turn cached: the history's full pages, but for the KV no one computed (the
     last answer token's: decoding stops at it) and the last prompt token (always computed)."""

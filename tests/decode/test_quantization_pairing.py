@@ -1,5 +1,6 @@
-"""A prefill and a decode whose weights are quantized differently are refused at bootstrap, on both
-sides, with a reason naming each side's quantization; equal quantization pairs as before."""
+"""A prefill and a decode whose weights are quantized differently, or that run different models of
+one KV layout (two fine-tunes of one base), are refused at bootstrap, on both sides, with a reason
+naming each side's; equal ones pair as before."""
 
 from __future__ import annotations
 
@@ -9,13 +10,20 @@ from loop_stand import PDPair, reference
 pytestmark = pytest.mark.timeout(30)
 
 
-@pytest.mark.parametrize("p_quant, d_quant", [("w8a16", "none"), ("none", "w8a16"), ("w8a8", "w8a16")])
-def test_quantization_mismatch_is_refused_naming_both_sides(p_quant, d_quant):
-    pair = PDPair(p_engine={"quantization": p_quant}, d_engine={"quantization": d_quant})
+A, B = "/models/finetune-a", "/models/finetune-b"  # EchoRunner's model identity is "echo PATH"
+
+
+@pytest.mark.parametrize("field, p_value, d_value, want", [
+    ("quantization", "w8a16", "none", "weights quantization: prefill w8a16, decode none"),
+    ("quantization", "none", "w8a16", "weights quantization: prefill none, decode w8a16"),
+    ("quantization", "w8a8", "w8a16", "weights quantization: prefill w8a8, decode w8a16"),
+    ("model_path", A, B, f"model mismatch: prefill echo {A}, decode echo {B}"),
+])
+def test_mismatch_is_refused_naming_both_sides(field, p_value, d_value, want):
+    pair = PDPair(p_engine={field: p_value}, d_engine={field: d_value})
     try:
         pair.submit("a", [1, 2, 3, 4, 5], max_new=4)
         pair.run(pair.done("a"))
-        want = f"weights quantization: prefill {p_quant}, decode {d_quant}"
         for side in "PD":
             out = pair.final(side, "a")
             assert out.finish_reason == "error" and want in out.error, (side, out)

@@ -67,7 +67,7 @@ def test_every_node_parses_and_registers_with_the_leader(tmp_path):
     from pdserve.engine.sched.scheduler_process import bootstrap_host
 
     key = tmp_path / "key"
-    key.write_text(find("Secret", "pdserve-kv-auth")["stringData"]["key"])
+    key.write_text("k" * 44)  # the Secret is generated at deploy time (kustomization.yaml's secretGenerator)
     for doc in lws_docs():
         name = doc["metadata"]["name"]
         size = doc["spec"]["leaderWorkerTemplate"]["size"]
@@ -119,8 +119,13 @@ def test_leaders_take_the_statefulsets_place_behind_the_base_services():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kustomize_builds_the_variant():
-    out = subprocess.run(["kubectl", "kustomize", str(LWS_DIR)], capture_output=True, text=True, timeout=60)
+def test_kustomize_builds_the_variant(tmp_path):
+    deploy = tmp_path / "deploy"
+    shutil.copytree(LWS_DIR.parent, deploy)
+    for name in ("kv-auth.key", "store.key"):  # generated at deploy time (deploy/k8s/kustomization.yaml)
+        (deploy / "k8s" / name).write_text("k" * 44)
+    out = subprocess.run(["kubectl", "kustomize", str(deploy / LWS_DIR.name)], capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
     kinds = [(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace"))
              for d in yaml.safe_load_all(out.stdout) if d]

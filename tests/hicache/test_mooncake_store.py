@@ -34,6 +34,35 @@ def engine(store: MooncakeService) -> Engine:
                   hicache_storage_backend_extra_config=json.dumps(store.extra_config()))
 
 
+def test_a_planted_object_is_refused_deleted_and_replaced(store):
+    """First writer wins in Mooncake Store: a pod without the store key plants a well-formed object
+    under a page's key; a server with the key refuses it, deletes it, and its own page takes the key."""
+    from pdserve.engine.mem_cache.mooncake_storage import MooncakeStorage
+    from pdserve.engine.mem_cache.storage_object import ObjectCodec
+    from pdserve.engine.mem_cache.storage_worker import StorageWorker
+
+    size, key, h = 4096, "pdserve-kv/0123456789abcdef/00000000000000aa", 0xAA
+    attacker = MooncakeStorage(store.extra_config())
+    attacker.put(key, ObjectCodec(None).seal(key, h, b"\xee" * size))  # right tokens, no store key
+    worker = StorageWorker(lambda: MooncakeStorage(store.extra_config()), size, ObjectCodec(b"s" * 32))
+
+    def fetch() -> list[bytes]:
+        worker.submit_fetch("r", 0, [key], [h])
+        assert worker.wait_fetched(30)
+        (result,) = worker.drain()
+        return result.values
+
+    assert fetch() == [] and worker.stats.corrupt == 1
+    assert attacker.exists([key]) == [False]  # deleted: the key is free for the real page
+    worker.submit_put(key, h, b"\x01" * size)
+    deadline = time.monotonic() + 30
+    while not worker.idle() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fetch() == [b"\x01" * size] and worker.stats.corrupt == 1
+    worker.close()
+    attacker.close()
+
+
 def test_store_hit_on_a_fresh_server_then_master_killed(store):
     with engine(store) as a:
         first = a.generate(PROMPT, GREEDY)

@@ -40,7 +40,7 @@ class SlowFile(FileStorage):
 def queue_puts(path: str, n: int) -> StorageWorker:
     worker = StorageWorker(lambda: SlowFile({"path": path}), PAGE_BYTES)
     for i in range(n):
-        worker.submit_put(f"k/{i}", bytes([i]) * PAGE_BYTES)
+        worker.submit_put(f"k/{i}", i, bytes([i]) * PAGE_BYTES)
     return worker
 
 

@@ -26,8 +26,8 @@ from pdserve.kvtransfer.kv_poll import KVPoll
 
 pytestmark = pytest.mark.timeout(30)
 
-SECRET = b"correct horse battery staple 42"
-WRONG = b"an attacker's guess of the key!!"
+SECRET = b"correct horse battery staple 42, and more"
+WRONG = b"an attacker's guess of the key, in 32+ bytes"
 
 
 @pytest.fixture
@@ -111,7 +111,7 @@ def test_frame_auth_refuses_tampering_a_wrong_key_old_frames_and_replays():
 def test_short_or_missing_key_file_is_a_config_error(tmp_path):
     short = tmp_path / "short.key"
     short.write_bytes(b"tiny")
-    with pytest.raises(ValueError, match="at least 16 needed"):
+    with pytest.raises(ValueError, match="at least 32 needed"):
         KVTransferConfig(auth_key_file=str(short))
     with pytest.raises(ValueError, match="cannot be read"):
         KVTransferConfig(auth_key_file=str(tmp_path / "missing"))
@@ -150,11 +150,12 @@ def test_intruder_without_the_key_registers_nothing_and_gets_nothing_written(pai
         assert pair.prefill.stats().kv_auth_refused == 6
 
         # a captured frame sent twice: the copy is refused
-        sealed = FrameAuth(SECRET, "control").seal(m.encode(m.Heartbeat("intruder", intruder.endpoint, 2)))
+        sealed = FrameAuth(SECRET, "control").seal(m.encode(m.Heartbeat("intruder", intruder.endpoint, 2)),
+                                                   intruder.endpoint, prefill_kv.endpoint)
         intruder.send(sealed)
         intruder.send(sealed)
         _wait(lambda: prefill_kv.auth_refused == 7)
-        assert [type(m.decode(prefill_kv.auth.open(f))) for f in intruder.received()] == [m.HeartbeatAck]
+        assert [type(m.decode(prefill_kv.auth.open(f, intruder.endpoint))) for f in intruder.received()] == [m.HeartbeatAck]
     finally:
         intruder.close()
     pair.prefill.abort("victim")
@@ -218,3 +219,83 @@ def test_rank_refusals_reach_metrics():
                             page_size=4, kv_auth_refused=3 * r) for r in range(2)]
     text = metrics.render(stats, [0, 0])
     assert 'pdserve_kv_auth_refused_total{model_name="m",dp_rank="1"} 3.0' in text
+
+
+def test_tag_binds_sender_and_receiver():
+    """A frame sealed for one receiver is refused by another; the sender it names is authenticated."""
+    a = FrameAuth(SECRET, "control")
+    frame = a.seal(b"payload", "10.0.0.1:5000", "10.0.0.2:6000")
+    with pytest.raises(AuthError, match="sealed for another receiver"):
+        FrameAuth(SECRET, "control").open(frame, "10.0.0.3:6000")
+    assert FrameAuth(SECRET, "control").open_from(frame, "10.0.0.2:6000") == ("10.0.0.1:5000", b"payload")
+    forged = frame.replace(b"10.0.0.1:5000", b"10.0.0.9:5000")  # another sender's name on the same tag
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        FrameAuth(SECRET, "control").open(forged, "10.0.0.2:6000")
+
+
+@pytest.mark.parametrize("ts", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_timestamp_is_refused(ts):
+    frame = FrameAuth(SECRET, "control", clock=lambda: ts).seal(b"payload")  # a valid tag over the bad time
+    with pytest.raises(AuthError, match="not a finite number"):
+        FrameAuth(SECRET, "control").open(frame)
+
+
+def test_rotation_accepts_the_previous_key_and_seals_with_the_current():
+    old, new = SECRET, WRONG
+    rotating = FrameAuth(new, "control", previous=old)
+    assert rotating.open(FrameAuth(old, "control").seal(b"from a server still on the old key")) 
+    assert rotating.open(FrameAuth(new, "control").seal(b"from a server on the new key"))
+    assert FrameAuth(new, "control").open(rotating.seal(b"sealed with the current key"))
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        FrameAuth(old, "control").open(rotating.seal(b"never with the previous key"))
+    with pytest.raises(AuthError, match="bad authentication tag"):
+        rotating.open(FrameAuth(b"a third key, unknown to the receiver!", "control").seal(b"x"))
+
+
+def test_placeholder_and_short_keys_and_lone_previous_key_are_refused(tmp_path, key_file):
+    placeholder = tmp_path / "placeholder.key"
+    placeholder.write_bytes(b"replace-me-with-a-random-secret\n")
+    with pytest.raises(ValueError, match="placeholder"):
+        KVTransferConfig(auth_key_file=str(placeholder))
+    short = tmp_path / "31.key"
+    short.write_bytes(b"x" * 31)
+    with pytest.raises(ValueError, match="31 bytes; at least 32 needed"):
+        KVTransferConfig(auth_key_file=str(short))
+    with pytest.raises(ValueError, match="at least 32 needed"):
+        KVTransferConfig(auth_key_file=key_file, auth_previous_key_file=str(short))
+    with pytest.raises(ValueError, match="needs auth_key_file"):
+        KVTransferConfig(auth_previous_key_file=key_file)
+
+
+def test_rotation_through_real_managers(tmp_path, key_file):
+    """Mid-rotation: a prefill on the new key (the old one previous) pairs with a decode still sealing
+    with the old key (the new one already accepted)."""
+    new = tmp_path / "new.key"
+    new.write_bytes(WRONG)
+    pair = PDPair(auth_key_file=key_file)
+    try:
+        rotated = KVTransferConfig(backend="local", auth_key_file=str(new), auth_previous_key_file=key_file)
+        pair.prefill.kv.auth = rotated.frame_auth("control")  # the prefill restarted on the new key
+        pair.decode.kv.auth = KVTransferConfig(backend="local", auth_key_file=key_file,
+                                               auth_previous_key_file=str(new)).frame_auth("control")
+        prompt = list(range(100, 109))
+        pair.submit("a", prompt, max_new=3)
+        pair.run(pair.done("a"))
+        assert pair.tokens("a") == reference(prompt, 3)
+        assert pair.prefill.kv.auth_refused == 0 and pair.decode.kv.auth_refused == 0
+        pair.settle()
+    finally:
+        pair.close()
+
+
+def test_a_key_holder_cannot_name_a_third_party_reply_endpoint(pair):
+    """A Heartbeat sealed by one endpoint naming another as where the ack goes is refused."""
+    prefill_kv = pair.prefill.kv
+    intruder = Intruder(prefill_kv.endpoint)
+    try:
+        beat = m.Heartbeat("intruder", "192.0.2.1:9", 1)  # a victim's endpoint as the reply address
+        intruder.send(FrameAuth(SECRET, "control").seal(m.encode(beat), intruder.endpoint, prefill_kv.endpoint))
+        _wait(lambda: prefill_kv.auth_refused == 1)
+        assert "192.0.2.1:9" not in prefill_kv.open_endpoints
+    finally:
+        intruder.close()

@@ -75,7 +75,7 @@ class Stand:
                               src_infos[0].plane_bytes, LAYERS)
         self.outcome, self.stop = Outcome(), threading.Event()
         self.writer = KVWriter(self.src_engine, self.src, 1, MAX_TOP_LOGPROBS, 0, RoomMetrics("prefill", 1024), self.outcome,
-                               self.ctx, m.encode, self.stop)
+                               self.ctx, lambda msg, _endpoint: m.encode(msg), self.stop)
         self.src_engine.register(self.writer.staging.base_addr, self.writer.staging.nbytes)
         self.writer.start()
 

@@ -167,3 +167,25 @@ def test_probe_reads_the_bootstrap_server():
         port = s.getsockname()[1]
     assert probe_dead(PrefillPeer(("127.0.0.1", port, 0), routes={0: rank()}), engine) == (True, False)
     engine.close()
+
+
+def test_dead_bootstrap_hosts_cannot_hold_every_lookup():
+    """One lookup per bootstrap host at a time; a host that did not answer is backed off, doubling,
+    while other hosts' lookups go on."""
+    directory = prefill_peers()
+    dead0 = resolving(directory, ("192.0.2.1", 8998, 0))
+    dead1 = directory.peer(("192.0.2.1", 8998, 1))
+    dead1.receivers.add(2)
+    assert not directory.lookup_due(dead1)  # the same host: waits for the lookup in flight
+    alive = resolving(directory, ("127.0.0.1", 8998, 0))  # another host goes on meanwhile
+    directory.lookup_ended(dead0, unreachable=True)
+    directory.lookup_failed(dead0, OSError("timed out"))
+    dead0.next_lookup = 0.0
+    assert not directory.lookup_due(dead0) and not directory.lookup_due(dead1)  # negative cache
+    assert directory.host_down[("192.0.2.1", 8998)][1] == 1
+    directory.host_down[("192.0.2.1", 8998)] = (0.0, 1)  # the backoff passed
+    assert directory.lookup_due(dead1)
+    directory.lookup_ended(dead1, unreachable=True)
+    assert directory.host_down[("192.0.2.1", 8998)][1] == 2  # doubled
+    directory.lookup_ended(alive, unreachable=False)
+    assert ("127.0.0.1", 8998) not in directory.host_down and not directory.host_busy - {("192.0.2.1", 8998)}

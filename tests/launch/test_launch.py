@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from pdserve.entrypoints.flags import build_serve_parser
-from pdserve.entrypoints.cluster import LaunchConfig, plan, split_cpus
+from pdserve.entrypoints.cluster import LaunchConfig, plan, split_cpus, with_kv_key
 from pdserve.entrypoints.launch_flags import parse_launch_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
@@ -170,6 +170,21 @@ def test_bad_arguments_exit_with_a_clear_message(args, message):
     assert r.returncode == 2
     assert message in r.stderr, r.stderr
     assert "logs in" not in r.stdout  # nothing started
+
+
+def test_a_launch_off_loopback_gives_its_servers_a_private_key(tmp_path):
+    """Servers on a non-loopback host refuse to start without a KV key: launch makes one (0600) and
+    passes it to every server, unless the flags name one or opt out."""
+    from pdserve.entrypoints.flags import parse_serve_args
+
+    config = with_kv_key(LaunchConfig(host="0.0.0.0", port=0), str(tmp_path))
+    key = config.engine_args[config.engine_args.index("--disaggregation-auth-key-file") + 1]
+    assert os.stat(key).st_mode & 0o777 == 0o600 and len(open(key).read()) == 64
+    for spec in plan(config)[:-1]:
+        serve = parse_serve_args(list(spec.argv[3:]))  # what the server parses: no refusal
+        assert serve.kv_transfer.auth_key_file == key
+    for kept in (LaunchConfig(), LaunchConfig(host="0.0.0.0", engine_args=("--disaggregation-allow-unauthenticated",))):
+        assert with_kv_key(kept, str(tmp_path)) is kept
 
 
 def test_cpu_split_and_plan():

@@ -10,7 +10,7 @@ from pdserve.entrypoints.serve import _check_bootstrap_host
 
 
 def config(*args: str):
-    return parse_serve_args(["--disaggregation-mode", "prefill", *args])
+    return parse_serve_args(["--disaggregation-mode", "prefill", "--disaggregation-allow-unauthenticated", *args])
 
 
 def test_every_node_registers_at_node_0():

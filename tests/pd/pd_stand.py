@@ -15,6 +15,7 @@ from pathlib import Path
 
 import requests
 
+from pdserve.engine.net_allowlist import is_loopback
 from pdserve.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import start_router
@@ -73,6 +74,9 @@ class Server(Proc):
                "--disaggregation-mode", mode, *COMMON]
         if mode != "null":
             cmd += ["--disaggregation-transfer-backend", backend, *FAST_KV]
+            if not is_loopback(host) and "--disaggregation-auth-key-file" not in extra:
+                # the test network is private: say so, as a PD server on such a host requires
+                cmd += ["--disaggregation-allow-unauthenticated"]
         if self.bootstrap_port:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         cmd += extra  # last: overrides the defaults above
