@@ -35,17 +35,18 @@ One room, step by step:
    known prefill rank fail every open room of a peer that stops answering.
 
 With ``KVTransferConfig.auth_key_file`` every control frame and bootstrap ``PUT /route`` is
-authenticated with the shared secret (``auth.py``); refused frames are counted, never decoded.
+authenticated with the shared secret (``engine/kv_auth.py``); refused frames are counted, never decoded.
 """
 
 import importlib
 
-# name -> submodule; imported on first use (PEP 562), so ``import pdserve.kvtransfer`` stays light
+# name -> submodule (or a full module path, for the config that lives in engine/); imported on first use (PEP 562), so ``import pdserve.kvtransfer`` stays light
 # (no torch, zmq or backend library) and the submodules never import this package back
 _EXPORTS = {
     "AuxData": "aux_pool", "AuxPool": "aux_pool",
     "BootstrapServer": "bootstrap_server",
-    "DEFAULT_BOOTSTRAP_PORT": "config", "KVTransferConfig": "config",
+    "DEFAULT_BOOTSTRAP_PORT": "pdserve.engine.kv_transfer_config",
+    "KVTransferConfig": "pdserve.engine.kv_transfer_config",
     "DecodeKVManager": "decode_kv_manager",
     "ConnectError": "errors", "EngineInitError": "errors", "KVTransferError": "errors",
     "RegistrationError": "errors", "TransferEngineError": "errors", "TransferFailedError": "errors",
@@ -65,4 +66,5 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    path = module if "." in module else f"{__name__}.{module}"
+    return getattr(importlib.import_module(path), name)
