@@ -17,9 +17,13 @@ PDSERVE_LOG_LEVEL: str = os.environ.get("PDSERVE_LOG_LEVEL", "info")
 # UCX's own choice of network devices; when unset, the NIXL engine limits UCX to the interface of
 # --host (kvtransfer/nixl_engine.py), so its listeners do not open on every interface.
 UCX_NET_DEVICES: str = os.environ.get("UCX_NET_DEVICES", "")
-# Where /start_profile writes traces when the request names no output_dir (SGLang's
-# SGLANG_TORCH_PROFILER_DIR).
-PDSERVE_TORCH_PROFILER_DIR: str = os.environ.get("PDSERVE_TORCH_PROFILER_DIR", "/tmp")
+# The folder /start_profile may write traces under when ``--profile-dir`` is not given (SGLang's
+# SGLANG_TORCH_PROFILER_DIR is read too); unset: profiling is off.
+PDSERVE_TORCH_PROFILER_DIR: str = (os.environ.get("PDSERVE_TORCH_PROFILER_DIR")
+                                   or os.environ.get("SGLANG_TORCH_PROFILER_DIR", ""))
+# The engine server's admin key (its control routes) when neither ``--admin-api-key`` nor
+# ``--admin-api-key-file`` is given.
+PDSERVE_ADMIN_API_KEY: str = os.environ.get("PDSERVE_ADMIN_API_KEY", "")
 # The router's keys (``--api-key`` for inference routes, ``--admin-api-key`` for the routes that
 # change the router or its workers) when neither the flag nor its ``-file`` form is given: set them
 # from a Kubernetes Secret, so that they never show in a process list. The planner sends the admin

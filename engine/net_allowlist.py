@@ -55,3 +55,16 @@ def is_loopback(host: str) -> bool:
             return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
         except OSError:
             return False
+
+
+def is_loopback_peer(remote: str | None) -> bool:
+    """True when a connection's peer address (an IP, never a name) is a loopback address, a
+    dual-stack socket's ``::ffff:127.0.0.1`` included. Nothing is resolved: a peer is what it is."""
+    if not remote:
+        return False
+    try:
+        addr = ipaddress.ip_address(remote.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(addr, "ipv4_mapped", None)
+    return (mapped or addr).is_loopback

@@ -19,3 +19,22 @@ def read_secret(path: str, min_bytes: int, what: str, known: tuple[bytes, ...] =
     if len(secret) < min_bytes:
         raise ValueError(f"{what} {path!r} holds {len(secret)} bytes; at least {min_bytes} needed")
     return secret
+
+
+def read_key(flag: str, value: str | None, path: str | None, env_value: str) -> str | None:
+    """An HTTP key from ``--FLAG``, ``--FLAG-file`` (its content, stripped) or an environment
+    variable, in that order; ValueError naming the flag when both forms are given or the file is
+    unreadable or empty."""
+    if value is not None and path is not None:
+        raise ValueError(f"give --{flag} or --{flag}-file, not both")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--{flag}-file {path}: {e.strerror or e}") from None
+        if not value:
+            raise ValueError(f"--{flag}-file {path} is empty")
+    if value is None:
+        value = env_value or None
+    return value

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+import pdserve.engine.env as env
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
+from pdserve.engine.secret_files import read_key
 from pdserve.engine.http_limits import MAX_REQUEST_BYTES
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
@@ -55,6 +57,13 @@ class ServerConfig:
     dist_timeout: float = 300.0  # seconds a TP collective may wait (a dead peer fails it at once)
     base_gpu_id: int = 0  # CUDA: DP rank r's TP rank t runs on device base_gpu_id + r * tp_size + t
     api_key: str | None = None
+    # the control routes' key (engine/frontend/control_access.py): from the flag, its file, or
+    # PDSERVE_ADMIN_API_KEY; without one the control routes answer only loopback peers
+    admin_api_key: str | None = field(default=None, repr=False)
+    admin_api_key_file: str | None = None
+    # the folder /start_profile writes under (SGLang's SGLANG_TORCH_PROFILER_DIR); None: the
+    # environment's, and without either profiling is refused
+    profile_dir: str | None = None
     log_level: str = "info"
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get 413
@@ -84,6 +93,11 @@ class ServerConfig:
     tool_call_parser: str | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "admin_api_key", read_key("admin-api-key", self.admin_api_key,
+                                                           self.admin_api_key_file, env.PDSERVE_ADMIN_API_KEY))
+        object.__setattr__(self, "admin_api_key_file", None)  # read once; a copy of the config keeps the key
+        if self.profile_dir is None and env.PDSERVE_TORCH_PROFILER_DIR:
+            object.__setattr__(self, "profile_dir", env.PDSERVE_TORCH_PROFILER_DIR)
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.dp_size < 1:

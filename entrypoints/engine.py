@@ -342,7 +342,7 @@ class Engine:
     def start_profile(self, output_dir: str | None = None, num_steps: int | None = None,
                       record_shapes: bool = False, with_stack: bool = False) -> str:
         """torch.profiler over the rank's next steps (``num_steps``, or until ``stop_profile``); the
-        Chrome trace goes to ``output_dir`` (default ``PDSERVE_TORCH_PROFILER_DIR``)."""
+        Chrome trace goes to ``output_dir`` (default ``--profile-dir``, else the temp folder)."""
         inp = control_api.ProfileInput(output_dir=output_dir, num_steps=num_steps, record_shapes=record_shapes,
                                        with_stack=with_stack)
         return self._checked(self._wait(control_api.start_profile(self._tm, inp)))

@@ -60,6 +60,12 @@ _HELP = {
     "dist_timeout": "seconds a TP collective may wait before the rank fails",
     "base_gpu_id": "CUDA: first device; DP rank r, TP rank t uses base_gpu_id + r * tp_size + t",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
+    "admin_api_key": "require 'Authorization: Bearer KEY' on the control routes (flush, weights, memory, "
+                     "profile); without one they answer only loopback peers. Prefer --admin-api-key-file or "
+                     "PDSERVE_ADMIN_API_KEY (argv shows in ps)",
+    "admin_api_key_file": "file holding --admin-api-key",
+    "profile_dir": "folder /start_profile may write traces under (default: PDSERVE_TORCH_PROFILER_DIR or "
+                   "SGLANG_TORCH_PROFILER_DIR); without one profiling is refused",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",

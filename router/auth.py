@@ -21,29 +21,13 @@ Keys come from ``--api-key`` / ``--admin-api-key``, from ``--api-key-file`` /
 from __future__ import annotations
 
 import hmac
-import ipaddress
-from pathlib import Path
 
 from aiohttp import web
 
 from pdserve.engine import env
+from pdserve.engine.net_allowlist import is_loopback_peer as is_loopback
+from pdserve.engine.secret_files import read_key
 from pdserve.router.errors import RouterError, unauthorized
-
-
-def read_key(flag: str, value: str | None, path: str | None, env_value: str) -> str | None:
-    """One key from its flag, its file or its environment variable; ValueError naming the flag."""
-    if value is not None and path is not None:
-        raise ValueError(f"give --{flag} or --{flag}-file, not both")
-    if path is not None:
-        try:
-            value = Path(path).read_text().strip()
-        except OSError as e:
-            raise ValueError(f"--{flag}-file {path}: {e.strerror or e}") from None
-        if not value:
-            raise ValueError(f"--{flag}-file {path} is empty")
-    if value is None:
-        value = env_value or None
-    return value
 
 
 def keys_from_flags(api_key: str | None, api_key_file: str | None, admin_api_key: str | None,
@@ -56,17 +40,6 @@ def keys_from_flags(api_key: str | None, api_key_file: str | None, admin_api_key
 def _bearer(request: web.Request) -> bytes:
     header = request.headers.get("Authorization", "")
     return header[7:].encode() if header.startswith("Bearer ") else b""
-
-
-def is_loopback(remote: str | None) -> bool:
-    if not remote:
-        return False
-    try:
-        addr = ipaddress.ip_address(remote.split("%", 1)[0])
-    except ValueError:
-        return False
-    mapped = getattr(addr, "ipv4_mapped", None)  # a dual-stack socket's ::ffff:127.0.0.1
-    return (mapped or addr).is_loopback
 
 
 class Access:

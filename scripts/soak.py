@@ -237,7 +237,8 @@ def pages_free(url: str, headers: dict | None = None, timeout: float = 30.0) -> 
     deadline = time.monotonic() + timeout
     while True:
         try:
-            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"", headers=headers or {}),
+            urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", data=b"{}",
+                                                          headers={**(headers or {}), "Content-Type": "application/json"}),
                                    timeout=10).read()
         except OSError:
             pass

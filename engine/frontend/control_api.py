@@ -10,12 +10,14 @@ operation's data. What each one does to requests in flight is described there.
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgspec
 
-import pdserve.engine.env as env
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.kv_events_config import advertised_endpoints
 from pdserve.engine.frontend.tokenizer_manager import TokenizerManager
@@ -33,6 +35,8 @@ from pdserve.engine.sched.rank_control import check_memory_tags
 from pdserve.engine.version import VERSION
 
 PROFILE_ACTIVITIES = ("CPU", "GPU")
+_PROFILE_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")  # a file name's part, never a path
+MAX_TRUNCATE_SIZE = 4096  # rows /get_weights_by_name returns at most (an answer stays a few MiB)
 
 
 # --- bodies (SGLang's io_struct names) ---------------------------------------------------------
@@ -54,7 +58,7 @@ class MemoryOccupationInput(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ProfileInput(msgspec.Struct, forbid_unknown_fields=True):
-    output_dir: str | None = None  # None: PDSERVE_TORCH_PROFILER_DIR
+    output_dir: str | None = None  # None: the profile folder itself; relative: under it
     num_steps: int | None = None  # None: until /stop_profile
     activities: list[str] | None = None
     with_stack: bool | None = None
@@ -106,8 +110,9 @@ async def update_weights_from_disk(tm: TokenizerManager, inp: UpdateWeightsFromD
 
 async def get_weights_by_name(tm: TokenizerManager, inp: GetWeightsByNameInput) -> ControlAnswer:
     """The weight as the first DP rank holds it (every DP rank holds the same)."""
-    if inp.truncate_size < 0:
-        raise RequestError(f"truncate_size must be >= 0, got {inp.truncate_size}", param="truncate_size")
+    if not 0 <= inp.truncate_size <= MAX_TRUNCATE_SIZE:
+        raise RequestError(f"truncate_size must be in [0, {MAX_TRUNCATE_SIZE}], got {inp.truncate_size}",
+                           param="truncate_size")
     results = await tm.control(GetWeightsByNameReq(name=inp.name, truncate_size=inp.truncate_size))
     answer = _answer(tm, results)
     if answer.success:
@@ -130,15 +135,34 @@ async def resume_memory_occupation(tm: TokenizerManager, inp: MemoryOccupationIn
     return _answer(tm, await tm.control(ResumeMemoryReq(tags=_tags(inp))))
 
 
-async def start_profile(tm: TokenizerManager, inp: ProfileInput) -> ControlAnswer:
+def profile_output_dir(requested: str | None, profile_dir: str | None, confined: bool) -> str:
+    """Where a profile is written. ``confined`` (the HTTP route): under ``profile_dir`` only (a
+    relative ``output_dir`` is taken from there; links are resolved before the check), and nowhere
+    without one. The offline Engine's caller owns the process: any folder."""
+    if not confined:
+        return requested or profile_dir or tempfile.gettempdir()
+    if not profile_dir:
+        raise RequestError("profiling is off: start the server with --profile-dir (or PDSERVE_TORCH_PROFILER_DIR)",
+                           param="output_dir", status=403, type="permission_denied", code="profiling_off")
+    base = os.path.realpath(profile_dir)
+    target = os.path.realpath(os.path.join(base, requested or ""))
+    if target != base and not target.startswith(base + os.sep):
+        raise RequestError(f"output_dir {requested!r} is outside --profile-dir {profile_dir!r}", param="output_dir")
+    return target
+
+
+async def start_profile(tm: TokenizerManager, inp: ProfileInput, confined: bool = False) -> ControlAnswer:
     activities = inp.activities or ["CPU"]
     for a in activities:
         if a not in PROFILE_ACTIVITIES:
             raise RequestError(f"activities: {a!r} is not one of {PROFILE_ACTIVITIES}", param="activities")
     if "GPU" in activities and not tm.config.engine.device.startswith("cuda"):
         raise RequestError("activities: GPU needs a CUDA device", param="activities")
+    if inp.profile_id is not None and not _PROFILE_ID.fullmatch(inp.profile_id):
+        raise RequestError("profile_id must be 1-64 letters, digits, '_', '-' or '.', not starting with '.'",
+                           param="profile_id")
     req = StartProfileReq(
-        output_dir=inp.output_dir or env.PDSERVE_TORCH_PROFILER_DIR,
+        output_dir=profile_output_dir(inp.output_dir, tm.config.profile_dir, confined),
         num_steps=inp.num_steps,
         record_shapes=bool(inp.record_shapes),
         with_stack=bool(inp.with_stack),
@@ -158,6 +182,7 @@ def server_info(tm: TokenizerManager) -> dict:
     info = asdict(c.engine)
     info.update({k: getattr(c, k) for k in c.server_field_names()})
     info.pop("api_key", None)
+    info.pop("admin_api_key", None)
     info.update(
         {
             "version": VERSION,

@@ -2,8 +2,8 @@
 
 Handlers decode and validate the body (``request_schemas``, ``value_checks``, ``sequences``), hand the sequences to the
 tokenizer manager, and shape what comes back (``openai_api``). Every error
-leaves as OpenAI's error object. A middleware checks the API key and the body
-size and counts requests for /metrics.
+leaves as OpenAI's error object. A middleware checks the API key (the admin key and the
+method of control routes: ``control_access``) and the body size and counts requests for /metrics.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from aiohttp import web
 from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend import tokenize_api
+from pdserve.engine.frontend.control_access import CONTROL_PATHS, check_control
 from pdserve.engine.frontend.drain import DRAIN_KEY, Drain, drain_middleware
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.request_error import RequestError, decode_body
@@ -80,7 +81,9 @@ async def api_middleware(request: web.Request, handler):
     metrics = request.app[METRICS_KEY]
     status = 500
     try:
-        if config.api_key is not None and request.path not in OPEN_PATHS:
+        if request.path in CONTROL_PATHS:
+            check_control(request, config.admin_api_key)
+        elif config.api_key is not None and request.path not in OPEN_PATHS:
             auth = request.headers.get("Authorization", "")
             if not hmac.compare_digest(auth.encode(), f"Bearer {config.api_key}".encode()):
                 raise RequestError("invalid or missing API key", status=401, type="authentication_error", code="invalid_api_key")
@@ -422,7 +425,7 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 async def start_profile(request: web.Request) -> web.Response:
     inp = await _control_body(request, control_api.ProfileInput)
-    answer = await control_api.start_profile(request.app[TM_KEY], inp)
+    answer = await control_api.start_profile(request.app[TM_KEY], inp, confined=True)
     if not answer.success:
         raise RequestError(f"Start profiling failed: {answer.message}")
     return web.Response(text="Start profiling.\n")
@@ -461,16 +464,12 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.post("/detokenize", detokenize),
             web.post("/v1/detokenize", detokenize),
             web.post("/flush_cache", flush_cache),
-            web.get("/flush_cache", flush_cache),
             web.post("/update_weights_from_disk", update_weights_from_disk),
             web.post("/get_weights_by_name", get_weights_by_name),
-            web.get("/get_weights_by_name", get_weights_by_name),
             web.post("/release_memory_occupation", release_memory_occupation),
             web.post("/resume_memory_occupation", resume_memory_occupation),
             web.post("/start_profile", start_profile),
-            web.get("/start_profile", start_profile),
             web.post("/stop_profile", stop_profile),
-            web.get("/stop_profile", stop_profile),
         ]
     )
     if config.enable_metrics:

@@ -76,7 +76,17 @@ class RankControl:
 
     # ------------------------------------------------------------------ inputs
     def handle(self, msg) -> list:
-        """Apply one input message; returns what to send now (results, refusals)."""
+        """Apply one input message; returns what to send now (results, refusals). A control
+        operation that raises is answered with its error: the rank lives on."""
+        if isinstance(msg, (TokenizedGenerateReq, AbortReq)):
+            return self._apply(msg)
+        try:
+            return self._apply(msg)
+        except Exception as e:  # noqa: BLE001 - the answer carries it
+            logger.exception("control operation %s failed", type(msg).__name__)
+            return [self._result(msg, False, f"{type(e).__name__}: {e}")]
+
+    def _apply(self, msg) -> list:
         if isinstance(msg, TokenizedGenerateReq):
             return self._add_request(msg)
         if isinstance(msg, AbortReq):
@@ -136,11 +146,15 @@ class RankControl:
         return outs
 
     def after_step(self) -> None:
-        """Count a model step for a profile of ``num_steps`` steps."""
+        """Count a model step for a profile of ``num_steps`` steps; a trace that cannot be written
+        is logged and dropped (the rank lives on)."""
         if self._profile_steps_left is not None:
             self._profile_steps_left -= 1
             if self._profile_steps_left <= 0:
-                self._write_profile()
+                try:
+                    self._write_profile()
+                except Exception:  # noqa: BLE001 - nobody waits on this trace's answer
+                    logger.exception("profile trace could not be written")
 
     # ---------------------------------------------------------------- weights
     def _get_weights(self, req: GetWeightsByNameReq) -> ControlResult:
@@ -201,7 +215,7 @@ class RankControl:
             return self._result(req, False, "a profile is already running")
         if req.num_steps is not None and req.num_steps < 1:
             return self._result(req, False, f"num_steps must be >= 1, got {req.num_steps}")
-        os.makedirs(req.output_dir, exist_ok=True)
+        os.makedirs(req.output_dir, mode=0o700, exist_ok=True)
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.loop.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -220,7 +234,7 @@ class RankControl:
 
     def _write_profile(self) -> str:
         prof, start = self._profiler, self._profile
-        self._profiler = self._profile = self._profile_steps_left = None
+        self._profiler = self._profile = self._profile_steps_left = None  # a failed write ends the profile too
         prof.stop()
         name = f"{start.profile_id or int(time.time())}-DP{self.dp_rank}-TP{self.tp_rank}.trace.json.gz"
         path = os.path.join(start.output_dir, name)

@@ -8,6 +8,7 @@ the rank's ``RankControl`` (``rank_control.py``); the loop sends a ``SchedulerSt
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterable
 
@@ -15,6 +16,8 @@ import msgspec
 
 from pdserve.engine.messages import SchedulerInput, SchedulerReady, SchedulerStats
 from pdserve.engine.sched.rank_control import RankControl
+
+logger = logging.getLogger(__name__)
 
 STATS_INTERVAL = 0.05  # seconds between stats while busy
 IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
@@ -72,7 +75,10 @@ def serve_rank(
             msgs.extend(loop.step())
             control.after_step()
         if after_step is not None:
-            after_step()
+            try:
+                after_step()
+            except Exception:  # noqa: BLE001 - a hook (the KV event publisher) must not end the rank
+                logger.exception("after-step hook failed; the rank goes on")
         now = time.monotonic()
         if now - last_stats_time >= STATS_INTERVAL:
             stats = _stats(loop, dp_rank)

@@ -23,11 +23,17 @@ WEIGHT = "model.layers.0.mlp.up_proj.weight"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def profile_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, profile_dir):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     proc = spawn([sys.executable, "-m", "pdserve.engine", "--port", str(port), "--max-total-tokens", "4096",
-                  "--num-threads", "1", "--log-level", "warning"], log, die_with_parent=True)
+                  "--num-threads", "1", "--log-level", "warning", "--profile-dir", str(profile_dir)],
+                 log, die_with_parent=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, 300, name="server", log=lambda: log_tail(log))
@@ -37,10 +43,10 @@ def server(tmp_path_factory):
 
 
 def post(url: str, path: str, body=None) -> requests.Response:
-    return requests.post(url + path, json=body, timeout=300)
+    return requests.post(url + path, json={} if body is None else body, timeout=300)
 
 
-def test_control_endpoints(server, checkpoint_b, tmp_path):
+def test_control_endpoints(server, checkpoint_b, profile_dir):
     info = requests.get(server + "/get_server_info", timeout=30).json()
     assert info["disaggregation_mode"] == "null" and "disaggregation_bootstrap_port" in info
     old_text = post(server, "/generate", BODY).json()["text"]
@@ -76,8 +82,8 @@ def test_control_endpoints(server, checkpoint_b, tmp_path):
     assert r.status_code == 200 and r.json()["success"] is True
     assert post(server, "/generate", BODY).json()["text"] == new_text  # the weights reloaded are B's
 
-    out = tmp_path / "trace"
-    r = post(server, "/start_profile", {"output_dir": str(out)})
+    out = profile_dir / "trace"
+    r = post(server, "/start_profile", {"output_dir": "trace"})
     assert r.status_code == 200 and r.text.startswith("Start profiling")
     post(server, "/generate", BODY)
     r = post(server, "/stop_profile")

@@ -16,6 +16,7 @@ import sys
 import time
 
 from netns_util import add_netns_or_skip, del_netns, ip
+from pd_stand import ADMIN_HEADERS
 
 NET = "198.51.100"
 
@@ -121,7 +122,7 @@ def wait_unleaked(ns: str, url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     states = None
     while time.monotonic() < deadline:
-        ns_request(ns, "POST", url + "/flush_cache", timeout=10)
+        ns_request(ns, "POST", url + "/flush_cache", {}, timeout=10, headers=ADMIN_HEADERS)
         status, text = ns_request(ns, "GET", url + "/get_server_info", timeout=10)
         if status == 200:
             states = json.loads(text)["internal_states"]

@@ -61,8 +61,14 @@ class Proc:
         self.kill(signal.SIGTERM)
 
 
+# The control routes' key of servers on a non-loopback host (without one they answer loopback peers only)
+STAND_ADMIN_KEY = "pd-stand-admin-key"
+ADMIN_HEADERS = {"Authorization": f"Bearer {STAND_ADMIN_KEY}"}
+
+
 class Server(Proc):
-    """``pdserve serve`` with a mode; ``host`` is where it listens (and where its KV manager is reached)."""
+    """``pdserve serve`` with a mode; ``host`` is where it listens (and where its KV manager is reached).
+    Off loopback it takes ``STAND_ADMIN_KEY`` for its control routes."""
 
     def __init__(self, name: str, mode: str = "null", *extra: str, host: str = "127.0.0.1",
                  backend: str = "mooncake", cmd_prefix: list[str] | None = None, env: dict | None = None):
@@ -80,6 +86,8 @@ class Server(Proc):
         if self.bootstrap_port:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         cmd += extra  # last: overrides the defaults above
+        if not is_loopback(host):
+            env = {"PDSERVE_ADMIN_API_KEY": STAND_ADMIN_KEY, **(env or {})}
         super().__init__(name, cmd, env=env, cmd_prefix=cmd_prefix)
 
     @property
@@ -104,7 +112,7 @@ class Server(Proc):
         deadline = time.monotonic() + timeout
         states: list[dict] = []
         while time.monotonic() < deadline:
-            requests.post(self.url + "/flush_cache", timeout=10)
+            requests.post(self.url + "/flush_cache", json={}, headers=ADMIN_HEADERS, timeout=10)
             states = self.states()
             if all(s["inflight"] == 0 and s["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0
                    and s["num_free_pages"] == s["num_total_pages"] for s in states):

@@ -86,7 +86,7 @@ def test_kv_aware_sends_each_prefix_group_to_its_holder(stand):
         X, Y = by_url[x], by_url[other]
         p, d = pd_post(Y, D, "/v1/chat/completions", chat(0, 50))
         assert p.status_code == 200 and d.status_code == 200
-        assert requests.post(X.url + "/flush_cache", timeout=10).status_code == 200
+        assert requests.post(X.url + "/flush_cache", json={}, timeout=10).status_code == 200
         wait_for(lambda: policy.index.num_blocks(x) == 0, 30, "the flush to reach the index")
         before = {u: cached_tokens(s) for u, s in by_url.items()}
         assert r.post(chat(0, 51)).status_code == 200

@@ -49,11 +49,12 @@ def netns():
         del_netns(*names.values(), hub)
 
 
-def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120) -> tuple[int, str]:
+def ns_request(ns: str, method: str, url: str, body: dict | None = None, timeout: float = 120,
+               headers: dict | None = None) -> tuple[int, str]:
     """An HTTP request made from inside a namespace (the test process itself sits outside them)."""
     code = (
         "import json, sys, requests\n"
-        f"r = requests.request({method!r}, {url!r}, json={body!r}, timeout={timeout})\n"
+        f"r = requests.request({method!r}, {url!r}, json={body!r}, headers={headers!r}, timeout={timeout})\n"
         "sys.stdout.write(json.dumps([r.status_code, r.text]))\n"
     )
     out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", code], capture_output=True, text=True,

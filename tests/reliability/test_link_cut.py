@@ -18,7 +18,7 @@ import time
 
 import pytest
 from netns_util import ip
-from pd_stand import Server, greedy_body, prompt_ids
+from pd_stand import ADMIN_HEADERS, Server, greedy_body, prompt_ids
 from test_pd_netns import ADDRS, netns, ns_request, wait_up  # noqa: F401 - netns is a fixture
 
 pytestmark = pytest.mark.timeout(400)
@@ -45,7 +45,7 @@ with cf.ThreadPoolExecutor(len(bodies)) as ex:
 
 
 def _pages(ns: str, url: str) -> list[dict]:
-    ns_request(ns, "POST", url + "/flush_cache", {}, timeout=10)
+    ns_request(ns, "POST", url + "/flush_cache", {}, timeout=10, headers=ADMIN_HEADERS)
     status, text = ns_request(ns, "GET", url + "/get_server_info", timeout=10)
     assert status == 200, text
     return json.loads(text)["internal_states"]

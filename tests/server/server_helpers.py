@@ -42,15 +42,22 @@ def is_running(pid: int) -> bool:
 
 
 class ServerProcess:
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None, admin_key: str | None = None):
+        """``admin_key``: the control routes' key, given to the server in a file."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
+        self.admin_key = admin_key
         cmd = [sys.executable, "-m", "pdserve.engine", "--port", str(self.port),
                "--max-total-tokens", str(TEST_MAX_TOTAL_TOKENS), "--num-threads", str(TEST_NUM_THREADS),
                "--log-level", "warning", *args]
         if api_key:
             cmd += ["--api-key", api_key]
+        if admin_key:
+            key_file = Path(f"/tmp/pdserve-test-server-{self.port}.admin-key")
+            key_file.write_text(admin_key + "\n")
+            key_file.chmod(0o600)
+            cmd += ["--admin-api-key-file", str(key_file)]
         self.log_path = Path(f"/tmp/pdserve-test-server-{self.port}.log")
         self._log = open(self.log_path, "wb")
         # not procs.spawn / stop_group: the server is signalled alone, because these tests check
@@ -60,6 +67,15 @@ class ServerProcess:
     @property
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    @property
+    def admin_headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else {}
+
+    def control(self, path: str, json=None, **kw) -> requests.Response:
+        """POST a control route (JSON, the admin key when the server has one)."""
+        return requests.post(self.url + path, json={} if json is None else json, headers=self.admin_headers,
+                             timeout=120, **kw)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -88,7 +104,7 @@ class ServerProcess:
         deadline = time.monotonic() + timeout
         states = []
         while time.monotonic() < deadline:
-            self.post("/flush_cache")
+            self.control("/flush_cache")
             states = self.server_info()["internal_states"]
             if all(
                 s["num_running_reqs"] == 0 and s["num_waiting_reqs"] == 0 and s["inflight"] == 0

@@ -23,6 +23,7 @@ from server_helpers import ServerProcess, chat_ids, children_of, greedy_ref, is_
 pytestmark = pytest.mark.timeout(300)
 
 API_KEY = "test-key"
+ADMIN_KEY = "test-admin-key"
 MAX_REQUEST_BYTES = 100_000
 MAX_N = 3
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
@@ -31,7 +32,8 @@ MAX_NEW = 10
 
 @pytest.fixture(scope="module")
 def started_server():
-    srv = ServerProcess("--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-n", str(MAX_N), api_key=API_KEY)
+    srv = ServerProcess("--max-request-bytes", str(MAX_REQUEST_BYTES), "--max-n", str(MAX_N), api_key=API_KEY,
+                        admin_key=ADMIN_KEY)
     yield srv
     srv.stop()
 
@@ -342,7 +344,7 @@ def test_sglang_router_extras_accepted(server):
 
 def test_api_key(server):
     for method, path in [("post", GEN), ("post", COMP), ("post", CHAT), ("get", "/v1/models"),
-                         ("get", "/get_server_info"), ("get", "/health_generate"), ("post", "/flush_cache")]:
+                         ("get", "/get_server_info"), ("get", "/health_generate")]:
         r = getattr(requests, method)(server.url + path, timeout=10)
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["type"] == "authentication_error"
@@ -350,6 +352,19 @@ def test_api_key(server):
         assert r.status_code == 401
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     assert requests.get(server.url + "/metrics", timeout=10).status_code == 200
+
+
+def test_control_routes_take_the_admin_key_alone(server):
+    """The inference key never opens a control route; the admin key (from its file) does, and it
+    opens no inference route."""
+    for headers in ({}, server.headers, {"Authorization": "Bearer wrong"}):
+        r = requests.post(server.url + "/flush_cache", json={}, headers=headers, timeout=10)
+        assert r.status_code == 401, r.text
+        assert "--admin-api-key" in r.json()["error"]["message"]
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    assert requests.post(server.url + "/flush_cache", json={}, headers=admin, timeout=10).status_code == 200
+    assert requests.get(server.url + "/v1/models", headers=admin, timeout=10).status_code == 401
+    assert "admin_api_key" not in server.server_info()
 
 
 def test_info_endpoints(server):
