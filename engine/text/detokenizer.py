@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from pdserve.engine.text.stop_prefix import StopPrefixTracker
+
 
 class IncrementalDecoder:
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
@@ -52,23 +54,14 @@ class IncrementalDecoder:
         return delta
 
 
-def _stop_prefix_holdback(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
 class Detokenizer:
     """Text of one request's output, streamed safely and trimmed at its stop string."""
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
         self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
         self.stop = [s for s in stop if s]
+        self._prefixes = StopPrefixTracker(self.stop)
+        self._tracked = 0  # characters of decoder.text fed to _prefixes
         self.emitted = 0  # characters of decoder.text already returned
         self.done = False
 
@@ -76,7 +69,9 @@ class Detokenizer:
         """Add tokens; return the new text that can be shown now."""
         self.decoder.feed(new_ids)
         text = self.decoder.text
-        safe = len(text) - _stop_prefix_holdback(text, self.stop)
+        self._prefixes.feed(text[self._tracked :])
+        self._tracked = len(text)
+        safe = len(text) - self._prefixes.holdback()
         for s in self.stop:
             i = text.find(s, max(self.emitted - len(s) + 1, 0))
             if i != -1:
