@@ -16,6 +16,8 @@ from pdserve.engine.constrained.grammar_spec import (
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.frontend.tool_calls import ToolChoice, ToolRequestError, tool_choice
 
+MAX_GRAMMAR_CHARS = 64 * 1024  # a JSON schema, regex or EBNF grammar's text (xgrammar's work grows with it)
+
 
 def sglang_grammars(obj) -> dict[str, Any]:
     """SGLang's grammar fields of a body (or its sampling_params), by name."""
@@ -35,6 +37,9 @@ def one_grammar(prefix: str, given: dict[str, Any]) -> dict[str, str]:
     kind = name if name in GRAMMAR_FIELDS else "json_schema"
     try:
         text = schema_text(name, value) if kind == "json_schema" else value
+        if isinstance(text, str) and len(text) > MAX_GRAMMAR_CHARS:
+            raise RequestError(f"{prefix}{name} has {len(text)} characters; a grammar may have at most "
+                               f"{MAX_GRAMMAR_CHARS}", param=f"{prefix}{name}")
         check_grammar(kind, text, name)
     except InvalidGrammar as e:
         raise RequestError(f"{prefix}{e}", param=f"{prefix}{e.field}") from None

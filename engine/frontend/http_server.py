@@ -35,12 +35,12 @@ from pdserve.engine.frontend.sequences import (
     completion_sequences,
     generate_sequences,
 )
-from pdserve.engine.frontend.value_checks import new_rid
+from pdserve.engine.frontend.value_checks import MAX_BATCH_PROMPTS, new_rid
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.frontend.tool_calls import ToolCallStream
 from pdserve.engine.server_config import ServerConfig
-from pdserve.engine.frontend.tokenizer_manager import RequestHandle, TokenizerManager
+from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN, RequestHandle, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req = decode_body(await read_body(request), GenerateRequest)
     seqs, is_batch = generate_sequences(req, tm.limits())
-    handle = tm.submit(seqs, batch=is_batch)
+    handle = await tm.submit_async(seqs, batch=is_batch)
     tok_str = tm.token_str if req.return_text_in_logprobs else None
     if req.stream:
 
@@ -195,14 +195,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req = decode_body(await read_body(request), CompletionRequest)
-    handle = tm.submit(completion_sequences(req, tm.limits()))
+    handle = await tm.submit_async(completion_sequences(req, tm.limits()))
     return await _openai(request, tm, req, handle, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     tm = request.app[TM_KEY]
     req = decode_body(await read_body(request), ChatCompletionRequest)
-    handle = tm.submit(chat_sequences(req, tm.limits()))
+    handle = await tm.submit_async(chat_sequences(req, tm.limits()))
     return await _openai(request, tm, req, handle, chat=True)
 
 
@@ -369,14 +369,17 @@ async def tokenize(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     req = decode_body(await read_body(request), tokenize_api.TokenizeRequest)
     tm.limits().check_model(req.model)
-    return json_response(tokenize_api.tokenize(tm.tokenizer, req, tm.model_info.max_context_len))
+    ctx = tm.model_info.max_context_len
+    tokenize_api.check_tokenize(req, ctx * MAX_CHARS_PER_TOKEN, MAX_BATCH_PROMPTS)
+    return json_response(await tm.in_tokenizer_thread(tokenize_api.tokenize, tm.tokenizer, req, ctx))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     req = decode_body(await read_body(request), tokenize_api.DetokenizeRequest)
     tm.limits().check_model(req.model)
-    return json_response(tokenize_api.detokenize(tm.tokenizer, req, tm.model_info.vocab_size))
+    vocab = tm.model_info.vocab_size
+    return json_response(await tm.in_tokenizer_thread(tokenize_api.detokenize, tm.tokenizer, req, vocab))
 
 
 async def flush_cache(request: web.Request) -> web.Response:

@@ -40,6 +40,7 @@ from pdserve.engine.frontend.value_checks import (
     refuse_openai,
     sequence_rids,
     stop_list,
+    check_batch_size,
     unsupported,
 )
 from pdserve.engine.messages import BootstrapInfo
@@ -112,6 +113,7 @@ def generate_sequences(
         prompt_param = "input_ids"
     if is_batch and not prompts:
         raise RequestError(f"{prompt_param} must not be an empty batch", param=prompt_param)
+    check_batch_size(len(prompts), prompt_param)
     for p in prompts:
         if len(p) == 0:
             raise RequestError(f"{prompt_param} must not be empty", param=prompt_param)
@@ -301,6 +303,7 @@ def completion_sequences(req: CompletionRequest, limits: RequestLimits) -> list[
         raise RequestError("prompt must not be empty", param="prompt")
     else:
         raise RequestError("prompt must be a string, a list of strings, or token ids", param="prompt")
+    check_batch_size(len(prompts), "prompt")
     for x in prompts:
         if len(x) == 0:
             raise RequestError("prompt must not be empty", param="prompt")

@@ -28,6 +28,17 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
     model: str | None = None
 
 
+def check_tokenize(req: TokenizeRequest, max_chars: int, max_prompts: int) -> None:
+    """Before tokenizing: at most ``max_prompts`` prompts of at most ``max_chars`` characters each."""
+    prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    if len(prompts) > max_prompts:
+        raise RequestError(f"prompt holds {len(prompts)} prompts; at most {max_prompts} are allowed", param="prompt")
+    longest = max(map(len, prompts), default=0)
+    if longest > max_chars:
+        raise RequestError(f"prompt has {longest} characters; at most {max_chars} are allowed", param="prompt",
+                           code="context_length_exceeded")
+
+
 def tokenize(tokenizer, req: TokenizeRequest, max_model_len: int) -> dict[str, Any]:
     prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     ids = [tokenizer.encode(p, add_special_tokens=req.add_special_tokens) for p in prompts]

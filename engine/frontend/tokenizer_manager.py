@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -35,7 +36,7 @@ from pdserve.engine.messages import (
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.frontend.sequences import SequenceSpec
-from pdserve.engine.text.prompt import encode_prompt
+from pdserve.engine.text.prompt import encode_prompt, prompt_chars
 from pdserve.engine.frontend.value_checks import RequestLimits
 from pdserve.engine.pd_rules import local_prefill_refusal
 from pdserve.engine.frontend.rank_transport import RankTransport
@@ -44,6 +45,10 @@ from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
+
+# No tokenizer makes a token of this many characters on average: a longer text cannot fit the
+# context, and is refused before tokenizing it costs anything
+MAX_CHARS_PER_TOKEN = 32
 
 
 class RankFailed(Exception):
@@ -73,6 +78,9 @@ class TokenizerManager:
             model_sampling_defaults(config.engine.model_path) if config.sampling_defaults == "model" else {}
         )
         self._control_ids = itertools.count(1)
+        # tokenization runs here, off the event loop (the Rust tokenizer releases the GIL); one
+        # thread: requests are tokenized in arrival order and the tokenizer is never shared
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._control: dict[int, list[asyncio.Future]] = {}  # req_id -> one future per DP rank
 
     # --- start and stop --------------------------------------------------------------------
@@ -190,15 +198,46 @@ class TokenizerManager:
         self._rr = (rank + 1) % n
         return rank
 
-    def submit(self, seqs: list[SequenceSpec], batch: bool = False) -> "RequestHandle":
-        """Tokenize and validate every sequence (RequestError on the first bad one), then send all."""
+    async def in_tokenizer_thread(self, fn, *args):
+        """``fn(*args)`` on the tokenizer's thread, so that a long text never stalls the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn, *args)
+
+    def check_prompt_chars(self, spec: SequenceSpec) -> None:
+        """Refuse a prompt whose characters cannot fit the context, before tokenizing it."""
+        ctx = self.model_info.max_context_len
+        chars = prompt_chars(spec.prompt)
+        if chars > ctx * MAX_CHARS_PER_TOKEN:
+            raise RequestError(
+                f"{spec.prompt_param} has {chars} characters; the model's context of {ctx} tokens takes at most "
+                f"{ctx * MAX_CHARS_PER_TOKEN} ({MAX_CHARS_PER_TOKEN} a token)",
+                param=spec.prompt_param, code="context_length_exceeded")
+
+    async def submit_async(self, seqs: list[SequenceSpec], batch: bool = False) -> "RequestHandle":
+        """``submit`` for the event loop: the prompts' characters checked against the context, then
+        tokenized on the tokenizer's thread."""
+        prompts: dict[int, object] = {}
+        for spec in seqs:
+            if spec.prompt_index not in prompts:
+                self.check_prompt_chars(spec)
+                prompts[spec.prompt_index] = spec.prompt
+
+        def encode_all() -> dict[int, list[int]]:
+            return {i: encode_prompt(self.tokenizer, p) for i, p in prompts.items()}
+
+        return self.submit(seqs, batch, await self.in_tokenizer_thread(encode_all))
+
+    def submit(self, seqs: list[SequenceSpec], batch: bool = False,
+               encoded: dict[int, list[int]] | None = None) -> "RequestHandle":
+        """Tokenize (unless ``encoded`` holds each prompt's ids, by prompt index) and validate every
+        sequence (RequestError on the first bad one), then send all."""
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, status=503, type="server_error", code="unavailable")
         states: list[SeqState] = []
         ids_by_prompt: dict[int, list[int]] = {}
         for spec in seqs:
             if spec.prompt_index not in ids_by_prompt:
-                ids_by_prompt[spec.prompt_index] = encode_prompt(self.tokenizer, spec.prompt)
+                ids = (encoded or {}).get(spec.prompt_index)
+                ids_by_prompt[spec.prompt_index] = encode_prompt(self.tokenizer, spec.prompt) if ids is None else ids
                 n = len(ids_by_prompt[spec.prompt_index])
                 limit = self.config.max_local_prefill_tokens
                 local = spec.bootstrap is None and not spec.health_probe

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from pdserve.engine.frontend.request_schemas import GenerateRequest
 
 
+# Bounds on what one request may ask of the event loop and the scheduler (each a 400 naming its field)
+MAX_STOP_STRINGS = 64  # stop strings per sequence
+MAX_STOP_STRING_CHARS = 1024  # characters per stop string
+MAX_BATCH_PROMPTS = 256  # prompts per batched /generate or /v1/completions body
+
+
 @dataclass(frozen=True)
 class RequestLimits:
     """What validation needs to know about the server and the model."""
@@ -156,7 +162,18 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop)
     if any(s == "" for s in stops):
         raise RequestError("stop strings must not be empty", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
+    longest = max(stops, key=len, default="")
+    if len(longest) > MAX_STOP_STRING_CHARS:
+        raise RequestError(f"a stop string has {len(longest)} characters; at most {MAX_STOP_STRING_CHARS} are allowed",
+                           param="stop")
     return stops
+
+
+def check_batch_size(num: int, param: str) -> None:
+    if num > MAX_BATCH_PROMPTS:
+        raise RequestError(f"{param} holds {num} prompts; a batch takes at most {MAX_BATCH_PROMPTS}", param=param)
 
 
 def sequence_rids(rid: str | list[str] | None, count: int, n: int) -> list[str]:

@@ -32,3 +32,15 @@ def encode_prompt(tokenizer, prompt: str | list[int] | ChatPrompt) -> list[int]:
         )
         return tokenizer.encode(text, add_special_tokens=False)
     return tokenizer.encode(prompt)
+
+
+def prompt_chars(prompt: str | list[int] | ChatPrompt) -> int:
+    """Characters a prompt gives the tokenizer, bounded cheaply before tokenizing: a text's length,
+    a chat's messages as JSON (their text and then some), 0 for token ids."""
+    if isinstance(prompt, list):
+        return 0
+    if isinstance(prompt, ChatPrompt):
+        import json
+
+        return len(json.dumps(prompt.messages, default=str))
+    return len(prompt)
