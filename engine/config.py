@@ -83,6 +83,9 @@ class EngineConfig:
     random_seed: int = 0  # seeds the draws of requests that give no seed (SGLang's flag)
     # one JSON line per request with its stages and their times (SGLang's flag; sched/request_log.py)
     log_requests: bool = False
+    # seconds a request's grammar may take to compile (on the rank's compile thread) before the
+    # request is refused with a 400 naming it
+    grammar_compile_timeout: float = 10.0
     # speculative decoding (SGLang's flags; docs/SPECULATIVE.md): a proposer guesses up to
     # speculative_num_draft_tokens tokens per sequence and one verify step scores them all.
     # None: off. NGRAM: prompt lookup, no second model. STANDALONE: a draft model
@@ -97,6 +100,8 @@ class EngineConfig:
     speculative_ngram_branches: int = 1
 
     def __post_init__(self):
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         for name in ("page_size", "chunked_prefill_size", "max_running_requests", "max_prefill_tokens"):

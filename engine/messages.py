@@ -109,6 +109,7 @@ class TokenOutput(msgspec.Struct, tag=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     matched_stop: int | str | None = None
     error: str | None = None
+    error_status: int = 500  # the HTTP status of an error: 400 when the request itself was at fault
     # speculative decoding, running totals (SGLang's meta_info names), only from a rank that speculates:
     # verify steps with a draft, draft tokens checked, draft tokens accepted
     spec_verify_ct: int | None = None

@@ -66,6 +66,8 @@ _HELP = {
     "admin_api_key_file": "file holding --admin-api-key",
     "profile_dir": "folder /start_profile may write traces under (default: PDSERVE_TORCH_PROFILER_DIR or "
                    "SGLANG_TORCH_PROFILER_DIR); without one profiling is refused",
+    "grammar_compile_timeout": "seconds a request's grammar (json_schema, regex, ebnf) may take to compile before "
+                               "the request is refused with a 400",
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",

@@ -3,7 +3,8 @@
 A scheduler rank builds one ``GrammarBackend`` on its first constrained request
 (importing xgrammar and indexing the vocabulary cost ~2 s, which ranks that
 never see a grammar skip). Compiled grammars are cached by xgrammar, so many
-requests with one schema compile it once.
+requests with one schema compile it once; the cache holds at most
+``GRAMMAR_CACHE_BYTES`` (xgrammar evicts the least recently used).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Sequence
 import torch
 
 from pdserve.engine.constrained.grammar_spec import xgrammar_message
+
+GRAMMAR_CACHE_BYTES = 64 * 2**20
 
 
 class RequestGrammar:
@@ -48,7 +51,7 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids))
         # one compile thread: the rank's model threads own the other cores
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
 
     def matcher(self, kind: str, text: str) -> RequestGrammar:
         """A fresh matcher for a grammar of ``kind`` (see ``grammar_spec.GRAMMAR_FIELDS``);

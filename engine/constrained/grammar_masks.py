@@ -1,4 +1,8 @@
-"""A scheduler rank's structured-output step: masks filled off the critical path.
+"""A scheduler rank's structured-output step: grammars compiled and masks filled off the critical path.
+
+``compile`` builds a request's matcher on a compile thread (the backend too, on first use), so
+that a large grammar never stalls the rank's other requests; the scheduler loop admits the request
+when the future is done, or refuses it at its deadline.
 
 The matchers of a batch's requests are current before its forward starts (each
 accepted its previous token when that was sampled), so the allowed-token bitmask
@@ -10,6 +14,8 @@ milliseconds) and masks the logits before sampling.
 
 from __future__ import annotations
 
+import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Sequence
 
@@ -43,6 +49,18 @@ class PendingMask:
         return rows[allowed == 0].tolist()
 
 
+class CompileJob:
+    """One grammar being compiled: ``started`` is set (monotonic seconds) when its compilation
+    begins, after those queued before it and the backend's one-time build."""
+
+    def __init__(self):
+        self.future: Future | None = None
+        self.started: float | None = None
+
+    def overdue(self, now: float, timeout: float) -> bool:
+        return self.started is not None and now - self.started >= timeout and not self.future.done()
+
+
 class GrammarMasks:
     """Compiles each request's grammar (the backend built on first use) and fills batch masks."""
 
@@ -50,13 +68,29 @@ class GrammarMasks:
         self._args = (tokenizer, vocab_size, stop_token_ids)
         self._backend: GrammarBackend | None = None
         self._worker: ThreadPoolExecutor | None = None
+        self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._lock = threading.Lock()  # the backend is built once, by whichever thread needs it first
         self._bitmask: torch.Tensor | None = None
 
     def backend(self) -> GrammarBackend:
-        if self._backend is None:
-            self._backend = GrammarBackend(*self._args)
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._backend
+        with self._lock:
+            if self._backend is None:
+                self._backend = GrammarBackend(*self._args)
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+            return self._backend
+
+    def compile(self, grammar: tuple[str, str]) -> "CompileJob":
+        """The matcher for ``(kind, text)``, built on the compile thread (``CompileJob.future``
+        raises ValueError when the grammar does not compile)."""
+        job = CompileJob()
+
+        def run() -> RequestGrammar:
+            backend = self.backend()  # built once, before this grammar's clock starts
+            job.started = time.monotonic()
+            return backend.matcher(*grammar)
+
+        job.future = self._compiler.submit(run)
+        return job
 
     def matcher(self, grammar: tuple[str, str]) -> RequestGrammar:
         """A matcher for ``(kind, text)``; ValueError when it does not compile."""

@@ -393,7 +393,7 @@ class TokenizerManager:
             text += st.detok.finish(matched)
             self._seqs.pop(o.rid, None)
             if o.error:
-                st.error_status = 500
+                st.error_status = o.error_status
             self._finish(st, o.finish_reason or "stop", o.matched_stop, o.error)
         st.text = st.detok.text
         queue.put_nowait((st, Delta(text, list(new), lps, o.finished)))

@@ -38,6 +38,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort" | "error"
     matched: int | str | None = None  # stop token id or stop string that ended it
     message: str | None = None  # for "abort" / "error"
+    status: int = 500  # an error's HTTP status: 400 when the request itself was at fault (its grammar)
 
 
 @dataclass(eq=False)

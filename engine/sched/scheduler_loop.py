@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from concurrent import futures
 import random
 import time
 from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.constrained.grammar_masks import GrammarMasks, PendingMask
+from pdserve.engine.constrained.grammar_masks import CompileJob, GrammarMasks, PendingMask
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
@@ -86,6 +87,7 @@ class SchedulerLoop:
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
         # structured output: xgrammar is loaded on the first request that names a grammar
         self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
+        self._compiling: dict[str, tuple[Req, CompileJob]] = {}  # rid -> (req, its grammar's compilation)
         # speculative decoding (docs/SPECULATIVE.md): decode steps verify the proposer's drafts
         self.spec = Speculation(config, runner, self.grammars) if config.speculative_algorithm and decode else None
         if config.speculative_algorithm and not decode:
@@ -130,11 +132,20 @@ class SchedulerLoop:
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
             health_probe=msg.health_probe,
         )
-        error = self.validate(req) or self._attach_grammar(req)
+        error = self.validate(req)
+        if error is None and req.sampling_params.grammar is not None:
+            if parallel.tp_size() == 1:  # TP ranks admit in lockstep: they compile in place
+                self._compiling[req.rid] = (req, self.grammars.compile(req.sampling_params.grammar))
+                return
+            error = self._attach_grammar(req)
+        self._queue(req, error, 400 if error and req.sampling_params.grammar is not None else 500)
+
+    def _queue(self, req: Req, error: str | None, status: int = 500) -> None:
+        """Admit a validated request (its grammar attached), or end it with ``error``."""
         if error is None:
             self.request_log.mark(req.rid, "queued")
             self.cache.start_prefetch(req.rid, req.fill_ids)  # storage tier: fetch while it waits
-        reason = FinishReason("error", message=error) if error else self.admit(req)
+        reason = FinishReason("error", message=error, status=status) if error else self.admit(req)
         if reason is not None:
             self.cache.cancel_prefetch(req.rid)
             req.finish_reason = reason
@@ -145,7 +156,7 @@ class SchedulerLoop:
         """A message naming what is wrong with the request, or None."""
         if not req.input_ids:
             return "input_ids is empty"
-        if req.rid in self.scheduler.reqs:
+        if req.rid in self.scheduler.reqs or req.rid in self._compiling:
             return f"rid {req.rid!r} is already in flight"
         vocab = self.arch.vocab_size
         if any(not 0 <= t < vocab for t in req.input_ids):
@@ -160,6 +171,28 @@ class SchedulerLoop:
             return "top_logprobs_num must be >= 0"
         return None
 
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar compiled go on to admission; one compiling for longer than
+        ``grammar_compile_timeout`` ends with a 400 naming the grammar (the compile thread finishes
+        it anyway: xgrammar cannot be stopped; the grammar size cap bounds how long)."""
+        now = time.monotonic()
+        for rid, (req, job) in list(self._compiling.items()):
+            if job.future.done():
+                del self._compiling[rid]
+                try:
+                    req.grammar = job.future.result()
+                    error = None
+                except ValueError as exc:
+                    error = str(exc)
+                except Exception as exc:  # noqa: BLE001 - the request carries it; the rank goes on
+                    error = f"{req.sampling_params.grammar[0]} did not compile: {type(exc).__name__}: {exc}"
+                self._queue(req, error, 400)
+            elif job.overdue(now, self.config.grammar_compile_timeout):
+                del self._compiling[rid]
+                kind = req.sampling_params.grammar[0]
+                self._queue(req, f"{kind}: the grammar did not compile within {self.config.grammar_compile_timeout:g} s "
+                            "(--grammar-compile-timeout); simplify it", 400)
+
     def _attach_grammar(self, req: Req) -> str | None:
         """Give a constrained request its matcher; a message when its grammar does not compile."""
         grammar = req.sampling_params.grammar
@@ -173,6 +206,10 @@ class SchedulerLoop:
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
         """End a request and free its pages; its final output comes from the next ``step``."""
+        compiling = self._compiling.pop(rid, None)
+        if compiling is not None:
+            self.finish_unscheduled(compiling[0], FinishReason("abort", message=reason))
+            return True
         return self.scheduler.abort(rid, reason) is not None
 
     def flush_cache(self) -> bool:
@@ -195,7 +232,8 @@ class SchedulerLoop:
 
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
-        return bool(self._outbox) or self.scheduler.has_work() or bool(self.scheduler.newly_finished)
+        return (bool(self._outbox) or bool(self._compiling) or self.scheduler.has_work()
+                or bool(self.scheduler.newly_finished))
 
     def step(self) -> list[TokenOutput]:
         """One scheduling round: at most one model forward. Returns the outputs to ship."""
@@ -204,6 +242,8 @@ class SchedulerLoop:
     def step_events(self) -> tuple[list[TokenOutput], StepEvents]:
         """``step``, also returning what the scheduler reported (prefilled, finished, updated)."""
         self.poll()
+        if self._compiling:
+            self._admit_compiled()
         outputs, self._outbox = self._outbox, []
         batch = self.scheduler.schedule()
         if batch is not None:
@@ -221,7 +261,11 @@ class SchedulerLoop:
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
             s = self.scheduler
-            if s.waiting and not s.running and s.chunked is None:
+            if self._compiling and not s.waiting and not s.running and not outputs:
+                # only grammars compiling: wait for one (or its deadline), not spin
+                futures.wait([job.future for _, job in self._compiling.values()], timeout=QUEUE_POLL_S[1],
+                             return_when=futures.FIRST_COMPLETED)
+            elif s.waiting and not s.running and s.chunked is None:
                 # the queue head waits: on its storage prefetch (woken when a fetch lands), or for
                 # pages its KV senders hold (a short sleep): yield the CPU and the GIL, not spin
                 if not self.cache.wait_for_prefetch(s.waiting[0].rid, QUEUE_POLL_S[1]):
@@ -397,6 +441,7 @@ class SchedulerLoop:
             out.finish_reason = reason.type
             out.matched_stop = reason.matched
             out.error = reason.message
+            out.error_status = reason.status
             self.request_log.end(req)
         return out
 

@@ -1,0 +1,129 @@
+"""Requests that would stall an engine server's event loop or its scheduler, against one real
+server for the whole module: each is a 400 naming the field or the limit, the server answers
+others meanwhile, and its pages are all free afterwards.
+
+- Stop strings (count, length), prompts per batch and grammar text are capped.
+- A prompt whose characters cannot fit the context is refused before it is tokenized; one that is
+  tokenized runs on the tokenizer's thread while the loop answers ``/health``.
+- A grammar that compiles for longer than ``--grammar-compile-timeout`` is a 400 naming it, and a
+  plain request sent after it finishes first (the compile runs off the scheduler thread).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+from server_helpers import ServerProcess
+
+from pdserve.engine.frontend.grammar_fields import MAX_GRAMMAR_CHARS
+from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN
+from pdserve.engine.frontend.value_checks import MAX_BATCH_PROMPTS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
+
+pytestmark = pytest.mark.timeout(300)
+
+COMPILE_TIMEOUT = 0.3
+SMALL = {"max_new_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT))
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def error_of(r: requests.Response) -> dict:
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def generate(server, body: dict) -> requests.Response:
+    return server.post("/generate", body)
+
+
+def test_stop_strings_batches_and_grammars_are_capped(server):
+    err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}}))
+    assert err["param"] == "stop" and str(MAX_STOP_STRINGS) in err["message"]
+    err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "stop": "s" * (MAX_STOP_STRING_CHARS + 1)}}))
+    assert err["param"] == "stop" and str(MAX_STOP_STRING_CHARS) in err["message"]
+    err = error_of(server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, "stop": ["a"] * 100}))
+    assert err["param"] == "stop"
+    err = error_of(generate(server, {"text": ["x"] * (MAX_BATCH_PROMPTS + 1), "sampling_params": SMALL}))
+    assert err["param"] == "text" and str(MAX_BATCH_PROMPTS) in err["message"]
+    err = error_of(server.post("/v1/completions", {"prompt": [[1, 2]] * (MAX_BATCH_PROMPTS + 1), "max_tokens": 1}))
+    assert err["param"] == "prompt"
+    err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}))
+    assert err["param"] == "sampling_params.regex" and str(MAX_GRAMMAR_CHARS) in err["message"]
+    # within the caps all is well
+    r = generate(server, {"text": ["x", "y"], "sampling_params": {**SMALL, "stop": ["s"] * MAX_STOP_STRINGS}})
+    assert r.status_code == 200 and len(r.json()) == 2
+    server.wait_idle_and_unleaked()
+
+
+def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(server):
+    ctx = server.get("/get_model_info").json()["max_context_len"]
+    err = error_of(generate(server, {"text": "a" * (ctx * MAX_CHARS_PER_TOKEN + 1), "sampling_params": SMALL}))
+    assert err["param"] == "text" and err["code"] == "context_length_exceeded" and "characters" in err["message"]
+    err = error_of(server.post("/tokenize", {"prompt": "a" * (ctx * MAX_CHARS_PER_TOKEN + 1)}))
+    assert err["param"] == "prompt"
+
+
+def test_tokenizing_a_long_prompt_leaves_the_loop_free(server):
+    """A prompt under the character bound but over the context is tokenized (about a second),
+    then refused; ``/health`` answers several times meanwhile."""
+    ctx = server.get("/get_model_info").json()["max_context_len"]
+    text = "one two three four five six " * (ctx * MAX_CHARS_PER_TOKEN // 28 - 1)
+    done = threading.Event()
+    out: dict = {}
+
+    def big():
+        out["r"] = generate(server, {"text": text, "sampling_params": SMALL})
+        done.set()
+
+    t = threading.Thread(target=big)
+    t.start()
+    answered_meanwhile = 0
+    while not done.is_set():
+        r = requests.get(server.url + "/health", timeout=30)
+        if r.status_code == 200 and not done.is_set():
+            answered_meanwhile += 1
+    t.join()
+    err = error_of(out["r"])
+    assert err["code"] == "context_length_exceeded" and "tokens" in err["message"]
+    assert answered_meanwhile >= 2
+
+
+def bomb_schema() -> str:
+    """A JSON schema of about 60 KiB (under the cap) that xgrammar takes seconds to compile."""
+    props = {f"field_{i}_{'x' * 20}": {"type": "string", "pattern": f"[a-z]{{{i % 7 + 1},{i % 9 + 9}}}[0-9]+"}
+             for i in range(480)}
+    text = json.dumps({"type": "object", "properties": props, "required": list(props)})
+    assert len(text) < MAX_GRAMMAR_CHARS
+    return text
+
+
+def test_a_slow_grammar_times_out_without_stalling_the_rank(server):
+    out: dict = {}
+    order: list[str] = []
+
+    def bomb():
+        out["bomb"] = generate(server, {"text": "x", "sampling_params": {**SMALL, "json_schema": bomb_schema()}})
+        order.append("bomb")
+
+    t = threading.Thread(target=bomb)
+    t.start()
+    time.sleep(0.3)  # the bomb reaches the rank first (not a bound: the order below is the check)
+    plain = generate(server, {"text": "The capital of France is", "sampling_params": SMALL})
+    order.append("plain")
+    t.join()
+    assert plain.status_code == 200, plain.text
+    err = error_of(out["bomb"])
+    assert err["message"].startswith("json_schema: the grammar did not compile within"), err
+    assert order == ["plain", "bomb"]
+    server.wait_idle_and_unleaked()
