@@ -64,6 +64,8 @@ class ServerConfig:
     # the folder /start_profile writes under (SGLang's SGLANG_TORCH_PROFILER_DIR); None: the
     # environment's, and without either profiling is refused
     profile_dir: str | None = None
+    # /health answers 503 while a DP rank that has work has not reported for this many seconds
+    health_scheduler_timeout: float = 60.0
     log_level: str = "info"
     served_model_name: str | None = None  # None: the model path's name (or the default model's)
     max_request_bytes: int = MAX_REQUEST_BYTES  # larger bodies get 413
@@ -105,6 +107,8 @@ class ServerConfig:
         self._check_parallel()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not self.health_scheduler_timeout > 0:
+            raise ValueError(f"health_scheduler_timeout must be > 0, got {self.health_scheduler_timeout}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.graceful_shutdown_timeout < 0:

@@ -268,6 +268,12 @@ async def health(request: web.Request) -> web.Response:
     tm = request.app[TM_KEY]
     if tm.dead_reason is not None:
         return json_response(api.error_object(tm.dead_reason, code="unavailable"), 503)
+    timeout = request.app[CONFIG_KEY].health_scheduler_timeout
+    stalled = tm.stalled_ranks(timeout)
+    if stalled:
+        names = ", ".join(f"DP rank {r} ({silent:.0f} s)" for r, silent in stalled)
+        return json_response(api.error_object(f"scheduler not stepping with requests waiting: {names}; "
+                                              f"--health-scheduler-timeout is {timeout:g} s", code="unavailable"), 503)
     return web.Response(text="")
 
 

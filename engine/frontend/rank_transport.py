@@ -13,6 +13,7 @@ on the front end's event loop. Two kinds:
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import tempfile
 from abc import ABC, abstractmethod
@@ -25,6 +26,8 @@ import zmq.asyncio
 from pdserve.engine.messages import SchedulerInput, SchedulerOutput
 
 OnMessages = Callable[[list[SchedulerOutput]], None]
+
+logger = logging.getLogger(__name__)
 
 
 class RankTransport(ABC):
@@ -71,8 +74,14 @@ class ZmqTransport(RankTransport):
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(on_messages))
 
     async def _recv_loop(self, on_messages: OnMessages) -> None:
+        """Every batch the ranks send, until closed; a batch that fails to decode or to apply is
+        logged and the loop goes on (a dead loop would leave every request waiting forever)."""
         while True:
-            on_messages(self._dec.decode(await self._pull.recv()))
+            frame = await self._pull.recv()
+            try:
+                on_messages(self._dec.decode(frame))
+            except Exception:  # noqa: BLE001 - see the docstring
+                logger.exception("a batch of scheduler outputs failed; the receive loop goes on")
 
     def close(self) -> None:
         if self._recv_task is not None:

@@ -64,6 +64,8 @@ class TokenizerManager:
         self.transport = transport
         self.ready: list[SchedulerReady | None] = [None] * self.dp_size
         self.stats: list[SchedulerStats | None] = [None] * self.dp_size
+        # when each rank's stats last came (they come at least every second from a looping rank)
+        self.last_heard = [time.monotonic()] * self.dp_size
         self.rank_metrics: dict[tuple[int, int], RankMetrics] = {}  # (dp, tp) -> the latest
         self.inflight = [0] * self.dp_size
         self._rr = 0
@@ -320,6 +322,19 @@ class TokenizerManager:
         finally:
             self._control.pop(req.req_id, None)
 
+    def stalled_ranks(self, timeout: float) -> list[tuple[int, float]]:
+        """(DP rank, seconds silent) of each rank that has work and has not been heard from for
+        longer than ``timeout``: its scheduler is wedged (stopped, stuck in a step), not idle."""
+        now = time.monotonic()
+        out = []
+        for r in range(self.dp_size):
+            s = self.stats[r]
+            busy = self.inflight[r] > 0 or (s is not None and (s.num_running or s.num_waiting))
+            silent = now - self.last_heard[r]
+            if busy and silent > timeout:
+                out.append((r, silent))
+        return out
+
     def fail_all(self, reason: str) -> None:
         """A rank died: end every sequence with a 503 error and refuse new ones."""
         self.dead_reason = reason
@@ -342,6 +357,7 @@ class TokenizerManager:
                 self._on_output(msg)
             elif isinstance(msg, SchedulerStats):
                 self.stats[msg.dp_rank] = msg
+                self.last_heard[msg.dp_rank] = time.monotonic()
             elif isinstance(msg, RankMetrics):
                 self.rank_metrics[(msg.dp_rank, msg.tp_rank)] = msg
             elif isinstance(msg, ControlResult):

@@ -20,6 +20,7 @@ from pdserve.engine.sched.rank_control import RankControl
 logger = logging.getLogger(__name__)
 
 STATS_INTERVAL = 0.05  # seconds between stats while busy
+HEARTBEAT_INTERVAL = 1.0  # the stats go out at least this often, changed or not: the front end's heartbeat
 IDLE_POLL_MS = 20  # how long an idle rank blocks waiting for input
 
 
@@ -64,7 +65,7 @@ def serve_rank(
     last_stats = _stats(loop, dp_rank)
     last_metrics = loop.rank_metrics()
     send([last_stats] if last_metrics is None else [last_stats, last_metrics])
-    last_stats_time = time.monotonic()
+    last_stats_time = last_sent_time = time.monotonic()
     while not should_stop():
         busy = loop.has_work()
         msgs: list = []
@@ -82,9 +83,9 @@ def serve_rank(
         now = time.monotonic()
         if now - last_stats_time >= STATS_INTERVAL:
             stats = _stats(loop, dp_rank)
-            if stats != last_stats or now - last_stats_time >= 1.0:
+            if stats != last_stats or now - last_sent_time >= HEARTBEAT_INTERVAL:
                 msgs.append(stats)
-                last_stats = stats
+                last_stats, last_sent_time = stats, now
             metrics = loop.rank_metrics()
             if metrics != last_metrics:
                 msgs.append(metrics)

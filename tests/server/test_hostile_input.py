@@ -5,6 +5,8 @@ others meanwhile, and its pages are all free afterwards.
 - Stop strings (count, length), prompts per batch and grammar text are capped.
 - A prompt whose characters cannot fit the context is refused before it is tokenized; one that is
   tokenized runs on the tokenizer's thread while the loop answers ``/health``.
+- ``/health`` turns 503 while a stopped rank (SIGSTOP) holds a request, and 200 again once it
+  runs on (SIGCONT), the request then answered.
 - A grammar that compiles for longer than ``--grammar-compile-timeout`` is a 400 naming it, and a
   plain request sent after it finishes first (the compile runs off the scheduler thread).
 """
@@ -12,12 +14,14 @@ others meanwhile, and its pages are all free afterwards.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import threading
 import time
 
 import pytest
 import requests
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, children_of
 
 from pdserve.engine.frontend.grammar_fields import MAX_GRAMMAR_CHARS
 from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN
@@ -31,7 +35,7 @@ SMALL = {"max_new_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT))
+    srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--health-scheduler-timeout", "2")
     try:
         yield srv.wait_ready()
     finally:
@@ -126,4 +130,26 @@ def test_a_slow_grammar_times_out_without_stalling_the_rank(server):
     err = error_of(out["bomb"])
     assert err["message"].startswith("json_schema: the grammar did not compile within"), err
     assert order == ["plain", "bomb"]
+    server.wait_idle_and_unleaked()
+
+
+def test_health_fails_while_a_rank_with_work_does_not_step(server):
+    ranks = [c for c in children_of(server.proc.pid) if "spawn_main" in open(f"/proc/{c}/cmdline").read()]
+    assert len(ranks) == 1
+    assert server.get("/health").status_code == 200
+    out: dict = {}
+    os.kill(ranks[0], signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: out.setdefault("r", generate(server, {"text": "Hi", "sampling_params": SMALL})))
+        t.start()
+        while (r := server.get("/health")).status_code == 200:
+            time.sleep(0.2)
+        assert r.status_code == 503 and "DP rank 0" in r.json()["error"]["message"], r.text
+        assert "r" not in out  # the request waits on the stopped rank
+    finally:
+        os.kill(ranks[0], signal.SIGCONT)
+    t.join(120)
+    assert out["r"].status_code == 200, out["r"].text
+    while (r := server.get("/health")).status_code != 200:
+        time.sleep(0.2)
     server.wait_idle_and_unleaked()
