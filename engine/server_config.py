@@ -64,6 +64,9 @@ class ServerConfig:
     # the folder /start_profile writes under (SGLang's SGLANG_TORCH_PROFILER_DIR); None: the
     # environment's, and without either profiling is refused
     profile_dir: str | None = None
+    # seconds a generation request may take before it is aborted (504, or an error event when
+    # streamed); None: no deadline
+    request_timeout: float | None = None
     # /health answers 503 while a DP rank that has work has not reported for this many seconds
     health_scheduler_timeout: float = 60.0
     log_level: str = "info"
@@ -107,6 +110,8 @@ class ServerConfig:
         self._check_parallel()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if not self.health_scheduler_timeout > 0:
             raise ValueError(f"health_scheduler_timeout must be > 0, got {self.health_scheduler_timeout}")
         if self.max_request_bytes < 1024:

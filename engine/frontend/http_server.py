@@ -137,21 +137,34 @@ async def _start_sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+def _timeout_error(timeout: float) -> RequestError:
+    return RequestError(f"the request ran past --request-timeout ({timeout:g} s); its sequences were aborted",
+                        status=504, type="server_error", code="request_timeout")
+
+
 async def _stream(request: web.Request, handle: RequestHandle, render, tail=lambda: b"") -> web.StreamResponse:
-    """Write SSE events as updates arrive; ``render(state, delta) -> bytes`` shapes each one."""
+    """Write SSE events as updates arrive; ``render(state, delta) -> bytes`` shapes each one. Past
+    ``--request-timeout`` the stream ends with an error event and the sequences are aborted."""
+    timeout = request.app[CONFIG_KEY].request_timeout
     try:
         # inside the try: a client gone before the headers went out must still abort its request
         resp = await _start_sse(request)
-        async for first in handle:
-            chunks = []
-            for st, d in [first] + handle.drain_nowait():
-                if d.finished and st.finish_reason == "error":
-                    chunks.append(_error_event(st))
-                else:
-                    chunks.append(render(st, d))
-            data = b"".join(chunks)
-            if data:
-                await resp.write(data)
+        try:
+            async with asyncio.timeout(timeout):
+                async for first in handle:
+                    chunks = []
+                    for st, d in [first] + handle.drain_nowait():
+                        if d.finished and st.finish_reason == "error":
+                            chunks.append(_error_event(st))
+                        else:
+                            chunks.append(render(st, d))
+                    data = b"".join(chunks)
+                    if data:
+                        await resp.write(data)
+        except TimeoutError:
+            err = _timeout_error(timeout)
+            await resp.write(api.sse(api.error_object(err.message, code=err.status)) + api.SSE_DONE)
+            return resp
         if _first_error(handle.states) is None:
             await resp.write(tail())
         await resp.write(api.SSE_DONE)
@@ -160,9 +173,14 @@ async def _stream(request: web.Request, handle: RequestHandle, render, tail=lamb
     return resp
 
 
-async def _collect(handle: RequestHandle) -> list[SeqState]:
+async def _collect(request: web.Request, handle: RequestHandle) -> list[SeqState]:
+    """Every sequence's final state; past ``--request-timeout`` a 504 (the sequences aborted)."""
+    timeout = request.app[CONFIG_KEY].request_timeout
     try:
-        return await handle.wait_all()
+        async with asyncio.timeout(timeout):
+            return await handle.wait_all()
+    except TimeoutError:
+        raise _timeout_error(timeout) from None
     finally:
         handle.close()
 
@@ -184,7 +202,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return api.sse(api.generate_object(st, tok_str, delta=d if incremental else None))
 
         return await _stream(request, handle, render)
-    states = await _collect(handle)
+    states = await _collect(request, handle)
     err = _first_error(states)
     if err is not None:
         raise err
@@ -211,7 +229,7 @@ async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, cha
     model = req.model or tm.config.model_name
     created = api.now()
     if not req.stream:
-        states = await _collect(handle)
+        states = await _collect(request, handle)
         err = _first_error(states)
         if err is not None:
             raise err

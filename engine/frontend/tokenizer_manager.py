@@ -66,6 +66,7 @@ class TokenizerManager:
         self.stats: list[SchedulerStats | None] = [None] * self.dp_size
         # when each rank's stats last came (they come at least every second from a looping rank)
         self.last_heard = [time.monotonic()] * self.dp_size
+        self.last_sent = [0.0] * self.dp_size  # when each rank was last sent a request, abort or control
         self.rank_metrics: dict[tuple[int, int], RankMetrics] = {}  # (dp, tp) -> the latest
         self.inflight = [0] * self.dp_size
         self._rr = 0
@@ -283,14 +284,14 @@ class TokenizerManager:
                 bootstrap=spec.bootstrap,
                 health_probe=spec.health_probe,
             )
-            self.transport.send(st.dp_rank, req)
+            self._send(st.dp_rank, req)
         return handle
 
     def _abort_state(self, st: SeqState, reason: str) -> None:
         if self._seqs.pop(st.rid, None) is None:
             return
         if self.dead_reason is None:
-            self.transport.send(st.dp_rank, AbortReq(rid=st.rid, reason=reason))
+            self._send(st.dp_rank, AbortReq(rid=st.rid, reason=reason))
         self._finish(st, "abort", None, reason)
 
     def abort(self, rid: str, reason: str = "aborted by /abort_request") -> int:
@@ -317,19 +318,25 @@ class TokenizerManager:
         futures = self._control[req.req_id] = [loop.create_future() for _ in range(self.dp_size)]
         try:
             for rank in range(self.dp_size):
-                self.transport.send(rank, req)
+                self._send(rank, req)
             return list(await asyncio.gather(*futures))
         finally:
             self._control.pop(req.req_id, None)
 
+    def _send(self, rank: int, msg) -> None:
+        self.last_sent[rank] = time.monotonic()
+        self.transport.send(rank, msg)
+
     def stalled_ranks(self, timeout: float) -> list[tuple[int, float]]:
-        """(DP rank, seconds silent) of each rank that has work and has not been heard from for
-        longer than ``timeout``: its scheduler is wedged (stopped, stuck in a step), not idle."""
+        """(DP rank, seconds silent) of each rank that has work (requests in flight, or a message
+        sent since it was last heard from) and has not been heard from for longer than
+        ``timeout``: its scheduler is wedged (stopped, stuck in a step), not idle."""
         now = time.monotonic()
         out = []
         for r in range(self.dp_size):
             s = self.stats[r]
-            busy = self.inflight[r] > 0 or (s is not None and (s.num_running or s.num_waiting))
+            busy = (self.inflight[r] > 0 or self.last_sent[r] > self.last_heard[r]
+                    or (s is not None and (s.num_running or s.num_waiting)))
             silent = now - self.last_heard[r]
             if busy and silent > timeout:
                 out.append((r, silent))

@@ -5,8 +5,9 @@ others meanwhile, and its pages are all free afterwards.
 - Stop strings (count, length), prompts per batch and grammar text are capped.
 - A prompt whose characters cannot fit the context is refused before it is tokenized; one that is
   tokenized runs on the tokenizer's thread while the loop answers ``/health``.
-- ``/health`` turns 503 while a stopped rank (SIGSTOP) holds a request, and 200 again once it
-  runs on (SIGCONT), the request then answered.
+- ``/health`` turns 503 while a stopped rank (SIGSTOP) holds a request, whose client gets a 504
+  at ``--request-timeout``; once the rank runs on (SIGCONT) ``/health`` is 200 again and the
+  aborted request's pages are free.
 - A grammar that compiles for longer than ``--grammar-compile-timeout`` is a 400 naming it, and a
   plain request sent after it finishes first (the compile runs off the scheduler thread).
 """
@@ -35,7 +36,8 @@ SMALL = {"max_new_tokens": 2, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--health-scheduler-timeout", "2")
+    srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--health-scheduler-timeout", "2",
+                        "--request-timeout", "10")
     try:
         yield srv.wait_ready()
     finally:
@@ -145,11 +147,11 @@ def test_health_fails_while_a_rank_with_work_does_not_step(server):
         while (r := server.get("/health")).status_code == 200:
             time.sleep(0.2)
         assert r.status_code == 503 and "DP rank 0" in r.json()["error"]["message"], r.text
-        assert "r" not in out  # the request waits on the stopped rank
+        t.join(120)  # the request waits on the stopped rank until its deadline
+        assert out["r"].status_code == 504 and out["r"].json()["error"]["code"] == "request_timeout", out["r"].text
+        assert server.get("/health").status_code == 503  # the rank still holds it
     finally:
         os.kill(ranks[0], signal.SIGCONT)
-    t.join(120)
-    assert out["r"].status_code == 200, out["r"].text
     while (r := server.get("/health")).status_code != 200:
         time.sleep(0.2)
     server.wait_idle_and_unleaked()
