@@ -64,6 +64,9 @@ class ServerConfig:
     # the folder /start_profile writes under (SGLang's SGLANG_TORCH_PROFILER_DIR); None: the
     # environment's, and without either profiling is refused
     profile_dir: str | None = None
+    # seconds a client may take to send a request's body, and an idle keep-alive connection stays
+    # open: a slow client is answered 408 and its connection closed
+    http_read_timeout: float = 60.0
     # seconds a generation request may take before it is aborted (504, or an error event when
     # streamed); None: no deadline
     request_timeout: float | None = None
@@ -110,6 +113,8 @@ class ServerConfig:
         self._check_parallel()
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if not self.http_read_timeout > 0:
+            raise ValueError(f"http_read_timeout must be > 0, got {self.http_read_timeout}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if not self.health_scheduler_timeout > 0:

@@ -224,7 +224,9 @@ async def serve(config: ServerConfig) -> int:
 
         drain = Drain(config.graceful_shutdown_timeout, lambda: sum(tm.inflight))
         app = build_app(tm, config, metrics, drain)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        # an idle keep-alive connection closes after http_read_timeout (aiohttp's default: an hour)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
+                               keepalive_timeout=config.http_read_timeout)
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()

@@ -69,8 +69,13 @@ async def read_body(request: web.Request) -> bytes:
             status=413,
             code="request_too_large",
         )
+    timeout = request.app[CONFIG_KEY].http_read_timeout
     try:
-        return await request.read()
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within --http-read-timeout ({timeout:g} s)",
+                           status=408, code="request_timeout") from None
     except web.HTTPRequestEntityTooLarge:
         raise RequestError(f"request body exceeds the limit of {limit} bytes", status=413, code="request_too_large")
 

@@ -8,6 +8,7 @@ others meanwhile, and its pages are all free afterwards.
 - ``/health`` turns 503 while a stopped rank (SIGSTOP) holds a request, whose client gets a 504
   at ``--request-timeout``; once the rank runs on (SIGCONT) ``/health`` is 200 again and the
   aborted request's pages are free.
+- A client that sends headers and then stalls its body gets a 408 at ``--http-read-timeout``.
 - A grammar that compiles for longer than ``--grammar-compile-timeout`` is a 400 naming it, and a
   plain request sent after it finishes first (the compile runs off the scheduler thread).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import signal
 import threading
 import time
@@ -37,7 +39,7 @@ SMALL = {"max_new_tokens": 2, "temperature": 0}
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--health-scheduler-timeout", "2",
-                        "--request-timeout", "10")
+                        "--request-timeout", "10", "--http-read-timeout", "2")
     try:
         yield srv.wait_ready()
     finally:
@@ -155,3 +157,13 @@ def test_health_fails_while_a_rank_with_work_does_not_step(server):
     while (r := server.get("/health")).status_code != 200:
         time.sleep(0.2)
     server.wait_idle_and_unleaked()
+
+
+def test_a_stalled_body_is_answered_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"text\"")
+        answer = s.recv(4096).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+    assert "http-read-timeout" in answer
+    assert server.get("/health").status_code == 200
