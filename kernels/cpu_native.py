@@ -21,96 +21,29 @@ layer's routed experts in one call (bound in ``cpu_moe.py``);
 configuration;
 and ``cpu_bf16_avx512.h`` the same conversions and silu on AVX-512 vectors.
 
-They carry no torch headers, so they compile in well under a second with
-``cc -O3 -march=native -fopenmp`` into one library, cached under
-``~/.cache/pdserve/kernels`` keyed by sources, flags and CPU. It links the
-``libgomp.so.1`` that torch has already loaded, so it shares torch's OpenMP
-threads (and ``torch.set_num_threads``). Where no compiler is found or the
-build fails, ``native_kernels()`` returns None and callers use the torch path.
+``native_build.py`` compiles them (or finds the cached library) and this module binds its
+functions through ctypes with checked operands. Where no compiler is found or the build fails,
+``native_kernels()`` returns None and callers use the torch path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import importlib.resources
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 import threading
 
 import torch
 
 from pdserve.kernels.gemm_layout import PanelWeight
 from pdserve.kernels.gemv_layout import GemvWeight
+from pdserve.kernels.native_build import build_library, cpu_flags
 
 logger = logging.getLogger(__name__)
 
-# the C sources, package data next to this file; the .c files are the translation units
-_SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_amx.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h",
-            "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c",
-            "cpu_int8_act.c", "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c",
-            "cpu_moe.c")
-
-# Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
-# gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.
-_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", "-fno-math-errno",
-          "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros"]
 _lock = threading.Lock()
 _cached: "NativeKernels | None | bool" = False  # False: not tried yet
-
-
-def _cpu_signature() -> str:
-    """/proc/cpuinfo's flags line (``Features`` on Arm), or "" where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    return ""
-
-
-def cpu_flags() -> set[str]:
-    """This CPU's feature flags as /proc/cpuinfo names them (``avx2``, ``avx512_bf16``, ...)."""
-    line = _cpu_signature()
-    return set(line.split(":", 1)[1].split()) if ":" in line else set()
-
-
-def _read_sources() -> dict[str, str]:
-    package = importlib.resources.files(__package__)
-    return {name: (package / name).read_text() for name in _SOURCES}
-
-
-def _build(march: str = "native") -> str:
-    """The library for ``-march=march`` (``native``: this CPU's instruction sets), built or cached."""
-    flags = [f"-march={march}", *_FLAGS]
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    sources = _read_sources()
-    key_parts = [text for name in _SOURCES for text in (name, sources[name])]
-    key = hashlib.sha256("\0".join([*key_parts, *flags, compiler, _cpu_signature()]).encode()).hexdigest()[:16]
-    cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "pdserve", "kernels")
-    lib_path = os.path.join(cache_dir, f"pdserve_cpu_{key}.so")
-    if os.path.isfile(lib_path):
-        return lib_path
-    os.makedirs(cache_dir, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        for name, text in sources.items():
-            with open(os.path.join(tmp, name), "w") as f:
-                f.write(text)
-        units = [os.path.join(tmp, name) for name in _SOURCES if name.endswith(".c")]
-        out = os.path.join(tmp, "kernels.so")
-        proc = subprocess.run([compiler, *flags, *units, "-o", out, "-lm"], capture_output=True, text=True,
-                              timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:2000]}")
-        os.replace(out, lib_path)  # atomic: concurrent builders race harmlessly
-    return lib_path
+__all__ = ["NativeKernels", "cpu_flags", "kernels_for", "native_kernels"]
 
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -355,7 +288,7 @@ def native_kernels() -> NativeKernels | None:
     with _lock:
         if _cached is False:
             try:
-                _cached = NativeKernels(_build())
+                _cached = NativeKernels(build_library())
                 logger.info("native CPU kernels built; gemv on %s", _cached.gemv_isa or "none (oneDNN products)")
             except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                 logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
@@ -367,4 +300,4 @@ def kernels_for(march: str) -> NativeKernels:
     """The kernels compiled for another ``-march`` than this CPU's (e.g. ``x86-64-v3``, AVX2 and
     FMA), so that the tests run each instruction set's paths where the CPU has several. Raises
     where the build fails."""
-    return NativeKernels(_build(march))
+    return NativeKernels(build_library(march))

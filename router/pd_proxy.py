@@ -12,7 +12,8 @@ abort the room).
 Conditional disaggregation (``--local-prefill-max-tokens N``,
 ``--prefill-queue-threshold Q``; the rule is ``router/local_prefill.py``): a
 single prompt whose part uncached on the chosen decode worker is at most N
-tokens (counted by the prefill policy's tokenizer, so with ``kv_aware``), or
+tokens (the request is tokenized once, by a policy's tokenizer or the router's own, and the
+prefill policy's cache view says what is uncached, so with ``kv_aware``), or
 any single prompt while every prefill queue is above Q, goes to that decode
 worker alone, without bootstrap fields, and it prefills the prompt itself
 (``--max-local-prefill-tokens`` there). A worker that
@@ -35,11 +36,11 @@ from aiohttp import web
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.leg_failure import LegFailure
-from pdserve.router.local_prefill import local_prefill_reason
+from pdserve.router.local_prefill import LocalReason, local_prefill_reason
 from pdserve.router.migration.migrating_relay import MigratingRelay
 from pdserve.router.migration.migration import error_event, migratable
 from pdserve.router.migration.openai_migration import openai_migratable, with_token_ids
-from pdserve.router.prompt_tokenizer import PromptTokenizer
+from pdserve.router.route import LocalRule
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
@@ -71,10 +72,7 @@ def _consume(task: asyncio.Task) -> None:
 
 class PDProxy:
     def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
-                 upstream: UpstreamPool, prompt_tokenizer: PromptTokenizer | None = None):
-        """``prompt_tokenizer``: counts prompts for --local-prefill-max-tokens when the prefill
-        policy does not tokenize."""
-        self.prompt_tokenizer = prompt_tokenizer
+                 upstream: UpstreamPool):
         self.config = config
         self.pairing = pairing
         self.metrics = metrics
@@ -90,8 +88,13 @@ class PDProxy:
         attempts = self.config.retry_max_retries
         exclude: set[str] = set()
         last: LegFailure | None = None
-        d_ep = self._local_decode(body)
-        if d_ep is not None:
+        query = self.pairing.query(body)  # the request read (and tokenized) once
+        route = self.pairing.route(query, local=self._local_rule if self._local_allowed(body) else None)
+        if route.local:
+            d_ep = route.decode
+            self.metrics.local_reasons.inc(route.local_reason.value)
+            log.debug("route: local prefill on decode %s (%s: %s uncached tokens)",
+                      d_ep.key, route.local_reason.value, route.uncached_tokens)
             try:
                 return await self._attempt_local(request, path, body, stream, t0, d_ep)
             except LegFailure as failure:
@@ -99,13 +102,15 @@ class PDProxy:
                 self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
                 self.metrics.prefills.inc("local_refused")
                 log.info("local prefill refused, via a prefill worker: %s", failure.describe())
+                route = self.pairing.route(query)
         for attempt in range(attempts):
             if attempt:
                 self.metrics.retries.inc()
                 self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
                 self.metrics.retries_by_cause.inc(last.leg, last.cause)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
-            pair = self.pairing.choose(body, exclude)
+                route = self.pairing.route(query, exclude)
+            pair = Pair(route.prefill, route.decode, route.room)
             log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
             try:
                 if stream:
@@ -121,34 +126,27 @@ class PDProxy:
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
 
     # a local prefill ------------------------------------------------------
-    def _local_decode(self, body: dict) -> Endpoint | None:
-        """The decode endpoint that prefills ``body`` itself, or None for the prefill/decode path."""
+    def _local_allowed(self, body: dict) -> bool:
+        """Conditional disaggregation is on and ``body`` is a single request (a batch never goes local)."""
         c = self.config
-        if not (c.local_prefill_max_tokens or c.prefill_queue_threshold) or batch_size(body) is not None:
-            return None
-        d_ep = self.pairing.choose_decode(body)
+        return bool(c.local_prefill_max_tokens or c.prefill_queue_threshold) and batch_size(body) is None
+
+    def _local_rule(self, d_ep: Endpoint) -> LocalRule | None:
+        """The rule that lets ``d_ep`` prefill a request itself; None when it accepts no local
+        prefill (it would refuse a request without bootstrap fields: warned at registration)."""
         accepts = d_ep.worker.max_local_prefill_tokens
         if not accepts:
-            return None  # it would refuse a request without bootstrap fields (warned at registration)
-        policy = self.pairing.prefill_policy
-        uncached = whole = None
-        if c.local_prefill_max_tokens:
-            uncached = policy.uncached_tokens(body, d_ep)
-            whole = policy.prompt_tokens(body) if uncached is not None else None
-            if uncached is None and self.prompt_tokenizer is not None:
-                uncached = whole = self.prompt_tokenizer.count(body)  # no cache view: the whole prompt
-        if whole is not None and whole > accepts:
-            return None  # the worker checks the whole prompt against its limit: it would refuse it
-        prefill_loads = [e.load for e in self.pairing.registry.healthy_endpoints("prefill")]
-        reason = local_prefill_reason(uncached, c.local_prefill_max_tokens, prefill_loads,
-                                      c.prefill_queue_threshold, self._local_in_flight.get(d_ep.key, 0))
-        if reason is None:
             return None
-        self.metrics.local_reasons.inc(reason.value)
-        log.debug("route: local prefill on decode %s (%s: %s uncached tokens, prefill loads %s)",
-                  d_ep.key, reason.value, uncached, prefill_loads)
-        policy.routed_locally(body, d_ep)  # its prompt will be cached there
-        return d_ep
+        c = self.config
+
+        def rule(uncached: int | None, whole: int | None) -> LocalReason | None:
+            if whole is not None and whole > accepts:
+                return None  # the worker checks the whole prompt against its limit: it would refuse it
+            prefill_loads = [e.load for e in self.pairing.registry.healthy_endpoints("prefill")]
+            return local_prefill_reason(uncached if c.local_prefill_max_tokens else None,
+                                        c.local_prefill_max_tokens, prefill_loads,
+                                        c.prefill_queue_threshold, self._local_in_flight.get(d_ep.key, 0))
+        return rule
 
     async def _attempt_local(self, request: web.Request, path: str, body: dict, stream: bool,
                              t0: float, d_ep: Endpoint) -> web.StreamResponse:

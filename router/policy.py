@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from typing import Protocol, Sequence, TypeVar
+from typing import Callable, Protocol, Sequence, TypeVar
+
+from pdserve.router.route import LocalRule, Route, RouteQuery
 
 
 class Candidate(Protocol):
@@ -30,7 +32,7 @@ class Policy(ABC):
 
     #: True when ``select`` uses the request text (only then does the router extract it)
     needs_text: bool = False
-    #: True when the policy tokenizes prompts (``uncached_tokens`` answers once its tokenizer is loaded)
+    #: True when the policy tokenizes prompts (its ``encoder`` answers once its tokenizer is loaded)
     tokenizes: bool = False
 
     @classmethod
@@ -43,20 +45,45 @@ class Policy(ABC):
         """Choose one of ``endpoints`` (never empty) for a request whose prompt text is ``text``
         (None unless ``needs_text``); may record the choice (cache-aware trees)."""
 
-    def select_request(self, endpoints: Sequence[C], body: dict, text: str | None) -> C:
-        """``select`` for the request whose JSON body is ``body``; a policy that reads the body
-        itself (kv_aware tokenizes the prompt) overrides this."""
-        return self.select(endpoints, text)
+    def pick(self, endpoints: Sequence[C], query: RouteQuery) -> C:
+        """``select`` for the request ``query``; a policy that reads the token ids (kv_aware)
+        overrides this."""
+        return self.select(endpoints, query.text)
 
-    def prompt_tokens(self, body: dict) -> int | None:
-        """The prompt's length in tokens when this policy tokenizes prompts (kv_aware), else None."""
+    def route(self, endpoints: Sequence[C], query: RouteQuery, decode: C,
+              local: LocalRule | None = None) -> Route:
+        """The one routing decision of the prefill side, given the ``decode`` endpoint already
+        chosen: with a ``local`` rule, the prompt tokens ``decode`` would compute itself decide
+        whether it prefills the request (then this policy records that its prompt will be
+        cached there); otherwise, or when the rule says no, one of ``endpoints`` (empty: no
+        prefill endpoint, ``Route.prefill`` stays None) prefills it."""
+        whole = query.prompt_tokens
+        route = Route(decode, prompt_tokens=whole)
+        if local is not None:
+            route.uncached_tokens = self.uncached_on(query, decode)
+            route.local_reason = local(route.uncached_tokens, whole)
+            if route.local_reason is not None:
+                self.predict_on(query, decode)
+                return route
+        if endpoints:
+            route.prefill = self.pick(endpoints, query)
+        return route
+
+    def uncached_on(self, query: RouteQuery, endpoint: C) -> int | None:
+        """The prompt tokens ``endpoint`` would compute to prefill the request itself: the prompt
+        less the prefix it holds, where this policy knows it (kv_aware, from the endpoint's own
+        KV events), else the whole prompt (None: not tokenized)."""
+        return query.prompt_tokens
+
+    def predict_on(self, query: RouteQuery, endpoint: C) -> None:
+        """The request went to ``endpoint`` to be prefilled there (kv_aware counts its blocks there)."""
+
+    @property
+    def encoder(self) -> Callable[[dict], list[int] | None] | None:
+        """How this policy reads a body's prompt into token ids, once it can (kv_aware: its
+        tokenizer, once its workers' page size is known); None for a policy that does not
+        tokenize. The router tokenizes each request once, with the first encoder it finds."""
         return None
-
-    def uncached_tokens(self, body: dict, endpoint: C) -> int | None:
-        """The prompt tokens ``endpoint`` would compute to prefill ``body`` itself: the prompt less
-        the prefix it holds, where this policy knows it (kv_aware, from the endpoint's own KV
-        events), else the whole prompt; None when this policy does not tokenize prompts."""
-        return self.prompt_tokens(body)
 
     def prepare(self, endpoints: Sequence[C]) -> None:
         """``endpoints`` are healthy: start what the policy loads about them (kv_aware: the
@@ -67,9 +94,6 @@ class Policy(ABC):
         """False while the policy still loads what it needs to route as configured (kv_aware:
         its tokenizer); the router is not ready until then."""
         return True
-
-    def routed_locally(self, body: dict, endpoint: C) -> None:
-        """``body`` went to ``endpoint`` to be prefilled there (kv_aware counts its blocks there)."""
 
     def counts(self) -> dict[str, int]:
         """Events worth a metric (kv_aware: routed by KV, fallbacks, event stream faults); the

@@ -2,8 +2,9 @@
 
 ``--local-prefill-max-tokens`` compares a prompt's length in tokens with the limit. A policy that
 tokenizes (``kv_aware``) gives the uncached part; under any other policy the router counts the
-whole prompt with this tokenizer: the workers' own (``--tokenizer-path``, else the
-``tokenizer_path`` or ``model_path`` a worker's ``/server_info`` names, else the default model),
+whole prompt with this tokenizer (its ``encoder`` is then the request's one tokenization): the
+workers' own (``--tokenizer-path``, else the ``tokenizer_path`` or ``model_path`` a worker's
+``/server_info`` names, else the default model),
 loaded once on a thread so the event loop never waits for it. ``ready`` gates the router's
 readiness: until it is loaded, every request would take the prefill path.
 """
@@ -14,7 +15,7 @@ import logging
 import threading
 import time
 
-from pdserve.router.kv.kv_aware_policy import prompt_ids
+from pdserve.router.route import prompt_ids
 
 log = logging.getLogger("pdserve.router.prompt_tokenizer")
 
@@ -53,13 +54,15 @@ class PromptTokenizer:
         log.info("tokenizer of %s loaded in %.1f s (local prefill decisions count prompts with it)",
                  path or "the default model", time.monotonic() - t0)
 
-    def count(self, body: dict) -> int | None:
-        """The prompt's length in tokens; None before the tokenizer is loaded, or for a batch."""
-        if self._tokenizer is None:
-            return None
+    @property
+    def encoder(self):
+        """Its reading of a prompt into token ids once loaded (None before): the router's one
+        tokenization of a request when no policy tokenizes."""
+        return None if self._tokenizer is None else self._encode
+
+    def _encode(self, body: dict) -> list[int] | None:
         try:
-            ids = prompt_ids(self._tokenizer, body)
+            return prompt_ids(self._tokenizer, body)
         except Exception as e:  # noqa: BLE001 - a template error: the worker will say so
             log.debug("cannot tokenize the prompt: %s", e)
             return None
-        return None if ids is None else len(ids)

@@ -74,15 +74,16 @@ class Router:
         self.registry = WorkerRegistry(config.dp_aware)
         self.prefill_policy = make_policy(config.effective_prefill_policy, config)
         self.decode_policy = make_policy(config.effective_decode_policy, config)
-        self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy)
+        # --local-prefill-max-tokens counts prompts: with the prefill policy's tokenizer if it has one
+        self.prompt_tokenizer = (PromptTokenizer(config.tokenizer_path)
+                                 if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
+        self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy,
+                               prompt_tokenizer=self.prompt_tokenizer)
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
                                    config.queue_timeout_secs)
         self.gate = PairGate(self.registry)
-        # --local-prefill-max-tokens counts prompts: with the prefill policy's tokenizer if it has one
-        self.prompt_tokenizer = (PromptTokenizer(config.tokenizer_path)
-                                 if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
         self.registry.on_change(self._prepare_routing)
         self.shutdown = Shutdown(config.graceful_shutdown_timeout)
         self.access = Access(config.api_key, config.admin_api_key)
@@ -115,7 +116,7 @@ class Router:
         auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
         self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth,
                                      max_response_bytes=self.config.max_response_bytes)
-        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.prompt_tokenizer)
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream)
         if self.prompt_tokenizer is not None and self.config.tokenizer_path:
             self.prompt_tokenizer.start(None)
         self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)

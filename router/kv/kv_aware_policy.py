@@ -52,6 +52,7 @@ from pdserve.router.kv.kv_index import KVIndex
 from pdserve.router.kv.kv_tiers import Tier, TierWeights, tier_credit
 from pdserve.router.kv.kv_subscriber import EventSource, KVEventSubscriber
 from pdserve.router.policy import C, Policy
+from pdserve.router.route import RouteQuery, prompt_ids
 
 log = logging.getLogger("pdserve.router.kv_aware")
 
@@ -80,39 +81,6 @@ def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, float], num_bl
     return min(enumerate(endpoints), key=rank)[1]
 
 
-def prompt_ids(tokenizer, body: dict) -> list[int] | None:
-    """The prompt's token ids as the worker computes them; None for a batch, an unknown shape, or
-    text without a ``tokenizer`` (None: not loaded; a prompt of token ids needs none)."""
-    from pdserve.engine.text.prompt import ChatPrompt, encode_prompt
-
-    ids = body.get("input_ids")
-    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
-        return ids
-    if tokenizer is None:
-        return None
-    for name in ("text", "prompt"):
-        value = body.get(name)
-        if isinstance(value, str):
-            return encode_prompt(tokenizer, value)
-        if isinstance(value, list) and value and all(isinstance(t, int) for t in value):
-            return value
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        return None
-    rendered = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):  # text parts are joined, as the server does
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        d = {"role": "system" if m.get("role") == "developer" else m.get("role"), "content": content or ""}
-        if m.get("name") is not None:
-            d["name"] = m["name"]
-        rendered.append(d)
-    prompt = ChatPrompt(rendered, bool(body.get("continue_final_message")),
-                        dict(body.get("chat_template_kwargs") or {}))
-    return encode_prompt(tokenizer, prompt)
-
-
 class KVAwarePolicy(Policy):
     needs_text = True  # for the cache_aware fallback
     tokenizes = True
@@ -129,7 +97,6 @@ class KVAwarePolicy(Policy):
         self.routed = {"kv_routed": 0, "fallback": 0}
         self._tokenizer = None
         self._tokenizer_failed = False  # it could not be loaded: routing by cache_aware, logged
-        self._last_ids: tuple[dict | None, list[int] | None] = (None, None)
         self._tokenizer_lock = threading.Lock()  # discovery threads of several workers race to load it
         self._page_size: int | None = None
         self._asked: dict[str, float] = {}  # worker url -> when its /server_info was last asked
@@ -145,36 +112,28 @@ class KVAwarePolicy(Policy):
         self.routed["fallback"] += 1
         return self.fallback.select(endpoints, text)
 
-    def prompt_tokens(self, body):
-        ids = self._prompt_ids(body)
-        return None if ids is None else len(ids)
+    @property
+    def encoder(self):
+        """Its tokenizer's reading of a prompt, once a worker's page size is known (a prompt of
+        token ids needs no tokenizer, so this answers even when the tokenizer failed to load)."""
+        return None if self._page_size is None else self._encode
 
-    def _prompt_ids(self, body: dict) -> list[int] | None:
-        """The prompt's ids (None before the tokenizer is known, or for a batch); the last body's
-        are kept, since the router asks for them twice (local-prefill check, then ``select``)."""
-        if self._page_size is None:
-            return None
-        if self._last_ids[0] is body:
-            return self._last_ids[1]
+    def _encode(self, body: dict) -> list[int] | None:
         try:
-            ids = prompt_ids(self._tokenizer, body)
+            return prompt_ids(self._tokenizer, body)
         except Exception as e:  # noqa: BLE001 - a template error: the worker will say so, route anyway
             log.debug("cannot tokenize the prompt for kv routing: %s", e)
-            ids = None
-        self._last_ids = (body, ids)
-        return ids
+            return None
 
-    def uncached_tokens(self, body, endpoint):
+    def uncached_on(self, query: RouteQuery, endpoint):
         """The prompt less the leading blocks ``endpoint`` holds (or was sent) in its pool or host
         memory, by its own KV events (both are loaded when the prompt is matched; the store's
         pages only if prefetched in time, so not counted); the whole prompt while its events are
         unknown (a decode worker started without ``--kv-events-config``)."""
         self._discover([endpoint])
-        ids = self._prompt_ids(body)
-        if ids is None:
-            return None
-        if endpoint.worker.url not in self._subscribed:
-            return len(ids)
+        ids = query.ids
+        if ids is None or self._page_size is None or endpoint.worker.url not in self._subscribed:
+            return query.prompt_tokens
         hashes = block_hashes(ids, self._page_size)
         with self.lock:
             tiers = self.index.block_tiers(hashes, [endpoint.key], time.monotonic())[endpoint.key]
@@ -188,18 +147,17 @@ class KVAwarePolicy(Policy):
     def ready(self):
         return self._tokenizer is not None or self._tokenizer_failed
 
-    def routed_locally(self, body, endpoint):
-        ids = self._prompt_ids(body)
-        if ids is None or endpoint.worker.url not in self._subscribed:
+    def predict_on(self, query: RouteQuery, endpoint):
+        if query.ids is None or self._page_size is None or endpoint.worker.url not in self._subscribed:
             return
         with self.lock:
-            self.index.predict(endpoint.key, block_hashes(ids, self._page_size),
+            self.index.predict(endpoint.key, block_hashes(query.ids, self._page_size),
                                time.monotonic() + PREDICTION_TTL_S)
 
-    def select_request(self, endpoints, body, text):
+    def pick(self, endpoints, query: RouteQuery):
         self._discover(endpoints)
-        ids = self._prompt_ids(body)
-        if ids is None or not any(e.worker.url in self._subscribed for e in endpoints):
+        ids, text = query.ids, query.text
+        if ids is None or self._page_size is None or not any(e.worker.url in self._subscribed for e in endpoints):
             return self.select(endpoints, text)
         hashes = block_hashes(ids, self._page_size)
         keys = [e.key for e in endpoints]

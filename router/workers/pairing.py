@@ -11,12 +11,14 @@ server). A client's own values of these fields are replaced.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
 
 from pdserve.router.errors import no_workers
 from pdserve.router.policy import Policy
+from pdserve.router.route import LocalRule, Route, RouteQuery
 from pdserve.router.workers.worker_registry import Endpoint, WorkerRegistry
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
@@ -71,30 +73,52 @@ def prompt_text(body: dict) -> str:
 
 
 class Pairing:
+    """The router's one routing decision per request: ``query`` reads the request once,
+    ``route`` asks the decode policy for its endpoint and the prefill policy for the rest."""
+
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, prompt_tokenizer=None):
+        """``prompt_tokenizer``: the router's own tokenizer (``PromptTokenizer``), used when no
+        policy tokenizes and --local-prefill-max-tokens needs the prompt's length."""
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
+        self.prompt_tokenizer = prompt_tokenizer
         self.needs_text = prefill_policy.needs_text or decode_policy.needs_text
         self._rng = rng or random.Random()
 
-    def choose(self, body: dict, exclude: frozenset[str] | set[str] = frozenset()) -> Pair:
-        """Choose a pair for ``body``; endpoints in ``exclude`` (failed earlier in this request)
-        are avoided while others remain. Raises a 503 RouterError naming the missing role."""
-        prefills = self._candidates("prefill", exclude)
-        decodes = self._candidates("decode", exclude)
+    def query(self, body: dict) -> RouteQuery:
+        """``body`` read once: its text if a policy reads text, its token ids if a tokenizer is
+        loaded (the prefill policy's, else the decode policy's, else the router's own)."""
         text = prompt_text(body) if self.needs_text else None
-        p = self.prefill_policy.select_request(prefills, body, text)
-        d = self.decode_policy.select_request(decodes, body, text)
-        n = batch_size(body)
-        room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
-        return Pair(p, d, room)
+        encode = self.prefill_policy.encoder or self.decode_policy.encoder
+        if encode is None and self.prompt_tokenizer is not None:
+            encode = self.prompt_tokenizer.encoder
+        return RouteQuery(body, text, None if encode is None else encode(body))
 
-    def choose_decode(self, body: dict) -> Endpoint:
-        """A decode endpoint alone, for a request it prefills itself (503 RouterError if none)."""
-        text = prompt_text(body) if self.decode_policy.needs_text else None
-        return self.decode_policy.select_request(self._candidates("decode", ()), body, text)
+    def route(self, query: RouteQuery, exclude: frozenset[str] | set[str] = frozenset(),
+              local: Callable[[Endpoint], LocalRule | None] | None = None) -> Route:
+        """Where ``query`` goes; endpoints in ``exclude`` (failed earlier in this request) are
+        avoided while others remain. ``local`` (given the decode endpoint it would run on): the
+        rule that lets the decode worker prefill it itself. Raises a 503 RouterError naming the
+        missing role."""
+        prefills = self.registry.healthy_endpoints("prefill")
+        if not prefills and local is None:
+            raise no_workers("prefill")
+        decode = self.decode_policy.pick(self._candidates("decode", exclude), query)
+        route = self.prefill_policy.route(_kept(prefills, exclude), query, decode,
+                                          None if local is None else local(decode))
+        if route.prefill is None and not route.local:
+            raise no_workers("prefill")
+        if not route.local:
+            n = batch_size(query.body)
+            route.room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
+        return route
+
+    def choose(self, body: dict, exclude: frozenset[str] | set[str] = frozenset()) -> Pair:
+        """A prefill/decode pair for ``body`` (no local prefill)."""
+        route = self.route(self.query(body), exclude)
+        return Pair(route.prefill, route.decode, route.room)
 
     @staticmethod
     def local_body(body: dict) -> bytes:
@@ -105,11 +129,7 @@ class Pairing:
         endpoints = self.registry.healthy_endpoints(role)
         if not endpoints:
             raise no_workers(role)
-        if exclude:
-            kept = [e for e in endpoints if e.key not in exclude]
-            if kept:
-                return kept
-        return endpoints
+        return _kept(endpoints, exclude)
 
     @staticmethod
     def leg_bodies(body: dict, pair: Pair) -> tuple[bytes, bytes]:
@@ -134,3 +154,12 @@ class Pairing:
         if d.dp_rank is not None:
             out["routed_dp_rank"] = d.dp_rank
         return _encode(prefill_body), _encode(out)
+
+
+def _kept(endpoints: list[Endpoint], exclude) -> list[Endpoint]:
+    """``endpoints`` less those in ``exclude``, unless that leaves none."""
+    if exclude:
+        kept = [e for e in endpoints if e.key not in exclude]
+        if kept:
+            return kept
+    return endpoints

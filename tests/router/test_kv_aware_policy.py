@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from pdserve.router.config import RouterConfig
-from pdserve.router.kv.kv_aware_policy import choose_by_overlap, kv_cost, prompt_ids
+from pdserve.router.kv.kv_aware_policy import choose_by_overlap, kv_cost
+from pdserve.router.route import prompt_ids
 from pdserve.router.kv.kv_index import KVIndex, SeqAction, SeqTracker
 from pdserve.router.policy import POLICY_NAMES, policy_class
 
