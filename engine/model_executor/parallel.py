@@ -86,11 +86,11 @@ _MOE = MoeParallel()
 def moe_parallel_for(rank: int, size: int, ep_size: int, a2a_backend: str) -> MoeParallel:
     """SGLang's rule: ``ep_size`` divides the group's ``size``; consecutive ranks share an EP rank
     (``size / ep_size`` of them split its experts' intermediate rows). An all-to-all backend moves
-    whole experts' tokens: it needs ``ep_size == size``."""
+    whole experts' tokens: it needs ``ep_size == size`` (at EP 1 it has nothing to move)."""
     check_ep(ep_size, a2a_backend)
     if size % ep_size:
         raise ValueError(f"ep_size {ep_size} must divide tp_size {size}")
-    if a2a_backend != "none" and ep_size != size:
+    if a2a_backend != "none" and ep_size not in (1, size):
         raise ValueError(f"moe_a2a_backend {a2a_backend!r} needs ep_size equal to tp_size, got ep_size {ep_size}, "
                          f"tp_size {size}")
     moe_tp = size // ep_size

@@ -30,7 +30,7 @@ def hf_reference(tiny_checkpoints):
                          ids=["none", "gloo", "gloo-1"])
 def test_ep2_greedy_equals_transformers(tiny_checkpoints, hf_reference, backend, which):
     got, got_logits, _ = run_tp(tiny_checkpoints["qwen3_moe"], 2, [PROMPTS[i] for i in which], NEW_TOKENS,
-                                ep_size=2, moe_a2a_backend=backend)
+                                timeout=540.0, ep_size=2, moe_a2a_backend=backend)
     assert got == [hf_reference[i][0] for i in which]
     for a, i in zip(got_logits, which):
         np.testing.assert_allclose(a, hf_reference[i][1].numpy(), atol=1e-4, rtol=0)
