@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pdserve.engine.mem_cache.hicache_names import check_hicache
 from pdserve.engine.mem_cache.storage_backend import parse_extra_config
 from pdserve.engine.text.chat_templates import check_chat_template
+from pdserve.engine.model_executor.ep_names import check_ep
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.speculative_names import check_speculative
 from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend
@@ -98,6 +99,12 @@ class EngineConfig:
     speculative_ngram_max_match_window_size: int = 12
     # NGRAM: candidate continuations merged into a draft tree (1: a chain; docs/SPECULATIVE.md, "Trees")
     speculative_ngram_branches: int = 1
+    # expert parallelism (SGLang's flags; model_executor/ep_names.py): the MoE layers' experts are
+    # placed whole on ep_size ranks of the TP group (ep_size divides tp_size), tokens reaching them
+    # by moe_a2a_backend: "none" (all-reduce of replicated tokens), "gloo" (all-to-all, CPU),
+    # "deepep" (DeepEP, CUDA)
+    ep_size: int = 1
+    moe_a2a_backend: str = "none"
 
     def __post_init__(self):
         if not self.grammar_compile_timeout > 0:
@@ -129,6 +136,10 @@ class EngineConfig:
         if self.num_reserved_decode_tokens < 0:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
         check_attention_backend(self.attention_backend)
+        check_ep(self.ep_size, self.moe_a2a_backend)
+        if self.moe_a2a_backend == "deepep" and not self.device.startswith("cuda"):
+            raise ValueError(f"moe_a2a_backend 'deepep' runs on CUDA only, got device {self.device!r} "
+                             "(use 'gloo' on CPU)")
         check_quantization(self.quantization)
         check_speculative(self.speculative_algorithm, self.speculative_num_draft_tokens,
                           self.speculative_draft_model_path, self.speculative_draft_quantization,

@@ -144,6 +144,11 @@ class ServerConfig:
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.tp_size % self.engine.ep_size:
+            raise ValueError(f"ep_size {self.engine.ep_size} must divide tp_size {self.tp_size}")
+        if self.engine.moe_a2a_backend != "none" and self.engine.ep_size not in (1, self.tp_size):
+            raise ValueError(f"moe_a2a_backend {self.engine.moe_a2a_backend!r} needs ep_size equal to tp_size, "
+                             f"got ep_size {self.engine.ep_size}, tp_size {self.tp_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
         if self.dist_timeout <= 0:

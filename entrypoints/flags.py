@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
+from pdserve.engine.model_executor.ep_names import MOE_A2A_BACKENDS
 from pdserve.engine.quantization_names import QUANTIZATIONS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.speculative_names import SPECULATIVE_ALGORITHMS
@@ -36,6 +37,7 @@ _CHOICES = {
     "hicache_storage_backend": STORAGE_BACKENDS,
     "hicache_storage_prefetch_policy": PREFETCH_POLICIES,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
+    "moe_a2a_backend": MOE_A2A_BACKENDS,
     "speculative_draft_quantization": QUANTIZATIONS,
 }
 _HELP = {
@@ -59,6 +61,11 @@ _HELP = {
     "node_rank": "this node's index among nnodes; node 0 serves HTTP",
     "dist_timeout": "seconds a TP collective may wait before the rank fails",
     "base_gpu_id": "CUDA: first device; DP rank r, TP rank t uses base_gpu_id + r * tp_size + t",
+    "ep_size": "expert-parallel ranks of each TP group: MoE experts placed whole, E/ep_size per rank (divides "
+               "tp_size; the rest of tp_size splits each expert's rows)",
+    "moe_a2a_backend": "how tokens reach their experts under EP: none (every rank runs its experts on every "
+                       "token, one all-reduce), gloo (all-to-all dispatch and combine; needs ep_size = tp_size), "
+                       "deepep (DeepEP, CUDA)",
     "api_key": "require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics",
     "admin_api_key": "require 'Authorization: Bearer KEY' on the control routes (flush, weights, memory, "
                      "profile); without one they answer only loopback peers. Prefer --admin-api-key-file or "

@@ -34,7 +34,7 @@ from pdserve.engine.model_executor.layers.kernel_plan import can_prepack
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.models.registry import build_model
 from pdserve.engine.model_executor.pool_sizing import PoolSize, size_pool, tensor_bytes
-from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, tp_rank, tp_size
+from pdserve.engine.model_executor.parallel import all_reduce_min, head_shard, init_ep, tp_rank, tp_size
 from pdserve.engine.quantization_names import W8A16
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.text.tokenizer import load_tokenizer
@@ -121,6 +121,7 @@ class ModelRunner:
         self.model_path = config.model_path  # what the weights came from (update_weights changes it)
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
+        self.ep = init_ep(config.ep_size, config.moe_a2a_backend)  # read by every FusedMoE the model builds
         self.model: CausalLM | None = self._build_model(weights, source)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)

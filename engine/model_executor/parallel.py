@@ -2,7 +2,9 @@
 the sharded model and the scheduler need.
 
 Each DP rank is its own ``torch.distributed`` world of ``tp_size`` processes (so the default
-group IS the TP group; there is no other group, and no state of our own beyond torch's).
+group IS the TP group; there is no other group). The one state of our own is the expert-parallel
+layout (``init_ep``): how the group's ranks split the MoE layers' experts, set once per process
+before the model is built, so that every ``FusedMoE`` of any model reads the same layout.
 Gloo on CPU; on CUDA one group with two backends, NCCL for CUDA tensors and gloo for the
 scheduler's CPU-side broadcast of each step's inputs. Every collective waits at most the
 group's timeout, so a rank whose peer died raises instead of hanging.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.model_executor.ep_names import check_ep
 from pdserve.engine.model_executor.model_config import check_tp_heads
 
 
@@ -61,6 +64,49 @@ def init_tp(tp_rank: int, tp_size: int, init_addr: str, timeout_s: float, device
         backend, init_method=f"tcp://{init_addr}", rank=tp_rank, world_size=tp_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
+
+
+@dataclass(frozen=True)
+class MoeParallel:
+    """How TP rank ``rank`` of ``size`` runs the MoE layers: expert-parallel rank ``ep_rank`` of
+    ``ep_size`` (it holds that share of the experts, whole or split again over ``moe_tp_size``
+    ranks on the intermediate dimension, its slice ``moe_tp_rank``), tokens exchanged by
+    ``a2a_backend`` (``ep_names.py``)."""
+
+    ep_size: int = 1
+    ep_rank: int = 0
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+    a2a_backend: str = "none"
+
+
+_MOE = MoeParallel()
+
+
+def moe_parallel_for(rank: int, size: int, ep_size: int, a2a_backend: str) -> MoeParallel:
+    """SGLang's rule: ``ep_size`` divides the group's ``size``; consecutive ranks share an EP rank
+    (``size / ep_size`` of them split its experts' intermediate rows). An all-to-all backend moves
+    whole experts' tokens: it needs ``ep_size == size`` (at EP 1 it has nothing to move)."""
+    check_ep(ep_size, a2a_backend)
+    if size % ep_size:
+        raise ValueError(f"ep_size {ep_size} must divide tp_size {size}")
+    if a2a_backend != "none" and ep_size not in (1, size):
+        raise ValueError(f"moe_a2a_backend {a2a_backend!r} needs ep_size equal to tp_size, got ep_size {ep_size}, "
+                         f"tp_size {size}")
+    moe_tp = size // ep_size
+    return MoeParallel(ep_size, rank // moe_tp, moe_tp, rank % moe_tp, a2a_backend if ep_size > 1 else "none")
+
+
+def init_ep(ep_size: int, a2a_backend: str) -> MoeParallel:
+    """Fix this process's expert-parallel layout over its TP group (before the model is built)."""
+    global _MOE
+    _MOE = moe_parallel_for(tp_rank(), tp_size(), ep_size, a2a_backend)
+    return _MOE
+
+
+def moe_parallel() -> MoeParallel:
+    """The layout ``init_ep`` fixed (EP 1: every rank holds every expert's TP slice)."""
+    return _MOE
 
 
 def close_tp() -> None:
@@ -135,3 +181,28 @@ def broadcast_objects(objs: list | None) -> list:
     box = [objs]
     dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
     return box[0]
+
+
+def all_to_all_rows(x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """Rows ``x[sum(send_counts[:r]) : ...]`` go to rank ``r``; returns the rows every rank sent
+    here, in rank order ([sum(recv_counts), ...])."""
+    out = torch.empty((sum(recv_counts),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts)
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor) -> torch.Tensor:
+    """[size] int64 of rows this rank sends each rank -> [size] rows each rank sends this one."""
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous())
+    return recv
+
+
+def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rank r's ``counts[r]`` rows of ``x``, concatenated in rank order on every rank."""
+    width = max(counts)
+    padded = torch.zeros((width,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:n] for part, n in zip(parts, counts)])

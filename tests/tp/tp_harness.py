@@ -18,7 +18,8 @@ RANK_TIMEOUT_S = 60.0  # collective timeout of the harness's group
 MAX_TOTAL_TOKENS = 2048
 
 
-def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out) -> None:
+def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out,
+               engine_kw: dict) -> None:
     from model_util import greedy_generate
 
     from pdserve.engine.config import EngineConfig
@@ -29,7 +30,7 @@ def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, m
     try:
         init_tp(rank, tp, addr, RANK_TIMEOUT_S, torch.device("cpu"))
         runner = ModelRunner(EngineConfig(model_path=model_path, dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS,
-                                          num_threads=1))
+                                          num_threads=1, **engine_kw))
         tokens, logits = greedy_generate(runner, prompts, max_new)
         out.put((rank, tokens, [x.numpy() for x in logits] if rank == 0 else None, tuple(runner.page_pool.k[0].shape), runner.tp))
         close_tp()
@@ -38,12 +39,14 @@ def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, m
         raise
 
 
-def run_tp(model_path: str | None, tp: int, prompts: list[list[int]], max_new: int, timeout: float = 300.0):
-    """``(tokens, logits, {rank: (pool k shape, HeadShard)})`` of a greedy run at TP ``tp``."""
+def run_tp(model_path: str | None, tp: int, prompts: list[list[int]], max_new: int, timeout: float = 300.0,
+           **engine_kw):
+    """``(tokens, logits, {rank: (pool k shape, HeadShard)})`` of a greedy run at TP ``tp``;
+    ``engine_kw``: more ``EngineConfig`` fields (e.g. ``ep_size``)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, tp, addr, model_path, prompts, max_new, out), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, tp, addr, model_path, prompts, max_new, out, engine_kw), daemon=True)
              for r in range(tp)]
     for p in procs:
         p.start()

@@ -2,6 +2,11 @@
 matrices (each sharded over the TP ranks on the intermediate dimension, as a dense MLP is) and
 routes every token to its top-k experts through a ``MoEMethod`` chosen at load.
 
+Under expert parallelism (``parallel.init_ep``: a property of the process's parallel state, the
+same for every model) a rank holds whole experts instead, its share by ``ExpertPlacement``, and
+an exchange (``moe_a2a.py``) brings each token to the ranks holding its experts. The method
+then holds this rank's experts only, addressed by local index.
+
 ``PerExpertMoEMethod`` is the reference method: one ``LinearMethod`` per expert matrix, so every
 weight format (bf16, w8a16, w8a8, Q8_0) and its step-size dispatch hold per expert, each expert
 stepping by its own token count. A fused CPU expert kernel is another ``MoEMethod``.
@@ -16,7 +21,9 @@ import torch
 
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
-from pdserve.engine.model_executor.parallel import HeadShard, all_reduce
+from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement, contiguous_placement
+from pdserve.engine.model_executor.layers.moe_a2a import AllToAllExchange, ReplicatedExchange
+from pdserve.engine.model_executor.parallel import HeadShard, moe_parallel
 
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
@@ -33,7 +40,8 @@ def expert_weight_name(name: str) -> tuple[str, str, int] | None:
 
 class MoEMethod(ABC):
     """How E experts' weights are held and multiplied. w13: [E, 2 I, K] (gate | up of this rank's
-    I intermediate rows), w2: [E, K, I]."""
+    I intermediate rows), w2: [E, K, I]; under EP, E is this rank's experts (``FusedMoE`` sets
+    ``num_experts`` to their count) and ids are local indices, < 0 for none."""
 
     def __init__(self, plan: KernelPlan, num_experts: int):
         self.plan = plan
@@ -66,6 +74,8 @@ class PerExpertMoEMethod(MoEMethod):
     def apply(self, x, topk_weights, topk_ids, step):
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)  # [T, K]
         for e in topk_ids.unique().tolist():
+            if e < 0:  # a slot whose expert another rank holds
+                continue
             rows, slot = (topk_ids == e).nonzero(as_tuple=True)  # tokens routed to e
             expert_step = Step(rows.numel(), step.decode)
             y = self.w2[e].apply(self.w13[e].apply(x[rows], expert_step), expert_step)  # [n, K]
@@ -81,32 +91,58 @@ class PerExpertMoEMethod(MoEMethod):
 
 
 class FusedMoE:
-    """E routed experts (SwiGLU), sharded over TP on the intermediate dimension. ``weight_loader``
-    takes a checkpoint expert matrix: ``shard_id`` "w1" (gate), "w3" (up) or "w2" (down) of
-    ``expert_id``; ``forward`` routes by the router's logits (softmax, top-k, renormalized when
-    ``renormalize``), adds the residual after the all-reduce."""
+    """E routed experts (SwiGLU), sharded over TP on the intermediate dimension, or placed whole
+    on the EP ranks when ``parallel.init_ep`` set EP > 1. ``weight_loader`` takes a checkpoint
+    expert matrix: ``shard_id`` "w1" (gate), "w3" (up) or "w2" (down) of ``expert_id`` (global;
+    a rank keeps only the experts it holds); ``forward`` routes by the router's logits (softmax,
+    top-k, renormalized when ``renormalize``), adds the residual after the group's reduction."""
 
     def __init__(self, plan: KernelPlan, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  tp: HeadShard, renormalize: bool = True, method: MoEMethod | None = None):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.tp_size = tp.size
-        inter = intermediate // tp.size
-        self.rows = slice(tp.rank * inter, (tp.rank + 1) * inter)
+        ep = moe_parallel()
+        if ep.ep_size > 1 and ep.ep_size * ep.moe_tp_size != tp.size:
+            raise ValueError(f"ep_size {ep.ep_size} x {ep.moe_tp_size} does not make the TP group of {tp.size}")
+        split, split_rank = (ep.moe_tp_size, ep.moe_tp_rank) if ep.ep_size > 1 else (tp.size, tp.rank)
+        if intermediate % split:
+            raise ValueError(f"tp_size {split} does not divide the experts' intermediate size {intermediate}")
+        self.placement: ExpertPlacement = contiguous_placement(num_experts, ep.ep_size)
+        self.ep_rank = ep.ep_rank
+        self.local_experts = self.placement.experts_of(ep.ep_rank)  # global ids, by local index
+        n_local = len(self.local_experts)
+        local_of = torch.tensor(self.placement.local_ids(ep.ep_rank), dtype=torch.int64, device=plan.device)
+        if ep.a2a_backend == "gloo":
+            owner = torch.tensor(self.placement.owner, dtype=torch.int64, device=plan.device)
+            local_all = torch.tensor(self.placement.local, dtype=torch.int64, device=plan.device)
+            self.exchange = AllToAllExchange(owner, local_all, ep.ep_rank, ep.ep_size)
+        elif ep.a2a_backend == "deepep":
+            from pdserve.engine.model_executor.layers.moe_a2a_deepep import DeepEPExchange
+
+            self.exchange = DeepEPExchange(self.placement, ep.ep_rank, hidden, plan.dtype)
+        else:
+            self.exchange = ReplicatedExchange(local_of)
+        inter = intermediate // split
+        self.rows = slice(split_rank * inter, (split_rank + 1) * inter)
         self.inter = inter
-        self.w13: torch.Tensor | None = torch.empty(num_experts, 2 * inter, hidden, dtype=plan.dtype,
+        self.w13: torch.Tensor | None = torch.empty(n_local, 2 * inter, hidden, dtype=plan.dtype,
                                                     device=plan.device)
-        self.w2: torch.Tensor | None = torch.empty(num_experts, hidden, inter, dtype=plan.dtype, device=plan.device)
-        self.method = method or PerExpertMoEMethod(plan, num_experts)
+        self.w2: torch.Tensor | None = torch.empty(n_local, hidden, inter, dtype=plan.dtype, device=plan.device)
+        self.method = method or PerExpertMoEMethod(plan, n_local)
+        self.method.num_experts = n_local
 
     def weight_loader(self, param: str, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
-        if shard_id == "w1":
-            self.w13[expert_id, : self.inter].copy_(loaded[self.rows])
-        elif shard_id == "w3":
-            self.w13[expert_id, self.inter :].copy_(loaded[self.rows])
-        elif shard_id == "w2":
-            self.w2[expert_id].copy_(loaded[:, self.rows])
-        else:
+        if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"expert shard_id must be w1, w2 or w3, got {shard_id!r}")
+        if self.placement.owner[expert_id] != self.ep_rank:
+            return  # another EP rank holds this expert
+        e = self.placement.local[expert_id]
+        if shard_id == "w1":
+            self.w13[e, : self.inter].copy_(loaded[self.rows])
+        elif shard_id == "w3":
+            self.w13[e, self.inter :].copy_(loaded[self.rows])
+        else:
+            self.w2[e].copy_(loaded[:, self.rows])
 
     def process_weights(self) -> None:
         """Hand the loaded matrices to the method (once)."""
@@ -116,8 +152,12 @@ class FusedMoE:
         self.w13 = self.w2 = None
 
     def read_back(self, param: str, shard_id: str, expert_id: int) -> torch.Tensor:
-        """Expert ``expert_id``'s float32 matrix ``shard_id`` of this rank (``get_weights_by_name``)."""
-        return self.method.dense(expert_id, shard_id)
+        """Expert ``expert_id``'s float32 matrix ``shard_id`` of this rank (``get_weights_by_name``);
+        ValueError for an expert another EP rank holds."""
+        if self.placement.owner[expert_id] != self.ep_rank:
+            raise ValueError(f"expert {expert_id} is held by EP rank {self.placement.owner[expert_id]}, "
+                             f"not this rank ({self.ep_rank})")
+        return self.method.dense(self.placement.local[expert_id], shard_id)
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
@@ -129,9 +169,7 @@ class FusedMoE:
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor, step: Step,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] -> residual + all_reduce(experts' weighted sum), [T, hidden]."""
+        """x [T, hidden] -> residual + the experts' weighted sum over the group, [T, hidden]."""
         weights, ids = self.select_experts(router_logits)
-        y = self.method.apply(x, weights, ids, step)
-        if self.tp_size > 1:
-            y = all_reduce(y)
+        y = self.exchange.run(x, weights, ids, step, self.method.apply)
         return y if residual is None else residual + y

@@ -1,7 +1,8 @@
 """Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention (per-head q/k RMSNorm before rope)
 and, in place of the dense MLP, a router picking each token's top-k of E experts (softmax, then
 renormalized over the k when ``norm_topk_prob``) whose SwiGLU outputs are summed by weight.
-Experts are sharded over the TP ranks by their intermediate rows (``FusedMoE``).
+Experts are sharded over the TP ranks by their intermediate rows, or placed whole on the EP
+ranks (``FusedMoE``).
 """
 
 from __future__ import annotations
@@ -107,9 +108,7 @@ class Qwen3MoeForCausalLM(CausalLM):
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
         """``fused_decode`` (Llama's decode step in one native call) has no form for these layers."""
         super().__init__(arch, plan, tp)
-        moe = MoeConfig.from_arch(arch)
-        if moe.moe_intermediate % tp.size:
-            raise ValueError(f"tp_size {tp.size} does not divide the experts' intermediate size {moe.moe_intermediate}")
+        moe = MoeConfig.from_arch(arch)  # FusedMoE checks that the TP/EP group can split the experts
         self.model = Qwen3MoeModel(arch, plan, tp, moe)
         self.lm_head = ParallelLMHead(plan, arch.vocab_size, arch.hidden_size, tp)
 
