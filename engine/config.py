@@ -72,6 +72,10 @@ class EngineConfig:
     hicache_storage_backend_extra_config: str | None = None
     # scheduling; schedule_policy: the order waiting requests are admitted in (schedule_policy.py)
     schedule_policy: str = "fcfs"
+    # requests' `priority` orders the waiting queue before schedule_policy does (sched/priority_order.py):
+    # larger values first, or smaller with schedule_low_priority_values_first (SGLang's flags)
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
     chunked_prefill_size: int = 2048
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192
@@ -125,6 +129,9 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r} "
                              "(SGLang's random, dfs-weight, lof and priority are not implemented)")
+        if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
+            raise ValueError("schedule_low_priority_values_first orders priorities: it needs "
+                             "enable_priority_scheduling")
         if self.schedule_policy == "lpm" and self.disable_radix_cache:
             raise ValueError("schedule_policy 'lpm' orders requests by their prefix-cache match: it needs the "
                              "radix cache (drop disable_radix_cache, or use 'fcfs')")

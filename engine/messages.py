@@ -34,6 +34,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # /health_generate's probe: a prefill or decode rank runs it locally, without a KV peer (SGLang's
     # fake bootstrap): prefill computes the KV and drops it, decode prefills it itself
     health_probe: bool = False
+    priority: int = 0  # with --enable-priority-scheduling: the waiting queue's order
 
 
 class AbortReq(msgspec.Struct, tag=True):

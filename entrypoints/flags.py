@@ -52,6 +52,9 @@ _HELP = {
                            "the pool holds 4 full contexts); ignored with --max-total-tokens",
     "random_seed": "seeds the sampling of requests that give no seed",
     "schedule_policy": "admission order: fcfs (arrival), lpm (longest prefix-cache match first)",
+    "enable_priority_scheduling": "admit waiting requests by their `priority` field (larger first), then by "
+                                  "--schedule-policy; without it a request with a priority is refused",
+    "schedule_low_priority_values_first": "with --enable-priority-scheduling, smaller priorities go first",
     "sampling_defaults": "model: the OpenAI endpoints' defaults come from the model's generation_config.json "
                          "(or GGUF metadata); openai: OpenAI's (temperature 1, top_p 1)",
     "enable_metrics": "serve Prometheus metrics on GET /metrics",

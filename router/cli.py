@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-concurrent-requests", type=int, default=_D["max_concurrent_requests"])
     p.add_argument("--queue-size", type=int, default=_D["queue_size"])
     p.add_argument("--queue-timeout-secs", type=float, default=_D["queue_timeout_secs"])
+    p.add_argument("--enable-priority-scheduling", action="store_true",
+                   help="order the queue by the x-pdserve-priority header (larger first), then arrival; "
+                        "a full queue gives way to a higher priority")
+    p.add_argument("--schedule-low-priority-values-first", action="store_true",
+                   help="with --enable-priority-scheduling, smaller priority values go first")
     p.add_argument("--request-timeout-secs", type=float, default=_D["request_timeout_secs"])
     p.add_argument("--max-payload-size", type=int, default=_D["max_payload_size"],
                    help="largest request body in bytes (default: the engine servers' limit); larger: 413")

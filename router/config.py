@@ -75,6 +75,9 @@ class RouterConfig:
     max_concurrent_requests: int = -1  # -1: unlimited
     queue_size: int = 100  # 0: no queue, answer 429 at once
     queue_timeout_secs: float = 60.0
+    # the queue's order (router/admission.py): the x-pdserve-priority header, SGLang's meaning
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
     request_timeout_secs: float = 1800.0
     # the largest request body read (the engine servers' own limit: a larger one they would
     # refuse) and the largest non-streamed answer of a worker relayed (over it: 502)
@@ -113,6 +116,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be one of {POLICY_NAMES}, got {value!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.schedule_low_priority_values_first and not self.enable_priority_scheduling:
+            raise ValueError("schedule_low_priority_values_first orders priorities: it needs "
+                             "enable_priority_scheduling")
         if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
             raise ValueError("max_concurrent_requests must be -1 (unlimited) or >= 1")
         for name in ("queue_size", "balance_abs_threshold", "local_prefill_max_tokens",

@@ -34,6 +34,7 @@ from aiohttp import web
 
 from pdserve.router.admin_api import AdminApi
 from pdserve.router.admission import Admission
+from pdserve.router.admission_metrics import AdmissionGauges
 from pdserve.router.auth import Access
 from pdserve.router.config import RouterConfig
 from pdserve.router.workers.drain import CUT_OFF_GRACE_S, Shutdown, remember_response
@@ -46,6 +47,7 @@ from pdserve.router.workers.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
 from pdserve.router.prompt_tokenizer import PromptTokenizer
+from pdserve.router.request_priority import request_priority
 from pdserve.router.workers.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
 from pdserve.router.workers.worker_registry import WorkerRegistry
@@ -82,7 +84,8 @@ class Router:
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
-                                   config.queue_timeout_secs)
+                                   config.queue_timeout_secs, config.schedule_low_priority_values_first)
+        self.metrics.registry.register(AdmissionGauges(self.admission))
         self.gate = PairGate(self.registry)
         self.registry.on_change(self._prepare_routing)
         self.shutdown = Shutdown(config.graceful_shutdown_timeout)
@@ -202,8 +205,9 @@ class Router:
             self.shutdown.enter()
             entered = True
             self.access.check_inference(request)
+            priority = request_priority(request.headers, self.config.enable_priority_scheduling)
             # the slot before the body: concurrent uploads wait in the queue, not in memory
-            await self.admission.acquire()
+            await self.admission.acquire(priority)
             admitted = True
             raw = await read_body(request, self.config.max_payload_size)
             try:
@@ -276,7 +280,8 @@ class Router:
         admitted = False
         try:
             self.access.check_inference(request)
-            await self.admission.acquire()
+            await self.admission.acquire(
+                request_priority(request.headers, self.config.enable_priority_scheduling))
             admitted = True
             body = await read_body(request, self.config.max_payload_size) if request.method == "POST" else None
             endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")

@@ -43,7 +43,6 @@ GENERATE: dict[str, tuple] = {
     "lora_id": ABSENT,
     "custom_logit_processor": ABSENT,
     "session_params": ABSENT,
-    "priority": ABSENT,  # no priority scheduling: --schedule-policy is fcfs or lpm
     "extra_key": ABSENT,  # a prefix-cache namespace
     "custom_labels": ABSENT,
     "conversation_id": ABSENT,
@@ -64,7 +63,6 @@ GENERATE: dict[str, tuple] = {
 OPENAI: dict[str, tuple] = {
     "lora_path": ABSENT,
     "session_params": ABSENT,
-    "priority": ABSENT,
     "custom_logit_processor": ABSENT,
     "custom_params": ABSENT,
     "extra_key": ABSENT,

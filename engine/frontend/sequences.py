@@ -65,6 +65,7 @@ class SequenceSpec:
     bootstrap: BootstrapInfo | None = None
     no_stop_trim: bool = False
     health_probe: bool = False  # /health_generate: run without a KV peer in the PD modes
+    priority: int = 0  # the waiting queue's order with --enable-priority-scheduling
     # names of the body's fields, for errors found after tokenization
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
@@ -164,6 +165,7 @@ def generate_sequences(
         if isinstance(v, list) and len(v) != num:
             raise RequestError(f"{name} has {len(v)} entries for {num} prompts", param=name)
     routed = check_dp_rank(req, limits)
+    priority = limits.check_priority(req.priority)
     boots = bootstrap_infos(req, num, n, limits, req.disagg_prefill_dp_rank)
     rids = sequence_rids(req.rid, num, n)
     seqs = []
@@ -187,6 +189,7 @@ def generate_sequences(
                     logprob_start_len=-1 if start is None else start,
                     routed_dp_rank=routed,
                     bootstrap=boots[i * n + j],
+                    priority=priority,
                     no_stop_trim=no_trim,
                     prompt_param=prompt_param,
                     max_tokens_param="sampling_params.max_new_tokens",
@@ -257,6 +260,7 @@ def _openai_sequences(
 ) -> list[SequenceSpec]:
     n = check_n(req.n, limits)
     routed = check_dp_rank(req, limits)
+    priority = limits.check_priority(req.priority)
     boots = bootstrap_infos(req, len(prompts), n, limits, req.disagg_prefill_dp_rank)
     rids = sequence_rids(req.rid, len(prompts), n)
     seqs = []
@@ -274,6 +278,7 @@ def _openai_sequences(
                     top_logprobs_num=top_logprobs,
                     routed_dp_rank=routed,
                     bootstrap=boots[i * n + j],
+                    priority=priority,
                     no_stop_trim=bool(req.no_stop_trim),
                     prompt_param=prompt_param,
                     max_tokens_param=max_tokens_param,

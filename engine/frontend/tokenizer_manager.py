@@ -135,6 +135,7 @@ class TokenizerManager:
             bootstrap_allowlist=c.kv_transfer.bootstrap_allowlist if c.disaggregation_mode == "decode" else "",
             sampling_defaults=self.sampling_defaults,
             tool_call_parser=c.tool_call_parser,
+            enable_priority_scheduling=c.engine.enable_priority_scheduling,
         )
 
     def token_str(self, token_id: int) -> str:
@@ -283,6 +284,7 @@ class TokenizerManager:
                 logprob_start_len=spec.logprob_start_len,
                 bootstrap=spec.bootstrap,
                 health_probe=spec.health_probe,
+                priority=spec.priority,
             )
             self._send(st.dp_rank, req)
         return handle

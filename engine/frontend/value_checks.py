@@ -50,6 +50,19 @@ class RequestLimits:
                 code="model_not_found",
             )
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
+    enable_priority_scheduling: bool = False  # --enable-priority-scheduling: `priority` is accepted
+
+    def check_priority(self, priority: int | None) -> int:
+        """The request's priority (0 when absent); a RequestError when the server does not order by it
+        or the value is outside an int32 (SGLang's type)."""
+        if priority is None:
+            return 0
+        if not self.enable_priority_scheduling:
+            raise RequestError("`priority` needs a server started with --enable-priority-scheduling",
+                               param="priority", code="unsupported")
+        if not -(2**31) <= priority < 2**31:
+            raise RequestError("`priority` must fit in an int32", param="priority")
+        return priority
 
 
 def new_rid() -> str:

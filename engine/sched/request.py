@@ -52,6 +52,7 @@ class Req:
     bootstrap: BootstrapInfo | None = None
     logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens from this position on
     health_probe: bool = False  # /health_generate: PD modes run it without a peer (messages.py)
+    priority: int = 0  # the waiting queue's order with enable_priority_scheduling (priority_order.py)
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)

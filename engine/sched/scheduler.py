@@ -50,6 +50,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import PrefixCache
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.priority_order import order_by_priority
 from pdserve.engine.sched.schedule_policy import order_waiting
 from pdserve.engine.speculative.proposer import is_chain
 
@@ -289,6 +290,8 @@ class Scheduler:
             add_to_batch(self.chunked)
         else:
             order_waiting(self.config.schedule_policy, self.waiting, self.cache)
+            if self.config.enable_priority_scheduling:
+                order_by_priority(self.waiting, self.config.schedule_low_priority_values_first)
 
         promised = self.promised_pages()
         while self.waiting and budget > 0 and self.chunked is None:

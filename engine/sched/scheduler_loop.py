@@ -131,6 +131,7 @@ class SchedulerLoop:
             bootstrap=msg.bootstrap,
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
             health_probe=msg.health_probe,
+            priority=msg.priority,
         )
         error = self.validate(req)
         if error is None and req.sampling_params.grammar is not None:
