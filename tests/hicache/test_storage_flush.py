@@ -79,7 +79,7 @@ def test_a_stopping_servers_rank_flushes_its_queued_puts(tmp_path):
 def test_the_pd_loops_close_their_storage_tier(tmp_path, monkeypatch):
     """PrefillLoop.close and DecodeLoop.close close the cache too: the decode's write-back puts
     queued when the pair closes are on disk after it."""
-    from loop_stand import PDPair
+    from support.loop_stand import PDPair
 
     from test_pd_write_back import hicache
 

@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from promql_util import dashboard_exprs, exported_names, metric_names
+from support.promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes
 from pdserve.engine.model_executor.pool_sizing import DEFAULT_POOL_CONTEXTS

@@ -4,7 +4,7 @@ retries-by-cause panel read "no data" on a healthy cluster)."""
 
 from __future__ import annotations
 
-from promql_util import dashboard_exprs, exported_names, metric_names
+from support.promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.router.metrics import RETRY_CAUSES, RouterMetrics
 from pdserve.router.server import INFERENCE_ROUTES

@@ -21,9 +21,9 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from netns_stand import (NET, cut_link, namespaces, ns_request, ns_requests_results, ns_requests_started,
+from support.netns_stand import (NET, cut_link, namespaces, ns_request, ns_requests_results, ns_requests_started,
                          wait_unleaked, wait_up)
-from pd_stand import Proc, Server
+from support.pd_stand import Proc, Server
 
 from pdserve.entrypoints.procs import free_port
 
@@ -43,7 +43,7 @@ FAULT = {"mooncake": "kill", "nixl": "link_down"}
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from model_util import make_tiny_checkpoint
+    from support.model_util import make_tiny_checkpoint
 
     path = str(tmp_path_factory.mktemp("tiny-llama"))
     make_tiny_checkpoint("llama", path)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
+from support.pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
 
 from pdserve.entrypoints.procs import free_port, wait_healthy
 
@@ -306,7 +306,7 @@ def _choices(path: str, r: requests.Response, stream: bool) -> list[str]:
 
 @pytest.fixture(scope="module")
 def n_router(stand):
-    from pd_stand import InProcessRouter
+    from support.pd_stand import InProcessRouter
 
     from pdserve.router.config import RouterConfig, WorkerSpec
 
@@ -336,7 +336,7 @@ def test_n_choices_through_the_router_equal_colocated(stand, colocated, n_router
 def test_n_choices_of_a_batch_and_over_dp_ranks(stand, colocated):
     """A batch of two prompts with n = 2 (the router's list of rooms), over a prefill and a decode
     server of 2 DP ranks each: each sequence's room places it on both sides alike."""
-    from pd_stand import InProcessRouter
+    from support.pd_stand import InProcessRouter
 
     from pdserve.router.config import RouterConfig, WorkerSpec
 

@@ -15,8 +15,8 @@ import sys
 import time
 
 import pytest
-from netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
-from pd_stand import Proc, Server, greedy_body, prompt_ids
+from support.netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
+from support.pd_stand import Proc, Server, greedy_body, prompt_ids
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -11,7 +11,7 @@ import logging
 import time
 
 import pytest
-from standin_worker import Behavior
+from support.standin_worker import Behavior
 
 from pdserve.router.policy import policy_class
 

@@ -13,7 +13,7 @@ from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.health import probe_delays
 from pdserve.router.server import start_router
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 from conftest import FAST
 

@@ -15,7 +15,7 @@ from pdserve.router import health
 from pdserve.router.health import STARTUP_PROBE_S, startup_probe_delays
 from pdserve.router.server import start_router
 from pdserve.router.worker_registry import WorkerRegistry
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 from conftest import FAST
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import Server, greedy_body, pd_post, sglang_router
+from support.pd_stand import Server, greedy_body, pd_post, sglang_router
 
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from netns_util import add_netns_or_skip, del_netns, ip
+from support.netns_util import add_netns_or_skip, del_netns, ip
 
 NET = "198.51.100"
 
