@@ -11,10 +11,10 @@ import pytest
 
 from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router import health
-from pdserve.router.health import STARTUP_PROBE_S, startup_probe_delays
 from pdserve.router.server import start_router
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers import health
+from pdserve.router.workers.health import STARTUP_PROBE_S, startup_probe_delays
+from pdserve.router.workers.worker_registry import WorkerRegistry
 from support.standin_worker import Behavior, StandinWorker
 
 from conftest import FAST
