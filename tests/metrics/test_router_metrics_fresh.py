@@ -1,6 +1,6 @@
 """Every router metric the Grafana dashboard plots is in /metrics of a router that has served
-nothing yet: the labelled counters start at 0 for their known label values (issue 27: the
-retries-by-cause panel read "no data" on a healthy cluster)."""
+nothing yet: the labelled counters start at 0 for their known label values (otherwise a panel
+such as retries-by-cause reads "no data" on a healthy cluster)."""
 
 from __future__ import annotations
 

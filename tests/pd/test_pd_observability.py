@@ -1,4 +1,4 @@
-"""Observability of a real 1P1D stand (issue 14): /metrics of the prefill, decode and router, and
+"""Observability of a real 1P1D stand: /metrics of the prefill, decode and router, and
 the ``--log-requests`` lines.
 
 Stand: a prefill server whose Mooncake writes fail at random (``faulty_mooncake``: 40%, seeded;

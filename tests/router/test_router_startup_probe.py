@@ -1,7 +1,7 @@
 """A worker that was never healthy is probed at a fixed 0.5 s (``health.STARTUP_PROBE_S``) until
 ``--worker-startup-timeout-secs``, however long it takes to load: a router started with workers that
-answer after 15 s is ready within that interval of them (issue 27; the doubling backoff left a
-16 s gap). Backoff is only for workers that were healthy and failed."""
+answer after 15 s is ready within that interval of them (a doubling backoff would leave a gap of up
+to 16 s by then). Backoff is only for workers that were healthy and failed."""
 
 import asyncio
 import time

@@ -1,4 +1,4 @@
-"""Disaggregated serving with tensor parallelism on both sides, including different TP sizes (issue 13).
+"""Disaggregated serving with tensor parallelism on both sides, including different TP sizes.
 
 Stand, one per transfer backend, on the tiny Llama (4 query heads, 2 KV heads, fp32): prefill servers
 P1 (TP 1) and P2 (TP 2), decode servers D1 (TP 1) and D2 (TP 2), and the colocated TP 1 server as the
