@@ -81,7 +81,7 @@ class ServerConfig:
     sampling_defaults: str = "model"
     # GET /metrics (SGLang's flag; on by default here, as pdserve always served it: --no-enable-metrics)
     enable_metrics: bool = True
-    # disaggregation (issue 6); kv_transfer.host is replaced by advertise_host where the ranks run
+    # disaggregation; kv_transfer.host is replaced by advertise_host where the ranks run
     disaggregation_mode: str = "null"
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # seconds the launcher waits for every rank to load its model
@@ -92,7 +92,7 @@ class ServerConfig:
     # KV cache events, SGLang's/vLLM's JSON flag (see kv_events_config.py); None: none published
     kv_events_config: str | None = None
     # decode mode: a prompt of at most this many tokens may come without bootstrap fields and is
-    # prefilled here, in the running batch (issue 18's conditional disaggregation); 0: never
+    # prefilled here, in the running batch (conditional disaggregation); 0: never
     max_local_prefill_tokens: int = 0
     # streamed /generate and Engine.generate(stream=True): False (SGLang's default) sends the whole
     # text and output_ids so far in each chunk; True only what is new since the previous chunk

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.http_json_errors import json_error_middleware
 from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.engine.kv_transfer_config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import RankRegistration, Topology
@@ -34,15 +35,7 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, body=_json.encode({"error": message}), content_type="application/json")
 
 
-@web.middleware
-async def _json_errors(request: web.Request, handler):
-    """aiohttp's own answers (no such path, wrong method) in this server's JSON shape."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return _error(e.status, f"{e.reason}: {request.method} {request.path}")
+_json_errors = json_error_middleware(_error)  # aiohttp's own answers in this server's JSON shape
 
 
 class BootstrapServer:

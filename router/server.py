@@ -32,6 +32,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.http_json_errors import json_error_middleware
 from pdserve.router.admin_api import AdminApi
 from pdserve.router.admission import Admission
 from pdserve.router.admission_metrics import AdmissionGauges
@@ -58,16 +59,12 @@ _encode = msgspec.json.encode
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
-@web.middleware
-async def json_errors(request: web.Request, handler):
-    """aiohttp's own answers (no such path, wrong method, ...) as the JSON error object."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "invalid_request_error")
-        return error_response(RouterError(e.status, f"{e.reason}: {request.method} {request.path}", kind))
+def _render_error(status: int, message: str) -> web.Response:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(status, "invalid_request_error")
+    return error_response(RouterError(status, message, kind))
+
+
+json_errors = json_error_middleware(_render_error)  # aiohttp's own answers as the JSON error object
 
 
 class Router:

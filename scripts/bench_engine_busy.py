@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""The offline Engine's decode speed in a busy process against a fresh one (issue 27).
+"""The offline Engine's decode speed in a busy process against a fresh one.
 
 Each side runs in a process of its own, one after the other, with the same flags: ``fresh`` makes
 an Engine first thing; ``busy`` first runs twenty 512x512 matrix products on its main thread (a

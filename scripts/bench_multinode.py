@@ -39,11 +39,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # the namespace helpers and server wrappers the CI's namespace test uses (one code path for both)
-for sub in ("tests", "tests/multinode", "tests/pd"):
-    sys.path.insert(0, str(REPO / sub))
+sys.path.insert(0, str(REPO / "tests"))  # the test tree's root: its shared helpers are ``support.*``
 
-from netns_stand import NET, namespaces, ns_request, wait_up  # noqa: E402
-from pd_stand import Proc, Server  # noqa: E402
+from support.netns_stand import NET, namespaces, ns_request, wait_up  # noqa: E402
+from support.pd_stand import Proc, Server  # noqa: E402
 
 from pdserve.entrypoints.procs import free_port  # noqa: E402
 
@@ -142,7 +141,7 @@ def summary(label: str, results: list[dict]) -> tuple[float, float]:
 
 
 def bench_tp2(args) -> int:
-    from model_util import make_tiny_checkpoint
+    from support.model_util import make_tiny_checkpoint
 
     tiny = tempfile.mkdtemp(prefix="bm-tiny-")
     make_tiny_checkpoint("llama", tiny)

@@ -1,4 +1,4 @@
-"""The SLA planner against static clusters on the daily trace, in one invocation (issue 32).
+"""The SLA planner against static clusters on the daily trace, in one invocation.
 
 Replays the trace (scripts/gen_planner_trace.py's, generated here with the same seed, or --trace)
 in the simulator (entrypoints/planner/simulator.py) against servers modelled by a measured profile:

@@ -1,4 +1,4 @@
-"""The planner on real servers under a stepped load (issue 32's second benchmark): ``pdserve launch
+"""The planner on real servers under a stepped load: ``pdserve launch
 --planner`` (1 prefill + 1 decode + router, the planner with the ``local`` connector in the launch
 process) and a load of low, high, low request rates. Samples the planner's own ``/metrics``
 (servers per role and state) every 2 s, plots rate, servers per role and p99 TTFT / ITL over

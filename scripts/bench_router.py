@@ -41,7 +41,7 @@ from pdserve.entrypoints.procs import free_port, spawn, stop_groups
 
 PY = sys.executable
 # the stand-in worker is test code (it imports nothing of pdserve): run by path, as its own process
-STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "router", "standin_worker.py")
+STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support", "standin_worker.py")
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,

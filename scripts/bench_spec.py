@@ -23,7 +23,7 @@ STANDALONE runs with 2 draft tokens (``--standalone-draft-tokens``): each guess 
 step, so a short draft pays where a long one does not; NGRAM with the server's default. The
 speculating servers' accept counters (``/metrics``) are printed after their runs.
 
-Targets (issue 30), printed PASS/FAIL: NGRAM on copy at batch 1 <= 0.6x off; every proposer
+Targets, printed PASS/FAIL: NGRAM on copy at batch 1 <= 0.6x off; every proposer
 on chat, batch 1 and 8, <= 1.05x off; STANDALONE on chat at batch 1 <= 0.85x off; 1P1D's
 NGRAM/off ratio on copy at batch 1 within 10 % of colocated's. Ends with one JSON line.
 

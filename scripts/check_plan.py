@@ -1,4 +1,4 @@
-"""``pdserve plan``'s predictions against a real run of the same configuration (issue 32).
+"""``pdserve plan``'s predictions against a real run of the same configuration.
 
 Starts one prefill and one decode server and the router (``pdserve launch --cpu-split auto``:
 one core each on a 2-core machine, as the profile was taken with ``--cpus 1``), checks that the

@@ -72,6 +72,16 @@ class SequenceSpec:
     tool_plan: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
 
 
+# the sampling fields a /generate body's sampling_params and an OpenAI body share by name
+_SAME_NAMED = ("temperature", "top_p", "top_k", "min_p", "stop_token_ids", "ignore_eos",
+               "skip_special_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _same_named_fields(body) -> dict[str, Any]:
+    """The SamplingParams keywords a request body gives under their own names, and its stop list."""
+    return {"stop": stop_list(body.stop), **{k: getattr(body, k) for k in _SAME_NAMED}}
+
+
 def _build_sampling(param_prefix: str, renames: dict[str, str], **kw) -> SamplingParams:
     """SamplingParams from the non-None values, validated; errors name the body's field."""
     values = {k: v for k, v in kw.items() if v is not None}
@@ -137,17 +147,7 @@ def generate_sequences(
             {},
             max_new_tokens=g.max_new_tokens,
             min_new_tokens=g.min_new_tokens,
-            temperature=g.temperature,
-            top_p=g.top_p,
-            top_k=g.top_k,
-            min_p=g.min_p,
-            stop=stop_list(g.stop),
-            stop_token_ids=g.stop_token_ids,
-            ignore_eos=g.ignore_eos,
-            skip_special_tokens=g.skip_special_tokens,
-            repetition_penalty=g.repetition_penalty,
-            frequency_penalty=g.frequency_penalty,
-            presence_penalty=g.presence_penalty,
+            **_same_named_fields(g),
             seed=g.sampling_seed if g.sampling_seed is not None else g.seed,
             n=1,
             **one_grammar("sampling_params.", sglang_grammars(g)),
@@ -219,17 +219,7 @@ def _openai_sampling(
         {"max_new_tokens": max_tokens_param, "min_new_tokens": "min_tokens"},
         max_new_tokens=max_tokens,
         min_new_tokens=req.min_tokens,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        top_k=req.top_k,
-        min_p=req.min_p,
-        stop=stop_list(req.stop),
-        stop_token_ids=req.stop_token_ids,
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
-        repetition_penalty=req.repetition_penalty,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
+        **_same_named_fields(req),
         seed=req.seed,
         n=1,
         **one_grammar("", grammars),

@@ -6,7 +6,7 @@ checked after every step, and every page is back at the end."""
 from __future__ import annotations
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 from pdserve.engine.messages import TokenizedGenerateReq
 from pdserve.engine.sampling_params import SamplingParams

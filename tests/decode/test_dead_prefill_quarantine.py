@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from loop_stand import PDPair
+from support.loop_stand import PDPair
 
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.engines.local_engine import LocalTransferEngine

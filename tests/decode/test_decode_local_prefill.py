@@ -5,7 +5,7 @@ refused. Both pools are checked after every step (``PDPair.step``)."""
 from __future__ import annotations
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 from pdserve.engine.messages import TokenizedGenerateReq
 from pdserve.engine.sampling_params import SamplingParams

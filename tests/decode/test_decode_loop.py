@@ -6,7 +6,7 @@ step (``PDPair.step``)."""
 from __future__ import annotations
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 from pdserve.engine.sched.request import ReqStatus
 

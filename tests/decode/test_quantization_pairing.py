@@ -5,7 +5,7 @@ naming each side's; equal ones pair as before."""
 from __future__ import annotations
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,6 +1,6 @@
 """The KV pool's size rule (``model_executor/pool_sizing.py``), pure: which rule applies, a CPU
 budget split over a server's ranks, the fixed default when no budget is known, CUDA's per-device
-rule, and the weights as this process's own tensors (issue 27). Nothing here reads free memory."""
+rule, and the weights as this process's own tensors. Nothing here reads free memory."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, Scheduler
 
-from loop_stand import PS, VOCAB, next_token, reference  # the same deterministic stand-in model
+from support.loop_stand import PS, VOCAB, next_token, reference  # the same deterministic stand-in model
 
 
 class EchoModel:

@@ -4,7 +4,7 @@ those events finds the next turn's history on it. Over the in-process PD stand (
 
 from __future__ import annotations
 
-from loop_stand import PDPair
+from support.loop_stand import PDPair
 from test_pd_write_back import hicache
 
 from pdserve.engine.mem_cache.kv_events import BlockStored, block_hashes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import time
 
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 
 def hicache(path: str) -> dict:

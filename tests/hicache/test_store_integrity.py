@@ -146,7 +146,7 @@ def test_namespace_follows_a_weight_update(tmp_path):
     """A server reads and writes under the new weights' name after update_weights_from_disk."""
     from pdserve.engine import Engine
 
-    from model_util import make_tiny_checkpoint
+    from support.model_util import make_tiny_checkpoint
 
     a, b, store = tmp_path / "a", tmp_path / "b", tmp_path / "store"
     make_tiny_checkpoint("llama", str(a))

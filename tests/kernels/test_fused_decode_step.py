@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
+from support.model_util import bf16_runner, greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch

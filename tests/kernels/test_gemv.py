@@ -9,7 +9,7 @@ import platform
 import pytest
 import torch
 
-from gemv_builds import gemv_builds
+from support.gemv_builds import gemv_builds
 from pdserve.kernels.cpu_native import kernels_for
 from pdserve.kernels.gemv_layout import GemvWeight
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemv_builds import gemv_builds
+from support.gemv_builds import gemv_builds
 from pdserve.engine.model_executor.quantization import Int8Weight, dense
 from pdserve.kernels.gemv_layout import GemvWeight
 

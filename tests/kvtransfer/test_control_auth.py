@@ -13,7 +13,7 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 import pdserve.kvtransfer.messages as m
 from pdserve.engine.frontend.metrics import ServerMetrics

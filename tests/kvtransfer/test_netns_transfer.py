@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
+from support.netns_util import add_netns_or_skip, del_netns, ip, tx_bytes
 from test_two_process_transfer import NUM_PAGES, Pair
 
 pytestmark = pytest.mark.timeout(150)

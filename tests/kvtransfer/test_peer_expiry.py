@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 import pdserve.kvtransfer.kv_manager as kv_manager
 import pdserve.kvtransfer.messages as m

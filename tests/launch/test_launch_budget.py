@@ -1,5 +1,5 @@
 """``pdserve launch`` plans one memory budget over every server it starts (each gets its share of
-``--mem-fraction-static``) and turns conditional disaggregation on from one flag (issue 27)."""
+``--mem-fraction-static``) and turns conditional disaggregation on from one flag."""
 
 from __future__ import annotations
 

@@ -41,14 +41,13 @@ def test_stop_group_leaves_no_process_of_the_group(tmp_path, mode, stops_on_sigt
     try:
         wait_for(lambda: "child up" in log.read_text().splitlines())  # a line of its own, not the "$ argv" line
         assert len(group_pids(proc.pid)) == 2  # the child and its own child, one group
-        t = time.monotonic()
+        # True: SIGTERM was enough; False: the group outlived the grace and took a SIGKILL
         assert stop_group(proc, grace=1.0) is stops_on_sigterm
         assert group_pids(proc.pid) == []
     finally:
         for pid in group_pids(proc.pid):  # whatever a failed stop left
             os.kill(pid, signal.SIGKILL)
     assert proc.poll() is not None  # reaped, not a zombie
-    assert time.monotonic() - t < 1.0 + 2.5
     assert log.read_text().startswith(f"$ {sys.executable} -c")
 
 

@@ -1,4 +1,4 @@
-"""Servers started together on one host with default flags (issue 27): a TP 3 prefill server, a TP
+"""Servers started together on one host with default flags: a TP 3 prefill server, a TP
 1 decode server and a colocated TP 3 server start in the same second while another process
 allocates 6 GB; all start, each takes the stated CPU default pool (``pool_sizing``: the same as
 when it loads alone, whatever the others do), and their pools together fit the host. The same
@@ -13,7 +13,7 @@ import time
 import urllib.request
 
 import pytest
-from promql_util import dashboard_exprs, exported_names, metric_names
+from support.promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes
 from pdserve.engine.model_executor.pool_sizing import DEFAULT_POOL_CONTEXTS

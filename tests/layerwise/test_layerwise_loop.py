@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 
 import pytest
-from loop_stand import LAYERS, PDPair, reference
+from support.loop_stand import LAYERS, PDPair, reference
 
 from pdserve.kvtransfer.errors import TransferFailedError
 from pdserve.kvtransfer.kv_poll import KVPoll

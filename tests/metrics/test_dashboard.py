@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from promql_util import DASHBOARD, dashboard_exprs, exported_names, metric_names
+from support.promql_util import DASHBOARD, dashboard_exprs, exported_names, metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 

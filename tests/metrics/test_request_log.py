@@ -8,8 +8,8 @@ import json
 import logging
 
 import pytest
-from loop_stand import PDPair
-from request_log_util import LOGGER, check_decode_stages, check_joined, check_prefill_stages, join
+from support.loop_stand import PDPair
+from support.request_log_util import LOGGER, check_decode_stages, check_joined, check_prefill_stages, join
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,7 +6,7 @@ multi-process stand (``tests/pd/test_pd_observability.py``) checks the same thro
 from __future__ import annotations
 
 import pytest
-from loop_stand import LAYERS, PDPair
+from support.loop_stand import LAYERS, PDPair
 
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.kvtransfer.errors import FAILURE_CAUSES, failure_cause

@@ -1,10 +1,10 @@
 """Every router metric the Grafana dashboard plots is in /metrics of a router that has served
-nothing yet: the labelled counters start at 0 for their known label values (issue 27: the
-retries-by-cause panel read "no data" on a healthy cluster)."""
+nothing yet: the labelled counters start at 0 for their known label values (otherwise a panel
+such as retries-by-cause reads "no data" on a healthy cluster)."""
 
 from __future__ import annotations
 
-from promql_util import dashboard_exprs, exported_names, metric_names
+from support.promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.router.metrics import RETRY_CAUSES, RouterMetrics
 from pdserve.router.server import INFERENCE_ROUTES

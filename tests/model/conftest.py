@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from model_util import greedy_generate, make_tiny_checkpoint
+from support.model_util import greedy_generate, make_tiny_checkpoint
 
 
 @pytest.fixture

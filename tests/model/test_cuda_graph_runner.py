@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import assert_picks_agree_but_near_ties, greedy_generate, make_tiny_checkpoint, random_prompts
+from support.model_util import assert_picks_agree_but_near_ties, greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import (DecodeGraphRunner, bucket_for, decode_buckets,

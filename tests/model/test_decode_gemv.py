@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import assert_picks_agree_but_near_ties, bf16_runner, greedy_generate, random_prompts
+from support.model_util import assert_picks_agree_but_near_ties, bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner

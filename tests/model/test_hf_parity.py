@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, hf_greedy, make_tiny_checkpoint
+from support.model_util import greedy_generate, hf_greedy, make_tiny_checkpoint
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint

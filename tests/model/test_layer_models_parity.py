@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, hf_greedy, hf_model, make_tiny_checkpoint
+from support.model_util import greedy_generate, hf_greedy, hf_model, make_tiny_checkpoint
 from safetensors.torch import load_file
 
 from pdserve.engine.config import EngineConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import bf16_runner, greedy_generate, random_prompts
+from support.model_util import bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.model_executor.layers import GEMV_MAX_ROWS
 from pdserve.kernels.cpu_native import native_kernels

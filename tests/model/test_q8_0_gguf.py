@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, write_q8_0_gguf
+from support.model_util import greedy_generate, write_q8_0_gguf
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks

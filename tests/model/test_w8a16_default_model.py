@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate
+from support.model_util import greedy_generate
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch

@@ -5,7 +5,7 @@ with like: the prefill (int8 x int8) and the decode steps (int8 weights in place
 from __future__ import annotations
 
 import torch
-from model_util import bf16_runner, greedy_generate, random_prompts
+from support.model_util import bf16_runner, greedy_generate, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner

@@ -24,7 +24,7 @@ import time
 import msgspec
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, prompt_ids, serving
+from support.pd_stand import InProcessRouter, Server, prompt_ids, serving
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 

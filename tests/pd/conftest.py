@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pd_stand import Server
+from support.pd_stand import Server
 
 
 @pytest.fixture(scope="session")
@@ -18,7 +18,7 @@ def colocated():
 @pytest.fixture(scope="session")
 def reference(colocated):
     """Greedy output ids of the colocated server, memoized per (prompt, max_new)."""
-    from pd_stand import greedy_body
+    from support.pd_stand import greedy_body
 
     cache: dict = {}
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, events_flag, pd_post, serving, wait_for
+from support.pd_stand import InProcessRouter, Server, events_flag, pd_post, serving, wait_for
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, greedy_body, prompt_ids
+from support.pd_stand import InProcessRouter, Server, greedy_body, prompt_ids
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 

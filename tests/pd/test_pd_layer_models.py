@@ -6,8 +6,8 @@ Gemma's sliding window too)."""
 from __future__ import annotations
 
 import pytest
-from model_util import hf_greedy, hf_model, make_tiny_checkpoint
-from pd_stand import Server, greedy_body, pd_post, serving
+from support.model_util import hf_greedy, hf_model, make_tiny_checkpoint
+from support.pd_stand import Server, greedy_body, pd_post, serving
 
 pytestmark = pytest.mark.timeout(600)
 PROMPTS = [[5], [1, 5, 9, 33, 100, 7, 250], list(range(3, 73))]  # 70 tokens: two 64-token chunks

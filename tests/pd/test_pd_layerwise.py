@@ -10,7 +10,7 @@ Failures between layers are covered in one process (``tests/layerwise``), where 
 from __future__ import annotations
 
 import pytest
-from pd_stand import Server, greedy_body, pd_post, prompt_ids, serving
+from support.pd_stand import Server, greedy_body, pd_post, prompt_ids, serving
 
 pytestmark = pytest.mark.timeout(600)
 

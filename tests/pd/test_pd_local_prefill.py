@@ -9,7 +9,7 @@ import re
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, events_flag, greedy_body, prompt_ids, serving, wait_for
+from support.pd_stand import InProcessRouter, Server, events_flag, greedy_body, prompt_ids, serving, wait_for
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from pd_stand import Server, greedy_body, pd_post, prompt_ids
+from support.pd_stand import Server, greedy_body, pd_post, prompt_ids
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,4 +1,4 @@
-"""Observability of a real 1P1D stand (issue 14): /metrics of the prefill, decode and router, and
+"""Observability of a real 1P1D stand: /metrics of the prefill, decode and router, and
 the ``--log-requests`` lines.
 
 Stand: a prefill server whose Mooncake writes fail at random (``faulty_mooncake``: 40%, seeded;
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import InProcessRouter, Server, greedy_body, pd_post, prompt_ids, wait_for
-from promql_util import dashboard_exprs, exported_names, metric_names
-from request_log_util import check_decode_stages, check_joined, check_prefill_stages, join, parse_log
+from support.pd_stand import InProcessRouter, Server, greedy_body, pd_post, prompt_ids, wait_for
+from support.promql_util import dashboard_exprs, exported_names, metric_names
+from support.request_log_util import check_decode_stages, check_joined, check_prefill_stages, join, parse_log
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 

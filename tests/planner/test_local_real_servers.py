@@ -1,4 +1,4 @@
-"""``pdserve launch --planner`` on real servers (issue 32): one stand, two checks.
+"""``pdserve launch --planner`` on real servers: one stand, two checks.
 
 1. ``plan`` against a real run: a profile measured in the test through the cluster's router (the
    PD path: prefill, KV transfer, the decode server's first step, the router), then a Poisson load

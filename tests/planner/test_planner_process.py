@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -30,9 +29,8 @@ from pdserve.router.workers.worker_registry import WorkerRegistry
 
 from planner_synthetic import synthetic_profile
 
-ROUTER_TESTS = Path(__file__).resolve().parents[1] / "router"
-sys.path.insert(0, str(ROUTER_TESTS))
-from standin_worker import Behavior, StandinWorker  # noqa: E402
+from support import standin_worker
+from support.standin_worker import Behavior, StandinWorker
 
 FAST = dict(health_check_interval_secs=3600.0, health_check_timeout_secs=1.0, request_timeout_secs=10.0,
             host="127.0.0.1", port=0)
@@ -85,7 +83,7 @@ async def _router(n_prefill=1, n_decode=1, behavior=None):
 
 async def test_local_connector_starts_registers_drains_and_stops(tmp_path):
     router, runner, workers, url = await _router()
-    standin = str(ROUTER_TESTS / "standin_worker.py")
+    standin = standin_worker.__file__
 
     def argv(role, host, port, bootstrap):
         return [sys.executable, standin, "--role", role, "--host", host, "--port", str(port)]

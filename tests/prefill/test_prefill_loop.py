@@ -5,7 +5,7 @@ Both pools are checked after every step (``PDPair.step``)."""
 from __future__ import annotations
 
 import pytest
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 
 from pdserve.engine.sched.request import ReqStatus
 from pdserve.kvtransfer.kv_poll import KVPoll

@@ -1,13 +1,8 @@
-"""Reliability tests reuse the PD tests' process helpers (``tests/pd/pd_stand.py``)."""
+"""Reliability tests reuse the PD tests' process helpers (``tests/support/pd_stand.py``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
-
-import pytest  # noqa: E402
+import pytest
 
 LOAD_KV = ["--disaggregation-bootstrap-timeout", "120", "--disaggregation-waiting-timeout", "120"]
 
@@ -15,8 +10,8 @@ LOAD_KV = ["--disaggregation-bootstrap-timeout", "120", "--disaggregation-waitin
 @pytest.fixture(scope="session")
 def pd11():
     """1 prefill + 1 decode (small pools, fp32, 64-token chunks) and a router in front."""
-    from pd_stand import Server
-    from rel_stand import Router
+    from support.pd_stand import Server
+    from support.rel_stand import Router
 
     # KV timeouts sized for queueing under load: at concurrency 16 on 2 shared cores a room can wait
     # tens of seconds at the prefill, and the decode's waiting_timeout counts that wait (see docs/RELIABILITY.md)

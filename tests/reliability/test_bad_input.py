@@ -14,7 +14,7 @@ import time
 import msgspec
 import pytest
 import requests
-from pd_stand import greedy_body, prompt_ids
+from support.pd_stand import greedy_body, prompt_ids
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -286,7 +286,7 @@ def test_client_gone_before_the_stream_headers_aborts_its_room(pd11):
     its decode room does not sit on preallocated pages until the waiting timeout (120 s here)."""
     import socket
 
-    from pd_stand import new_room
+    from support.pd_stand import new_room
 
     P, D, R = pd11
     host, port = D.url.split("//")[1].split(":")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import Server, greedy_body, new_room, pd_post, prompt_ids
+from support.pd_stand import Server, greedy_body, new_room, pd_post, prompt_ids
 
 pytestmark = pytest.mark.timeout(300)
 

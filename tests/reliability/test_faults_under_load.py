@@ -19,8 +19,8 @@ import time
 
 import pytest
 import requests
-from pd_stand import greedy_body, prompt_ids
-import rel_stand
+from support.pd_stand import greedy_body, prompt_ids
+from support import rel_stand
 
 pytestmark = pytest.mark.timeout(500)
 

@@ -17,8 +17,8 @@ import sys
 import time
 
 import pytest
-from netns_util import ip
-from pd_stand import ADMIN_HEADERS, Server, greedy_body, prompt_ids
+from support.netns_util import ip
+from support.pd_stand import ADMIN_HEADERS, Server, greedy_body, prompt_ids
 from test_pd_netns import ADDRS, netns, ns_request, wait_up  # noqa: F401 - netns is a fixture
 
 pytestmark = pytest.mark.timeout(400)

@@ -14,7 +14,7 @@ import asyncio
 import threading
 
 import pytest
-import rel_stand
+from support import rel_stand
 from conftest import LOAD_KV
 
 pytestmark = pytest.mark.timeout(900)

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import requests
-from pd_stand import Server, greedy_body, prompt_ids
-from rel_stand import Router, listening
+from support.pd_stand import Server, greedy_body, prompt_ids
+from support.rel_stand import Router, listening
 
 pytestmark = pytest.mark.timeout(300)
 

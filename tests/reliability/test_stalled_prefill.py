@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from pd_stand import greedy_body, pd_post, prompt_ids
+from support.pd_stand import greedy_body, pd_post, prompt_ids
 
 pytestmark = pytest.mark.timeout(300)
 

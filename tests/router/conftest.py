@@ -9,7 +9,7 @@ import pytest
 
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 # small backoff and health intervals keep the failure tests fast; a request that finds no healthy
 # pair waits 0.2 s for one (test_router_readiness.py tests the wait itself)

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ import socket
 import pytest
 
 from pdserve.router.cli import build_parser, config_from_args
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -43,7 +43,7 @@ async def test_full_prefill_queues_send_a_request_to_the_decode_worker_alone(clu
     so the third request goes local; once they are answered, requests go remote again."""
     import asyncio
 
-    from standin_worker import Behavior
+    from support.standin_worker import Behavior
 
     await cluster.start(1, 1, prefill_behavior=Behavior(delay_s=1.0), policy="round_robin",
                         prefill_queue_threshold=1)

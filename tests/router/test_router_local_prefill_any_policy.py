@@ -1,4 +1,4 @@
-"""Conditional disaggregation from one flag (issue 27): ``--local-prefill-max-tokens`` works under
+"""Conditional disaggregation from one flag: ``--local-prefill-max-tokens`` works under
 every prefill policy (the router counts prompts with its own tokenizer when the policy does not
 tokenize), the router is not ready until that tokenizer is loaded, and a decode worker that does
 not accept local prefills is named in a warning at registration, shows its limit in ``/workers``
@@ -11,7 +11,7 @@ import logging
 import time
 
 import pytest
-from standin_worker import Behavior
+from support.standin_worker import Behavior
 
 from pdserve.router.policy import policy_class
 

@@ -13,7 +13,7 @@ from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.workers.health import probe_delays
 from pdserve.router.server import start_router
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 from conftest import FAST
 
@@ -73,14 +73,15 @@ async def test_workers_started_after_the_router_are_served_within_a_probe_gap():
         assert (await s.get("/liveness"))[0] == 200
         assert (await s.get("/health"))[0] == 200  # /health: the router runs (sglang-router's meaning)
         await asyncio.sleep(1.0)
+        # not answering yet, so watched: probed at the short startup gap, not the 60 s interval
+        assert sorted(s.router.health.watched) == sorted([s.prefill.url, s.decode.url])
         await s.prefill.start()
         await s.decode.start()
-        t_up = time.monotonic()
+        deadline = time.monotonic() + 20  # a third of the interval: only a watching probe fits
         while (await s.get("/readiness"))[0] != 200:
-            assert time.monotonic() - t_up < 3.0, "not ready within 3 s of the workers answering"
+            assert time.monotonic() < deadline, "not ready before the next interval probe"
             await asyncio.sleep(0.05)
-        lag = time.monotonic() - t_up
-        assert lag <= 1.1  # the probe gap of a worker that was never healthy is 0.5 s
+        assert s.prefill.health_checks >= 1 and s.decode.health_checks >= 1
         status, body = await s.generate()  # the first request after readiness succeeds
         assert status == 200 and body["text"] == " t0 t1 t2 t3"
         assert s.router.health.watched == []  # healthy workers are back to the interval
@@ -105,7 +106,7 @@ async def test_no_pair_within_the_request_queue_timeout_is_a_503_naming_the_miss
         status, body = await s.generate()
         waited = time.monotonic() - t0
         assert status == 503 and "no healthy decode worker" in body["error"]["message"]
-        assert 0.45 <= waited < 3.0
+        assert waited >= 0.45  # it waited out the queue timeout (a loaded machine only adds to it)
         status, body = await s.get("/readiness")
         assert status == 503 and body["missing"] == ["decode"]
 

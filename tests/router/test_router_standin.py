@@ -10,7 +10,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from standin_worker import Behavior, StandinWorker
+from support.standin_worker import Behavior, StandinWorker
 
 pytestmark = pytest.mark.timeout(30)
 

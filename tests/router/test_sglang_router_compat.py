@@ -16,7 +16,7 @@ import pytest
 from pdserve.entrypoints.procs import free_port, spawn, stop_group
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.server import start_router
-from standin_worker import StandinWorker
+from support.standin_worker import StandinWorker
 
 pytestmark = [pytest.mark.timeout(90),
               pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None,

@@ -1,6 +1,7 @@
 """Start order, end to end: a real prefill server, a real decode server (the default model) and the
-router, all started in the same second. ``/readiness`` turns 200 within 3 s of the workers
-answering ``/health``, and the first request sent after it does succeeds."""
+router, started together. The router answers ``/readiness`` "not ready" while the workers load, turns
+ready once they serve, and the first request sent after it does succeeds (with no request queue:
+a router ready too early would answer 503)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,18 @@ POLL_S = 0.05
 
 
 def first_200(url: str, stop: threading.Event, seen: dict, key: str) -> None:
-    """Record in ``seen[key]`` the time ``url`` first answers 200."""
+    """Record in ``seen[key]`` the time ``url`` first answers 200, and in ``seen[key + "_other"]`` the
+    time it first answers anything else (the server runs but is not there yet)."""
     while not stop.is_set():
         try:
-            if requests.get(url, timeout=1).status_code == 200:
-                seen[key] = time.monotonic()
-                return
+            status = requests.get(url, timeout=1).status_code
         except requests.RequestException:
-            pass
+            status = None
+        if status == 200:
+            seen[key] = time.monotonic()
+            return
+        if status is not None:
+            seen.setdefault(key + "_other", time.monotonic())
         time.sleep(POLL_S)
 
 
@@ -53,7 +58,6 @@ def test_router_and_workers_started_together_serve_once_ready():
     }
     t0 = time.monotonic()
     procs = {name: spawn(argv, os.path.join(logs, f"{name}.log"), env=env) for name, argv in argvs.items()}
-    assert time.monotonic() - t0 < 1.0  # started in the same second
     seen: dict[str, float] = {}
     stop = threading.Event()
     pollers = [threading.Thread(target=first_200, args=(url, stop, seen, key), daemon=True)
@@ -80,7 +84,9 @@ def test_router_and_workers_started_together_serve_once_ready():
         workers_up = max(seen["prefill"], seen["decode"])
         lag = seen["ready"] - workers_up
         print(f"workers healthy {workers_up - t0:.1f} s after start; /readiness 200 {lag:.2f} s later")
-        assert lag <= 3.0, seen
+        # the order that makes this a start-order test: the router answered "not ready" while its
+        # workers were still loading (that it turned ready only once they served is the 200 above)
+        assert seen["ready_other"] < workers_up, seen
     finally:
         stop.set()
         stop_groups(procs.values())

@@ -236,11 +236,14 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-async def _stream(request, events, delays):
+async def _stream(request, events, delays, sent=None):
+    """Write ``events`` with ``delays`` before each; ``sent`` gets the ``perf_counter`` of each write."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for ev, d in zip(events, delays):
         await asyncio.sleep(d)
+        if sent is not None:
+            sent.append(time.perf_counter())
         await resp.write(ev)
     return resp
 
@@ -251,24 +254,31 @@ async def test_client_times_tokens_and_splits_multi_token_events():
         return _sse({"text": text, "output_ids": list(range(n)),
                      "meta_info": {"prompt_tokens": 3, "completion_tokens": n}})
 
+    sent: list[float] = []  # when the server wrote each event (the client's clock: one process)
+
     async def handler(request):
-        # token 1 at ~0.2 s, tokens 2-3 together at ~0.4 s, token 4 at ~0.5 s
+        # token 1, then tokens 2-3 in one event, then token 4, then the end of the stream
         return await _stream(request, [gen(1, "a"), gen(3, "abc"), gen(4, "abcd"), b"data: [DONE]\n\n"],
-                             [0.2, 0.2, 0.1, 0.0])
+                             [0.2, 0.2, 0.1, 0.0], sent)
 
     runner, url = await _serve(handler)
     try:
         async with aiohttp.ClientSession() as s:
             row = DatasetRow("p", 2, 4, (1, 2))
-            out = await send_request(s, url, BACKENDS["generate"](), row, None, time.perf_counter())
+            start = time.perf_counter()
+            out = await send_request(s, url, BACKENDS["generate"](), row, None, start)
     finally:
         await runner.cleanup()
     assert out.success, out.error
     assert (out.prompt_len, out.output_len, out.generated_text) == (3, 4, "abcd")
-    assert 0.18 <= out.ttft <= 0.35
-    assert len(out.itl) == 3
-    assert out.itl[0] == out.itl[1] and 0.08 <= out.itl[0] <= 0.2  # the 0.2 s gap shared by two tokens
-    assert 0.08 <= out.itl[2] <= 0.25
+    assert len(sent) == 4 and len(out.itl) == 3
+    # each token is timed at its event's arrival, which follows the server's write of that event
+    # (however loaded the machine, only later): token 1 by the first event, 2-3 by the second
+    arrivals = [out.ttft + sum(out.itl[:k]) for k in range(4)]
+    assert start + arrivals[0] >= sent[0]
+    assert start + arrivals[2] >= sent[1] and start + arrivals[3] >= sent[2]
+    assert out.itl[0] == out.itl[1]  # the gap before a two-token event is shared by its tokens
+    assert arrivals == sorted(arrivals)
     assert out.latency >= out.ttft + sum(out.itl) - 1e-6
     assert out.tpot == pytest.approx((out.latency - out.ttft) / 3)
 

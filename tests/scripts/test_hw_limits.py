@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
-# SmolLM2-135M's shape (the default model): ~270 MB of bf16 weights per decode step (issue 17)
+# SmolLM2-135M's shape (the default model): ~270 MB of bf16 weights per decode step
 SMOL = SimpleNamespace(hidden_size=576, intermediate_size=1536, head_dim=64, num_heads=9, num_kv_heads=3,
                        num_layers=30, vocab_size=49152)
 

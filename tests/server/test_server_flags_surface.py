@@ -10,7 +10,7 @@ import json
 
 import pytest
 import requests
-from model_util import make_tiny_checkpoint
+from support.model_util import make_tiny_checkpoint
 from server_helpers import ServerProcess
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_util import greedy_generate, make_tiny_checkpoint, random_prompts
+from support.model_util import greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import make_tiny_checkpoint, random_prompts
+from support.model_util import make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch

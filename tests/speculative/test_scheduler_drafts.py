@@ -22,7 +22,7 @@ from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, Scheduler
 from pdserve.engine.speculative.verify import accept_greedy
 
-from loop_stand import PS, next_token, reference
+from support.loop_stand import PS, next_token, reference
 
 
 def verify_step(pool: PagePool, batch) -> SampleOutput:

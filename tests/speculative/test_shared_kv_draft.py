@@ -16,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_util import greedy_generate, make_tiny_checkpoint, random_prompts
+from support.model_util import greedy_generate, make_tiny_checkpoint, random_prompts
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch

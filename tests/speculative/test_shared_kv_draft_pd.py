@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from model_util import greedy_generate, make_tiny_checkpoint, random_prompts
+from support.model_util import greedy_generate, make_tiny_checkpoint, random_prompts
 
-import loop_stand
+from support import loop_stand
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.speculative.adaptive import AdaptiveRule

@@ -1,6 +1,6 @@
 """Speculation through a real 1 prefill + 1 decode deployment behind the router.
 
-Stand, on a tiny random llama (fp32, 64-token chunks, ``tests/pd/pd_stand.py``'s servers over the
+Stand, on a tiny random llama (fp32, 64-token chunks, ``tests/support/pd_stand.py``'s servers over the
 Mooncake TCP transfer on loopback): a prefill server given ``--speculative-algorithm NGRAM`` (which
 it ignores, saying so), a decode server that speculates with NGRAM, the pdserve router in front of
 them, and a plain colocated server as the reference. Greedy outputs through the router (SGLang's
@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 import requests
-from model_util import make_tiny_checkpoint
+from support.model_util import make_tiny_checkpoint
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "pd"))
 sys.path.append(str(Path(__file__).resolve().parents[1] / "reliability"))
-from pd_stand import Server  # noqa: E402
-from rel_stand import Router  # noqa: E402
+from support.pd_stand import Server  # noqa: E402
+from support.rel_stand import Router  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

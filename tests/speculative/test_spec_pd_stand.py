@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from loop_stand import PDPair, reference
+from support.loop_stand import PDPair, reference
 from oracle import FREE_RULE, OracleProposer
 
 

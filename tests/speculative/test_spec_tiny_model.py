@@ -13,7 +13,7 @@ import re
 
 import pytest
 import torch
-from model_util import make_tiny_checkpoint
+from support.model_util import make_tiny_checkpoint
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import TokenizedGenerateReq

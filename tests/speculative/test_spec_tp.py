@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from model_util import make_tiny_checkpoint
+from support.model_util import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 

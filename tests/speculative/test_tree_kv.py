@@ -23,7 +23,7 @@ from pdserve.engine.speculative.ngram import merge_tree
 from pdserve.engine.speculative.proposer import Draft
 from pdserve.engine.speculative.verify import accept_greedy_tree
 
-from loop_stand import PS, next_token, reference
+from support.loop_stand import PS, next_token, reference
 from test_scheduler_drafts import make
 
 

@@ -1,20 +1,15 @@
 """Structured-output tests: a colocated server and a 1P1D pair behind the router, shared by the tests.
 
-They reuse the PD tests' process helpers (``tests/pd/pd_stand.py``).
+They reuse the PD tests' process helpers (``tests/support/pd_stand.py``).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
+from support.pd_stand import Proc, Server
 
-from pd_stand import Proc, Server  # noqa: E402
-
-from pdserve.entrypoints.procs import free_port, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, wait_healthy
 
 # tool_choice auto finds hermes-style calls
 SERVER_FLAGS = ("--max-total-tokens", "4096", "--tool-call-parser", "hermes")

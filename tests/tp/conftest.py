@@ -17,7 +17,7 @@ for folder in ("server", "kernels", "pd"):
 def tiny_checkpoints(tmp_path_factory):
     """{"llama": dir, "qwen3": dir, "qwen3_moe": dir, "gemma3": dir}: 4 query heads, 2 KV heads,
     random weights, fp32."""
-    from model_util import make_tiny_checkpoint
+    from support.model_util import make_tiny_checkpoint
 
     out = {}
     for kind in ("llama", "qwen3", "qwen3_moe", "gemma3"):

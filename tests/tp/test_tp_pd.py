@@ -1,4 +1,4 @@
-"""Disaggregated serving with tensor parallelism on both sides, including different TP sizes (issue 13).
+"""Disaggregated serving with tensor parallelism on both sides, including different TP sizes.
 
 Stand, one per transfer backend, on the tiny Llama (4 query heads, 2 KV heads, fp32): prefill servers
 P1 (TP 1) and P2 (TP 2), decode servers D1 (TP 1) and D2 (TP 2), and the colocated TP 1 server as the
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from pd_stand import Server, greedy_body, pd_post, sglang_router
+from support.pd_stand import Server, greedy_body, pd_post, sglang_router
 
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 

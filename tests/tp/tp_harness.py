@@ -20,7 +20,7 @@ MAX_TOTAL_TOKENS = 2048
 
 def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out,
                engine_kw: dict) -> None:
-    from model_util import greedy_generate
+    from support.model_util import greedy_generate
 
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.model_executor.model_runner import ModelRunner

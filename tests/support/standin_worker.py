@@ -12,7 +12,7 @@ which is how tests see that the router cancelled a leg.
 
 Lives with the tests because it is test code, not a part of pdserve; it imports nothing
 of pdserve, so ``scripts/bench_router.py`` runs it by path as its own process:
-``python tests/router/standin_worker.py --role decode --port 8001``.
+``python tests/support/standin_worker.py --role decode --port 8001``.
 """
 
 from __future__ import annotations

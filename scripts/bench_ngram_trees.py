@@ -7,13 +7,13 @@ a verify step would accept). Prints accepted drafts per verify (over positions t
 and per position (every step), for branches 1..4 and node weights (merge_tree's rank and depth
 weights: "default" is ngram.py's 0.6 / 0.7).
 
-    .venv/bin/python results/speculative/ngram_tree_probe.py
+    .venv/bin/python scripts/bench_ngram_trees.py
 """
 import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_spec, beside this script
 
 from pdserve.engine.speculative.ngram import NgramProposer, merge_tree  # noqa: E402
 from pdserve.engine.speculative.proposer import DraftInput  # noqa: E402

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from netns_util import add_netns_or_skip, del_netns, ip
-from pd_stand import ADMIN_HEADERS
+from support.netns_util import add_netns_or_skip, del_netns, ip
+from support.pd_stand import ADMIN_HEADERS
 
 NET = "198.51.100"
 

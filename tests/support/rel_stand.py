@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from pd_stand import Proc, Server
+from support.pd_stand import Proc, Server
 
 from pdserve.entrypoints.procs import free_port, group_pids, wait_healthy
 

@@ -2,7 +2,7 @@
 1 thread, 300-token prefix), wall and process CPU time, median of 10 after 3 untimed. Also the w8a16
 self-draft's decode step at batch 1 against the bf16 target's.
 
-    .venv/bin/python results/speculative/flat_verify_cost_probe.py
+    .venv/bin/python scripts/bench_verify_cost.py
 """
 import os
 import statistics
