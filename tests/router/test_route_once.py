@@ -10,7 +10,7 @@ import time
 from collections import Counter
 
 import pytest
-from standin_worker import Behavior
+from support.standin_worker import Behavior
 
 pytestmark = pytest.mark.timeout(90)
 LONG = {"text": " ".join(["word"] * 200), "stream": True, "sampling_params": {"max_new_tokens": 2}}

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from standin_worker import Behavior
+from support.standin_worker import Behavior
 
 pytestmark = pytest.mark.timeout(60)
 

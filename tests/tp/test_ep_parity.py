@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from model_util import hf_greedy, hf_model
+from support.model_util import hf_greedy, hf_model
 from tp_harness import run_tp
 
 pytestmark = pytest.mark.timeout(600)

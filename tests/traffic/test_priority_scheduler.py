@@ -19,7 +19,7 @@ from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.engine.sched.scheduler import SampleOutput, Scheduler
 from pdserve.engine.frontend.request_error import RequestError
 
-from loop_stand import PS, next_token, reference
+from support.loop_stand import PS, next_token, reference
 
 
 class TokenModel:
