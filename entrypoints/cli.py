@@ -28,7 +28,7 @@ def serve_main(argv: list[str]) -> int:
 
 
 def launch_main(argv: list[str], make_planner: Callable | None = None) -> int:
-    from pdserve.entrypoints.cluster import run_launch
+    from pdserve.entrypoints.launch import run_launch
     from pdserve.entrypoints.launch_flags import parse_launch_args
 
     try:

@@ -1,7 +1,7 @@
 """Child processes: start one in its own process group with its output in a log file, stop
 the group, pick a free port, wait until a server answers ``/health``.
 
-The one owner of this for ``pdserve launch`` (``entrypoints/cluster.py``), the benchmark scripts
+The one owner of this for ``pdserve launch`` (``entrypoints/cluster.py``, its supervisor), the benchmark scripts
 and the test stands. A pdserve server starts scheduler ranks of its own, so a stop signals
 the whole process group (the child is started in a new session: its pid is the group id)
 and waits until no process of the group is left, not only the one it started.
