@@ -16,7 +16,8 @@ head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the s
 int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
 ``cpu_argmax.c``, the greedy pick over float32 logits; ``cpu_moe.c``, a mixture-of-experts
-layer's routed experts in one call (bound in ``cpu_moe.py``);
+layer's routed experts in one call (bound in ``cpu_moe.py``); ``cpu_mla_decode.c``, multi-head latent
+attention's absorbed decode over latent pages (bound in ``mla_decode.py``);
 ``cpu_common.h``, their bf16 conversions, exp and silu; ``cpu_amx.h``, the AMX tiles' permission and
 configuration;
 and ``cpu_bf16_avx512.h`` the same conversions and silu on AVX-512 vectors.

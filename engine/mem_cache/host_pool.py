@@ -6,7 +6,7 @@ evicts from L1, so that a later match loads them back (one copy) instead of
 recomputing them. On CPU both tiers are DRAM and the copy is a memcpy; on CUDA
 the host tensor is pinned, so the copies are DMA transfers.
 
-Layout: page-major, ``[num_slots, 2 (K, V), num_layers, num_kv_heads, page_size,
+Layout: page-major, ``[num_slots, planes (K, V; the latent alone in a latent pool), num_layers, num_kv_heads, page_size,
 head_dim]``: one slot's bytes are one contiguous range, which is what the
 storage tier (L3) puts and gets as one object. The KV pool is head-major per
 layer (``[heads, pages, page_size, dim]``), so a copy between them is one gather
@@ -21,7 +21,12 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.mem_cache.free_list import FreeList
-from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.mem_cache.page_pool import PagePool, kv_planes
+
+
+def _buffers(pool: PagePool, layer: int) -> tuple[torch.Tensor, ...]:
+    """Layer's K and V, or its latent alone."""
+    return (pool.k[layer], pool.v[layer]) if pool.v else (pool.k[layer],)
 
 
 class HostKVPool:
@@ -33,9 +38,10 @@ class HostKVPool:
         self.num_layers = pool.num_layers
         self.dtype = pool.dtype
         pin = pool.device.type == "cuda"
-        # data: [num_slots, 2, num_layers, num_kv_heads, page_size, head_dim]
+        self.planes = kv_planes(pool.kind)
+        # data: [num_slots, planes, num_layers, num_kv_heads, page_size, head_dim]
         self.data = torch.zeros(
-            (num_slots, 2, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
+            (num_slots, self.planes, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
             dtype=pool.dtype, pin_memory=pin,
         )
         self._slots = FreeList(range(num_slots - 1, -1, -1), "host slot")
@@ -45,7 +51,7 @@ class HostKVPool:
         """Pages of the host tier: ``size_gb`` GiB if > 0 (SGLang's ``--hicache-size``), else
         ``ratio`` times the KV pool (``--hicache-ratio``)."""
         if size_gb > 0:
-            page_bytes = 2 * pool.num_layers * pool.layout().page_bytes
+            page_bytes = kv_planes(pool.kind) * pool.num_layers * pool.layout().page_bytes
             return int(size_gb * 2**30) // page_bytes
         return int(pool.capacity * ratio)
 
@@ -64,7 +70,7 @@ class HostKVPool:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one page of every layer's K and V (one slot, one storage object)."""
+        """Bytes of one page of every layer's K and V, or latent (one slot, one storage object)."""
         return self.data[0].numel() * self.data.element_size()
 
     def used_slots(self) -> frozenset[int]:
@@ -89,7 +95,7 @@ class HostKVPool:
         p = torch.tensor(pages, device=pool.device)
         s = torch.tensor(slots)
         for layer in range(self.num_layers):
-            for kv, src in ((0, pool.k[layer]), (1, pool.v[layer])):
+            for kv, src in enumerate(_buffers(pool, layer)):
                 # src[:, p]: [heads, n, page_size, dim] -> [n, heads, page_size, dim]
                 self.data[s, kv, layer] = src[:, p].transpose(0, 1).to("cpu", non_blocking=True)
         if pool.device.type == "cuda":
@@ -102,7 +108,7 @@ class HostKVPool:
         p = torch.tensor(pages, device=pool.device)
         s = torch.tensor(slots)
         for layer in range(self.num_layers):
-            for kv, dst in ((0, pool.k[layer]), (1, pool.v[layer])):
+            for kv, dst in enumerate(_buffers(pool, layer)):
                 # data[s, kv, layer]: [n, heads, page_size, dim] -> dst[:, p]: [heads, n, page_size, dim]
                 dst[:, p] = self.data[s, kv, layer].to(pool.device, non_blocking=True).transpose(0, 1)
 

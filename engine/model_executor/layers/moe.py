@@ -171,5 +171,11 @@ class FusedMoE:
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> residual + the experts' weighted sum over the group, [T, hidden]."""
         weights, ids = self.select_experts(router_logits)
-        y = self.exchange.run(x, weights, ids, step, self.method.apply)
+        return self.forward_routed(x, weights, ids, step, residual)
+
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` with the routing chosen by the caller (a model's own gate): topk_weights
+        [T, k] float32, topk_ids [T, k] int64 -> residual + the weighted sum over the group, [T, hidden]."""
+        y = self.exchange.run(x, topk_weights, topk_ids, step, self.method.apply)
         return y if residual is None else residual + y
