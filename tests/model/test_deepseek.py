@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from deepseek_util import make_deepseek_checkpoint
-from model_util import greedy_generate, hf_greedy, hf_model
+from support.model_util import greedy_generate, hf_greedy, hf_model
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.page_pool import LATENT
