@@ -24,6 +24,15 @@ from pdserve.engine.mem_cache.free_list import FreeList
 from pdserve.engine.mem_cache.page_pool import PagePool
 
 
+def _kinds(pool: PagePool) -> int:
+    """Buffers per layer: K and V, or a latent pool's one (its ``v`` is empty)."""
+    return 2 if pool.v else 1
+
+
+def _buffers(pool: PagePool, layer: int) -> tuple[torch.Tensor, ...]:
+    return (pool.k[layer], pool.v[layer]) if pool.v else (pool.k[layer],)
+
+
 class HostKVPool:
     def __init__(self, pool: PagePool, num_slots: int):
         if num_slots < 1:
@@ -33,9 +42,11 @@ class HostKVPool:
         self.num_layers = pool.num_layers
         self.dtype = pool.dtype
         pin = pool.device.type == "cuda"
-        # data: [num_slots, 2, num_layers, num_kv_heads, page_size, head_dim]
+        self.kinds = _kinds(pool)
+        # data: [num_slots, kinds, num_layers, num_kv_heads, page_size, head_dim]; kinds: K and V, or a
+        # latent pool's K only
         self.data = torch.zeros(
-            (num_slots, 2, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
+            (num_slots, self.kinds, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
             dtype=pool.dtype, pin_memory=pin,
         )
         self._slots = FreeList(range(num_slots - 1, -1, -1), "host slot")
@@ -45,7 +56,7 @@ class HostKVPool:
         """Pages of the host tier: ``size_gb`` GiB if > 0 (SGLang's ``--hicache-size``), else
         ``ratio`` times the KV pool (``--hicache-ratio``)."""
         if size_gb > 0:
-            page_bytes = 2 * pool.num_layers * pool.layout().page_bytes
+            page_bytes = _kinds(pool) * pool.num_layers * pool.layout().page_bytes
             return int(size_gb * 2**30) // page_bytes
         return int(pool.capacity * ratio)
 
@@ -64,7 +75,7 @@ class HostKVPool:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one page of every layer's K and V (one slot, one storage object)."""
+        """Bytes of one page of every layer's K and V (a latent pool: K only; one slot, one storage object)."""
         return self.data[0].numel() * self.data.element_size()
 
     def used_slots(self) -> frozenset[int]:
@@ -89,7 +100,7 @@ class HostKVPool:
         p = torch.tensor(pages, device=pool.device)
         s = torch.tensor(slots)
         for layer in range(self.num_layers):
-            for kv, src in ((0, pool.k[layer]), (1, pool.v[layer])):
+            for kv, src in enumerate(_buffers(pool, layer)):
                 # src[:, p]: [heads, n, page_size, dim] -> [n, heads, page_size, dim]
                 self.data[s, kv, layer] = src[:, p].transpose(0, 1).to("cpu", non_blocking=True)
         if pool.device.type == "cuda":
@@ -102,7 +113,7 @@ class HostKVPool:
         p = torch.tensor(pages, device=pool.device)
         s = torch.tensor(slots)
         for layer in range(self.num_layers):
-            for kv, dst in ((0, pool.k[layer]), (1, pool.v[layer])):
+            for kv, dst in enumerate(_buffers(pool, layer)):
                 # data[s, kv, layer]: [n, heads, page_size, dim] -> dst[:, p]: [heads, n, page_size, dim]
                 dst[:, p] = self.data[s, kv, layer].to(pool.device, non_blocking=True).transpose(0, 1)
 
