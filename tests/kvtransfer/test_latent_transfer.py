@@ -13,7 +13,7 @@ import torch
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import AuxData, BootstrapServer, DecodeKVManager, KVPoll, KVTransferConfig, PrefillKVManager
 from pdserve.kvtransfer.head_slices import TPPlace, head_slices, place_for
-from pdserve.kvtransfer.transfer_engine import create_transfer_engine
+from pdserve.kvtransfer.engines.transfer_engine import create_transfer_engine
 from tests.kvtransfer.latent_pool import LatentPool
 
 pytestmark = pytest.mark.timeout(120)
