@@ -16,7 +16,8 @@ head-major pool; ``cpu_int8_act.c``, w8a8's per-token int8 activations and the s
 int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one call on AMX-INT8
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
 ``cpu_argmax.c``, the greedy pick over float32 logits; ``cpu_moe.c``, a mixture-of-experts
-layer's routed experts in one call (bound in ``cpu_moe.py``);
+layer's routed experts in one call (bound in ``cpu_moe.py``); ``cpu_mla_decode.c``, multi-head latent
+attention's absorbed decode over latent pages (bound in ``mla_decode.py``);
 ``cpu_common.h``, their bf16 conversions, exp and silu; ``cpu_amx.h``, the AMX tiles' permission and
 configuration;
 and ``cpu_bf16_avx512.h`` the same conversions and silu on AVX-512 vectors.
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 _SOURCES = ("cpu_common.h", "cpu_bf16_avx512.h", "cpu_amx.h", "cpu_gemv_avx512.h", "cpu_gemv_avx2.h",
             "cpu_decode_attn.c", "cpu_prefill_attn.c", "cpu_norm_rope.c", "cpu_gemv.c", "cpu_decode_layer.c",
             "cpu_int8_act.c", "cpu_amx_int8.c", "cpu_gemm.c", "cpu_kv_store.c", "cpu_argmax.c",
-            "cpu_moe.c")
+            "cpu_moe.c", "cpu_mla_decode.c")
 
 # Reassociation lets the dot products and sums vectorize (~1.7x here). Not -ffast-math: with
 # gcc < 13 it links crtfastmath into a shared library, which turns on flush-to-zero process-wide.

@@ -15,15 +15,18 @@ def _planes(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1, cache.shape[3])
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor,
-             k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write new tokens' K/V into their slots.
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor | None, loc: torch.Tensor,
+             k: torch.Tensor, v: torch.Tensor | None) -> None:
+    """Write new tokens' K/V into their slots; ``v_cache`` and ``v`` None for a latent pool
+    (one vector per token, stored as K).
 
     k_cache, v_cache: [kv_heads, num_pages, page_size, head_dim]; loc: [T] int64 slots;
     k, v: [T, kv_heads, head_dim] (or [T, kv_heads * head_dim]).
     """
     heads, dim = k_cache.shape[0], k_cache.shape[3]
     _planes(k_cache).index_copy_(1, loc, k.view(-1, heads, dim).transpose(0, 1))
+    if v_cache is None:
+        return
     _planes(v_cache).index_copy_(1, loc, v.view(-1, heads, dim).transpose(0, 1))
 
 

@@ -17,13 +17,8 @@ import msgspec
 from pdserve.engine.quantization_names import UNQUANTIZED
 
 
-MHA, LATENT = "mha", "latent"
+MHA, LATENT = "mha", "latent"  # KVLayout.kind (page_pool), named here without importing torch
 KV_KINDS = (MHA, LATENT)
-
-
-def kv_kind(layout) -> str:
-    """A pool layout's kind (``KVLayout.kind``; a layout without one is per-head K and V: "mha")."""
-    return getattr(layout, "kind", MHA)
 
 
 class LayoutInfo(msgspec.Struct, frozen=True):
@@ -43,7 +38,7 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     @classmethod
     def from_layout(cls, layout) -> "LayoutInfo":
         return cls(layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                   layout.quantization, layout.model, kv_kind(layout))
+                   layout.quantization, layout.model, layout.kind)
 
     def describe(self) -> str:
         """The layout in a line, as a refusal names it: ``latent 1x576 bfloat16``."""

@@ -6,7 +6,7 @@ evicts from L1, so that a later match loads them back (one copy) instead of
 recomputing them. On CPU both tiers are DRAM and the copy is a memcpy; on CUDA
 the host tensor is pinned, so the copies are DMA transfers.
 
-Layout: page-major, ``[num_slots, 2 (K, V), num_layers, num_kv_heads, page_size,
+Layout: page-major, ``[num_slots, planes (K, V; the latent alone in a latent pool), num_layers, num_kv_heads, page_size,
 head_dim]``: one slot's bytes are one contiguous range, which is what the
 storage tier (L3) puts and gets as one object. The KV pool is head-major per
 layer (``[heads, pages, page_size, dim]``), so a copy between them is one gather
@@ -21,15 +21,11 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.mem_cache.free_list import FreeList
-from pdserve.engine.mem_cache.page_pool import PagePool
-
-
-def _kinds(pool: PagePool) -> int:
-    """Buffers per layer: K and V, or a latent pool's one (its ``v`` is empty)."""
-    return 2 if pool.v else 1
+from pdserve.engine.mem_cache.page_pool import PagePool, kv_planes
 
 
 def _buffers(pool: PagePool, layer: int) -> tuple[torch.Tensor, ...]:
+    """Layer's K and V, or its latent alone."""
     return (pool.k[layer], pool.v[layer]) if pool.v else (pool.k[layer],)
 
 
@@ -42,11 +38,10 @@ class HostKVPool:
         self.num_layers = pool.num_layers
         self.dtype = pool.dtype
         pin = pool.device.type == "cuda"
-        self.kinds = _kinds(pool)
-        # data: [num_slots, kinds, num_layers, num_kv_heads, page_size, head_dim]; kinds: K and V, or a
-        # latent pool's K only
+        self.planes = kv_planes(pool.kind)
+        # data: [num_slots, planes, num_layers, num_kv_heads, page_size, head_dim]
         self.data = torch.zeros(
-            (num_slots, self.kinds, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
+            (num_slots, self.planes, pool.num_layers, pool.num_kv_heads, pool.page_size, pool.head_dim),
             dtype=pool.dtype, pin_memory=pin,
         )
         self._slots = FreeList(range(num_slots - 1, -1, -1), "host slot")
@@ -56,7 +51,7 @@ class HostKVPool:
         """Pages of the host tier: ``size_gb`` GiB if > 0 (SGLang's ``--hicache-size``), else
         ``ratio`` times the KV pool (``--hicache-ratio``)."""
         if size_gb > 0:
-            page_bytes = _kinds(pool) * pool.num_layers * pool.layout().page_bytes
+            page_bytes = kv_planes(pool.kind) * pool.num_layers * pool.layout().page_bytes
             return int(size_gb * 2**30) // page_bytes
         return int(pool.capacity * ratio)
 
@@ -75,7 +70,7 @@ class HostKVPool:
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one page of every layer's K and V (a latent pool: K only; one slot, one storage object)."""
+        """Bytes of one page of every layer's K and V, or latent (one slot, one storage object)."""
         return self.data[0].numel() * self.data.element_size()
 
     def used_slots(self) -> frozenset[int]:

@@ -11,6 +11,11 @@ mismatched``). It is vLLM's "HND" choice for heterogeneous TP, at the level of t
 pool. A token's *slot* is ``page * page_size + offset``; ``k_slots`` is the
 ``[num_slots, heads, dim]`` view (strided over heads) that the store/gather kernels index.
 
+A *latent* pool (``kind="latent"``, multi-head latent attention) holds one vector per token per
+layer, shared by all heads: ``num_kv_heads == 1``, ``head_dim`` the latent width
+(``kv_lora_rank + qk_rope_head_dim``), K buffers only (``v == []``). Everything that walks K and V
+walks ``(*k, *v)``, so it walks the latent buffers alone.
+
 Page 0 is reserved as a scratch page (padding in page tables points at it), so
 it is never handed out and never counted as free or used.
 """
@@ -23,6 +28,18 @@ import torch
 
 from pdserve.engine.mem_cache.free_list import FreeList
 from pdserve.engine.quantization_names import UNQUANTIZED
+
+
+MHA = "mha"  # a K and a V per layer, per KV head
+LATENT = "latent"  # one latent vector per token per layer (MLA), K buffers only
+KV_KINDS = (MHA, LATENT)
+
+
+def kv_planes(kind: str) -> int:
+    """Buffers per layer of a pool of ``kind``: 2 (K and V) or 1 (the latent)."""
+    if kind not in KV_KINDS:
+        raise ValueError(f"KV layout kind must be one of {KV_KINDS}, got {kind!r}")
+    return 1 if kind == LATENT else 2
 
 
 class OutOfPagesError(RuntimeError):
@@ -43,6 +60,13 @@ class KVLayout:
     quantization: str
     # which model and weights compute the KV (model_executor/model_identity.py); "" when unknown
     model: str = ""
+    # MHA (K and V per KV head) or LATENT (one vector per token per layer, K buffers only)
+    kind: str = MHA
+
+    @property
+    def planes(self) -> int:
+        """Buffers per layer: 2 (K, V) or 1 (latent)."""
+        return kv_planes(self.kind)
 
     @property
     def head_page_bytes(self) -> int:
@@ -78,7 +102,11 @@ class PagePool:
         dtype: torch.dtype,
         device: str | torch.device = "cpu",
         quantization: str = UNQUANTIZED,
+        kind: str = MHA,
     ):
+        planes = kv_planes(kind)
+        if kind == LATENT and num_kv_heads != 1:
+            raise ValueError(f"a latent KV pool has one vector per token (num_kv_heads 1), got {num_kv_heads}")
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
         if page_size < 1:
@@ -90,12 +118,13 @@ class PagePool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.quantization = quantization
+        self.kind = kind
         self.model = ""  # the model's identity, set by the runner that computes into this pool
         self.device = torch.device(device)
         shape = (num_kv_heads, num_pages, page_size, head_dim)
         # zeros, not empty: untouched pages must read as zeros in transfer tests
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)] if planes == 2 else []
         # LIFO free list: recently freed pages are reused first (warm in cache)
         self._pages = FreeList(range(num_pages - 1, 0, -1), "page")
 
@@ -178,6 +207,8 @@ class PagePool:
         return self.k[layer].view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
 
     def v_slots(self, layer: int) -> torch.Tensor:
+        if not self.v:
+            raise ValueError("a latent KV pool has no V buffers")
         return self.v[layer].view(self.num_kv_heads, -1, self.head_dim).transpose(0, 1)
 
     # ------------------------------------------------- transfer registration
@@ -190,10 +221,12 @@ class PagePool:
             dtype=str(self.dtype).removeprefix("torch."),
             quantization=self.quantization,
             model=self.model,
+            kind=self.kind,
         )
 
     def buffer_infos(self) -> list[BufferInfo]:
-        """Regions to register with a transfer engine: all layers' K, then all layers' V."""
+        """Regions to register with a transfer engine: all layers' K, then all layers' V (none in a
+        latent pool)."""
         lay = self.layout()
         return [
             BufferInfo(t.data_ptr(), t.numel() * t.element_size(), lay.page_bytes, lay.head_page_bytes,
@@ -202,6 +235,8 @@ class PagePool:
         ]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        kind: str = MHA) -> int:
+        """KV bytes one token takes over all layers: K and V per KV head, or one latent vector."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+        return kv_planes(kind) * num_layers * num_kv_heads * head_dim * itemsize

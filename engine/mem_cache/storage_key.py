@@ -40,11 +40,13 @@ def kv_namespace(model_path: str, layout: KVLayout, kv_start: int) -> str:
         str(layout.page_size), str(layout.num_layers), str(layout.head_dim),
         _heads_part(layout, kv_start),
     ]
+    if layout.kind != "mha":  # a latent page is not a head's page; MHA namespaces stay as they were
+        parts.append(f"kind {layout.kind}")
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
 
 
 def _heads_part(layout: KVLayout, kv_start: int) -> str:
-    if getattr(layout, "kind", "mha") == "latent":
+    if layout.kind == "latent":
         return f"latent {layout.head_dim}"
     return f"heads {kv_start}..{kv_start + layout.num_kv_heads}"
 

@@ -9,13 +9,12 @@ import torch
 from pdserve.engine.mem_cache.host_pool import HostKVPool
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.storage_key import kv_namespace
-from tests.kvtransfer.latent_pool import LatentPool
 
 LAYERS, PAGE, LATENT = 2, 4, 12
 
 
 def test_latent_pages_round_trip_through_the_host_tier():
-    pool = LatentPool(6, PAGE, LAYERS, LATENT, torch.float32)
+    pool = PagePool(6, PAGE, LAYERS, 1, LATENT, torch.float32, kind="latent")
     host = HostKVPool(pool, 4)
     assert host.slot_bytes == LAYERS * PAGE * LATENT * 4  # K only, one vector per token
     for layer, t in enumerate(pool.k):
@@ -31,7 +30,7 @@ def test_latent_pages_round_trip_through_the_host_tier():
 
 
 def test_latent_namespace_is_shared_by_every_tp_rank():
-    latent = LatentPool(6, PAGE, LAYERS, LATENT, torch.float32).layout()
+    latent = PagePool(6, PAGE, LAYERS, 1, LATENT, torch.float32, kind="latent").layout()
     mha = PagePool(6, PAGE, LAYERS, 1, LATENT, torch.float32).layout()
     assert kv_namespace("/m", latent, 0) == kv_namespace("/m", latent, 3)
     assert kv_namespace("/m", mha, 0) != kv_namespace("/m", mha, 1)

@@ -14,7 +14,6 @@ from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer import AuxData, BootstrapServer, DecodeKVManager, KVPoll, KVTransferConfig, PrefillKVManager
 from pdserve.kvtransfer.head_slices import TPPlace, head_slices, place_for
 from pdserve.kvtransfer.engines.transfer_engine import create_transfer_engine
-from tests.kvtransfer.latent_pool import LatentPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -63,8 +62,8 @@ def test_latent_room_moves_the_latent_pages_once(backend, p_tp, d_tp):
     server = BootstrapServer("127.0.0.1", 0, tp_size=p_tp).start_in_thread()
     cfg = KVTransferConfig(backend=backend, host="127.0.0.1", bootstrap_port=server.port, num_transfer_threads=1,
                            aux_num_slots=4)
-    p_pools = [LatentPool(PAGES, PAGE, LAYERS, LATENT, torch.float32) for _ in range(p_tp)]
-    d_pools = [LatentPool(PAGES, PAGE, LAYERS, LATENT, torch.float32) for _ in range(d_tp)]
+    p_pools = [PagePool(PAGES, PAGE, LAYERS, 1, LATENT, torch.float32, kind="latent") for _ in range(p_tp)]
+    d_pools = [PagePool(PAGES, PAGE, LAYERS, 1, LATENT, torch.float32, kind="latent") for _ in range(d_tp)]
     assert all(p.v == [] for p in p_pools + d_pools)
     # the latent is identical on every TP rank: each element says its layer and token slot
     for p in p_pools:
@@ -118,7 +117,7 @@ def test_latent_room_moves_the_latent_pages_once(backend, p_tp, d_tp):
 def test_latent_and_per_head_pools_refuse_to_pair(prefill_latent):
     server = BootstrapServer("127.0.0.1", 0, tp_size=1).start_in_thread()
     cfg = KVTransferConfig(backend="local", bootstrap_port=server.port, num_transfer_threads=1, aux_num_slots=4)
-    latent = LatentPool(PAGES, PAGE, LAYERS, LATENT, torch.float32)
+    latent = PagePool(PAGES, PAGE, LAYERS, 1, LATENT, torch.float32, kind="latent")
     mha = PagePool(PAGES, PAGE, LAYERS, 1, LATENT, torch.float32)
     p_pool, d_pool = (latent, mha) if prefill_latent else (mha, latent)
     prefill = PrefillKVManager(cfg, p_pool).start()
