@@ -12,11 +12,14 @@ import json
 from dataclasses import dataclass
 
 # HF ``model_type`` / GGUF ``general.architecture`` -> our family name
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "deepseek_v2", "deepseek_v3")
+# multi-head latent attention: the KV pool holds one latent vector per token (kv_kind "latent")
+MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 # our family name -> the Hugging Face architecture (``models/registry.py`` serves it by that name)
 HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "gemma3_text": "Gemma3ForCausalLM"}
+                    "gemma3_text": "Gemma3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                    "deepseek_v3": "DeepseekV3ForCausalLM"}
 
 
 def check_tp_heads(tp_size: int, num_heads: int, num_kv_heads: int) -> None:
@@ -76,6 +79,9 @@ class ModelArch:
     # llama3-style rope scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos)
     rope_llama3_scaling: tuple[float, float, float, int] | None = None
     rope_linear_factor: float = 1.0
+    # the KV pool's kind (mem_cache/page_pool.py): "mha", or "latent" for multi-head latent attention,
+    # whose pool has num_kv_heads 1 and head_dim the latent width
+    kv_kind: str = "mha"
     # the checkpoint's config.json as read (JSON text; "" for GGUF), for a model class's own fields
     # (experts, sliding windows, ...) that no other part of the engine reads
     hf_config: str = dataclasses.field(default="", compare=False, repr=False)
@@ -118,7 +124,12 @@ class ModelArch:
     def from_hf_config(cls, cfg: dict, generation_cfg: dict | None = None) -> "ModelArch":
         """Build from a parsed ``config.json`` (and optional ``generation_config.json``)."""
         model_type = cfg.get("model_type", "")
-        check_no_checkpoint_quantization(cfg)
+        if model_type in MLA_ARCHS and cfg.get("quantization_config") is not None:
+            from pdserve.engine.model_executor.fp8_block import check_fp8_block_config
+
+            check_fp8_block_config(cfg["quantization_config"])  # dequantized at load by the model
+        else:
+            check_no_checkpoint_quantization(cfg)
         if model_type not in SUPPORTED_ARCHS:
             raise ValueError(f"model_type {model_type!r} is not supported (supported: {SUPPORTED_ARCHS})")
         num_heads = cfg["num_attention_heads"]
@@ -139,7 +150,7 @@ class ModelArch:
             )
         elif rope_type == "linear":
             linear = float(rope["factor"])
-        elif rope_type != "default":
+        elif rope_type != "default" and model_type not in MLA_ARCHS:  # DeepSeek's rope: layers/yarn_rope.py
             raise ValueError(f"rope scaling type {rope_type!r} is not supported")
         max_ctx = int(cfg.get("max_position_embeddings", 4096))
         # attention restricted to a window equals full attention for contexts inside it,
@@ -153,13 +164,15 @@ class ModelArch:
             for tok in value if isinstance(value, list) else [value]:
                 if tok is not None and tok not in eos:
                     eos.append(int(tok))
+        mla = model_type in MLA_ARCHS
         return cls(
             arch=model_type,
             num_layers=cfg["num_hidden_layers"],
             hidden_size=hidden,
             num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            # MLA: one latent vector per token, shared by all heads
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] if mla else cfg.get("head_dim") or hidden // num_heads,
             intermediate_size=cfg["intermediate_size"],
             vocab_size=cfg["vocab_size"],
             rope_theta=rope_theta,
@@ -172,6 +185,7 @@ class ModelArch:
             bos_token_id=cfg.get("bos_token_id"),
             rope_llama3_scaling=llama3,
             rope_linear_factor=linear,
+            kv_kind="latent" if mla else "mha",
             hf_config=json.dumps(cfg, sort_keys=True),
         )
 

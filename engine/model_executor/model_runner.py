@@ -87,7 +87,8 @@ def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, de
     cuda = device.type == "cuda" and config.max_total_tokens is None
     size = size_pool(
         max_total_tokens=config.max_total_tokens, mem_fraction_static=config.mem_fraction_static,
-        device_type=device.type, per_token_bytes=PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype),
+        device_type=device.type, per_token_bytes=PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype,
+                                                                             arch.kv_kind),
         weights_bytes=weights_bytes, max_context_len=arch.max_context_len,
         max_running_requests=config.max_running_requests, page_size=config.page_size, ranks=ranks,
         host_bytes=host_memory_bytes() if device.type == "cpu" else None,
@@ -130,7 +131,7 @@ class ModelRunner:
                                   weights_bytes, ranks)
             num_pages = all_reduce_min(size.num_pages(config.page_size))
             self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
-                                      arch.head_dim, self.dtype, self.device, config.quantization)
+                                      arch.head_dim, self.dtype, self.device, config.quantization, arch.kv_kind)
             self.page_pool.model = self._identity(source)
             rule = size.rule
         else:
@@ -147,7 +148,7 @@ class ModelRunner:
         )
         # the KV pages' bytes over the TP ranks of this DP rank (each holds its heads' share)
         self.kv_pool_bytes = self.page_pool.max_total_tokens * tp.size * PagePool.bytes_per_token(
-            arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype)
+            arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype, arch.kv_kind)
         logger.info("loaded %s (%s) as %s, weights %s (%.2f GiB on this rank), in %.1fs (TP rank %d of %d: %d heads, "
                     "%d KV heads); decode steps of <= %d tokens through native gemv", source.path, arch.arch,
                     self.dtype, config.quantization, weights_bytes / 2**30, time.perf_counter() - t0, tp.rank,

@@ -131,7 +131,13 @@ class FusedMoE:
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> residual + all_reduce(experts' weighted sum), [T, hidden]."""
         weights, ids = self.select_experts(router_logits)
-        y = self.method.apply(x, weights, ids, step)
+        return self.forward_routed(x, weights, ids, step, residual)
+
+    def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` with the routing chosen by the caller (a model's own gate): topk_weights
+        [T, k] float32, topk_ids [T, k] int64 -> residual + all_reduce(weighted sum), [T, hidden]."""
+        y = self.method.apply(x, topk_weights, topk_ids, step)
         if self.tp_size > 1:
             y = all_reduce(y)
         return y if residual is None else residual + y
