@@ -1,0 +1,35 @@
+"""A tiny DeepSeek-V3 (MLA: a latent KV pool) through 1P1D over Mooncake: greedy output identical to
+the colocated server's, and both sides' pools unleaked after."""
+
+from __future__ import annotations
+
+import pytest
+from pd_stand import Server, greedy_body, pd_post, serving
+
+from tests.deepseek_util import make_deepseek_checkpoint
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def ds_stand(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ds-v3"))
+    make_deepseek_checkpoint("v3", path)
+    flags = ("--model-path", path, "--max-total-tokens", "1024")
+    servers = {name: Server(name, mode, *flags) for name, mode in
+               (("C", "null"), ("P", "prefill"), ("D", "decode"))}
+    with serving(servers):
+        yield servers
+
+
+def test_deepseek_1p1d_greedy_equals_colocated(ds_stand):
+    c, p, d = ds_stand["C"], ds_stand["P"], ds_stand["D"]
+    for n, ids in enumerate([[5, 17, 99, 200, 311, 7] * 9, [3, 40, 41, 42], list(range(100, 230))]):
+        body = greedy_body(ids, 12)
+        ref = c.post("/generate", body)
+        assert ref.status_code == 200, ref.text
+        pr, dr = pd_post(p, d, "/generate", body)
+        assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
+        assert dr.json()["output_ids"] == ref.json()["output_ids"], n
+    p.wait_unleaked()
+    d.wait_unleaked()
