@@ -1,5 +1,6 @@
 """A tiny DeepSeek-V3 (MLA: a latent KV pool) through 1P1D over Mooncake: greedy output identical to
-the colocated server's, and both sides' pools unleaked after."""
+the colocated server's at P TP 1 -> D TP 1, P TP 2 -> D TP 1 and P TP 1 -> D TP 2 (one stand), and every
+side's pool unleaked after."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ def ds_stand(tmp_path_factory):
     flags = ("--model-path", path, "--max-total-tokens", "1024")
     servers = {name: Server(name, mode, *flags) for name, mode in
                (("C", "null"), ("P", "prefill"), ("D", "decode"))}
+    servers["P2"] = Server("P2", "prefill", *flags, "--tp-size", "2")
+    servers["D2"] = Server("D2", "decode", *flags, "--tp-size", "2")
     with serving(servers):
         yield servers
 
 
-def test_deepseek_1p1d_greedy_equals_colocated(ds_stand):
-    c, p, d = ds_stand["C"], ds_stand["P"], ds_stand["D"]
+@pytest.mark.parametrize("pair", [("P", "D"), ("P2", "D"), ("P", "D2")])
+def test_deepseek_1p1d_greedy_equals_colocated(ds_stand, pair):
+    c, p, d = ds_stand["C"], ds_stand[pair[0]], ds_stand[pair[1]]
     for n, ids in enumerate([[5, 17, 99, 200, 311, 7] * 9, [3, 40, 41, 42], list(range(100, 230))]):
         body = greedy_body(ids, 12)
         ref = c.post("/generate", body)
