@@ -24,7 +24,7 @@ from aiohttp import web
 from pdserve.engine.http_json_errors import json_error_middleware
 from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.engine.kv_transfer_config import DEFAULT_BOOTSTRAP_PORT
-from pdserve.kvtransfer.messages import RankRegistration, Topology
+from pdserve.kvtransfer.messages import KV_KINDS, LATENT, RankRegistration, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ class BootstrapServer:
                 return f"{name} must be >= 1, got {getattr(reg, name)}"
         if not reg.kv_dtype:
             return "kv_dtype must be non-empty"
+        if reg.kv_kind not in KV_KINDS:
+            return f"kv_kind must be one of {', '.join(KV_KINDS)}, got {reg.kv_kind!r}"
+        if reg.kv_kind == LATENT and reg.num_kv_heads != 1:
+            return f"a latent KV pool holds one vector per token (num_kv_heads 1), got num_kv_heads {reg.num_kv_heads}"
         old = self._ranks.get((reg.dp_rank, reg.tp_rank))
         if old is not None and old != reg:
             return f"dp {reg.dp_rank} tp {reg.tp_rank} already registered as {old.endpoint} with different data"

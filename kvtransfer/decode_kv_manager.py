@@ -26,7 +26,7 @@ from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.kvtransfer.aux_pool import AuxPool
 from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.errors import TransferEngineError
-from pdserve.kvtransfer.head_slices import TPPlace
+from pdserve.kvtransfer.head_slices import TPPlace, place_for
 from pdserve.kvtransfer.kv_manager import KVManager
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.prefill_peers import DeadCheck, PrefillPeer, PrefillPeers, fetch_route, probe_dead
@@ -54,7 +54,7 @@ class DecodeKVManager(KVManager):
         tp: TPPlace = TPPlace(),
     ):
         super().__init__(config, pool, engine, clock)
-        self.tp = tp
+        self.tp = tp = place_for(tp, self.layout.kind)
         self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
         self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs)
         self._register(self.aux_pool.base_addr, self.aux_pool.nbytes)

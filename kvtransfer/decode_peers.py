@@ -65,7 +65,8 @@ class DecodePeers:
             return f"decode TP rank {reg.tp_rank} of {reg.tp_size}: {e}"
         if share != reg.layout.num_kv_heads:
             return f"decode TP rank {reg.tp_rank} of {reg.tp_size} holds {reg.layout.num_kv_heads} KV heads, not {share}"
-        if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != self.layout.num_layers:
+        v_buffers = 0 if self.layout.kind == m.LATENT else self.layout.num_layers
+        if len(reg.k_addrs) != self.layout.num_layers or len(reg.v_addrs) != v_buffers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
         if reg.page_bytes != self.head_page_bytes * share:
             return f"page bytes mismatch: prefill {self.page_bytes} for {self.layout.num_kv_heads} heads vs decode {reg.page_bytes} for {share}"

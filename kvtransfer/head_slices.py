@@ -12,6 +12,11 @@ A head replicated on several decode ranks is written into each of them (each has
 When the sizes are equal each prefill rank writes its whole page runs into its twin; when they
 differ, the side with more ranks holds fewer heads per rank and the page runs are cut by head range.
 
+A latent pool (MLA, ``LayoutInfo.kind`` "latent") holds one vector per token per layer, the same on
+every TP rank of both sides: its place counts one KV head (``place_for``), which every rank holds, so
+every decode rank takes the whole latent page runs from exactly one prefill rank (the lowest, as for
+any replicated head) and no page crosses the wire twice into one decode rank; there is no head slicing.
+
 The aux data (first token, logprobs) goes to every decode rank from its first source, so every
 decode TP rank reads the first token from its own aux slot (all prefill ranks sample the same
 token: the logits are the full vocabulary on every rank).
@@ -19,7 +24,7 @@ token: the logits are the full vocabulary on every rank).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,14 @@ class TPPlace:
 
     def total_heads(self, local_heads: int) -> int:
         return self.kv_heads or local_heads
+
+
+def place_for(tp: TPPlace, kind: str) -> TPPlace:
+    """A rank's place as the transfer sees it: a latent pool's one vector per token is one KV head that
+    every TP rank holds, whatever the model's attention heads."""
+    from pdserve.kvtransfer.messages import LATENT
+
+    return replace(tp, kv_heads=1) if kind == LATENT else tp
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,8 @@ def layout_mismatch(prefill, prefill_heads: int, decode, decode_heads: int) -> s
     import msgspec
 
     reasons = []
+    if prefill.kind != decode.kind:
+        reasons.append(f"KV layout kind mismatch: prefill {prefill.describe()}, decode {decode.describe()}")
     if prefill.model != decode.model:
         reasons.append(f"model mismatch: prefill {prefill.model or 'unknown'}, decode {decode.model or 'unknown'}")
     if prefill.quantization != decode.quantization:

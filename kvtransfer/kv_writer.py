@@ -46,7 +46,7 @@ Descriptors = tuple[list[int], list[int], list[int]]  # (src addresses, dst addr
 class SourcePool:
     """This rank's KV pool as the descriptors see it (head-major, ``page_pool``)."""
 
-    bases: list[int]  # every layer's K buffer, then every layer's V buffer
+    bases: list[int]  # every layer's K buffer, then every layer's V buffer (none in a latent pool)
     head_page_bytes: int  # one head's page
     plane_bytes: int  # one head's pages: the stride between heads
     num_layers: int
@@ -87,7 +87,7 @@ def layer_descriptors(src: SourcePool, chunk: Chunk, dest: Dest) -> list[Descrip
     """``chunk_descriptors`` cut by layer: [num_layers] of (src, dst, lengths)."""
     out: list[Descriptors] = [([], [], []) for _ in range(src.num_layers)]
     for descs in slice_runs(src, chunk, dest):
-        for (s, d, n), (a, b, c) in zip(out, split_by_layer(*descs, src.num_layers)):
+        for (s, d, n), (a, b, c) in zip(out, split_by_layer(*descs, src.num_layers, len(src.bases) // src.num_layers)):
             s.extend(a)
             d.extend(b)
             n.extend(c)

@@ -17,6 +17,10 @@ import msgspec
 from pdserve.engine.quantization_names import UNQUANTIZED
 
 
+MHA, LATENT = "mha", "latent"  # KVLayout.kind (page_pool), named here without importing torch
+KV_KINDS = (MHA, LATENT)
+
+
 class LayoutInfo(msgspec.Struct, frozen=True):
     """Wire form of ``engine.page_pool.KVLayout``."""
 
@@ -27,11 +31,18 @@ class LayoutInfo(msgspec.Struct, frozen=True):
     dtype: str
     quantization: str = UNQUANTIZED  # the weights' (KVLayout.quantization); a peer that predates it sends none
     model: str = ""  # the model's identity (KVLayout.model: architecture, weights fingerprint, dtype, quantization)
+    # KVLayout.kind: "mha" (K and V per head) or "latent" (MLA: one latent vector per token, K buffers only,
+    # identical on every TP rank); a peer that predates it sends none (it is "mha")
+    kind: str = "mha"
 
     @classmethod
     def from_layout(cls, layout) -> "LayoutInfo":
         return cls(layout.num_layers, layout.page_size, layout.num_kv_heads, layout.head_dim, layout.dtype,
-                   layout.quantization, layout.model)
+                   layout.quantization, layout.model, layout.kind)
+
+    def describe(self) -> str:
+        """The layout in a line, as a refusal names it: ``latent 1x576 bfloat16``."""
+        return f"{self.kind} {self.num_kv_heads}x{self.head_dim} {self.dtype}"
 
     def mismatch(self, other: "LayoutInfo") -> str | None:
         """``None`` when equal, else which fields differ, e.g. ``page_size: 16 vs 32``."""
@@ -169,10 +180,11 @@ class RankRegistration(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_heads: int = 0  # the model's KV heads (0: num_kv_heads, TP 1); num_kv_heads is this rank's share
     quantization: str = UNQUANTIZED  # the weights' (as in LayoutInfo)
     model: str = ""  # the model's identity (as in LayoutInfo)
+    kv_kind: str = MHA  # LayoutInfo.kind
 
     def layout(self) -> LayoutInfo:
         return LayoutInfo(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.kv_dtype,
-                          self.quantization, self.model)
+                          self.quantization, self.model, self.kv_kind)
 
 
 class Topology(msgspec.Struct, frozen=True):

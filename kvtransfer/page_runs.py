@@ -74,19 +74,20 @@ def slice_descriptors(
 
 
 def split_by_layer(
-    src: Sequence[int], dst: Sequence[int], lengths: Sequence[int], num_layers: int
+    src: Sequence[int], dst: Sequence[int], lengths: Sequence[int], num_layers: int, kinds: int = 2
 ) -> list[tuple[list[int], list[int], list[int]]]:
     """``run_descriptors``/``slice_descriptors`` output cut into each layer's (src, dst, lengths).
 
-    Their descriptors are buffer-major over all layers' K then V buffers (``2 * num_layers``
-    blocks of one size: every buffer has the same runs and heads), so layer ``l`` is block ``l``
-    (its K) and block ``num_layers + l`` (its V).
+    Their descriptors are buffer-major over all layers' K buffers, then (``kinds`` 2: an MHA pool)
+    all layers' V buffers: ``kinds * num_layers`` blocks of one size (every buffer has the same runs
+    and heads), so layer ``l`` is block ``l`` (its K) and block ``num_layers + l`` (its V). A latent
+    pool has K buffers only (``kinds`` 1: one block per layer).
     """
-    if len(src) % (2 * num_layers):
-        raise ValueError(f"{len(src)} descriptors do not split over {2 * num_layers} K/V buffers")
-    per = len(src) // (2 * num_layers)
+    if len(src) % (kinds * num_layers):
+        raise ValueError(f"{len(src)} descriptors do not split over {kinds * num_layers} K/V buffers")
+    per = len(src) // (kinds * num_layers)
     out = []
     for layer in range(num_layers):
-        k, v = slice(layer * per, (layer + 1) * per), slice((num_layers + layer) * per, (num_layers + layer + 1) * per)
-        out.append((list(src[k]) + list(src[v]), list(dst[k]) + list(dst[v]), list(lengths[k]) + list(lengths[v])))
+        blocks = [slice((b * num_layers + layer) * per, (b * num_layers + layer + 1) * per) for b in range(kinds)]
+        out.append(tuple([x for b in blocks for x in seq[b]] for seq in (src, dst, lengths)))
     return out

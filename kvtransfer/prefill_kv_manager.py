@@ -28,7 +28,7 @@ from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.decode_peers import DecodePeer, DecodePeers
 from pdserve.kvtransfer.errors import KVTransferError, TransferEngineError
-from pdserve.kvtransfer.head_slices import TPPlace
+from pdserve.kvtransfer.head_slices import TPPlace, place_for
 from pdserve.kvtransfer.kv_manager import KVManager
 from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.kv_writer import Chunk, KVWriter, SourcePool
@@ -60,7 +60,7 @@ class PrefillKVManager(KVManager):
     ):
         super().__init__(config, pool, engine, clock)
         self.dp_rank = dp_rank
-        self.tp = tp
+        self.tp = tp = place_for(tp, self.layout.kind)
         self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
         # the bootstrap server of this prefill server; None: the configured port
         self.bootstrap_host = bootstrap_host or config.host
@@ -95,6 +95,7 @@ class PrefillKVManager(KVManager):
             kv_heads=self.kv_heads,
             quantization=self.layout.quantization,
             model=self.layout.model,
+            kv_kind=self.layout.kind,
         )
 
     def start(self) -> "PrefillKVManager":

@@ -5,7 +5,9 @@ same model and weights (path, file sizes and modification times: a fine-tune
 in place changes them), dtype, weight quantization, page size, layer count,
 and the same KV heads (a TP rank holds a head range; ranks of different TP
 sizes hold different ranges). All of that is hashed into the namespace, so an
-incompatible server never reads another's pages: it simply misses.
+incompatible server never reads another's pages: it simply misses. A latent pool
+(MLA: one vector per token, the same on every TP rank) is named by its kind and
+width instead of a head range, so every TP rank of every TP size shares its pages.
 """
 
 from __future__ import annotations
@@ -36,11 +38,17 @@ def kv_namespace(model_path: str, layout: KVLayout, kv_start: int) -> str:
     parts = [
         os.path.realpath(model_path), weights_identity(model_path), layout.dtype, layout.quantization,
         str(layout.page_size), str(layout.num_layers), str(layout.head_dim),
-        f"heads {kv_start}..{kv_start + layout.num_kv_heads}",
+        _heads_part(layout, kv_start),
     ]
     if layout.kind != "mha":  # a latent page is not a head's page; MHA namespaces stay as they were
         parts.append(f"kind {layout.kind}")
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def _heads_part(layout: KVLayout, kv_start: int) -> str:
+    if layout.kind == "latent":
+        return f"latent {layout.head_dim}"
+    return f"heads {kv_start}..{kv_start + layout.num_kv_heads}"
 
 
 def page_key(namespace: str, block_hash: int) -> str:
