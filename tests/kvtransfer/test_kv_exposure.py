@@ -63,10 +63,10 @@ def test_bootstrap_allowlist():
     limits = RequestLimits(frozenset({"m"}), 1, 1, 100, disaggregation_mode="decode",
                            bootstrap_allowlist="10.1.0.0/16")
     ok = GenerateRequest(input_ids=[1], bootstrap_host="10.1.0.9", bootstrap_port=8998, bootstrap_room=1)
-    assert bootstrap_infos(ok, 1, limits, None)[0].host == "10.1.0.9"
+    assert bootstrap_infos(ok, 1, 1, limits, None)[0].host == "10.1.0.9"
     bad = GenerateRequest(input_ids=[1], bootstrap_host="169.254.169.254", bootstrap_port=80, bootstrap_room=1)
     with pytest.raises(RequestError, match="not in this server's --disaggregation-bootstrap-allowlist") as e:
-        bootstrap_infos(bad, 1, limits, None)
+        bootstrap_infos(bad, 1, 1, limits, None)
     assert e.value.param == "bootstrap_host"
 
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from deepseek_util import make_deepseek_checkpoint
+from support.deepseek_util import make_deepseek_checkpoint
 from support.model_util import greedy_generate, hf_greedy, hf_model
 
 from pdserve.engine.config import EngineConfig

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pd_stand import Server, greedy_body, pd_post, serving
 
-from tests.deepseek_util import make_deepseek_checkpoint
+from support.deepseek_util import make_deepseek_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
 

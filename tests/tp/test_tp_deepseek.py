@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from deepseek_util import make_deepseek_checkpoint
+from support.deepseek_util import make_deepseek_checkpoint
 from support.model_util import greedy_generate
 from tp_harness import MAX_TOTAL_TOKENS, run_tp
 
