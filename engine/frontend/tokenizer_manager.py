@@ -124,6 +124,7 @@ class TokenizerManager:
             bootstrap_allowlist=c.kv_transfer.bootstrap_allowlist if c.disaggregation_mode == "decode" else "",
             sampling_defaults=self.sampling_defaults,
             tool_call_parser=c.tool_call_parser,
+            reasoning_parser=c.reasoning_parser,
         )
 
     def token_str(self, token_id: int) -> str:

@@ -44,6 +44,7 @@ class RequestLimits:
                 code="model_not_found",
             )
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
+    reasoning_parser: str | None = None  # --reasoning-parser: chat outputs split into reasoning and answer
 
 
 def new_rid() -> str:
