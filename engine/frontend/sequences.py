@@ -378,6 +378,13 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
     refuse_openai(req, refused_fields.CHAT)
     req = _with_model_defaults(req, limits)
     sp = _openai_sampling(req, max_tokens, param, limits, grammars)
+    if req.thinking_budget is not None:
+        if reasoning is None:
+            raise RequestError("thinking_budget needs a server started with --reasoning-parser and thinking on",
+                               param="thinking_budget")
+        if req.thinking_budget < 0:
+            raise RequestError(f"thinking_budget must be >= 0, got {req.thinking_budget}", param="thinking_budget")
+        sp = msgspec.structs.replace(sp, thinking_budget=req.thinking_budget, thinking_end=reasoning.fmt.end)
     if reasoning is not None and answer_grammar:
         kind = next(k for k in ("json_schema", "regex", "ebnf") if getattr(sp, k) is not None)
         sp = msgspec.structs.replace(sp, json_schema=None, regex=None,

@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.constrained.grammar_masks import GrammarMasks, PendingMask
+from pdserve.engine.constrained.thinking_budget import ThinkingBudget
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
@@ -162,13 +163,18 @@ class SchedulerLoop:
 
     def _attach_grammar(self, req: Req) -> str | None:
         """Give a constrained request its matcher; a message when its grammar does not compile."""
-        grammar = req.sampling_params.grammar
-        if grammar is None:
+        sp = req.sampling_params
+        grammar = sp.grammar
+        if grammar is None and sp.thinking_budget is None:
             return None
         try:
-            req.grammar = self.grammars.matcher(grammar)
+            req.grammar = self.grammars.matcher(grammar) if grammar is not None else None
         except ValueError as exc:
             return str(exc)
+        if sp.thinking_budget is not None:
+            end_ids = self.tokenizer.encode(sp.thinking_end, add_special_tokens=False)
+            req.grammar = ThinkingBudget(req.grammar, end_ids, sp.thinking_end, sp.thinking_budget,
+                                         self.tokenizer.decode)
         return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:

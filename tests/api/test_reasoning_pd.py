@@ -76,3 +76,27 @@ def test_split_turned_off(client):
     assert whole.content.startswith("<think>") and whole.reasoning_content is None
     off = _ask(client, chat_template_kwargs={"enable_thinking": False}).choices[0].message
     assert "</think>" in off.content and off.reasoning_content is None
+
+
+def test_budget_ends_the_thinking(client):
+    # this prompt makes the greedy default model think until max_tokens, never reaching an answer
+    story = [{"role": "user", "content": "Tell me a long story about a dragon."}]
+    shape = r"<think>[a-z]+( [a-z]+)*</think>\n(Yes|No)\."
+    free, capped = (client.chat.completions.create(model="default", messages=story, max_tokens=48, temperature=0,
+                                                   extra_body={"regex": shape, **budget})
+                    for budget in ({}, {"thinking_budget": 8}))
+    assert free.choices[0].finish_reason == "length" and not free.choices[0].message.content
+    choice = capped.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content in ("Yes.", "No.")
+    thought, free_thought = choice.message.reasoning_content, free.choices[0].message.reasoning_content
+    # greedy: the capped thinking is the free one cut where the budget forced the closing marker
+    assert thought and free_thought.startswith(thought) and len(thought) < len(free_thought)
+    assert capped.usage.completion_tokens < free.usage.completion_tokens
+
+
+def test_budget_needs_thinking(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=MESSAGES, max_tokens=4,
+                                       extra_body={"thinking_budget": 4,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    assert "thinking_budget" in str(e.value)
