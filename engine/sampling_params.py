@@ -34,6 +34,7 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     # format's closing marker) is forced; both set by the chat front end under --reasoning-parser
     thinking_budget: int | None = None
     thinking_end: str | None = None
+    thinking_start: str | None = None  # the opening marker the output must begin with; None: it starts inside
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad parameter."""

@@ -16,9 +16,11 @@ import torch
 
 class ThinkingBudget:
     def __init__(self, inner, end_ids: Sequence[int], end_text: str, budget: int,
-                 decode: Callable[[list[int]], str]):
+                 decode: Callable[[list[int]], str], start_text: str | None = None):
         """``end_ids``: the closing marker's tokens; ``end_text``: its text, looked for in what the model
-        writes; ``budget``: output tokens allowed before the marker is forced; ``decode``: ids to text."""
+        writes; ``budget``: output tokens allowed before the marker is forced; ``decode``: ids to text;
+        ``start_text``: the opening marker an output that thinks begins with (None: the prompt opened the
+        thinking); an output that begins otherwise does not think, and nothing is forced."""
         self._inner = inner
         self._end_ids = list(end_ids)
         self._end_text = end_text
@@ -26,7 +28,8 @@ class ThinkingBudget:
         self._decode = decode
         self._ids: list[int] = []
         self._forced = 0  # marker tokens forced so far
-        self._done = False  # the thinking ended (by the model or by the budget)
+        self._done = False  # the thinking ended (by the model or by the budget), or never began
+        self._start_text = start_text  # while not None: not yet known whether the output thinks
 
     @property
     def rejected_token(self) -> int | None:
@@ -37,7 +40,7 @@ class ThinkingBudget:
         return self._inner is not None and self._inner.terminated
 
     def _forcing(self) -> bool:
-        return not self._done and len(self._ids) >= self._budget
+        return not self._done and self._start_text is None and len(self._ids) >= self._budget
 
     def accept(self, token_id: int) -> None:
         if self._inner is not None:
@@ -49,6 +52,13 @@ class ThinkingBudget:
             self._done = self._forced == len(self._end_ids)
             return
         self._ids.append(token_id)
+        if self._start_text is not None:
+            head = self._decode(self._ids).lstrip()
+            if head.startswith(self._start_text):
+                self._start_text = None  # it thinks: the budget runs from the output's start
+            elif not self._start_text.startswith(head):
+                self._done = True  # it answers without thinking
+                return
         tail = self._decode(self._ids[-(len(self._end_ids) + 8):])
         self._done = self._end_text in tail
 

@@ -42,7 +42,8 @@ def _char_class(exclude: str) -> str:
 
 
 def thinking_ebnf(fmt: ReasoningFormat) -> str:
-    """EBNF of a thinking part: the optional opening marker, text without the closing marker, the closing marker.
+    """EBNF of a thinking part: the opening marker (optional where the prompt opened the thinking), text
+    without the closing marker, the closing marker.
 
     The text is a loop over "a character that does not begin the closing marker" or "a proper
     prefix of the marker followed by a character that does not continue it" (the marker's first
@@ -57,7 +58,7 @@ def thinking_ebnf(fmt: ReasoningFormat) -> str:
         restart = f" | {_json_str(first)} rest_1"  # the marker's first character: its match starts over
         rules.append(f"rest_{i} ::= {_char_class(end[i] + first)}{nxt}{restart}")
     return "\n".join([
-        f"root ::= {_json_str(fmt.start)}? think_text {_json_str(end)}",
+        f"root ::= {_json_str(fmt.start)}{'?' if fmt.starts_inside else ''} think_text {_json_str(end)}",
         f"think_text ::= ({_char_class(first)} | {_json_str(first)} rest_1)*",
         *rules,
     ])

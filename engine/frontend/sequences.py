@@ -384,7 +384,8 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
                                param="thinking_budget")
         if req.thinking_budget < 0:
             raise RequestError(f"thinking_budget must be >= 0, got {req.thinking_budget}", param="thinking_budget")
-        sp = msgspec.structs.replace(sp, thinking_budget=req.thinking_budget, thinking_end=reasoning.fmt.end)
+        sp = msgspec.structs.replace(sp, thinking_budget=req.thinking_budget, thinking_end=reasoning.fmt.end,
+                                     thinking_start=None if reasoning.fmt.starts_inside else reasoning.fmt.start)
     if reasoning is not None and answer_grammar:
         kind = next(k for k in ("json_schema", "regex", "ebnf") if getattr(sp, k) is not None)
         sp = msgspec.structs.replace(sp, json_schema=None, regex=None,

@@ -174,7 +174,7 @@ class SchedulerLoop:
         if sp.thinking_budget is not None:
             end_ids = self.tokenizer.encode(sp.thinking_end, add_special_tokens=False)
             req.grammar = ThinkingBudget(req.grammar, end_ids, sp.thinking_end, sp.thinking_budget,
-                                         self.tokenizer.decode)
+                                         self.tokenizer.decode, sp.thinking_start)
         return None
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
