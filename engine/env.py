@@ -15,7 +15,7 @@ PDSERVE_NUM_THREADS: int = _int("PDSERVE_NUM_THREADS", 0)
 # Log level used when a CLI does not pass one.
 PDSERVE_LOG_LEVEL: str = os.environ.get("PDSERVE_LOG_LEVEL", "info")
 # UCX's own choice of network devices; when unset, the NIXL engine limits UCX to the interface of
-# --host (kvtransfer/nixl_engine.py), so its listeners do not open on every interface.
+# --host (kvtransfer/engines/nixl_engine.py), so its listeners do not open on every interface.
 UCX_NET_DEVICES: str = os.environ.get("UCX_NET_DEVICES", "")
 # Where /start_profile writes traces when the request names no output_dir (SGLang's
 # SGLANG_TORCH_PROFILER_DIR).

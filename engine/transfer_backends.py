@@ -1,7 +1,7 @@
 """The KV transfer backends by name, and the check of a ``--disaggregation-transfer-backend`` value.
 
 Light to import (no transfer library): the KV transfer config validates its backend here before any
-rank starts; ``kvtransfer/transfer_engine.py`` builds the chosen engine from the same table.
+rank starts; ``kvtransfer/engines/transfer_engine.py`` builds the chosen engine from the same table.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import importlib
 # name -> "module:Class"; imported only when chosen, so a missing library only
 # breaks the backend that needs it. These names are the CLI's choices.
 TRANSFER_ENGINES: dict[str, str] = {
-    "mooncake": "pdserve.kvtransfer.mooncake_engine:MooncakeTransferEngine",
-    "nixl": "pdserve.kvtransfer.nixl_engine:NixlTransferEngine",
-    "local": "pdserve.kvtransfer.local_engine:LocalTransferEngine",  # in one process (unit tests)
+    "mooncake": "pdserve.kvtransfer.engines.mooncake_engine:MooncakeTransferEngine",
+    "nixl": "pdserve.kvtransfer.engines.nixl_engine:NixlTransferEngine",
+    "local": "pdserve.kvtransfer.engines.local_engine:LocalTransferEngine",  # in one process (unit tests)
 }
 
 

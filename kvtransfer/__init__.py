@@ -40,7 +40,7 @@ authenticated with the shared secret (``engine/kv_auth.py``); refused frames are
 
 import importlib
 
-# name -> submodule (or a full module path, for the config that lives in engine/); imported on first use (PEP 562), so ``import pdserve.kvtransfer`` stays light
+# name -> submodule (or a full module path: the config in engine/, the engines in engines/); imported on first use (PEP 562), so ``import pdserve.kvtransfer`` stays light
 # (no torch, zmq or backend library) and the submodules never import this package back
 _EXPORTS = {
     "AuxData": "aux_pool", "AuxPool": "aux_pool",
@@ -54,9 +54,9 @@ _EXPORTS = {
     "KVReceiver": "kv_receiver",
     "KVSender": "kv_sender",
     "PrefillKVManager": "prefill_kv_manager",
-    "TRANSFER_ENGINES": "transfer_engine", "TransferEngine": "transfer_engine", "TransferHandle": "transfer_engine",
-    "TransferState": "transfer_engine", "check_transfer_backend": "transfer_engine",
-    "create_transfer_engine": "transfer_engine",
+    "TRANSFER_ENGINES": "pdserve.kvtransfer.engines.transfer_engine", "TransferEngine": "pdserve.kvtransfer.engines.transfer_engine", "TransferHandle": "pdserve.kvtransfer.engines.transfer_engine",
+    "TransferState": "pdserve.kvtransfer.engines.transfer_engine", "check_transfer_backend": "pdserve.kvtransfer.engines.transfer_engine",
+    "create_transfer_engine": "pdserve.kvtransfer.engines.transfer_engine",
 }
 
 __all__ = sorted(_EXPORTS)

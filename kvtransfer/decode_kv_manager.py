@@ -31,7 +31,7 @@ from pdserve.kvtransfer.kv_manager import KVManager
 from pdserve.kvtransfer.kv_receiver import KVReceiver
 from pdserve.kvtransfer.prefill_peers import DeadCheck, PrefillPeer, PrefillPeers, fetch_route, probe_dead
 from pdserve.kvtransfer.receiver_rooms import ReceiverRooms
-from pdserve.kvtransfer.transfer_engine import TransferEngine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 

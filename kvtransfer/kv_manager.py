@@ -34,7 +34,7 @@ from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.kv_auth import AuthError
 from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.room_metrics import RoomMetrics
-from pdserve.kvtransfer.transfer_engine import TransferEngine, create_transfer_engine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, create_transfer_engine
 
 logger = logging.getLogger(__name__)
 

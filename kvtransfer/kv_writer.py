@@ -35,7 +35,7 @@ from pdserve.kvtransfer.page_runs import slice_descriptors, split_by_layer
 from pdserve.kvtransfer.room_metrics import RoomMetrics
 from pdserve.kvtransfer.room_notification import room_notification
 from pdserve.kvtransfer.sender_rooms import Dest
-from pdserve.kvtransfer.transfer_engine import TransferEngine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 

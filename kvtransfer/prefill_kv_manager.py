@@ -35,7 +35,7 @@ from pdserve.kvtransfer.kv_writer import Chunk, KVWriter, SourcePool
 from pdserve.kvtransfer.layer_signal import LayerSignal
 from pdserve.kvtransfer.rank_registration import BootstrapRegistration
 from pdserve.kvtransfer.sender_rooms import SenderRooms
-from pdserve.kvtransfer.transfer_engine import TransferEngine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import msgspec
 import pdserve.kvtransfer.messages as m
 from pdserve.kvtransfer.bootstrap_client import fetch_rank, fetch_topology
 from pdserve.kvtransfer.head_slices import TPPlace, layout_mismatch, slices_into
-from pdserve.kvtransfer.transfer_engine import TransferEngine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 

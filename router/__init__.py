@@ -6,5 +6,8 @@ Public API:
 - ``server.Router(config)``, ``server.start_router(config) -> (router, runner, port)``,
   ``server.serve(config)``: embed or run the router.
 - ``policy.Policy``, ``policy.POLICIES`` / ``make_policy(name, config)``: routing policies by name
-  (implementations in ``simple_policies.py`` and ``cache_aware_policy.py``).
+  (implementations in ``simple_policies.py`` and ``kv/``).
+
+Subpackages: ``kv/`` (KV-aware routing), ``migration/`` (moving a stream mid-flight),
+``workers/`` (registry, health, readiness, drain, pairing).
 """

@@ -23,11 +23,11 @@ import msgspec
 from aiohttp import web
 
 from pdserve.router.config import WorkerSpec
-from pdserve.router.drain import drain_worker
+from pdserve.router.workers.drain import drain_worker
 from pdserve.router.errors import RouterError, bad_request, error_response
 from pdserve.router.fanout import FANOUT_PATHS, fan_out
 from pdserve.router.http_io import json_response, read_body
-from pdserve.router.worker_registry import Worker
+from pdserve.router.workers.worker_registry import Worker
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode

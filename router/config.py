@@ -49,12 +49,12 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26  # characters per worker in the approximate prefix tree
     dp_aware: bool = False
-    # kv_aware (router/kv_aware_policy.py): Dynamo's --kv-overlap-score-weight; seconds without
+    # kv_aware (router/kv/kv_aware_policy.py): Dynamo's --kv-overlap-score-weight; seconds without
     # events (and no replay answer) before a worker's blocks leave the index; tokenizer of the
     # workers' model (None: their /server_info model_path, else the default model)
     kv_overlap_score_weight: float = 1.0
     kv_events_timeout_secs: float = 60.0
-    # kv_aware's tiers (router/kv_tiers.py): what a block in a worker's host memory, and one in
+    # kv_aware's tiers (router/kv/kv_tiers.py): what a block in a worker's host memory, and one in
     # the store every worker reads, saves against computing it (a pool block saves 1); Dynamo's
     # --router-host-cache-hit-weight and --router-disk-cache-hit-weight (docs/ROUTER.md: why)
     kv_host_cache_hit_weight: float = 0.8
@@ -86,7 +86,7 @@ class RouterConfig:
     retry_max_backoff_ms: float = 30000.0
     retry_backoff_multiplier: float = 1.5
     retry_jitter_factor: float = 0.2
-    # request migration (router/migration.py, Dynamo's --migration-limit): how many times a
+    # request migration (router/migration/migration.py, Dynamo's --migration-limit): how many times a
     # streamed /generate whose decode leg failed after the first byte is continued on another
     # pair; 0: never (the stream ends with an error event)
     migration_limit: int = 0
@@ -95,7 +95,7 @@ class RouterConfig:
     health_check_timeout_secs: float = 5.0
     health_failure_threshold: int = 3
     health_success_threshold: int = 1
-    # start order and shutdown (router/readiness.py, router/drain.py): a worker that was never
+    # start order and shutdown (router/workers/readiness.py, router/workers/drain.py): a worker that was never
     # healthy is probed every 0.5 s, one that was healthy and failed from 0.5 s with backoff up to
     # health_check_interval_secs, for at most worker_startup_timeout_secs (sglang-router's
     # default); a request that finds no healthy pair

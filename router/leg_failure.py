@@ -1,9 +1,9 @@
 """One leg of one attempt failed: a typed value that the retry loop (router/pd_proxy.py) and the
-migrating relay (router/migrating_relay.py) decide on."""
+migrating relay (router/migration/migrating_relay.py) decide on."""
 
 from __future__ import annotations
 
-from pdserve.router.worker_registry import Endpoint
+from pdserve.router.workers.worker_registry import Endpoint
 
 
 class LegFailure(Exception):

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pdserve.engine.prometheus_text import exposition
 from pdserve.router.local_prefill import LocalReason
 from pdserve.router.policy import Policy
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 LEGS = ("prefill", "decode")
 # the causes of a retry known in advance (upstream.UpstreamError's and pd_proxy's); http_<status> is

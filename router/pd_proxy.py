@@ -5,7 +5,7 @@ has gone to the client, a failed leg cancels the other and the request is
 retried on a new pair (bounded attempts, exponential backoff with jitter); the
 last failure becomes a 502 JSON error. After streaming has begun, a failed
 decode stream ends with an SSE error event, unless it can be migrated
-(``--migration-limit``, router/migrating_relay.py). A client that goes away cancels
+(``--migration-limit``, router/migration/migrating_relay.py). A client that goes away cancels
 both legs (closing their connections, which is what servers watch for to
 abort the room).
 
@@ -36,14 +36,14 @@ from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.leg_failure import LegFailure
 from pdserve.router.local_prefill import local_prefill_reason
-from pdserve.router.migrating_relay import MigratingRelay
-from pdserve.router.migration import error_event, migratable
-from pdserve.router.openai_migration import openai_migratable, with_token_ids
+from pdserve.router.migration.migrating_relay import MigratingRelay
+from pdserve.router.migration.migration import error_event, migratable
+from pdserve.router.migration.openai_migration import openai_migratable, with_token_ids
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import Pair, Pairing, batch_size
+from pdserve.router.workers.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
-from pdserve.router.worker_registry import Endpoint
+from pdserve.router.workers.worker_registry import Endpoint
 
 log = logging.getLogger("pdserve.router")
 
@@ -362,7 +362,7 @@ class PDProxy:
     async def _relay_migrating(self, request: web.Request, resp: UpstreamResponse, chunk: bytes, pair: Pair,
                                path: str, body: dict, t0: float) -> tuple[web.StreamResponse, bool]:
         """``_relay`` for a request that may be migrated (``--migration-limit``): continued on
-        another pair if its decode leg fails mid-stream (router/migrating_relay.py)."""
+        another pair if its decode leg fails mid-stream (router/migration/migrating_relay.py)."""
         relay = MigratingRelay(self, request, pair, path, body, t0)
         return await relay.run(resp, chunk, route_headers(pair))
 

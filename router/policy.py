@@ -89,8 +89,8 @@ POLICIES: dict[str, str] = {
     "random": "pdserve.router.simple_policies:RandomPolicy",
     "round_robin": "pdserve.router.simple_policies:RoundRobinPolicy",
     "power_of_two": "pdserve.router.simple_policies:PowerOfTwoPolicy",
-    "cache_aware": "pdserve.router.cache_aware_policy:CacheAwarePolicy",
-    "kv_aware": "pdserve.router.kv_aware_policy:KVAwarePolicy",
+    "cache_aware": "pdserve.router.kv.cache_aware_policy:CacheAwarePolicy",
+    "kv_aware": "pdserve.router.kv.kv_aware_policy:KVAwarePolicy",
 }
 POLICY_NAMES = tuple(POLICIES)
 

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 
-from pdserve.router.kv_aware_policy import prompt_ids
+from pdserve.router.kv.kv_aware_policy import prompt_ids
 
 log = logging.getLogger("pdserve.router.prompt_tokenizer")
 

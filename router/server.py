@@ -7,15 +7,15 @@ live in router/admin_api.py.
 
 ``Router(config)`` owns the worker registry, the policies, the health checker
 and one pooled aiohttp client session; ``await router.start()`` probes the
-configured workers once, keeps probing those not healthy yet (router/health.py)
+configured workers once, keeps probing those not healthy yet (router/workers/health.py)
 and starts the health loop; ``router.make_app()`` is the aiohttp application.
-``serve(config)`` runs it all on uvloop, and on SIGTERM drains (router/drain.py).
+``serve(config)`` runs it all on uvloop, and on SIGTERM drains (router/workers/drain.py).
 
 Probes: ``/liveness`` is 200 while the process runs; ``/readiness`` is 200 only
 while a healthy prefill+decode pair exists and the router is not draining
-(router/readiness.py); ``/health`` keeps sglang-router's meaning: 200 while the
+(router/workers/readiness.py); ``/health`` keeps sglang-router's meaning: 200 while the
 router runs, with the healthy endpoints per role; ``/health_generate`` is 200 only
-when every worker generates a token now (router/health_generate.py).
+when every worker generates a token now (router/workers/health_generate.py).
 
 Every error leaves as the JSON error object, an unknown path (404) or a wrong
 method (405) included (``json_errors``).
@@ -36,19 +36,19 @@ from pdserve.router.admin_api import AdminApi
 from pdserve.router.admission import Admission
 from pdserve.router.auth import Access
 from pdserve.router.config import RouterConfig
-from pdserve.router.drain import CUT_OFF_GRACE_S, Shutdown, remember_response
+from pdserve.router.workers.drain import CUT_OFF_GRACE_S, Shutdown, remember_response
 from pdserve.router.errors import RouterError, bad_request, error_response
-from pdserve.router.health import HealthChecker
-from pdserve.router.health_generate import health_generate
+from pdserve.router.workers.health import HealthChecker
+from pdserve.router.workers.health_generate import health_generate
 from pdserve.router.http_io import json_response, read_body, read_capped
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.pairing import Pairing
+from pdserve.router.workers.pairing import Pairing
 from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
 from pdserve.router.prompt_tokenizer import PromptTokenizer
-from pdserve.router.readiness import PairGate, describe_missing, readiness
+from pdserve.router.workers.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode

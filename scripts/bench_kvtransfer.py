@@ -126,7 +126,7 @@ def raw_write(mgr: PrefillKVManager, peer_name: str, src, dst, lengths) -> float
     if mgr.engine.name == "mooncake":
         # the same primitive the adapter uses, so the difference is the manager's own cost; in batches
         # of the adapter's size (one batch of a strided slice's many descriptors overflows the TCP lanes)
-        from pdserve.kvtransfer.mooncake_engine import MAX_DESCS_PER_BATCH as step
+        from pdserve.kvtransfer.engines.mooncake_engine import MAX_DESCS_PER_BATCH as step
 
         for i in range(0, len(src), step):
             batch_id = raw.batch_transfer_async_write(peer_name, src[i : i + step], dst[i : i + step],

@@ -141,7 +141,7 @@ class OpenAICommon(msgspec.Struct, forbid_unknown_fields=True):
     ebnf: Any = None
     json_schema: Any = None
     # vLLM's: each stream chunk's choice carries its new ``token_ids``, the first chunk the prompt's
-    # ``prompt_token_ids`` (the router asks for them to migrate a stream, router/openai_migration.py)
+    # ``prompt_token_ids`` (the router asks for them to migrate a stream, router/migration/openai_migration.py)
     return_token_ids: bool | None = None
 
 

@@ -27,7 +27,7 @@ import msgspec
 # pool is "GPU" on every device (the tier the scheduler admits against, as vLLM's block pool;
 # consumers such as Dynamo read "GPU" as the primary tier), host memory (L2) "CPU", and the
 # store shared by the servers (L3) "STORAGE". Consumers that also read SGLang's HiCache
-# spellings (CPU_TIER1, CPU_TIER2) map both to the same tiers (router/kv_tiers.py).
+# spellings (CPU_TIER1, CPU_TIER2) map both to the same tiers (router/kv/kv_tiers.py).
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_STORAGE = "STORAGE"

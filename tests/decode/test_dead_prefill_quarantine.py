@@ -11,7 +11,7 @@ import pytest
 from loop_stand import PDPair
 
 from pdserve.kvtransfer.kv_poll import KVPoll
-from pdserve.kvtransfer.local_engine import LocalTransferEngine
+from pdserve.kvtransfer.engines.local_engine import LocalTransferEngine
 
 pytestmark = pytest.mark.timeout(30)
 

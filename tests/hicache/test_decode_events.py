@@ -8,8 +8,8 @@ from loop_stand import PDPair
 from test_pd_write_back import hicache
 
 from pdserve.engine.mem_cache.kv_events import BlockStored, block_hashes
-from pdserve.router.kv_index import KVIndex
-from pdserve.router.kv_tiers import Tier
+from pdserve.router.kv.kv_index import KVIndex
+from pdserve.router.kv.kv_tiers import Tier
 from test_store_cache import settle
 
 

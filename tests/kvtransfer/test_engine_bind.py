@@ -13,14 +13,14 @@ import sys
 
 import pytest
 
-from pdserve.kvtransfer.netdev import interface_of
+from pdserve.kvtransfer.engines.netdev import interface_of
 
 pytestmark = pytest.mark.timeout(120)
 
 # in a child: the engine's environment (UCX_NET_DEVICES) must not leak into this test process
 _LISTENERS = r'''
 import ctypes, os, socket, struct, sys
-from pdserve.kvtransfer.transfer_engine import create_transfer_engine
+from pdserve.kvtransfer.engines.transfer_engine import create_transfer_engine
 engine = create_transfer_engine(sys.argv[1], "127.0.0.1")
 buf = ctypes.create_string_buffer(1 << 16)
 engine.register(ctypes.addressof(buf), 1 << 16)

@@ -18,7 +18,7 @@ from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
 from pdserve.kvtransfer.kv_writer import Chunk, KVWriter, SourcePool, chunk_descriptors, layer_descriptors
 from pdserve.kvtransfer.layer_signal import LayerSignal
-from pdserve.kvtransfer.local_engine import LocalTransferEngine
+from pdserve.kvtransfer.engines.local_engine import LocalTransferEngine
 from pdserve.kvtransfer.room_metrics import RoomMetrics
 from pdserve.kvtransfer.room_notification import parse_room_notification, room_notification
 from pdserve.kvtransfer.sender_rooms import Dest

@@ -15,7 +15,7 @@ from pdserve.kvtransfer.bootstrap_client import register_rank
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 from pdserve.kvtransfer.decode_peers import DecodePeers
 from pdserve.kvtransfer.head_slices import TPPlace
-from pdserve.kvtransfer.local_engine import LocalTransferEngine
+from pdserve.kvtransfer.engines.local_engine import LocalTransferEngine
 from pdserve.kvtransfer.prefill_peers import DeadCheck, PrefillPeer, PrefillPeers, probe_dead
 
 

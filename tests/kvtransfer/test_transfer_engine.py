@@ -117,10 +117,10 @@ def test_registry_names_and_external_specs():
     for name in TRANSFER_ENGINES:
         check_transfer_backend(name)
     # an importable "module:attr" factory is a backend too; it is imported to be checked
-    check_transfer_backend("pdserve.kvtransfer.local_engine:LocalTransferEngine")
-    eng = create_transfer_engine("pdserve.kvtransfer.local_engine:LocalTransferEngine", "127.0.0.1")
+    check_transfer_backend("pdserve.kvtransfer.engines.local_engine:LocalTransferEngine")
+    eng = create_transfer_engine("pdserve.kvtransfer.engines.local_engine:LocalTransferEngine", "127.0.0.1")
     assert eng.name == "local"
     eng.close()
-    for bad in ("mooncak", "no_such_module:factory", "pdserve.kvtransfer.local_engine:Nope"):
+    for bad in ("mooncak", "no_such_module:factory", "pdserve.kvtransfer.engines.local_engine:Nope"):
         with pytest.raises(ValueError):
             check_transfer_backend(bad)

@@ -14,7 +14,7 @@ from loop_stand import LAYERS, PDPair, reference
 
 from pdserve.kvtransfer.errors import TransferFailedError
 from pdserve.kvtransfer.kv_poll import KVPoll
-from pdserve.kvtransfer.local_engine import LocalTransferEngine
+from pdserve.kvtransfer.engines.local_engine import LocalTransferEngine
 
 pytestmark = pytest.mark.timeout(60)
 

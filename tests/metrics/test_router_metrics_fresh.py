@@ -8,7 +8,7 @@ from promql_util import dashboard_exprs, exported_names, metric_names
 
 from pdserve.router.metrics import RETRY_CAUSES, RouterMetrics
 from pdserve.router.server import INFERENCE_ROUTES
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 
 def test_a_fresh_router_exports_every_router_metric_the_dashboard_plots():

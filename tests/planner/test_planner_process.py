@@ -26,7 +26,7 @@ from pdserve.entrypoints.procs import group_pids
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.server import start_router
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 from planner_synthetic import synthetic_profile
 

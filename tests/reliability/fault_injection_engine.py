@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from pdserve.kvtransfer.errors import TransferFailedError
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState, create_transfer_engine
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState, create_transfer_engine
 
 INJECTED = "injected transfer fault"
 RATE, SEED = 0.4, 7  # of the external spec ``faulty_mooncake``

@@ -100,7 +100,7 @@ def test_injection_is_off_by_default():
 def test_faulty_engine_fails_writes_with_a_typed_error_at_the_seeded_rate():
     from pdserve.kvtransfer.errors import TransferFailedError
     from fault_injection_engine import FaultInjectingEngine
-    from pdserve.kvtransfer.transfer_engine import TransferState
+    from pdserve.kvtransfer.engines.transfer_engine import TransferState
 
     class Inner:  # only the write path is exercised; the real engines are covered by the PD tests
         name = "fake"

@@ -7,8 +7,8 @@ import pytest
 
 from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, block_hashes
 from pdserve.router.config import RouterConfig
-from pdserve.router.kv_aware_policy import choose_by_overlap, kv_cost, prompt_ids
-from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker
+from pdserve.router.kv.kv_aware_policy import choose_by_overlap, kv_cost, prompt_ids
+from pdserve.router.kv.kv_index import KVIndex, SeqAction, SeqTracker
 from pdserve.router.policy import POLICY_NAMES, policy_class
 
 
@@ -115,7 +115,7 @@ def test_predicted_blocks_count_until_their_deadline_or_a_clear():
 def test_policy_counts_reach_the_router_metrics():
     from pdserve.router.metrics import RouterMetrics
     from pdserve.router.policy import Policy
-    from pdserve.router.worker_registry import WorkerRegistry
+    from pdserve.router.workers.worker_registry import WorkerRegistry
 
     class Counting(Policy):
         def select(self, endpoints, text):

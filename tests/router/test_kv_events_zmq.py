@@ -13,8 +13,8 @@ from pdserve.engine.mem_cache.kv_event_publisher import ZmqEventPublisher
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.entrypoints.procs import free_port
 from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from pdserve.router.kv_index import KVIndex
-from pdserve.router.kv_subscriber import EventSource, KVEventSubscriber
+from pdserve.router.kv.kv_index import KVIndex
+from pdserve.router.kv.kv_subscriber import EventSource, KVEventSubscriber
 
 
 def stored(*hashes: int) -> BlockStored:

@@ -13,12 +13,12 @@ from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, B
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import RadixCache
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.kv_aware_policy import KVAwarePolicy, choose_by_overlap
-from pdserve.router.kv_index import KVIndex
-from pdserve.router.kv_tiers import Tier, TierWeights, tier_credit, tier_of
-from pdserve.router.pairing import Pairing
+from pdserve.router.kv.kv_aware_policy import KVAwarePolicy, choose_by_overlap
+from pdserve.router.kv.kv_index import KVIndex
+from pdserve.router.kv.kv_tiers import Tier, TierWeights, tier_credit, tier_of
+from pdserve.router.workers.pairing import Pairing
 from pdserve.router.simple_policies import RoundRobinPolicy
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 P, H, D, S = Tier.POOL, Tier.HOST, Tier.DISK, Tier.STORAGE
 

@@ -3,7 +3,7 @@ one registry each."""
 
 from pdserve.router.config import WorkerSpec
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 P, D = "http://198.51.100.1:30000", "http://198.51.100.2:30001"
 

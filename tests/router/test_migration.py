@@ -1,4 +1,4 @@
-"""Request migration's pure parts (router/migration.py): events, the transcript, the continuation."""
+"""Request migration's pure parts (router/migration/migration.py): events, the transcript, the continuation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.router.cli import build_parser, config_from_args
 from pdserve.router.config import RouterConfig
-from pdserve.router.migration import (SSEEvents, Transcript, continuation_body, migratable, parse_event,
+from pdserve.router.migration.migration import (SSEEvents, Transcript, continuation_body, migratable, parse_event,
                                       tokens_left)
 
 

@@ -1,11 +1,11 @@
-"""The rules of migrating an OpenAI stream (router/openai_migration.py): pure logic, no sockets."""
+"""The rules of migrating an OpenAI stream (router/migration/openai_migration.py): pure logic, no sockets."""
 
 from __future__ import annotations
 
 import msgspec
 
-from pdserve.router.migration import parse_event
-from pdserve.router.openai_migration import (CHAT, COMPLETIONS, OpenAITranscript, openai_continuation,
+from pdserve.router.migration.migration import parse_event
+from pdserve.router.migration.openai_migration import (CHAT, COMPLETIONS, OpenAITranscript, openai_continuation,
                                              openai_migratable, openai_tokens_left, with_token_ids)
 
 

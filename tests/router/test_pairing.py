@@ -7,9 +7,9 @@ import pytest
 
 from pdserve.router.config import WorkerSpec
 from pdserve.router.errors import RouterError
-from pdserve.router.pairing import Pairing, prompt_text
+from pdserve.router.workers.pairing import Pairing, prompt_text
 from pdserve.router.simple_policies import RoundRobinPolicy
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 
 
 def make(dp_aware=False, prefill_dp=1, decode_dp=1, n=1):

@@ -5,12 +5,12 @@ from collections import Counter
 
 import pytest
 
-from pdserve.router.cache_aware_policy import CacheAwarePolicy
+from pdserve.router.kv.cache_aware_policy import CacheAwarePolicy
 from pdserve.router.cli import build_parser
 from pdserve.router.config import RouterConfig, WorkerSpec
 from pdserve.router.policy import POLICIES, Policy, make_policy, policy_class
 from pdserve.router.simple_policies import PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
-from pdserve.router.worker_registry import Endpoint, Worker
+from pdserve.router.workers.worker_registry import Endpoint, Worker
 
 
 def endpoints(n: int) -> list[Endpoint]:

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.router.prefix_tree import PrefixTree, common_prefix_len
+from pdserve.router.kv.prefix_tree import PrefixTree, common_prefix_len
 
 
 @given(st.text("ab", max_size=40), st.text("ab", max_size=40))

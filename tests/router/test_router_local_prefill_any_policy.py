@@ -66,7 +66,7 @@ async def test_readiness_names_the_tokenizer_while_it_loads(cluster):
 
 
 async def test_a_decode_worker_without_local_prefill_is_named_and_not_sent_any(cluster, caplog):
-    caplog.set_level(logging.WARNING, logger="pdserve.router.health")
+    caplog.set_level(logging.WARNING, logger="pdserve.router.workers.health")
     await cluster.start(1, 1, prefill_behavior=Behavior(model=None),
                         decode_behavior=Behavior(model=None, max_local_prefill_tokens=0),
                         policy="round_robin", local_prefill_max_tokens=64)

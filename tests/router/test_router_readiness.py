@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.health import probe_delays
+from pdserve.router.workers.health import probe_delays
 from pdserve.router.server import start_router
 from standin_worker import Behavior, StandinWorker
 

@@ -11,9 +11,9 @@ import pytest
 
 from pdserve.entrypoints.procs import free_port
 from pdserve.router.config import RouterConfig, WorkerSpec
-from pdserve.router.health import STARTUP_PROBE_S, startup_probe_delays
+from pdserve.router.workers.health import STARTUP_PROBE_S, startup_probe_delays
 from pdserve.router.server import start_router
-from pdserve.router.worker_registry import WorkerRegistry
+from pdserve.router.workers.worker_registry import WorkerRegistry
 from standin_worker import Behavior, StandinWorker
 
 from conftest import FAST

@@ -178,7 +178,7 @@ def test_the_folder_check_sees_an_import_of_a_folder_above(tmp_path):
     known = {"pdserve.router.worker_hook": f}
     (target,) = [t for _, t in imports(f, "pdserve.engine.sched.m", known)]
     assert FOLDER_LEVELS[folder(target)] > FOLDER_LEVELS[folder("pdserve.engine.sched.m")]
-    assert FOLDER_LEVELS[folder("pdserve.engine.text.prompt")] < FOLDER_LEVELS[folder("pdserve.router.kv_aware_policy")]
+    assert FOLDER_LEVELS[folder("pdserve.engine.text.prompt")] < FOLDER_LEVELS[folder("pdserve.router.kv.kv_aware_policy")]
 
 
 def test_the_check_sees_upward_and_function_level_imports(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.policy import Policy
-from pdserve.router.prefix_tree import PrefixTree
+from pdserve.router.kv.prefix_tree import PrefixTree
 
 _DEFAULTS = RouterConfig()  # the knobs' defaults are RouterConfig's (the CLI's), written there once
 

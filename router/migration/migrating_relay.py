@@ -1,6 +1,6 @@
 """The streamed answer of a migratable request: relayed event by event, continued on another
 pair when its decode leg fails mid-stream (``--migration-limit``; the rules are
-``router/migration.py`` for /generate, ``router/openai_migration.py`` for OpenAI streams).
+``router/migration/migration.py`` for /generate, ``router/migration/openai_migration.py`` for OpenAI streams).
 
 One relay per client stream. It forwards whole SSE events and keeps the
 ``Transcript`` of what the client has. When the decode leg fails (connection lost
@@ -24,11 +24,11 @@ from aiohttp import web
 
 from pdserve.router.errors import RouterError
 from pdserve.router.leg_failure import LegFailure
-from pdserve.router.migration import (SSEEvents, Transcript, continuation_body, error_event, parse_event,
+from pdserve.router.migration.migration import (SSEEvents, Transcript, continuation_body, error_event, parse_event,
                                       tokens_left)
-from pdserve.router.openai_migration import (CHAT, COMPLETIONS, OPENAI_PATHS, OpenAITranscript,
+from pdserve.router.migration.openai_migration import (CHAT, COMPLETIONS, OPENAI_PATHS, OpenAITranscript,
                                              openai_continuation, openai_tokens_left)
-from pdserve.router.pairing import Pair, Pairing
+from pdserve.router.workers.pairing import Pair, Pairing
 from pdserve.router.upstream import UpstreamError, UpstreamResponse, drain_response
 
 log = logging.getLogger("pdserve.router")

@@ -27,7 +27,7 @@ counts ``completion_tokens`` over the whole answer, and carries
 What is migrated: single-prompt streamed ``/generate`` requests without
 ``return_logprob`` (the continuation's input logprobs would cover generated
 tokens) or a grammar (the continuation would restart it). OpenAI streams are migrated
-by ``router/openai_migration.py``; JSON requests have had no byte yet, so they are
+by ``router/migration/openai_migration.py``; JSON requests have had no byte yet, so they are
 retried whole by the retry loop.
 """
 

@@ -18,7 +18,7 @@ import weakref
 from collections.abc import Sequence
 
 from pdserve.kvtransfer.errors import ConnectError, RegistrationError, TransferFailedError
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState
 
 # the process is the fabric: peers find each other here by name (weak: a dropped engine leaves)
 _ENGINES: "weakref.WeakValueDictionary[str, LocalTransferEngine]" = weakref.WeakValueDictionary()

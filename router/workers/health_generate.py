@@ -14,7 +14,7 @@ import asyncio
 
 import aiohttp
 
-from pdserve.router.worker_registry import ROLES, Worker
+from pdserve.router.workers.worker_registry import ROLES, Worker
 
 # a worker answers within its own limit (30 s, engine/frontend/http_server.py); wait a little longer
 HEALTH_GENERATE_TIMEOUT_S = 40.0

@@ -1,7 +1,7 @@
 """Request migration of OpenAI streams (``/v1/completions``, ``/v1/chat/completions``): the rules.
 
-Pure logic over dicts and bytes; ``router/migrating_relay.py`` does the I/O, and
-``router/migration.py`` holds the ``/generate`` counterpart. An OpenAI chunk carries
+Pure logic over dicts and bytes; ``router/migration/migrating_relay.py`` does the I/O, and
+``router/migration/migration.py`` holds the ``/generate`` counterpart. An OpenAI chunk carries
 text only, so the router asks the decode leg for the token ids as well
 (``return_token_ids``, vLLM's field: each chunk's choice carries its new
 ``token_ids``, the first chunk the prompt's ``prompt_token_ids``) and strips them
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdserve.router.migration import Event
+from pdserve.router.migration.migration import Event
 
 _encode = msgspec.json.encode
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -17,7 +17,7 @@ import msgspec
 
 from pdserve.router.errors import no_workers
 from pdserve.router.policy import Policy
-from pdserve.router.worker_registry import Endpoint, WorkerRegistry
+from pdserve.router.workers.worker_registry import Endpoint, WorkerRegistry
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
                  "disagg_prefill_dp_rank")

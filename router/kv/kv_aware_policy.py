@@ -16,7 +16,7 @@ A block in ``e``'s pool saves all of its compute (weight 1), one in its host
 memory all but a copy (``--kv-host-cache-hit-weight``), one in the store shared
 by every worker all but a fetch (``--kv-storage-cache-hit-weight``; it counts
 for every worker, so it narrows the lead of a worker that holds the prefix
-itself); ``router/kv_tiers.py`` reads the tiers, docs/ROUTER.md says why these
+itself); ``router/kv/kv_tiers.py`` reads the tiers, docs/ROUTER.md says why these
 weights. ``load(e) * avg_uncached_blocks`` estimates the work queued on ``e``
 (requests in flight times the mean uncached blocks of routed requests). Dynamo
 adds the worker's active decode blocks (memory pressure); a prefill worker
@@ -46,11 +46,11 @@ import urllib.request
 from typing import Sequence
 
 from pdserve.engine.mem_cache.kv_events import block_hashes
-from pdserve.router.cache_aware_policy import CacheAwarePolicy
+from pdserve.router.kv.cache_aware_policy import CacheAwarePolicy
 from pdserve.router.config import RouterConfig
-from pdserve.router.kv_index import KVIndex
-from pdserve.router.kv_tiers import Tier, TierWeights, tier_credit
-from pdserve.router.kv_subscriber import EventSource, KVEventSubscriber
+from pdserve.router.kv.kv_index import KVIndex
+from pdserve.router.kv.kv_tiers import Tier, TierWeights, tier_credit
+from pdserve.router.kv.kv_subscriber import EventSource, KVEventSubscriber
 from pdserve.router.policy import C, Policy
 
 log = logging.getLogger("pdserve.router.kv_aware")

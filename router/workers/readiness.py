@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.router.worker_registry import ROLES, WorkerRegistry
+from pdserve.router.workers.worker_registry import ROLES, WorkerRegistry
 
 
 def readiness(registry: WorkerRegistry) -> tuple[bool, dict]:

@@ -25,9 +25,9 @@ from collections.abc import Iterator
 import aiohttp
 
 from pdserve.router.config import RouterConfig
-from pdserve.router.worker_registry import MAX_DP_SIZE, Worker, WorkerRegistry
+from pdserve.router.workers.worker_registry import MAX_DP_SIZE, Worker, WorkerRegistry
 
-log = logging.getLogger("pdserve.router.health")
+log = logging.getLogger("pdserve.router.workers.health")
 PROBE_INITIAL_S = 0.5
 STARTUP_PROBE_S = 0.5  # the fixed wait between probes of a worker that was never healthy
 

@@ -59,7 +59,7 @@ class Worker:
         self.max_local_prefill_tokens = 0
         # the most tokens (prompt + answer) one request may hold there: min(max_context_len,
         # max_total_num_tokens) of its /server_info (None: not told); a migrated chat without
-        # max_tokens continues with what is left of it (router/openai_migration.py)
+        # max_tokens continues with what is left of it (router/migration/openai_migration.py)
         self.token_room: int | None = None
         self.consecutive_failures = 0
         self.consecutive_successes = 0

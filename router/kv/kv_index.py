@@ -2,7 +2,7 @@
 
 Pure bookkeeping, no sockets: ``KVIndex`` maps chained block hashes (see
 ``pdserve.engine.mem_cache.kv_events``) to the endpoint keys that hold them, per
-tier (``router/kv_tiers.py``: each worker's pool, host memory and disk, and the
+tier (``router/kv/kv_tiers.py``: each worker's pool, host memory and disk, and the
 store they share), and answers which leading blocks of a prompt each endpoint
 holds and where.
 Between routing a request and its worker's ``BlockStored`` event, the blocks
@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Iterable, Sequence
 
 from pdserve.engine.mem_cache.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from pdserve.router.kv_tiers import LOCAL_TIERS, Tier, tier_of
+from pdserve.router.kv.kv_tiers import LOCAL_TIERS, Tier, tier_of
 
 MAX_STORE_BLOCKS = 1 << 19  # ~50 MB of router memory; 8M tokens of 16-token pages
 

@@ -17,8 +17,8 @@ from pdserve.kvtransfer.errors import (
     RegistrationError,
     TransferFailedError,
 )
-from pdserve.kvtransfer.netdev import interface_of
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.engines.netdev import interface_of
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 # how often the engine makes UCX progress on its own (see NixlTransferEngine.__init__); a write

@@ -40,7 +40,7 @@ import zmq
 
 from pdserve.engine.mem_cache.kv_event_publisher import END_SEQ
 from pdserve.engine.mem_cache.kv_events import decode_batch
-from pdserve.router.kv_index import KVIndex, SeqAction, SeqTracker
+from pdserve.router.kv.kv_index import KVIndex, SeqAction, SeqTracker
 
 log = logging.getLogger("pdserve.router.kv_events")
 

@@ -18,9 +18,9 @@ import time
 from aiohttp import web
 
 from pdserve.router.errors import RouterError, error_response
-from pdserve.router.worker_registry import Worker, WorkerRegistry
+from pdserve.router.workers.worker_registry import Worker, WorkerRegistry
 
-log = logging.getLogger("pdserve.router.drain")
+log = logging.getLogger("pdserve.router.workers.drain")
 
 RETRY_AFTER_S = 1  # a draining router's clients retry at once: the Service sends them to a live replica
 # after the drain: how long the handlers cut off get to write their error, and how long the

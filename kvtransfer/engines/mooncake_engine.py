@@ -13,7 +13,7 @@ from pdserve.kvtransfer.errors import (
     RegistrationError,
     TransferFailedError,
 )
-from pdserve.kvtransfer.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState
 
 logger = logging.getLogger(__name__)
 
