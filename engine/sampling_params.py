@@ -30,6 +30,11 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # a reasoning budget: after this many output tokens still thinking, thinking_end (the reasoning
+    # format's closing marker) is forced; both set by the chat front end under --reasoning-parser
+    thinking_budget: int | None = None
+    thinking_end: str | None = None
+    thinking_start: str | None = None  # the opening marker the output must begin with; None: it starts inside
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError naming the first bad parameter."""
@@ -53,6 +58,8 @@ class SamplingParams(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=T
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.thinking_budget is not None and (self.thinking_budget < 0 or not self.thinking_end):
+            raise ValueError(f"thinking_budget must be >= 0 with a thinking_end, got {self.thinking_budget}")
         given = [kind for kind in GRAMMAR_FIELDS if getattr(self, kind) is not None]
         if len(given) > 1:
             raise ValueError(f"{given[1]} cannot be combined with {given[0]}: give at most one grammar")

@@ -17,6 +17,7 @@ import pdserve.engine.env as env
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 from pdserve.engine.secret_files import read_key
 from pdserve.engine.http_limits import MAX_REQUEST_BYTES
+from pdserve.engine.text.reasoning_parsers import REASONING_PARSERS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
@@ -99,6 +100,8 @@ class ServerConfig:
     incremental_streaming_output: bool = False
     # SGLang's --tool-call-parser: how tool_choice auto finds tool calls in the output; None: auto is refused
     tool_call_parser: str | None = None
+    # SGLang's --reasoning-parser: chat outputs split into reasoning_content and content; None: no split
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "admin_api_key", read_key("admin-api-key", self.admin_api_key,
@@ -130,6 +133,9 @@ class ServerConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.max_n < 1:
             raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:

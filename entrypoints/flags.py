@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pdserve.engine.config import DISAGGREGATION_MODES, DTYPES, SCHEDULE_POLICIES, EngineConfig
 from pdserve.engine.model_executor.ep_names import MOE_A2A_BACKENDS
 from pdserve.engine.quantization_names import QUANTIZATIONS
+from pdserve.engine.text.reasoning_parsers import REASONING_PARSERS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.speculative_names import SPECULATIVE_ALGORITHMS
 from pdserve.engine.mem_cache.hicache_names import PREFETCH_POLICIES, STORAGE_BACKENDS, WRITE_POLICIES
@@ -33,6 +34,7 @@ _CHOICES = {
     "schedule_policy": SCHEDULE_POLICIES,
     "sampling_defaults": SAMPLING_DEFAULTS,
     "tool_call_parser": sorted(TOOL_CALL_PARSERS),
+    "reasoning_parser": sorted(REASONING_PARSERS),
     "hicache_write_policy": WRITE_POLICIES,
     "hicache_storage_backend": STORAGE_BACKENDS,
     "hicache_storage_prefetch_policy": PREFETCH_POLICIES,
@@ -87,6 +89,8 @@ _HELP = {
     "max_request_bytes": "request bodies larger than this get HTTP 413",
     "max_n": "most choices (n) per OpenAI request",
     "tool_call_parser": "how tool_choice auto finds the model's tool calls in its output (SGLang's names)",
+    "reasoning_parser": "split chat outputs into reasoning_content (the model's thinking) and content "
+                        "(SGLang's names; docs/USER_GUIDE.md)",
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "quantization": "w8a16: int8 weights, one scale per output channel; w8a8: the same, and prefill's activations "
                     "int8 per token (int8 x int8 products); prefill and decode servers must match",

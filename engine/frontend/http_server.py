@@ -38,7 +38,7 @@ from pdserve.engine.frontend.sequences import (
 from pdserve.engine.frontend.value_checks import MAX_BATCH_PROMPTS, new_rid
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
-from pdserve.engine.frontend.tool_calls import ToolCallStream
+from pdserve.engine.frontend.chat_choice import ChatChoiceStream
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN, RequestHandle, TokenizerManager
 
@@ -245,7 +245,7 @@ async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, cha
         return json_response(obj)
 
     opened: set[int] = set()
-    tool_streams: dict[int, ToolCallStream] = {}
+    parts_streams: dict[int, ChatChoiceStream] = {}
     ids_out = bool(req.return_token_ids)
 
     def render(st: SeqState, d) -> bytes:
@@ -257,8 +257,8 @@ async def _openai(request, tm: TokenizerManager, req, handle: RequestHandle, cha
             if ids_out:
                 chunk["prompt_token_ids"] = list(st.input_ids)
             out += api.sse(chunk)
-        if st.spec.tool_plan is not None:
-            ts = tool_streams.setdefault(st.spec.index, ToolCallStream(st.spec.tool_plan))
+        if st.spec.tool_plan is not None or st.spec.reasoning is not None:
+            ts = parts_streams.setdefault(st.spec.index, ChatChoiceStream(st.spec.reasoning, st.spec.tool_plan))
             deltas = ts.feed(d.text, d.finished)
             chunks = api.chat_tool_chunks(rid, model, created, st, deltas, d.finished, ts.num_calls > 0)
             return out + b"".join(map(api.sse, chunks))

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from pdserve.engine.frontend.chat_choice import whole_choice
 from pdserve.engine.frontend.seq_state import Delta, SeqState
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -195,12 +196,11 @@ def _chat_finish_reason(st: SeqState, made_tool_calls: bool) -> str | None:
 def chat_object(rid: str, model: str, created: int, states: list[SeqState], tok_str: TokStr) -> dict:
     choices = []
     for st in states:
-        plan = st.spec.tool_plan
-        content, calls = plan.parse(st.text) if plan is not None else (st.text, [])
+        thought, content, calls = whole_choice(st.text, st.spec.reasoning, st.spec.tool_plan)
         choices.append(
             {
                 "index": st.spec.index,
-                "message": {"role": "assistant", "content": content, "reasoning_content": None,
+                "message": {"role": "assistant", "content": content, "reasoning_content": thought,
                             "tool_calls": [c.to_dict() for c in calls] or None},
                 "logprobs": _chat_logprobs(st.logprobs, tok_str) if st.spec.return_logprob else None,
                 "finish_reason": _chat_finish_reason(st, bool(calls)),
@@ -236,7 +236,8 @@ def chat_chunk(rid: str, model: str, created: int, st: SeqState, d: Delta | None
 
 def chat_tool_chunks(rid: str, model: str, created: int, st: SeqState, deltas: list[dict], finished: bool,
                      made_tool_calls: bool) -> list[dict]:
-    """The chunks of a choice with tools: one per delta (``ToolCallStream.feed``), then the closing one."""
+    """The chunks of a choice with tools or reasoning: one per delta (``ChatChoiceStream.feed``), then the
+    closing one."""
     def chunk(delta: dict, finish_reason: str | None) -> dict:
         choice = {"index": st.spec.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}

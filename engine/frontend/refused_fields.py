@@ -15,8 +15,8 @@ The fields of structured output and tools (``response_format``, ``tools``,
 Accepted with any value, as they ask for nothing pdserve leaves undone:
 ``user`` (OpenAI's end-user id, for the caller's abuse monitoring), ``no_logs``
 (pdserve never logs request contents), ``separate_reasoning`` and
-``stream_reasoning`` (without a reasoning parser there is nothing to separate,
-as in SGLang without ``--reasoning-parser``), ``bootstrap_pair_key`` (a PD
+``stream_reasoning`` (obeyed under ``--reasoning-parser``; without one there is
+nothing to separate, as in SGLang), ``bootstrap_pair_key`` (a PD
 gateway's pairing hint; pdserve pairs by ``bootstrap_room``).
 """
 

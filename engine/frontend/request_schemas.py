@@ -186,6 +186,8 @@ class ChatCompletionRequest(OpenAICommon, forbid_unknown_fields=True):
     separate_reasoning: bool | None = None
     stream_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # under --reasoning-parser: output tokens the thinking may take before its closing marker is forced
+    thinking_budget: int | None = None
 
 
 def include_usage(req: OpenAICommon) -> bool:

@@ -26,6 +26,7 @@ from pdserve.engine.frontend.request_schemas import (
     GenerateSamplingParams,
     OpenAICommon,
 )
+from pdserve.engine.frontend.reasoning_fields import ReasoningPlan, after_thinking, chat_reasoning
 from pdserve.engine.frontend.tool_calls import ToolPlan
 from pdserve.engine.frontend.value_checks import (
     RequestLimits,
@@ -70,6 +71,7 @@ class SequenceSpec:
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
     tool_plan: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
+    reasoning: ReasoningPlan | None = None  # chat under --reasoning-parser: how the thinking is split off
 
 
 # the sampling fields a /generate body's sampling_params and an OpenAI body share by name
@@ -247,6 +249,7 @@ def _openai_sequences(
     return_logprob: bool,
     top_logprobs: int,
     tool_plan: ToolPlan | None = None,
+    reasoning: ReasoningPlan | None = None,
 ) -> list[SequenceSpec]:
     n = check_n(req.n, limits)
     routed = check_dp_rank(req, limits)
@@ -273,6 +276,7 @@ def _openai_sequences(
                     prompt_param=prompt_param,
                     max_tokens_param=max_tokens_param,
                     tool_plan=tool_plan,
+                    reasoning=reasoning,
                 )
             )
     return seqs
@@ -350,6 +354,8 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
         grammars[rf[0]] = rf[1]
     if tools.json_schema is not None:
         grammars["tools"] = tools.json_schema
+    reasoning = chat_reasoning(req, limits.reasoning_parser)
+    answer_grammar = rf is not None or tools.json_schema is not None  # held after the thinking
     if not req.messages:
         raise RequestError("messages must not be empty", param="messages")
     messages = [_message_dict(m, i) for i, m in enumerate(req.messages)]
@@ -370,11 +376,23 @@ def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[Se
     refuse_openai(req, refused_fields.CHAT)
     req = _with_model_defaults(req, limits)
     sp = _openai_sampling(req, max_tokens, param, limits, grammars)
+    if req.thinking_budget is not None:
+        if reasoning is None:
+            raise RequestError("thinking_budget needs a server started with --reasoning-parser and thinking on",
+                               param="thinking_budget")
+        if req.thinking_budget < 0:
+            raise RequestError(f"thinking_budget must be >= 0, got {req.thinking_budget}", param="thinking_budget")
+        sp = msgspec.structs.replace(sp, thinking_budget=req.thinking_budget, thinking_end=reasoning.fmt.end,
+                                     thinking_start=None if reasoning.fmt.starts_inside else reasoning.fmt.start)
+    if reasoning is not None and answer_grammar:
+        kind = next(k for k in ("json_schema", "regex", "ebnf") if getattr(sp, k) is not None)
+        sp = msgspec.structs.replace(sp, json_schema=None, regex=None,
+                                     ebnf=after_thinking(reasoning.fmt, kind, getattr(sp, kind)))
     template_kwargs = dict(req.chat_template_kwargs or {})
     if tools.template_tools:
         template_kwargs["tools"] = tools.template_tools
     prompt = ChatPrompt(messages, bool(req.continue_final_message), template_kwargs)
     return _openai_sequences(
         req, [prompt], sp, max_tokens is not None, param, "messages", limits, bool(req.logprobs), top or 0,
-        tools.plan,
+        tools.plan, reasoning,
     )

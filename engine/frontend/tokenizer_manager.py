@@ -136,6 +136,7 @@ class TokenizerManager:
             sampling_defaults=self.sampling_defaults,
             tool_call_parser=c.tool_call_parser,
             enable_priority_scheduling=c.engine.enable_priority_scheduling,
+            reasoning_parser=c.reasoning_parser,
         )
 
     def token_str(self, token_id: int) -> str:

@@ -75,10 +75,7 @@ class ToolCallStream:
             return out
         self.held += text
         if plan.mode == "auto":
-            start = plan.parser.start
-            cut = self.held.find(start)
-            if cut < 0:  # send all but a tail that may be the start of a call's opening text
-                cut = _safe_prefix_len(self.held, start)
+            cut = plan.parser.hold_from(self.held)  # all before it is content
             if cut > 0 and not finished:
                 content, self.held = self.held[:cut], self.held[cut:]
                 return [{"content": content}]
@@ -93,14 +90,6 @@ class ToolCallStream:
             out.append({"tool_calls": [c.to_dict(i) for i, c in enumerate(calls)]})
             self.num_calls = len(calls)
         return out
-
-
-def _safe_prefix_len(text: str, start: str) -> int:
-    """How much of ``text`` cannot be the beginning of ``start`` cut off at its end."""
-    for k in range(min(len(start) - 1, len(text)), 0, -1):
-        if text.endswith(start[:k]):
-            return len(text) - k
-    return len(text)
 
 
 @dataclass(frozen=True)
@@ -127,7 +116,8 @@ def tool_choice(tools: Any, choice: Any, parallel_tool_calls: Any, parser_name: 
         if parser_name is None:
             raise ToolRequestError("tool_choice auto needs a server started with --tool-call-parser "
                                    "(or give tool_choice required or a function)", "tool_choice")
-        return ToolChoice(ToolPlan("auto", parser=make_tool_call_parser(parser_name)), template_tools=list(tools))
+        parser = make_tool_call_parser(parser_name, functions)
+        return ToolChoice(ToolPlan("auto", parser=parser), template_tools=list(tools))
     if choice == "required":
         variants = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
                                                       "parameters": params},

@@ -50,6 +50,7 @@ class RequestLimits:
                 code="model_not_found",
             )
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
+    reasoning_parser: str | None = None  # --reasoning-parser: chat outputs split into reasoning and answer
     enable_priority_scheduling: bool = False  # --enable-priority-scheduling: `priority` is accepted
 
     def check_priority(self, priority: int | None) -> int:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.constrained.grammar_masks import CompileJob, GrammarMasks, PendingMask
+from pdserve.engine.constrained.thinking_budget import ThinkingBudget
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
@@ -134,10 +135,11 @@ class SchedulerLoop:
             priority=msg.priority,
         )
         error = self.validate(req)
-        if error is None and req.sampling_params.grammar is not None:
-            if parallel.tp_size() == 1:  # TP ranks admit in lockstep: they compile in place
-                self._compiling[req.rid] = (req, self.grammars.compile(req.sampling_params.grammar))
-                return
+        if error is None and req.sampling_params.grammar is not None and parallel.tp_size() == 1:
+            # off the scheduler thread; TP ranks admit in lockstep, so they compile in place
+            self._compiling[req.rid] = (req, self.grammars.compile(req.sampling_params.grammar))
+            return
+        if error is None:
             error = self._attach_grammar(req)
         self._queue(req, error, 400 if error and req.sampling_params.grammar is not None else 500)
 
@@ -182,6 +184,7 @@ class SchedulerLoop:
                 del self._compiling[rid]
                 try:
                     req.grammar = job.future.result()
+                    self._budget_thinking(req)
                     error = None
                 except ValueError as exc:
                     error = str(exc)
@@ -195,15 +198,24 @@ class SchedulerLoop:
                             "(--grammar-compile-timeout); simplify it", 400)
 
     def _attach_grammar(self, req: Req) -> str | None:
-        """Give a constrained request its matcher; a message when its grammar does not compile."""
+        """Give a constrained request its matcher (compiled in place) and its thinking budget; a
+        message when its grammar does not compile."""
         grammar = req.sampling_params.grammar
-        if grammar is None:
-            return None
-        try:
-            req.grammar = self.grammars.matcher(grammar)
-        except ValueError as exc:
-            return str(exc)
+        if grammar is not None:
+            try:
+                req.grammar = self.grammars.matcher(grammar)
+            except ValueError as exc:
+                return str(exc)
+        self._budget_thinking(req)
         return None
+
+    def _budget_thinking(self, req: Req) -> None:
+        """Wrap the request's matcher (or none) in its reasoning budget, when it has one."""
+        sp = req.sampling_params
+        if sp.thinking_budget is not None:
+            end_ids = self.tokenizer.encode(sp.thinking_end, add_special_tokens=False)
+            req.grammar = ThinkingBudget(req.grammar, end_ids, sp.thinking_end, sp.thinking_budget,
+                                         self.tokenizer.decode, sp.thinking_start)
 
     def abort(self, rid: str, reason: str = "aborted") -> bool:
         """End a request and free its pages; its final output comes from the next ``step``."""
