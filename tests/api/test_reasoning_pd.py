@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import re
 import sys
-from pathlib import Path
 
 import openai
 import pytest
+from support.pd_stand import Proc, Server
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
-
-from pd_stand import Proc, Server  # noqa: E402
-
-from pdserve.entrypoints.procs import free_port, wait_healthy  # noqa: E402
+from pdserve.entrypoints.procs import free_port, wait_healthy
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,15 +5,10 @@ pythonic --reasoning-parser deepseek-r1``, the default model's output forced by 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import openai
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pd"))
-
-from pd_stand import Server  # noqa: E402
+from support.pd_stand import Server
 
 pytestmark = pytest.mark.timeout(600)
 

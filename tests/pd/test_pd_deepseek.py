@@ -5,7 +5,7 @@ side's pool unleaked after."""
 from __future__ import annotations
 
 import pytest
-from pd_stand import Server, greedy_body, pd_post, serving
+from support.pd_stand import Server, greedy_body, pd_post, serving
 
 from support.deepseek_util import make_deepseek_checkpoint
 
