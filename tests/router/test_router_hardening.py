@@ -16,11 +16,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from pdserve.router.cli import build_parser, config_from_args
+from support.netns_util import outward_address
 from support.standin_worker import Behavior, StandinWorker
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,19 +34,6 @@ ADMIN_CALLS = (("POST", "/workers", {"url": "http://127.0.0.1:9", "role": "decod
                ("POST", "/update_weights_from_disk", {"model_path": "/elsewhere"}),
                ("POST", "/release_memory_occupation", {}),
                ("POST", "/resume_memory_occupation", {}))
-
-
-def outward_address() -> str:
-    """This host's address on its default route (no packet is sent); the test skips without one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))
-        except OSError:
-            pytest.skip("this host has no non-loopback IPv4 route")
-        addr = s.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("this host has no non-loopback IPv4 address")
-    return addr
 
 
 async def call(client, method, url, body=None, key=None):
@@ -242,7 +229,6 @@ async def test_the_admission_slot_comes_before_the_body(cluster):
     assert status == 429 and b"queue" in data
     holder.cancel()
     await asyncio.gather(holder, return_exceptions=True)
-
 
 
 async def test_the_drain_hook_and_the_planner_send_the_admin_key(cluster, capsys, monkeypatch):

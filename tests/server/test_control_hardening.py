@@ -12,28 +12,14 @@ server (bound on every address, no admin key, a profile folder) for the whole mo
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import requests
 from server_helpers import ServerProcess
+from support.netns_util import outward_address
 
 pytestmark = pytest.mark.timeout(300)
 
 GEN = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
-
-
-def outward_address() -> str:
-    """This host's address on its default route (no packet is sent); the test skips without one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("192.0.2.1", 9))
-        except OSError:
-            pytest.skip("this host has no non-loopback IPv4 route")
-        addr = s.getsockname()[0]
-    if addr.startswith("127."):
-        pytest.skip("this host has no non-loopback IPv4 address")
-    return addr
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import pytest
@@ -30,3 +31,16 @@ def del_netns(*names: str) -> None:
     """Delete namespaces (and with them the veth ends inside); missing ones are fine."""
     for ns in names:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+def outward_address() -> str:
+    """This host's address on its default route (no packet is sent); the test skips without one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            pytest.skip("this host has no non-loopback IPv4 route")
+        addr = s.getsockname()[0]
+    if addr.startswith("127."):
+        pytest.skip("this host has no non-loopback IPv4 address")
+    return addr
