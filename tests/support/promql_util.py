@@ -7,7 +7,7 @@ import json
 import re
 from pathlib import Path
 
-DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana" / "pdserve.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "pdserve.json"
 
 _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or", "unless",
              "offset", "inf", "nan"}
