@@ -17,11 +17,19 @@ import sys
 import time
 
 import pytest
+from support.netns_stand import NET, namespaces, ns_request, wait_up
 from support.netns_util import ip
 from support.pd_stand import ADMIN_HEADERS, Server, greedy_body, prompt_ids
-from test_pd_netns import ADDRS, netns, ns_request, wait_up  # noqa: F401 - netns is a fixture
 
 pytestmark = pytest.mark.timeout(400)
+
+ADDRS = {"p": f"{NET}.11", "d": f"{NET}.12", "r": f"{NET}.13"}
+
+
+@pytest.fixture(scope="module")
+def netns():
+    with namespaces(ADDRS) as names:
+        yield names
 
 CLIENT = r"""
 import concurrent.futures as cf, json, random, sys, threading, requests
@@ -61,17 +69,17 @@ def _wait_unleaked(ns: str, url: str, timeout: float = 40) -> None:
         time.sleep(1)
 
 
-def test_link_cut_during_transfers_then_restored(netns, tmp_path):  # noqa: F811
-    tag = netns["p"][len("pdpd-p"):]
-    hub, veth = f"pdpd-hub{tag}", f"vethp{tag}"
+def test_link_cut_during_transfers_then_restored(netns, tmp_path):
+    tag = netns["p"][len("pdmn-p"):]
+    hub, veth = f"pdmn-hub{tag}", f"vethp{tag}"
     prefix = lambda k: ["ip", "netns", "exec", netns[k]]  # noqa: E731
     P = Server("rel-cut-P", "prefill", "--max-total-tokens", "4096", host=ADDRS["p"], cmd_prefix=prefix("p"))
     D = Server("rel-cut-D", "decode", "--max-total-tokens", "4096", "--disaggregation-waiting-timeout", "30",
                "--disaggregation-quarantine-timeout", "120", "--log-level", "info",
                host=ADDRS["d"], cmd_prefix=prefix("d"))
     try:
-        wait_up(netns["p"], P.url + "/health", P)
-        wait_up(netns["d"], D.url + "/health", D)
+        wait_up(netns["p"], P.url + "/health", [P])
+        wait_up(netns["d"], D.url + "/health", [D])
         bodies = [greedy_body(prompt_ids(400, seed=800 + i), 4) for i in range(8)]
         path = tmp_path / "bodies.json"
         path.write_text(json.dumps(bodies))
