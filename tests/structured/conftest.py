@@ -5,8 +5,9 @@ They reuse the PD tests' process helpers (``tests/support/pd_stand.py``).
 
 from __future__ import annotations
 
-import pytest
+import sys
 
+import pytest
 from support.pd_stand import Proc, Server
 
 from pdserve.entrypoints.procs import free_port, wait_healthy
