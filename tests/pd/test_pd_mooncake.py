@@ -315,6 +315,7 @@ def n_router(stand):
                                      decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600,
                                      policy="round_robin"))
     try:
+        r.wait_ready()
         yield f"http://127.0.0.1:{r.port}"
     finally:
         r.close()
@@ -346,6 +347,7 @@ def test_n_choices_of_a_batch_and_over_dp_ranks(stand, colocated):
     r = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
                                      decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600))
     try:
+        r.wait_ready()
         got = requests.post(f"http://127.0.0.1:{r.port}/generate", json=body, timeout=120)
         assert got.status_code == 200, got.text
         assert len(want) == 4 and [c["text"] for c in got.json()] == want

@@ -194,6 +194,17 @@ class InProcessRouter:
         self.thread.start()
         assert started.wait(60)
 
+    def wait_ready(self, timeout: float = 120.0) -> "InProcessRouter":
+        """Until ``/readiness`` answers 200: a worker that did not answer the router's first probe
+        (a loaded machine) is healthy only after a later one."""
+        deadline = time.monotonic() + timeout
+        while True:
+            r = requests.get(f"http://127.0.0.1:{self.port}/readiness", timeout=10)
+            if r.status_code == 200:
+                return self
+            assert time.monotonic() < deadline, f"router not ready: {r.text}"
+            time.sleep(0.2)
+
     def post(self, body: dict) -> requests.Response:
         return requests.post(f"http://127.0.0.1:{self.port}/v1/chat/completions", json=body, timeout=120)
 
