@@ -25,7 +25,7 @@ import hmac
 from aiohttp import web
 
 from pdserve.engine import env
-from pdserve.engine.net_allowlist import is_loopback_peer as is_loopback
+from pdserve.engine.net_allowlist import is_loopback_peer
 from pdserve.engine.secret_files import read_key
 from pdserve.router.errors import RouterError, unauthorized
 
@@ -59,7 +59,7 @@ class Access:
                 raise RouterError(401, f"{request.method} {request.path} is an admin route: it needs "
                                   "'Authorization: Bearer <--admin-api-key>'", "authentication_error")
             return
-        if not is_loopback(request.remote):
+        if not is_loopback_peer(request.remote):
             raise RouterError(403, f"{request.method} {request.path} is an admin route and this router has "
                               f"no --admin-api-key: it answers only to loopback peers, not {request.remote}",
                               "permission_denied")

@@ -256,7 +256,7 @@ async def test_the_drain_hook_and_the_planner_send_the_admin_key(cluster, capsys
 
 
 def test_loopback_peers_are_told_apart_from_the_rest():
-    from pdserve.router.auth import is_loopback
+    from pdserve.engine.net_allowlist import is_loopback_peer as is_loopback
 
     for remote in ("127.0.0.1", "127.8.9.1", "::1", "::ffff:127.0.0.1"):
         assert is_loopback(remote), remote
