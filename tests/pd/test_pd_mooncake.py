@@ -246,25 +246,6 @@ def test_prefill_sigkill_fails_rooms_within_heartbeat_then_recovers(stand, refer
     D.wait_unleaked()
 
 
-def test_decode_killed_prefill_frees_rooms(stand):
-    """SIGKILL DA while its rooms are open on PA: PA answers every room with an error within its
-    bootstrap timeout (4 s) or at the failed write, and frees their pages. Last test: DA stays dead."""
-    P, D = stand["PA"], stand["DA"]
-    prompts = [prompt_ids(600, seed=60 + i) for i in range(3)]
-    with cf.ThreadPoolExecutor(3) as ex:
-        futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, 20)) for ids in prompts]
-        time.sleep(1.0)
-        D.kill()
-        results = [f.result() for f in futs]
-    prefill_answers = [p for p, _ in results]
-    assert all(not isinstance(p, Exception) for p in prefill_answers), prefill_answers
-    failed = [p for p in prefill_answers if p.status_code != 200]
-    assert failed, "at least one room was open when the decode died"
-    for p in failed:
-        assert "KV transfer failed" in p.json()["error"]["message"], p.text
-    P.wait_unleaked()
-
-
 # -- n > 1 through a router: every expanded sequence has a room of its own ----------------------
 
 N = 3
@@ -383,3 +364,22 @@ def test_sequence_rooms_follow_sglangs_numbering():
     rooms = [7, 99]
     assert [sequence_room(rooms, i, j, 2) for i in range(2) for j in range(2)] == [7, 9, 99, 101]
     assert sequence_room(ROOM_SPACE - 1, 0, 2, 1) == 1  # wraps below 2^63
+
+
+def test_decode_killed_prefill_frees_rooms(stand):
+    """SIGKILL DA while its rooms are open on PA: PA answers every room with an error within its
+    bootstrap timeout (4 s) or at the failed write, and frees their pages. Last in this file: DA stays dead."""
+    P, D = stand["PA"], stand["DA"]
+    prompts = [prompt_ids(600, seed=60 + i) for i in range(3)]
+    with cf.ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(pd_post, P, D, "/generate", greedy_body(ids, 20)) for ids in prompts]
+        time.sleep(1.0)
+        D.kill()
+        results = [f.result() for f in futs]
+    prefill_answers = [p for p, _ in results]
+    assert all(not isinstance(p, Exception) for p in prefill_answers), prefill_answers
+    failed = [p for p in prefill_answers if p.status_code != 200]
+    assert failed, "at least one room was open when the decode died"
+    for p in failed:
+        assert "KV transfer failed" in p.json()["error"]["message"], p.text
+    P.wait_unleaked()
