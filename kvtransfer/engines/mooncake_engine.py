@@ -51,7 +51,7 @@ class MooncakeTransferEngine(TransferEngine):
     def raw(self) -> object:
         return self._engine
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
         rc = self._engine.register_memory(addr, nbytes)
         if rc != 0:
             raise RegistrationError(self.name, "register_memory", rc, f"addr={addr:#x} nbytes={nbytes}")

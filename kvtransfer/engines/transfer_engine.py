@@ -51,8 +51,10 @@ class TransferEngine(ABC):
         """The wrapped engine object (mooncake ``TransferEngine``, ``nixl_agent``), for baselines."""
 
     @abstractmethod
-    def register(self, addr: int, nbytes: int) -> None:
-        """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes."""
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes.
+        ``device``: where the region lives, in torch's spelling (``"cpu"``, ``"cuda:N"``); a
+        backend that names memory by its kind takes it from there (NIXL: ``"VRAM"`` or ``"DRAM"``)."""
 
     @abstractmethod
     def deregister(self, addr: int) -> None:
