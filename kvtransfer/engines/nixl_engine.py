@@ -27,7 +27,7 @@ from pdserve.kvtransfer.errors import (
 )
 from pdserve.kvtransfer.engines.netdev import interface_of
 from pdserve.kvtransfer.engines.nixl_memory import MemPlace, PlaceGroup, PlaceMap, place_of, split_by_place
-from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState, import_backend
 from pdserve.kvtransfer.messages import NixlPeerInfo
 
 logger = logging.getLogger(__name__)
@@ -69,10 +69,7 @@ class NixlTransferEngine(TransferEngine):
     supports_notifications = True
 
     def __init__(self, host: str, ib_device: str = ""):
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise EngineInitError(self.name, "import", None, f"nixl is not installed: {e}") from e
+        nixl_api = import_backend(self.name, "nixl._api")
         # UCX opens a listener on every network interface unless told otherwise: bind it to the
         # interface of ``host`` (TCP only: with RDMA, UCX_NET_DEVICES must name the HCA port too,
         # so the operator sets it)
@@ -87,7 +84,8 @@ class NixlTransferEngine(TransferEngine):
         # UCX progresses inside the agent's calls instead; the thread below makes one every
         # PROGRESS_PERIOD_S, so a peer writing here progresses even while nobody polls this engine.
         try:
-            self._agent = nixl_agent(self.agent_name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+            self._agent = nixl_api.nixl_agent(
+                self.agent_name, nixl_api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as e:  # noqa: BLE001
             raise EngineInitError(self.name, "nixl_agent", None, str(e)) from e
         self._regs: dict[int, tuple[object, int, MemPlace]] = {}  # addr -> (nixl registration, nbytes, place)
