@@ -13,5 +13,6 @@ def rotation_changes(records) -> list[tuple[str, str, str]]:
     for rec in records:
         if rec.name == health.log.name and rec.msg == ROTATION_FORMAT:
             role, _url, change, kind = rec.args
+            assert kind in health.PROBE_KINDS, kind
             out.append((role, change, kind))
     return out
