@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.sched.scheduler_process import unpinned
+from pdserve.engine.sched.rank_affinity import unpinned
 from pdserve.engine.server_config import ServerConfig
 
 

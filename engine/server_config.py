@@ -203,6 +203,16 @@ class ServerConfig:
             return socket.gethostbyname(socket.gethostname())
         return self.host
 
+    @property
+    def bootstrap_host(self) -> str:
+        """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
+        only (entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node
+        0's, the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
+        address would find no bootstrap server there, and decodes would wait for it in vain)."""
+        if self.nnodes > 1:
+            return self.dist_init_addr.rpartition(":")[0].strip("[]")
+        return self.advertise_host
+
     def kv_transfer_config(self) -> KVTransferConfig:
         """The ``KVTransferConfig`` of this server's ranks: ``kv_transfer`` at the address peers reach."""
         return dataclasses.replace(self.kv_transfer, host=self.advertise_host)

@@ -34,7 +34,7 @@ from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.frontend.rank_transport import ZmqTransport
-from pdserve.engine.sched.scheduler_process import RankSpec, bootstrap_host, run_scheduler_process
+from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
 
@@ -304,7 +304,7 @@ def _check_bootstrap_host(config: ServerConfig) -> None:
     server, which listens on --host, must be reachable there."""
     if config.disaggregation_mode != "prefill" or config.nnodes == 1:
         return
-    where = bootstrap_host(config)
+    where = config.bootstrap_host
     try:  # two literal addresses that differ (a DNS name, as in Kubernetes, resolves to the pod IP)
         differ = ipaddress.ip_address(config.host) != ipaddress.ip_address(where)
     except ValueError:

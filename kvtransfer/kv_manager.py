@@ -72,7 +72,7 @@ class KVManager(ABC):
         self.engine = engine or create_transfer_engine(config.backend, config.host, config.ib_device)
         self._registered: list[int] = []
         for b in infos:
-            self._register(b.base_addr, b.nbytes)
+            self._register(b.base_addr, b.nbytes, b.device)
         self.lock = threading.Lock()  # guards room state transitions and room tables
         # None: no key configured, frames travel unsealed (the decoder still drops garbage)
         self.auth = config.frame_auth("control")
@@ -95,8 +95,8 @@ class KVManager(ABC):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._control_loop, name=f"kv-{self.role}-control", daemon=True)
 
-    def _register(self, addr: int, nbytes: int) -> None:
-        self.engine.register(addr, nbytes)
+    def _register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        self.engine.register(addr, nbytes, device)
         self._registered.append(addr)
 
     def start(self) -> "KVManager":

@@ -5,6 +5,7 @@ Control channel (ZMQ, msgpack, tagged union ``ControlMessage``):
   prefill -> decode: ``RegisterAck``, ``RoomStatus``, ``RoomClosed``, ``HeartbeatAck``;
   either way: ``AbortRoom``.
 Bootstrap server (HTTP, JSON): ``RankRegistration`` in, ``RankRoute``/``Topology`` out.
+NIXL engine (inside ``RegisterPool.peer_info``, msgpack): ``NixlPeerInfo``.
 
 KV destinations cross the wire as page indices only; the prefill side turns them
 into addresses with the pool it validated at registration.
@@ -193,3 +194,12 @@ class Topology(msgspec.Struct, frozen=True):
     dp_size: int
     tp_size: int
     ranks: list[RankRegistration]
+
+
+class NixlPeerInfo(msgspec.Struct, frozen=True):
+    """The NIXL engine's ``peer_info``: its agent's metadata, and where each region it registered
+    lives, so that a peer writing into it names each destination with its memory type and device
+    (``"VRAM"`` and the CUDA device's index, ``"DRAM"`` and 0: ``engines/nixl_memory.py``)."""
+
+    metadata: bytes
+    regions: list[tuple[int, int, str, int]] = []  # (address, length, memory type, device id)

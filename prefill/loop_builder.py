@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pdserve.engine.sched.scheduler_process import bootstrap_host, unpinned
+from pdserve.engine.sched.rank_affinity import unpinned
 from pdserve.engine.server_config import ServerConfig
 
 
@@ -19,7 +19,7 @@ def build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
     with unpinned():
         kv = PrefillKVManager(
             config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=tp,
-            bootstrap_host=bootstrap_host(config),
+            bootstrap_host=config.bootstrap_host,
         ).start()
     return PrefillLoop(config.engine, kv, dp_rank=dp_rank, runner=runner)
 

@@ -56,6 +56,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 from benchlib import multi_turn, server_metrics  # noqa: E402
+from benchlib.stand_args import add_stand_args  # noqa: E402
 
 from pdserve.entrypoints.mooncake_service import MooncakeService  # noqa: E402
 from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
@@ -88,11 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--one-by-one", action="store_true",
                    help="each conversation's turns alone, then the next (idle servers); no restart phase")
     p.add_argument("--configs", nargs="+", default=["off", "L2", "L3"], choices=("off", "L2", "L3"))
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--output-file", default=None, help="append the JSON line here too")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_stand_args(p)
     return p
 
 

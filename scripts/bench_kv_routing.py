@@ -34,6 +34,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
 
 import bench_serving  # noqa: E402
+from benchlib.stand_args import add_stand_args  # noqa: E402
 
 from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_groups, wait_healthy  # noqa: E402
 from pdserve.router.policy import POLICY_NAMES  # noqa: E402
@@ -55,11 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-max-total-tokens", type=int, default=3072,
                    help="KV pool of each prefill server (default: about half the groups' prefixes)")
     p.add_argument("--decode-max-total-tokens", type=int, default=16384)
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--output-file", default=None, help="append the JSON line here too")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_stand_args(p)
     return p
 
 

@@ -61,6 +61,7 @@ from bench_serving import arrival_offsets, benchmark  # noqa: E402
 from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS  # noqa: E402
 from benchlib.metrics import calculate_metrics  # noqa: E402
+from benchlib.stand_args import add_stand_args  # noqa: E402
 
 from pdserve.entrypoints.cluster import Cluster, LaunchConfig  # noqa: E402
 from pdserve.entrypoints.procs import free_port, log_tail, spawn, stop_group, wait_healthy  # noqa: E402
@@ -116,8 +117,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--backend", choices=sorted(BACKENDS), default="generate")
-    p.add_argument("--model-path", default=None)
-    p.add_argument("--transfer-backend", default="mooncake", choices=("mooncake", "nixl"))
     p.add_argument("--max-total-tokens", type=int, default=16384, help="KV pool of every server")
     p.add_argument("--engine-args", default="",
                    help="more flags for every engine server of every setup, one shell-quoted string after '=' (e.g. "
@@ -125,10 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated-threads", type=int, default=None,
                    help="torch threads of the colocated server; default: every core. On a machine shared "
                         "with other work, threads > free cores make every step wait for a descheduled thread")
-    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out-dir", default="results/compare_disagg")
-    p.add_argument("--output-file", default=None, help="append the JSON line here too")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_stand_args(p)
     return p
 
 

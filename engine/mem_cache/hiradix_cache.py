@@ -285,15 +285,6 @@ class HiRadixCache(RadixCache):
         """Slots of the host tier in use (host-only nodes and L1 nodes backed up)."""
         return self.host.num_used
 
-    def held_pages(self):
-        out, stack = set(), list(self.root.children.values())
-        while stack:
-            n = stack.pop()
-            if n.page is not None:
-                out.add(n.page)
-            stack.extend(n.children.values())
-        return out
-
     def check_integrity(self):
         l1 = evictable = 0
         pages: set[int] = set()

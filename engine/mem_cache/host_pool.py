@@ -90,27 +90,28 @@ class HostKVPool:
     # ------------------------------------------------------------------ copies
     def write(self, pool: PagePool, pages: list[int], slots: list[int]) -> None:
         """Copy KV pool ``pages`` into host ``slots`` (L1 -> L2)."""
-        if not pages:
-            return
-        p = torch.tensor(pages, device=pool.device)
-        s = torch.tensor(slots)
-        for layer in range(self.num_layers):
-            for kv, src in enumerate(_buffers(pool, layer)):
-                # src[:, p]: [heads, n, page_size, dim] -> [n, heads, page_size, dim]
-                self.data[s, kv, layer] = src[:, p].transpose(0, 1).to("cpu", non_blocking=True)
-        if pool.device.type == "cuda":
-            torch.cuda.current_stream(pool.device).synchronize()
+        self._copy(pool, pages, slots, to_host=True)
 
     def read(self, pool: PagePool, slots: list[int], pages: list[int]) -> None:
         """Copy host ``slots`` into KV pool ``pages`` (L2 -> L1)."""
+        self._copy(pool, pages, slots, to_host=False)
+
+    def _copy(self, pool: PagePool, pages: list[int], slots: list[int], to_host: bool) -> None:
+        """Every layer's K and V of ``pages`` to ``slots`` (``to_host``) or back; a copy to the
+        host is complete on return (the pool's pages may be reused at once)."""
         if not pages:
             return
         p = torch.tensor(pages, device=pool.device)
         s = torch.tensor(slots)
         for layer in range(self.num_layers):
-            for kv, dst in enumerate(_buffers(pool, layer)):
-                # data[s, kv, layer]: [n, heads, page_size, dim] -> dst[:, p]: [heads, n, page_size, dim]
-                dst[:, p] = self.data[s, kv, layer].to(pool.device, non_blocking=True).transpose(0, 1)
+            for kv, buf in enumerate(_buffers(pool, layer)):
+                # buf[:, p]: [heads, n, page_size, dim]; data[s, kv, layer]: [n, heads, page_size, dim]
+                if to_host:
+                    self.data[s, kv, layer] = buf[:, p].transpose(0, 1).to("cpu", non_blocking=True)
+                else:
+                    buf[:, p] = self.data[s, kv, layer].to(pool.device, non_blocking=True).transpose(0, 1)
+        if to_host and pool.device.type == "cuda":
+            torch.cuda.current_stream(pool.device).synchronize()
 
     # ------------------------------------------------------------ storage view
     def slot_bytes_view(self, slot: int) -> torch.Tensor:

@@ -89,6 +89,7 @@ class BufferInfo:
     page_bytes: int  # one page, all heads
     head_page_bytes: int  # one head's page: the stride between consecutive pages of a head
     plane_bytes: int  # one head's pages: the stride between consecutive heads
+    device: str = "cpu"  # where the tensor lives (torch's spelling: "cpu", "cuda:N")
 
 
 class PagePool:
@@ -230,7 +231,7 @@ class PagePool:
         lay = self.layout()
         return [
             BufferInfo(t.data_ptr(), t.numel() * t.element_size(), lay.page_bytes, lay.head_page_bytes,
-                       lay.head_page_bytes * self.num_pages)
+                       lay.head_page_bytes * self.num_pages, str(t.device))
             for t in (*self.k, *self.v)
         ]
 

@@ -340,10 +340,13 @@ class RadixCache(PrefixCache):
         return self._num_nodes
 
     def held_pages(self):
+        """The KV pool pages the tree holds (a node whose KV lives in a lower tier only, as
+        ``HiRadixCache``'s host-only nodes, holds none)."""
         out, stack = set(), list(self.root.children.values())
         while stack:
             n = stack.pop()
-            out.add(n.page)
+            if n.page is not None:
+                out.add(n.page)
             stack.extend(n.children.values())
         return out
 

@@ -1,7 +1,7 @@
 """The loop of one scheduler rank, whatever carries its messages: take inputs, step, send outputs.
 
-A scheduler process runs it over ZMQ (``scheduler_process.py``, the process plumbing), the offline
-Engine's ``LocalRank`` on a thread over a queue. Requests, aborts and control operations go through
+A scheduler process runs it over ZMQ (``scheduler_process.py``, the process plumbing;
+``rank_sockets.py``, its sockets), the offline Engine's ``LocalRank`` on a thread over a queue. Requests, aborts and control operations go through
 the rank's ``RankControl`` (``rank_control.py``); the loop sends a ``SchedulerStats`` at most every
 ``STATS_INTERVAL`` seconds or when it changes.
 """
@@ -55,7 +55,7 @@ def serve_rank(
     """The rank's loop, whatever carries its messages: take the inputs ``recv(timeout_ms)`` yields
     (waiting up to ``timeout_ms`` for the first, 0 while there is work), step, ``send`` the step's
     outputs and now and then a ``SchedulerStats``; until ``should_stop()``. A scheduler process
-    feeds it from ZMQ (``scheduler_process._inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
+    feeds it from ZMQ (``rank_sockets.inputs``; a TP rank > 0 follows rank 0's broadcast and its ``send``
     drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline
     Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
     publisher). Requests, aborts and control operations go through the rank's ``RankControl``

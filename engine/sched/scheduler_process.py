@@ -1,25 +1,17 @@
 """Entry function of one scheduler process: a DP rank, or one TP rank of it.
 
-``run_scheduler_process`` builds the rank's loop with the builder it is
-given (the entry points' table, ``entrypoints/loops.py``: ``SchedulerLoop`` in
-colocated mode, ``PrefillLoop`` or ``DecodeLoop`` in the PD modes), announces itself with
-``SchedulerReady``, then runs the rank loop (``rank_loop.serve_rank``) over the
-messages of the HTTP process, which arrive over ZMQ (``_inputs``). The offline
-Engine runs the same ``serve_rank`` on a thread.
-The process dies with its parent (PR_SET_PDEATHSIG), so no rank outlives a
-killed server.
-
-Tensor parallel (SGLang's design): every TP rank of a DP rank runs the same loop over
-its own shard of the model and of the KV pool. TP rank 0 alone talks to the HTTP
-process; each iteration it broadcasts the raw messages it received (and whether to
-stop) to the other TP ranks, which apply them in the same order, so every rank makes
-the same scheduling decisions, page allocations and samples (the logits are the full
-vocabulary on every rank), and only rank 0 sends outputs.
+``run_scheduler_process`` sets the process up (dies with its parent through PR_SET_PDEATHSIG, so no
+rank outlives a killed server; ignores the signals its parent handles; logs under the rank's tag;
+pins its CPUs, ``rank_affinity.py``), builds the rank's loop with the builder it is given (the entry
+points' table, ``entrypoints/loops.py``: ``SchedulerLoop`` in colocated mode, ``PrefillLoop`` or
+``DecodeLoop`` in the PD modes), announces itself with ``SchedulerReady``, then runs the rank loop
+(``rank_loop.serve_rank``) over the messages of the HTTP process, which arrive over ZMQ
+(``rank_sockets.py``, where the TP broadcast lives). The offline Engine runs the same
+``serve_rank`` on a thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -30,12 +22,11 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
 
-import msgspec
 import zmq
 
-from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput
+from pdserve.engine.messages import SchedulerError
+from pdserve.engine.sched import rank_affinity, rank_sockets
 from pdserve.engine.sched.loop_builder import LoopBuilder
 from pdserve.engine.sched.rank_loop import ready_info, serve_rank
 from pdserve.engine.server_config import ServerConfig
@@ -64,42 +55,6 @@ class RankSpec:
         return f"dp{self.dp_rank}-tp{self.tp_rank}"
 
 
-# The CPUs of the whole server, before this rank pinned itself to its share (None: not pinned).
-_server_cpus: set[int] | None = None
-
-
-@contextlib.contextmanager
-def unpinned():
-    """Threads started inside run on every CPU of the server, not only on the rank's share.
-
-    A rank pinned to its share (``RankSpec.cpus``: one core per TP rank on a 2-core machine) would
-    otherwise put its KV transfer threads, and the transfer engine's own (Mooncake's TCP workers,
-    UCX's progress thread), on the core its compute thread keeps busy. Measured: prefill TP 2 ->
-    decode TP 2 over Mooncake, 4 concurrent requests, pinned: 3 runs in 4 lost rooms to "no
-    transfer progress within 30s"; with the transfer threads unpinned: 4 in 4 succeeded in 0.2 s.
-    Linux affinity is per thread and inherited at creation, so widening the calling thread around
-    the KV manager's start, then narrowing it back, leaves the compute threads pinned."""
-    if _server_cpus is None:
-        yield
-        return
-    mine = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, _server_cpus)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, mine)
-
-
-def bootstrap_host(config: ServerConfig) -> str:
-    """Where this server's prefill ranks register: its bootstrap server, which runs on node 0
-    only (entrypoints/serve.py). On one node that is this host; with ``--nnodes N`` it is node 0's,
-    the host of ``--dist-init-addr``, on every node (a rank on node k registering at its own
-    address would find no bootstrap server there, and decodes would wait for it in vain)."""
-    if config.nnodes > 1:
-        return config.dist_init_addr.rpartition(":")[0].strip("[]")
-    return config.advertise_host
-
-
 def _die_with_parent(name: str) -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG, PR_SET_NAME = 1, 15
@@ -126,9 +81,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         level=config.log_level.upper(), format=f"%(asctime)s [{tag}] %(levelname)s %(name)s: %(message)s"
     )
     if rank.cpus is not None:
-        global _server_cpus
-        _server_cpus = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, rank.cpus)
+        rank_affinity.pin(rank.cpus)
     import torch
 
     from pdserve.engine.model_executor import parallel
@@ -140,22 +93,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     dp_rank = rank.dp_rank
     leader = rank.tp_rank == 0
     ctx = zmq.Context()
-    pull = push = None
-    enc = msgspec.msgpack.Encoder()
-    if leader:
-        pull = ctx.socket(zmq.PULL)
-        pull.connect(in_addr)
-    if out_addr is not None:
-        push = ctx.socket(zmq.PUSH)
-        push.setsockopt(zmq.LINGER, 2000)
-        push.connect(out_addr)
-
-    def send(msgs: list) -> None:
-        if not leader:  # rank 0 speaks for the TP group; each rank's own metrics are its own
-            msgs = [msg for msg in msgs if isinstance(msg, RankMetrics)]
-        if push is not None and msgs:
-            push.send(enc.encode(msgs), copy=False)
-
+    pull, push = rank_sockets.open_sockets(ctx, in_addr, out_addr, leader)
+    send = rank_sockets.sender(push, leader)
     try:
         parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                          torch.device(rank.device))
@@ -168,7 +107,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         def orphaned() -> bool:  # the parent died without killing us: nothing left to serve
             return not loop.has_work() and os.getppid() != parent_pid
 
-        recv, should_stop = _inputs(pull, orphaned)
+        recv, should_stop = rank_sockets.inputs(pull, orphaned)
         _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, should_stop, publish, rank.tp_rank),
                               rank.num_threads)
     except Exception as e:
@@ -223,44 +162,3 @@ def _run_in_worker_thread(fn, num_threads: int) -> None:
     worker.join()
     if errors:
         raise errors[0]
-
-
-def _receive(pull: zmq.Socket, poller: zmq.Poller, timeout_ms: int) -> list[bytes]:
-    """The raw messages waiting (blocking up to ``timeout_ms`` for the first)."""
-    raws: list[bytes] = []
-    if poller.poll(timeout_ms):
-        while True:
-            try:
-                raws.append(pull.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return raws
-    return raws
-
-
-def _inputs(pull: zmq.Socket | None, orphaned: Callable[[], bool]):
-    """``(recv, should_stop)`` for ``serve_rank`` in a scheduler process.
-
-    TP rank 0 (``pull`` set) reads the HTTP process's messages. At TP > 1 it broadcasts them each
-    iteration, with whether to stop, and the other ranks follow, so all step in lockstep: every
-    rank's ``should_stop`` answers what rank 0 broadcast in the previous iteration.
-
-    PD modes under TP: each TP rank's KV manager moves its own heads; a decision that depends
-    on rank-local state, such as whether a KV transfer has landed, is agreed inside the loops'
-    ``poll`` (``kvtransfer/tp_agreement.py``), so every rank still takes the same steps.
-    """
-    from pdserve.engine.model_executor.parallel import broadcast_objects, tp_size
-
-    dec = msgspec.msgpack.Decoder(SchedulerInput)
-    poller = zmq.Poller()
-    if pull is not None:
-        poller.register(pull, zmq.POLLIN)
-    if tp_size() == 1:
-        return (lambda timeout_ms: [dec.decode(raw) for raw in _receive(pull, poller, timeout_ms)]), orphaned
-    stop = [False]
-
-    def recv(timeout_ms: int) -> list[SchedulerInput]:
-        mine = [_receive(pull, poller, timeout_ms), orphaned()] if pull is not None else None
-        raws, stop[0] = broadcast_objects(mine)
-        return [dec.decode(raw) for raw in raws]
-
-    return recv, lambda: stop[0]

@@ -44,7 +44,7 @@ class LocalTransferEngine(TransferEngine):
     def raw(self) -> object:
         return self
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
         if addr <= 0 or nbytes <= 0 or addr in self._regions:
             raise RegistrationError(self.name, "register", None, f"addr={addr:#x} nbytes={nbytes}")
         self._regions[addr] = nbytes

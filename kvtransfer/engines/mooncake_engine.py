@@ -13,7 +13,7 @@ from pdserve.kvtransfer.errors import (
     RegistrationError,
     TransferFailedError,
 )
-from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState
+from pdserve.kvtransfer.engines.transfer_engine import TransferEngine, TransferHandle, TransferState, import_backend
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +29,7 @@ class MooncakeTransferEngine(TransferEngine):
     supports_notifications = False
 
     def __init__(self, host: str, ib_device: str = ""):
-        try:
-            from mooncake.engine import TransferEngine as _Engine
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise EngineInitError(self.name, "import", None, f"mooncake is not installed: {e}") from e
-        self._engine = _Engine()
+        self._engine = import_backend(self.name, "mooncake.engine").TransferEngine()
         protocol = "rdma" if ib_device else "tcp"
         # P2PHANDSHAKE: no metadata server; peers are addressed as host:rpc_port
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, ib_device)
@@ -51,7 +47,7 @@ class MooncakeTransferEngine(TransferEngine):
     def raw(self) -> object:
         return self._engine
 
-    def register(self, addr: int, nbytes: int) -> None:
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
         rc = self._engine.register_memory(addr, nbytes)
         if rc != 0:
             raise RegistrationError(self.name, "register_memory", rc, f"addr={addr:#x} nbytes={nbytes}")

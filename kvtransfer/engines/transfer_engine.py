@@ -8,12 +8,13 @@ gets ``TransferEngineError`` subclasses, never a bare ``-1``.
 from __future__ import annotations
 
 import enum
+import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 from pdserve.engine.transfer_backends import TRANSFER_ENGINES, check_transfer_backend, load_transfer_factory
-from pdserve.kvtransfer.errors import TransferEngineError
+from pdserve.kvtransfer.errors import EngineInitError, TransferEngineError
 
 
 class TransferState(enum.Enum):
@@ -51,8 +52,10 @@ class TransferEngine(ABC):
         """The wrapped engine object (mooncake ``TransferEngine``, ``nixl_agent``), for baselines."""
 
     @abstractmethod
-    def register(self, addr: int, nbytes: int) -> None:
-        """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes."""
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        """Register ``[addr, addr + nbytes)`` so it can be a source or destination of writes.
+        ``device``: where the region lives, in torch's spelling (``"cpu"``, ``"cuda:N"``); a
+        backend that names memory by its kind takes it from there (NIXL: ``"VRAM"`` or ``"DRAM"``)."""
 
     @abstractmethod
     def deregister(self, addr: int) -> None:
@@ -129,6 +132,14 @@ class TransferEngine(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the engine; no call is valid afterwards."""
+
+
+def import_backend(engine: str, module: str):
+    """The raw engine's Python ``module``; EngineInitError naming ``engine`` when it is not installed."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise EngineInitError(engine, "import", None, f"{module.partition('.')[0]} is not installed: {e}") from e
 
 
 def create_transfer_engine(name: str, host: str, ib_device: str = "") -> TransferEngine:

@@ -13,6 +13,10 @@ its workers is ready within 0.5 s of the moment they answer, however long they
 took to load. A worker that was healthy and went out of rotation is probed from
 0.5 s on, doubling the wait up to ``--health-check-interval-secs`` (a worker
 that keeps failing is not hammered).
+
+The log line that takes a worker in or out of rotation names the kind of probe
+that saw it (``PROBE_KINDS``), so an operator, or a test, can tell which
+mechanism made a worker ready.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from pdserve.router.workers.worker_registry import MAX_DP_SIZE, Worker, WorkerRe
 log = logging.getLogger("pdserve.router.workers.health")
 PROBE_INITIAL_S = 0.5
 STARTUP_PROBE_S = 0.5  # the fixed wait between probes of a worker that was never healthy
+# which probe saw a worker: the one when it is added (router start, ``/workers``), the interval's,
+# the watching probe of a worker never healthy, the watching probe of one that failed
+PROBE_KINDS = ("added", "interval", "startup", "backoff")
 
 
 def probe_delays(cap: float) -> Iterator[float]:
@@ -65,7 +72,7 @@ class HealthChecker:
         """One probe of every worker that is not being watched (those are probed more often)."""
         workers = [w for w in self.registry.workers() if w.url not in self._watched]
         if workers:
-            await asyncio.gather(*(self.check(w) for w in workers))
+            await asyncio.gather(*(self.check(w, probe="interval") for w in workers))
 
     def watch(self, worker: Worker, first: bool = False) -> None:
         """Probe ``worker`` often until it is healthy (no-op when it is already watched)."""
@@ -85,12 +92,13 @@ class HealthChecker:
         timeout = self.config.worker_startup_timeout_secs
         deadline = time.monotonic() + timeout
         try:
+            kind = "backoff" if worker.ever_healthy else "startup"
             delays = (probe_delays(self.config.health_check_interval_secs) if worker.ever_healthy
                       else startup_probe_delays())
             for delay in delays:
                 if self.registry.get(worker.url) is not worker:
                     return  # removed (or replaced) meanwhile
-                await self.check(worker, first)
+                await self.check(worker, first, probe=kind)
                 if worker.healthy:
                     return
                 if time.monotonic() + delay > deadline:
@@ -103,9 +111,10 @@ class HealthChecker:
             if self._watched.get(worker.url) is asyncio.current_task():
                 del self._watched[worker.url]
 
-    async def check(self, worker: Worker, first: bool = False) -> bool:
+    async def check(self, worker: Worker, first: bool = False, probe: str = "added") -> bool:
         """Probe one worker and record the result; ``first``: a worker just added counts as
-        healthy after one pass, so a router starts serving as soon as its workers answer."""
+        healthy after one pass, so a router starts serving as soon as its workers answer.
+        ``probe``: which of ``PROBE_KINDS`` this is, named in the log line of a change."""
         ok = await self._get_ok(worker.url + "/health")
         if ok and not worker.info_known:
             ok = await self._fetch_info(worker)
@@ -113,8 +122,8 @@ class HealthChecker:
         changed = self.registry.record_health(worker, ok, cfg.health_failure_threshold,
                                               1 if first else cfg.health_success_threshold)
         if changed:
-            (log.info if first else log.warning)("%s worker %s is %s", worker.role, worker.url,
-                        "back in rotation" if worker.healthy else "out of rotation")
+            (log.info if first else log.warning)("%s worker %s is %s (%s probe)", worker.role, worker.url,
+                        "back in rotation" if worker.healthy else "out of rotation", probe)
             if not worker.healthy:
                 self.watch(worker)
         return ok

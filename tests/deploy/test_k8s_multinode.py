@@ -64,7 +64,6 @@ def test_a_broken_pod_template_fails_validation(offline):  # noqa: F811
 
 def test_every_node_parses_and_registers_with_the_leader(tmp_path):
     from pdserve.entrypoints.flags import parse_serve_args
-    from pdserve.engine.sched.scheduler_process import bootstrap_host
 
     key = tmp_path / "key"
     key.write_text("k" * 44)  # the Secret is generated at deploy time (kustomization.yaml's secretGenerator)
@@ -83,7 +82,7 @@ def test_every_node_parses_and_registers_with_the_leader(tmp_path):
             assert config.tp_size > 1 and config.tp_size % size == 0
             assert config.dist_init_addr.startswith(leader + ":")
             if config.disaggregation_mode == "prefill":
-                assert bootstrap_host(config) == leader  # every node's ranks register on the leader
+                assert config.bootstrap_host == leader  # every node's ranks register on the leader
             mounts = {m["name"] for m in c["volumeMounts"]}
             assert "kv-auth" in mounts
             assert c["resources"]["requests"]["cpu"] == c["resources"]["limits"]["cpu"]

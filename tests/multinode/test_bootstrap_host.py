@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from pdserve.entrypoints.flags import parse_serve_args
-from pdserve.engine.sched.scheduler_process import bootstrap_host
 from pdserve.entrypoints.serve import _check_bootstrap_host
 
 
@@ -15,11 +14,11 @@ def config(*args: str):
 
 def test_every_node_registers_at_node_0():
     two = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "10.0.0.1:5000"]
-    assert bootstrap_host(config("--host", "10.0.0.2", "--node-rank", "1", *two)) == "10.0.0.1"
-    assert bootstrap_host(config("--host", "10.0.0.1", "--node-rank", "0", *two)) == "10.0.0.1"
+    assert config("--host", "10.0.0.2", "--node-rank", "1", *two).bootstrap_host == "10.0.0.1"
+    assert config("--host", "10.0.0.1", "--node-rank", "0", *two).bootstrap_host == "10.0.0.1"
     lws = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "pdserve-prefill-0.pdserve-prefill:5000"]
-    assert bootstrap_host(config("--host", "10.0.0.9", "--node-rank", "1", *lws)) == "pdserve-prefill-0.pdserve-prefill"
-    assert bootstrap_host(config("--host", "10.0.0.2")) == "10.0.0.2"  # one node: its own
+    assert config("--host", "10.0.0.9", "--node-rank", "1", *lws).bootstrap_host == "pdserve-prefill-0.pdserve-prefill"
+    assert config("--host", "10.0.0.2").bootstrap_host == "10.0.0.2"  # one node: its own
 
 
 def test_node_0_must_listen_where_the_ranks_register():

@@ -48,8 +48,8 @@ class FaultInjectingEngine(TransferEngine):
     def raw(self) -> object:
         return self.inner.raw
 
-    def register(self, addr: int, nbytes: int) -> None:
-        self.inner.register(addr, nbytes)
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        self.inner.register(addr, nbytes, device)
 
     def deregister(self, addr: int) -> None:
         self.inner.deregister(addr)
