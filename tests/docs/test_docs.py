@@ -10,7 +10,8 @@
 - Every name those pages put in backticks that looks like code exists in the
   tree: a ``CamelCase`` class or a ``name()`` call is defined somewhere in the
   Python files (one ast scan), ``Class.member`` is a member of that class or of
-  a base, and a ``dir/file.ext`` path is a file of the repository. Names from
+  a base, a ``dir/file.ext`` path is a file of the repository, and
+  ``tests/x.py::test_y`` names a function or class of that file. Names from
   other projects are listed in ``EXTERNAL_NAMES`` and ``EXTERNAL_PATHS``.
 
 The CLIs run as the user runs them (``python -m``, help only: no model, no
@@ -174,7 +175,6 @@ EXTERNAL_NAMES = {
     "CollectorRegistry",  # prometheus_client
     "CudaGraphRunner",  # SGLang's class the CUDA graph runner follows
     "MemAvailable",  # a field of /proc/meminfo
-    "MooncakeDistributedStore",  # mooncake.store
     "RecreateGroupOnPodRestart",  # a LeaderWorkerSet restart policy
     "init_process_group",  # torch.distributed
     "madvise",  # libc
@@ -183,6 +183,7 @@ EXTERNAL_PATHS = ("python/sglang/", "vllm/")  # files of SGLang and vLLM that pa
 _MEMBERLESS_BASES = {"object", "ABC", "Protocol", "Generic"}  # bases that give a class no members a page names
 _SKIP_DIRS = {".venv", ".git", "node_modules", "build", "dist", "__pycache__"}
 _CAMEL = re.compile(r"[A-Z][a-z0-9]+(?:[A-Z][A-Za-z0-9]*)+")  # two humps at least: not NGRAM, not Engine
+_TEST_REF = re.compile(r"([\w/.-]+\.py)((?:::\w+)+)")  # tests/x.py::test_y (pytest's node id)
 _CODE_REF = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(\(.*\))?")  # a dotted name, maybe called
 _PATH = re.compile(r"(?<![\w./~<$-])((?:[\w.-]+/)+[\w.-]+\.(?:py|c|h|md|sh|yaml|yml|jsonl|json|toml|txt|png))(?![\w/])")
 
@@ -190,20 +191,22 @@ _PATH = re.compile(r"(?<![\w./~<$-])((?:[\w.-]+/)+[\w.-]+\.(?:py|c|h|md|sh|yaml|
 class CodeIndex:
     """What the Python tree defines, by name: functions and classes anywhere, each class's members
     (methods, class attributes, ``self.x`` assignments) and bases, parameters (callbacks are called by
-    their parameter's name) and identifier-like string constants (registered names such as
-    architectures)."""
+    their parameter's name), identifier-like string constants (registered names such as
+    architectures), and what each file defines (for ``tests/x.py::test_y``)."""
 
     def __init__(self, sources: dict[str, str]):
         self.defined: set[str] = set()
         self.members: dict[str, set[str]] = {}
         self.bases: dict[str, set[str]] = {}
-        for text in sources.values():
-            self._scan(ast.parse(text))
+        self.by_file: dict[str, set[str]] = {}  # relative path -> its functions and classes
+        for path, text in sources.items():
+            self._scan(ast.parse(text), self.by_file.setdefault(path, set()))
 
-    def _scan(self, tree: ast.AST) -> None:
+    def _scan(self, tree: ast.AST, in_file: set[str]) -> None:
         for node in ast.walk(tree):
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.defined.add(node.name)
+                in_file.add(node.name)
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
                 self.defined.update(x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs])
@@ -252,6 +255,12 @@ def unknown_names(text: str, index: CodeIndex, files: list[str]) -> list[str]:
             if path.startswith(EXTERNAL_PATHS) or any(f == path or f.endswith("/" + path) for f in files):
                 continue
             problems.append(f"{n}: no file {path}")
+        t = _TEST_REF.fullmatch(span)
+        if t:
+            path = t.group(1).removeprefix("./")
+            defined = set().union(*(names for f, names in index.by_file.items() if f == path or f.endswith("/" + path)))
+            problems += [f"{n}: no {name} in {path}" for name in t.group(2).split("::")[1:] if name not in defined]
+            continue
         m = _CODE_REF.fullmatch(span)
         if not m:
             continue  # a formula, a command line, a literal: not a name
@@ -271,29 +280,31 @@ def unknown_names(text: str, index: CodeIndex, files: list[str]) -> list[str]:
 def tree_index() -> tuple[CodeIndex, list[str]]:
     """The ast index of every Python file of the repository, and every file's path (relative)."""
     files = [p for p in ROOT.rglob("*") if p.is_file() and not _SKIP_DIRS & set(p.relative_to(ROOT).parts)]
-    sources = {str(p): p.read_text(encoding="utf-8") for p in files if p.suffix == ".py"}
+    sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in files if p.suffix == ".py"}
     return CodeIndex(sources), sorted(str(p.relative_to(ROOT)) for p in files)
 
 
 def test_every_named_function_class_and_file_exists():
     index, files = tree_index()
-    problems = [f"{_show(p)}:{b}" for p in FLAG_DOCS for b in unknown_names(p.read_text(encoding="utf-8"), index, files)]
+    problems = [f"{_show(p)}:{b}" for p in FLAG_DOCS
+                for b in unknown_names(p.read_text(encoding="utf-8"), index, files)]
     assert not problems, (
         "names in backticks that the tree does not define (fix the page, or add a name from another "
         "project to EXTERNAL_NAMES):\n  " + "\n  ".join(problems))
 
 
 def test_name_check_finds_what_is_missing():
-    index = CodeIndex({"m.py": (
+    index = CodeIndex({"tests/router/test_m.py": (
         "class Base:\n    def step(self): pass\n"
         "class RankLoop(Base):\n    KIND = 1\n    def __init__(self):\n        self.pool = None\n"
         "def build_loop(after_layer):\n    after_layer(0)\n"
         "ARCHS = {'llama': 'LlamaForCausalLM'}\n")})
-    files = ["engine/sched/loop.py", "docs/A.md"]
+    files = ["engine/sched/loop.py", "docs/A.md", "tests/router/test_m.py"]
     text = ("`RankLoop.step()` `RankLoop.pool` `RankLoop.KIND` `build_loop()` `after_layer(i)` `LlamaForCausalLM`\n"
             "`sched/loop.py` `min(a, b)` `c(1) = 1.39` `--flag` `python/sglang/srt/x.py` `/tmp/out.jsonl`\n"
             "`RankLoop.run()` `GoneLoop` `gone()` `pdserve.engine.MissingClass` `engine/gone.py`\n"
+            "`router/test_m.py::build_loop` `test_m.py::RankLoop::step` `tests/router/test_m.py::test_gone`\n"
             "```\n`NotChecked` in a fence\n```\n")
     assert unknown_names(text, index, files) == [
         "3: RankLoop has no member run", "3: no function run()", "3: no class GoneLoop", "3: no function gone()",
-        "3: no class MissingClass", "3: no file engine/gone.py"]
+        "3: no class MissingClass", "3: no file engine/gone.py", "4: no test_gone in tests/router/test_m.py"]
