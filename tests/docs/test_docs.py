@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
+import os
 import re
 import subprocess
 import sys
@@ -279,7 +280,10 @@ def unknown_names(text: str, index: CodeIndex, files: list[str]) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def tree_index() -> tuple[CodeIndex, list[str]]:
     """The ast index of every Python file of the repository, and every file's path (relative)."""
-    files = [p for p in ROOT.rglob("*") if p.is_file() and not _SKIP_DIRS & set(p.relative_to(ROOT).parts)]
+    files = []
+    for folder, dirs, names in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.endswith(".egg-info")]  # never walk .venv
+        files += [Path(folder) / n for n in names]
     sources = {str(p.relative_to(ROOT)): p.read_text(encoding="utf-8") for p in files if p.suffix == ".py"}
     return CodeIndex(sources), sorted(str(p.relative_to(ROOT)) for p in files)
 
