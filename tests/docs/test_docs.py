@@ -4,6 +4,9 @@
   ``pdserve launch --help`` print is written somewhere in README.md or
   docs/**/*.md as the literal ``--flag-name`` (a boolean's ``--no-x`` counts as
   documented with ``--x``).
+- Every ``--flag`` those pages name exists: a flag of one of pdserve's commands
+  (``--help`` of each), of a script (``add_argument``, or a flag table's
+  ``snake_case`` names), of a shell script, or one of ``EXTERNAL_FLAGS``.
 - Every relative link and image in those files (and in results/**/*.md) points to an existing file or
   folder, and a ``#anchor`` into a markdown file names one of its headings
   (GitHub's slugs).
@@ -43,13 +46,31 @@ COMMANDS = {
     "pdserve launch": ["-m", "pdserve.entrypoints.cli", "launch", "--help"],
 }
 
+# pdserve's other commands: their flags are documented where they are explained, and a page may name them
+MORE_COMMANDS = {name: ["-m", "pdserve.entrypoints.cli", name.split()[1], "--help"]
+                 for name in ("pdserve profile", "pdserve plan", "pdserve planner")}
+
+# flags that pages name and no parser here has, each for a reason
+EXTERNAL_FLAGS = {
+    "--build-arg",  # docker build
+    "--from-literal",  # kubectl create secret
+    "--router-host-cache-hit-weight", "--router-disk-cache-hit-weight",  # NVIDIA Dynamo's router
+    "--mem-fraction",  # the former name the user guide maps to --mem-fraction-static
+    "--mem", "--no-x",  # the user guide's examples of a refused abbreviation and of a boolean's negation
+}
+
 # an option as argparse prints it at the start of a help line, or after ", " (aliases)
 _OPTION_LINE = re.compile(r"^ {2}(-[^ ].*?)(?: {2,}|$)")
 _FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*[a-z0-9]")
 
 
 def help_flags(args: list[str]) -> set[str]:
-    """The long flags in the options list of one command's ``--help``."""
+    """The long flags in the options list of one command's ``--help`` (each command run once per session)."""
+    return set(_help_flags(tuple(args)))
+
+
+@functools.lru_cache(maxsize=None)
+def _help_flags(args: tuple[str, ...]) -> frozenset[str]:
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.returncode == 0, f"{' '.join(args)} failed:\n{out.stderr[-2000:]}"
     flags = set()
@@ -59,7 +80,7 @@ def help_flags(args: list[str]) -> set[str]:
             flags.update(_FLAG.findall(m.group(1)))
     flags.discard("--help")
     assert flags, f"no flags parsed from {' '.join(args)} --help:\n{out.stdout[:2000]}"
-    return flags
+    return frozenset(flags)
 
 
 def documented_text() -> str:
@@ -200,6 +221,7 @@ class CodeIndex:
         self.members: dict[str, set[str]] = {}
         self.bases: dict[str, set[str]] = {}
         self.by_file: dict[str, set[str]] = {}  # relative path -> its functions and classes
+        self.flags: set[str] = set()  # add_argument("--x") anywhere, and --x for every "snake_case" string
         for path, text in sources.items():
             self._scan(ast.parse(text), self.by_file.setdefault(path, set()))
 
@@ -213,6 +235,10 @@ class CodeIndex:
                 self.defined.update(x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs])
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
                 self.defined.add(node.value)
+                if "_" in node.value.strip("_"):  # a flag table's entry (compare_disagg's, the configs')
+                    self.flags.add("--" + node.value.strip("_").replace("_", "-"))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("--"):
+                self.flags.add(node.value.split("=")[0])  # add_argument("--x"), a forwarded ["--x", v]
             if isinstance(node, ast.ClassDef):
                 members = self.members.setdefault(node.name, set())
                 self.bases.setdefault(node.name, set()).update(
@@ -312,3 +338,39 @@ def test_name_check_finds_what_is_missing():
     assert unknown_names(text, index, files) == [
         "3: RankLoop has no member run", "3: no function run()", "3: no class GoneLoop", "3: no function gone()",
         "3: no class MissingClass", "3: no file engine/gone.py", "4: no test_gone in tests/router/test_m.py"]
+
+
+# ---- flags a page names -------------------------------------------------------------------------
+
+_NAMED_FLAG = re.compile(r"(?<![\w-])--[a-z0-9][a-z0-9-]*[a-z0-9](?![\w-])")
+
+
+def unknown_flags(text: str, known: set[str]) -> list[str]:
+    """The ``--flags`` of one page (code blocks included) that no parser knows, as ``line: flag``; a
+    boolean's ``--no-x`` and ``--x`` stand for each other."""
+    problems = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for flag in _NAMED_FLAG.findall(line):
+            bare = flag[len("--no-"):] if flag.startswith("--no-") else flag[len("--"):]
+            if not {flag, "--" + bare, "--no-" + bare} & known:
+                problems.append(f"{n}: {flag}")
+    return problems
+
+
+def test_every_flag_a_page_names_exists():
+    index, files = tree_index()
+    known = {"--help"} | index.flags | EXTERNAL_FLAGS
+    for args in [*COMMANDS.values(), *MORE_COMMANDS.values()]:
+        known |= help_flags(args)
+    for f in files:
+        if f.endswith(".sh"):
+            known.update(_NAMED_FLAG.findall((ROOT / f).read_text(encoding="utf-8")))
+    problems = [f"{_show(p)}:{b}" for p in FLAG_DOCS for b in unknown_flags(p.read_text(encoding="utf-8"), known)]
+    assert not problems, (
+        "flags that no pdserve command, script or EXTERNAL_FLAGS entry has (fix the page):\n  "
+        + "\n  ".join(problems))
+
+
+def test_unknown_flags_finds_a_removed_flag():
+    text = "`--page-size 16` and --no-enable-metrics\n```\npdserve serve --gone-flag 1 --enable-metrics\n```\n"
+    assert unknown_flags(text, {"--page-size", "--no-enable-metrics"}) == ["3: --gone-flag"]
