@@ -25,11 +25,6 @@ class WorkerSpec:
     role: str  # "prefill" | "decode"
     bootstrap_port: int | None = None  # prefill only; None: the server has no bootstrap port
 
-    @property
-    def http_limits(self) -> HttpLimits:
-        """The limits of the router's listener."""
-        return HttpLimits(self.http_header_timeout, self.max_connections)
-
     def __post_init__(self):
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
@@ -119,6 +114,11 @@ class RouterConfig:
     request_queue_timeout_secs: float = 30.0
     graceful_shutdown_timeout: float = 180.0
     log_level: str = "info"
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The limits of the router's listener."""
+        return HttpLimits(self.http_header_timeout, self.max_connections)
 
     def __post_init__(self):
         for name in ("policy", "prefill_policy", "decode_policy"):
