@@ -3,7 +3,8 @@ under a cap.
 
 aiohttp closes a connection whose request head has not arrived within the runner's
 ``keepalive_timeout``, counted from the connection's start and from each answer and not reset by
-a partial head, so that setting is the header timeout (``limited_runner``): a client sending its
+a partial head (aiohttp >= 3.14, the lower bound in pyproject.toml; the slowloris tests hold it
+to that), so that setting is the header timeout (``limited_runner``): a client sending its
 headers a byte a minute is dropped, and so is an idle keep-alive connection. aiohttp has no cap on
 connections; ``LimitedSite`` puts a thin protocol in front of each accepted connection that counts
 it, and once ``max_connections`` are open it answers a new one 503 (a JSON message naming
