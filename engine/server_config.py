@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 import pdserve.engine.env as env
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 from pdserve.engine.secret_files import read_key
-from pdserve.engine.http_limits import MAX_REQUEST_BYTES
+from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
 from pdserve.engine.text.reasoning_parsers import REASONING_PARSERS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
@@ -65,9 +65,13 @@ class ServerConfig:
     # the folder /start_profile writes under (SGLang's SGLANG_TORCH_PROFILER_DIR); None: the
     # environment's, and without either profiling is refused
     profile_dir: str | None = None
-    # seconds a client may take to send a request's body, and an idle keep-alive connection stays
-    # open: a slow client is answered 408 and its connection closed
+    # seconds a client may take to send a request's body: a slow client is answered 408
     http_read_timeout: float = 60.0
+    # seconds a connection may go without a whole request head, from its start and from each
+    # answer (slowloris, idle keep-alive): then it is closed; the bootstrap server's too
+    http_header_timeout: float = HTTP_HEADER_TIMEOUT
+    # open connections the HTTP listener (and the bootstrap server's) keeps; more are answered 503
+    max_connections: int = MAX_CONNECTIONS
     # seconds a generation request may take before it is aborted (504, or an error event when
     # streamed); None: no deadline
     request_timeout: float | None = None
@@ -118,6 +122,7 @@ class ServerConfig:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.http_read_timeout > 0:
             raise ValueError(f"http_read_timeout must be > 0, got {self.http_read_timeout}")
+        HttpLimits(self.http_header_timeout, self.max_connections)  # raises on a bad one
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0, got {self.request_timeout}")
         if not self.health_scheduler_timeout > 0:
@@ -240,6 +245,11 @@ class ServerConfig:
             kv_transfer=KVTransferConfig(**{kv_by_flag[k]: v for k, v in values.items() if k in kv_by_flag}),
             **{k: v for k, v in values.items() if k in server_names},
         )
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The limits of this server's listeners (HTTP and bootstrap)."""
+        return HttpLimits(self.http_header_timeout, self.max_connections)
 
     @classmethod
     def server_field_names(cls) -> list[str]:

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable
 
 from pdserve.entrypoints.launch_plan import (CPU_SPLITS, KEY_FLAGS, LaunchConfig, LaunchError, ServerSpec, plan,
-                                             split_cpus, wants_managed_store, with_kv_key)
+                                             planner_args_with_admin_key, split_cpus, wants_managed_store,
+                                             with_admin_key, with_kv_key)
 from pdserve.entrypoints.procs import free_port, get_json, log_tail, spawn, stop_groups
 
 # the plan's names, importable from here as before
@@ -31,7 +32,7 @@ class Cluster:
         self.make_planner = make_planner
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="pdserve-launch-")
         os.makedirs(self.log_dir, exist_ok=True)
-        self.config = config = with_kv_key(config, self.log_dir)
+        self.config = config = with_admin_key(with_kv_key(config, self.log_dir), self.log_dir)
         self.specs = plan(config)
         self.procs: dict[str, subprocess.Popen] = {}
         # --hicache-storage-backend mooncake without an extra config: launch runs the store itself
@@ -126,7 +127,7 @@ class Cluster:
         if self.make_planner is None:
             raise LaunchError("--planner: no planner was handed to this launcher")
         try:
-            self.planner = self.make_planner(c.planner_args, self.url, c.planner_port, c.host,
+            self.planner = self.make_planner(planner_args_with_admin_key(c), self.url, c.planner_port, c.host,
                                              self.planner_serve_args(), c.transfer_backend, self.log_dir,
                                              c.startup_timeout)
             self.planner.start()

@@ -80,8 +80,11 @@ _HELP = {
                    "SGLANG_TORCH_PROFILER_DIR); without one profiling is refused",
     "grammar_compile_timeout": "seconds a request's grammar (json_schema, regex, ebnf) may take to compile before "
                                "the request is refused with a 400",
-    "http_read_timeout": "seconds a client may take to send a request body (then 408) and an idle keep-alive "
-                         "connection stays open",
+    "http_read_timeout": "seconds a client may take to send a request body (then 408)",
+    "http_header_timeout": "seconds a connection may go without a whole request head, from its start and from "
+                           "each answer (a slow or idle client), before it is closed; the bootstrap server's too",
+    "max_connections": "open connections the HTTP listener (and the bootstrap server's) keeps at once; more "
+                       "are answered 503 and closed",
     "request_timeout": "seconds a generation request may run before it is aborted (504; a streamed one ends with "
                        "an error event); default: no deadline",
     "health_scheduler_timeout": "GET /health answers 503 while a DP rank with requests has not stepped or sent its "

@@ -2,8 +2,8 @@
 
 Pure logic over the flags: which servers start (prefill, decode, the router), on which ports,
 pinned to which cores (``--cpu-split auto``: each server its own share of this process's cores)
-and with which ``pdserve serve`` flags; the KV key a launch off loopback hands its servers, and
-whether it runs its own Mooncake store. ``cluster.py`` starts and supervises what this plans.
+and with which ``pdserve serve`` flags; the KV key and the admin key a launch off loopback hands
+its servers and router, and whether it runs its own Mooncake store. ``cluster.py`` starts and supervises what this plans.
 """
 
 from __future__ import annotations
@@ -196,6 +196,51 @@ def with_kv_key(config: LaunchConfig, key_dir: str) -> LaunchConfig:
     with os.fdopen(fd, "w") as f:
         f.write(os.urandom(32).hex())
     return dataclasses.replace(config, engine_args=config.engine_args + ("--disaggregation-auth-key-file", path))
+
+
+ADMIN_KEY_FLAGS = ("--admin-api-key", "--admin-api-key-file")
+
+
+def with_admin_key(config: LaunchConfig, key_dir: str) -> LaunchConfig:
+    """Off loopback, the control routes of the router and of the servers answer only with the admin
+    key, and the router's control fan-out sends its own to the servers: unless the flags already
+    name one (``--admin-api-key[-file]`` among the servers' or the router's flags) or the
+    environment does, one fresh random key, private to this launch (0600 in ``key_dir``), goes to
+    the router and every server as ``--admin-api-key-file`` (the planner's servers included, and the
+    planner itself: ``router_admin_key_file``)."""
+    from pdserve.engine import env
+    from pdserve.engine.net_allowlist import is_loopback
+
+    named = any(a.split("=")[0] in ADMIN_KEY_FLAGS for a in config.engine_args + config.router_args)
+    if is_loopback(config.host) or named or env.PDSERVE_ADMIN_API_KEY or env.PDSERVE_ROUTER_ADMIN_API_KEY:
+        return config
+    path = os.path.join(key_dir, "admin-api.key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(os.urandom(32).hex())
+    flag = ("--admin-api-key-file", path)
+    return dataclasses.replace(config, engine_args=config.engine_args + flag, router_args=config.router_args + flag)
+
+
+def planner_args_with_admin_key(config: LaunchConfig) -> tuple[str, ...]:
+    """``--planner-arg`` flags, plus the router's admin key (read from the file its flags name)
+    unless they give one: the planner adds, drains and removes workers through the router's admin
+    routes. The planner runs inside the launch process, so the key never shows in a process list."""
+    from pdserve.engine.secret_files import read_key
+
+    path = router_admin_key_file(config.router_args)
+    if path is None or any(a.split("=")[0] == "--admin-api-key" for a in config.planner_args):
+        return config.planner_args
+    return config.planner_args + ("--admin-api-key", read_key("admin-api-key", None, path, ""))
+
+
+def router_admin_key_file(router_args: tuple[str, ...]) -> str | None:
+    """The file ``--admin-api-key-file`` names among the router's flags (either spelling), if any."""
+    for i, arg in enumerate(router_args):
+        name, eq, value = arg.partition("=")
+        if name == "--admin-api-key-file":
+            return value if eq else (router_args[i + 1] if i + 1 < len(router_args) else None)
+    return None
 
 
 def wants_managed_store(engine_args: tuple[str, ...]) -> bool:

@@ -25,9 +25,9 @@ import signal
 import time
 
 import uvloop
-from aiohttp import web
 
 import pdserve.engine.env as env
+from pdserve.engine.http_site import limited_runner, start_limited_site
 from pdserve.entrypoints.cluster import free_port, split_cpus
 from pdserve.entrypoints.loops import rank_loop_builder
 from pdserve.engine.frontend.drain import Drain
@@ -59,6 +59,7 @@ async def start_bootstrap_server(config: ServerConfig, metrics: ServerMetrics):
         config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
         auth=config.kv_transfer.frame_auth("bootstrap"),
         on_refused=metrics.bootstrap_auth_refused.inc,
+        limits=config.http_limits, read_timeout=config.http_read_timeout,
     )
     await bootstrap.start()
     logger.info("bootstrap server on %s:%d", config.host, bootstrap.port)
@@ -224,12 +225,10 @@ async def serve(config: ServerConfig) -> int:
 
         drain = Drain(config.graceful_shutdown_timeout, lambda: sum(tm.inflight))
         app = build_app(tm, config, metrics, drain)
-        # an idle keep-alive connection closes after http_read_timeout (aiohttp's default: an hour)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0,
-                               keepalive_timeout=config.http_read_timeout)
+        runner = limited_runner(app, config.http_limits, handler_cancellation=True, access_log=None,
+                                shutdown_timeout=1.0)
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
+        await start_limited_site(runner, config.host, config.port, config.http_limits)
         port = runner.addresses[0][1] if runner.addresses else config.port
         logger.info(
             "pdserve serving %s on http://%s:%d (dp_size=%d, tp_size=%d, %d threads per rank, tokenizer %s)",

@@ -7,6 +7,8 @@ an unknown path (404) and a wrong method (405). With an
 ``auth`` (the shared secret's ``FrameAuth`` for ``bootstrap``), a ``PUT`` without a valid
 ``X-PDServe-KV-Auth`` header gets 401, is logged and counted (``refused``, ``on_refused``)
 and registers nothing.
+Its listener has the server's limits (``engine/http_site.py``): a request head within the header
+timeout, a ``PUT`` body within ``read_timeout`` (else 408), at most ``max_connections`` open.
 Run it with ``await server.start()`` inside a process's event loop, or with
 ``server.start_in_thread()`` in a process that has none.
 """
@@ -22,6 +24,8 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.http_json_errors import json_error_middleware
+from pdserve.engine.http_limits import HttpLimits
+from pdserve.engine.http_site import limited_runner, start_limited_site
 from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.engine.kv_transfer_config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import KV_KINDS, LATENT, RankRegistration, Topology
@@ -48,6 +52,8 @@ class BootstrapServer:
         *,
         auth: FrameAuth | None = None,
         on_refused: Callable[[], None] | None = None,
+        limits: HttpLimits = HttpLimits(),
+        read_timeout: float = 60.0,
     ):
         if dp_size < 1 or tp_size < 1:
             raise ValueError(f"dp_size and tp_size must be >= 1, got {dp_size}, {tp_size}")
@@ -58,6 +64,8 @@ class BootstrapServer:
         self.auth = auth
         self.refused = 0  # PUT /route refused by authentication
         self._on_refused = on_refused  # e.g. the server's /metrics counter
+        self.limits = limits
+        self.read_timeout = read_timeout  # seconds a PUT's body may take to arrive
         self._ranks: dict[tuple[int, int], RankRegistration] = {}
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -79,7 +87,11 @@ class BootstrapServer:
         return self.dp_size * self.tp_size
 
     async def _put_route(self, request: web.Request) -> web.Response:
-        body = await request.read()
+        try:
+            async with asyncio.timeout(self.read_timeout):
+                body = await request.read()
+        except TimeoutError:
+            return _error(408, f"the request body did not arrive within {self.read_timeout:g} s")
         if self.auth is not None:
             try:
                 self.auth.verify_http(request.headers.get(AUTH_HEADER), request.method, request.path, body)
@@ -158,9 +170,9 @@ class BootstrapServer:
     # -------------------------------------------------------------- running
     async def start(self) -> None:
         """Serve on the running event loop."""
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        self._runner = limited_runner(self.app(), self.limits, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        await start_limited_site(self._runner, self.host, self.port, self.limits)
         self.port = self._runner.addresses[0][1]  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:

@@ -51,7 +51,8 @@ class AdminApi:
     async def _admin_body(self, request: web.Request) -> bytes:
         """The body of an admin call, once the caller is known to be an operator."""
         self.router.access.check_admin(request)
-        return await read_body(request, self.router.config.max_payload_size)
+        return await read_body(request, self.router.config.max_payload_size,
+                               self.router.config.http_read_timeout)
 
     async def _fan_out(self, request: web.Request) -> web.Response:
         """A control operation for every worker (router/fanout.py)."""

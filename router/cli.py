@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes (default: the engine servers' limit); larger: 413")
     p.add_argument("--max-response-bytes", type=int, default=_D["max_response_bytes"],
                    help="largest non-streamed worker answer relayed, in bytes; larger: 502")
+    p.add_argument("--http-header-timeout", type=float, default=_D["http_header_timeout"],
+                   help="seconds a connection may go without a whole request head, from its start and from "
+                        "each answer (a slow or idle client), before it is closed")
+    p.add_argument("--http-read-timeout", type=float, default=_D["http_read_timeout"],
+                   help="seconds a client may take to send a request body; slower: 408")
+    p.add_argument("--max-connections", type=int, default=_D["max_connections"],
+                   help="open client connections kept at once; more are answered 503 and closed")
     p.add_argument("--retry-max-retries", type=int, default=_D["retry_max_retries"],
                    help="attempts in total, as in sglang-router (1: no retry)")
     p.add_argument("--retry-initial-backoff-ms", type=float, default=_D["retry_initial_backoff_ms"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from pdserve.engine.http_limits import MAX_REQUEST_BYTES
+from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
 from pdserve.router.policy import POLICY_NAMES
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -83,6 +83,12 @@ class RouterConfig:
     # refuse) and the largest non-streamed answer of a worker relayed (over it: 502)
     max_payload_size: int = MAX_REQUEST_BYTES
     max_response_bytes: int = 64 * 1024 * 1024
+    # slow clients (engine/http_site.py): seconds to a whole request head (from the connection's
+    # start and each answer; idle keep-alive too) and to a whole body (else 408); the open
+    # connections kept (more are answered 503)
+    http_header_timeout: float = HTTP_HEADER_TIMEOUT
+    http_read_timeout: float = 60.0
+    max_connections: int = MAX_CONNECTIONS
     # retries: retry_max_retries counts attempts in total, as sglang-router does (1 = no retry)
     retry_max_retries: int = 5
     retry_initial_backoff_ms: float = 50.0
@@ -109,6 +115,11 @@ class RouterConfig:
     graceful_shutdown_timeout: float = 180.0
     log_level: str = "info"
 
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The limits of the router's listener."""
+        return HttpLimits(self.http_header_timeout, self.max_connections)
+
     def __post_init__(self):
         for name in ("policy", "prefill_policy", "decode_policy"):
             value = getattr(self, name)
@@ -130,12 +141,14 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("queue_timeout_secs", "request_timeout_secs", "health_check_interval_secs",
-                     "health_check_timeout_secs", "worker_startup_timeout_secs", "kv_events_timeout_secs"):
+                     "health_check_timeout_secs", "worker_startup_timeout_secs", "kv_events_timeout_secs",
+                     "http_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("request_queue_timeout_secs", "graceful_shutdown_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        HttpLimits(self.http_header_timeout, self.max_connections)  # raises on a bad one
         if self.kv_overlap_score_weight < 0:
             raise ValueError(f"kv_overlap_score_weight must be >= 0, got {self.kv_overlap_score_weight}")
         for name in ("kv_host_cache_hit_weight", "kv_storage_cache_hit_weight"):

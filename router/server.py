@@ -33,6 +33,7 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.http_json_errors import json_error_middleware
+from pdserve.engine.http_site import limited_runner, start_limited_site
 from pdserve.router.admin_api import AdminApi
 from pdserve.router.admission import Admission
 from pdserve.router.admission_metrics import AdmissionGauges
@@ -206,7 +207,7 @@ class Router:
             # the slot before the body: concurrent uploads wait in the queue, not in memory
             await self.admission.acquire(priority)
             admitted = True
-            raw = await read_body(request, self.config.max_payload_size)
+            raw = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout)
             try:
                 body = _decode(raw)
             except msgspec.DecodeError as e:
@@ -280,7 +281,7 @@ class Router:
             await self.admission.acquire(
                 request_priority(request.headers, self.config.enable_priority_scheduling))
             admitted = True
-            body = await read_body(request, self.config.max_payload_size) if request.method == "POST" else None
+            body = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout) if request.method == "POST" else None
             endpoints = self.registry.healthy_endpoints("decode") or self.registry.healthy_endpoints("prefill")
             if not endpoints:
                 raise RouterError(503, "no healthy worker available", "service_unavailable")
@@ -305,11 +306,10 @@ async def start_router(config: RouterConfig, host: str | None = None,
     """Start a router in the running loop (tests, embedding); returns (router, runner, port)."""
     router = Router(config)
     await router.start()
-    runner = web.AppRunner(router.make_app(), handler_cancellation=True, access_log=None)
+    runner = limited_runner(router.make_app(), config.http_limits, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host or config.host, config.port if port is None else port,
-                       backlog=2048)
-    await site.start()
+    await start_limited_site(runner, host or config.host, config.port if port is None else port,
+                             config.http_limits, backlog=2048)
     return router, runner, runner.addresses[0][1]  # the bound port (port 0: chosen by the OS)
 
 

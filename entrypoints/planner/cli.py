@@ -187,7 +187,12 @@ _PLANNER_HELP = {
     "leave_servers": "local: at exit leave the servers the planner started running",
     "drain_timeout": "seconds a server scaled down gets to finish its requests",
     "router_pods": "kubernetes: URL naming every router replica (a headless Service)",
+    "planner_http_header_timeout": "seconds a connection to the planner's port may go without a whole request head",
+    "planner_max_connections": "open connections the planner's port keeps; more are answered 503",
 }
+# the planner's own listener limits: prefixed, since --http-header-timeout and --max-connections
+# without it are serve flags that the local connector passes on
+_PLANNER_DESTS = {"http_header_timeout": "planner_http_header_timeout", "max_connections": "planner_max_connections"}
 
 
 def build_planner_parser() -> argparse.ArgumentParser:
@@ -202,8 +207,16 @@ def build_planner_parser() -> argparse.ArgumentParser:
                                 description="Scale the prefill and decode pools to the SLOs. With --connector local, "
                                             "other flags go to the `pdserve serve` of each server it starts.")
     add_dataclass_flags(p, PlannerConfig, [f.name for f in dataclasses.fields(PlannerConfig) if f.name != "serve_args"],
-                        helps=_PLANNER_HELP, choices={"connector": list(CONNECTORS), "predictor": list(PREDICTORS)})
+                        dests=_PLANNER_DESTS, helps=_PLANNER_HELP, choices={"connector": list(CONNECTORS), "predictor": list(PREDICTORS)})
     return p
+
+
+def planner_values(ns: argparse.Namespace) -> dict:
+    """The planner parser's values by PlannerConfig field (the prefixed flags renamed back)."""
+    values = dict(vars(ns))
+    for name, dest in _PLANNER_DESTS.items():
+        values[name] = values.pop(dest)
+    return values
 
 
 def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]):
@@ -215,7 +228,7 @@ def parse_planner_args(argv: list[str], build_serve_parser: Callable[[], argpars
         if ns.connector != "local":
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         check_serve_flags(rest, build_serve_parser, "pdserve planner (flags of the servers it starts)")
-    return PlannerConfig(serve_args=tuple(rest), **vars(ns))
+    return PlannerConfig(serve_args=tuple(rest), **planner_values(ns))
 
 
 def planner_main(argv: list[str], build_serve_parser: Callable[[], argparse.ArgumentParser]) -> int:

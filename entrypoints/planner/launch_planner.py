@@ -42,7 +42,7 @@ def planner_config(planner_args: tuple[str, ...], router: str, port: int, host: 
     """The PlannerConfig of ``pdserve launch --planner``: ``planner_args`` are `pdserve planner`
     flags (``--profile``, SLOs, ``--min/--max-prefill/decode``, ``--cooldown``, ``--budget``, ...);
     ValueError naming a flag that launch sets itself or an unknown one."""
-    from pdserve.entrypoints.planner.cli import build_planner_parser
+    from pdserve.entrypoints.planner.cli import build_planner_parser, planner_values
 
     for flag in planner_args:
         name = flag.split("=")[0]
@@ -52,7 +52,7 @@ def planner_config(planner_args: tuple[str, ...], router: str, port: int, host: 
     ns, rest = parser.parse_known_args(list(planner_args) + ["--router", router, "--connector", "local"])
     if rest:
         raise ValueError(f"--planner-arg: not a `pdserve planner` flag: {' '.join(rest)}")
-    kw = vars(ns)
+    kw = planner_values(ns)
     kw.update(host=host, port=port, log_dir=log_dir, transfer_backend=transfer_backend,
               startup_timeout=startup_timeout, leave_servers=True)
     return PlannerConfig(serve_args=tuple(serve_args), **kw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, HttpLimits
 from pdserve.entrypoints.planner.connector import CONNECTORS
 from pdserve.entrypoints.planner.predictor import PREDICTORS
 
@@ -31,6 +32,10 @@ class PlannerConfig:
     connector: str = "virtual"
     host: str = "127.0.0.1"  # the planner's own /metrics
     port: int = 0  # 0: a free port
+    # the planner's own listener (engine/http_site.py): seconds to a whole request head, open
+    # connections kept; its flags carry a planner- prefix, as the bare ones go to the servers
+    http_header_timeout: float = HTTP_HEADER_TIMEOUT
+    max_connections: int = MAX_CONNECTIONS
     api_key: str | None = None  # the router's --api-key
     # the router's --admin-api-key, for adding, draining and removing workers (default:
     # PDSERVE_ROUTER_ADMIN_API_KEY; a router without one takes those calls from loopback only)
@@ -75,6 +80,12 @@ class PlannerConfig:
                              f"the {self.connector} connector starts none")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
+        HttpLimits(self.http_header_timeout, self.max_connections)  # raises on a bad one
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The limits of the planner's listener."""
+        return HttpLimits(self.http_header_timeout, self.max_connections)
 
     @property
     def prefill_profile_path(self) -> str:

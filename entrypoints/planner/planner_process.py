@@ -21,6 +21,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.http_site import limited_runner, start_limited_site
 from pdserve.entrypoints.planner import profile as prof
 from pdserve.entrypoints.planner.connector import Connector, connector_class
 from pdserve.entrypoints.planner.planner_config import PlannerConfig
@@ -171,10 +172,9 @@ async def serve_planner(config: PlannerConfig, stop: asyncio.Event | None = None
     """Run the planner until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     process = PlannerProcess(config, connector)
     await asyncio.to_thread(process.start)
-    runner = web.AppRunner(process.make_app(), access_log=None)
+    runner = limited_runner(process.make_app(), config.http_limits, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
+    await start_limited_site(runner, config.host, config.port, config.http_limits)
     port = runner.addresses[0][1]
     log.info("planner on http://%s:%d/metrics; router %s; connector %s", config.host, port, config.router,
              config.connector)

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import json
+import socket
 import urllib.error
 import urllib.request
 
 import pytest
 
+from pdserve.engine.http_limits import HttpLimits
 from pdserve.kvtransfer import BootstrapServer
 
 pytestmark = pytest.mark.timeout(30)
@@ -128,4 +130,30 @@ def test_tp_ranks_all_needed_and_missing_ones_named():
         status, topo = call(s, "GET", "/route")
         assert status == 200 and topo["tp_size"] == 2 and [r["tp_rank"] for r in topo["ranks"]] == [0, 1]
     finally:
+        s.stop_thread()
+
+
+def test_connections_over_the_cap_are_refused_and_a_stalled_body_is_408():
+    """The bootstrap server's listener has its server's limits: with ``max_connections`` open the
+    next connection is a 503 naming the flag, and on an open one a PUT body that stops arriving
+    is a 408."""
+    s = BootstrapServer("127.0.0.1", 0, limits=HttpLimits(header_timeout=5.0, max_connections=2),
+                        read_timeout=0.5).start_in_thread()
+    conns = []
+    try:
+        for _ in range(2):
+            held = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+            conns.append(held)
+            held.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert held.recv(4096).startswith(b"HTTP/1.1 200")
+        extra = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        conns.append(extra)
+        answer = extra.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 503") and b"--max-connections (2)" in answer, answer
+        conns[0].sendall(b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        answer = conns[0].recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive" in answer, answer
+    finally:
+        for c in conns:
+            c.close()
         s.stop_thread()

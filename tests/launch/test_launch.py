@@ -16,7 +16,8 @@ import urllib.request
 import pytest
 
 from pdserve.entrypoints.flags import build_serve_parser
-from pdserve.entrypoints.cluster import LaunchConfig, plan, split_cpus, with_kv_key
+from pdserve.entrypoints.cluster import Cluster, LaunchConfig, plan, split_cpus, with_kv_key
+from pdserve.entrypoints.launch_plan import planner_args_with_admin_key, with_admin_key
 from pdserve.entrypoints.launch_flags import parse_launch_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PDSERVE_NUM_THREADS": "1"}
@@ -183,6 +184,38 @@ def test_a_launch_off_loopback_gives_its_servers_a_private_key(tmp_path):
         assert serve.kv_transfer.auth_key_file == key
     for kept in (LaunchConfig(), LaunchConfig(host="0.0.0.0", engine_args=("--disaggregation-allow-unauthenticated",))):
         assert with_kv_key(kept, str(tmp_path)) is kept
+
+
+def test_a_launch_off_loopback_gives_router_servers_and_planner_one_admin_key(tmp_path):
+    """Off loopback the control routes answer only with the admin key, and the router's fan-out
+    sends its own: launch makes one (0600) and hands it as a file to the router and every server
+    (the planner's servers too) and to the planner, unless the flags name one."""
+    from pdserve.entrypoints.flags import parse_serve_args
+    from pdserve.entrypoints.planner.launch_planner import planner_config
+    from pdserve.router.cli import build_parser, config_from_args
+
+    cluster = Cluster(LaunchConfig(host="0.0.0.0", port=0, planner=True, planner_args=("--profile", "p.json"),
+                                   log_dir=str(tmp_path)))
+    config = cluster.config
+    key_file = config.router_args[config.router_args.index("--admin-api-key-file") + 1]
+    assert os.path.dirname(key_file) == str(tmp_path) and os.stat(key_file).st_mode & 0o777 == 0o600
+    key = open(key_file).read()
+    assert len(key) == 64
+    *servers, router = cluster.specs
+    assert config_from_args(build_parser().parse_args(list(router.argv[3:]))).admin_api_key == key
+    for spec in servers:
+        assert parse_serve_args(list(spec.argv[3:])).admin_api_key == key
+    assert parse_serve_args(list(cluster.planner_serve_args())).admin_api_key == key
+    planner = planner_config(planner_args_with_admin_key(config), cluster.url, 0, config.host, (), "mooncake",
+                             str(tmp_path), 60.0)
+    assert planner.admin_api_key == key
+    # on loopback, or with a key named for the servers or the router: nothing added
+    for kept in (LaunchConfig(), LaunchConfig(host="0.0.0.0", engine_args=("--admin-api-key-file", key_file)),
+                 LaunchConfig(host="0.0.0.0", router_args=("--admin-api-key-file=" + key_file,))):
+        assert with_admin_key(kept, str(tmp_path)) is kept
+    # a router key file the user named reaches the planner as well
+    named = LaunchConfig(host="0.0.0.0", router_args=("--admin-api-key-file=" + key_file,), planner=True)
+    assert planner_args_with_admin_key(named) == ("--admin-api-key", key)
 
 
 def test_cpu_split_and_plan():

@@ -23,17 +23,20 @@ def parse(*argv: str) -> LaunchConfig:
 def test_planner_flags_pass_through_to_a_local_planner_over_the_cluster(tmp_path):
     config = parse("--planner", "--planner-port", "9123", PROFILE, "--planner-arg=--max-decode=3",
                    "--planner-arg=--min-prefill=1", "--planner-arg=--cooldown=20", "--planner-arg=--budget=5",
-                   "--max-total-tokens", "2048", "--port", "8123", "--log-dir", str(tmp_path))
+                   "--planner-arg=--planner-max-connections=64", "--max-total-tokens", "2048",
+                   "--max-connections", "100", "--port", "8123", "--log-dir", str(tmp_path))
     cluster = Cluster(config, launch_planner)
     serve = cluster.planner_serve_args()
     assert serve[serve.index("--mem-fraction-static") + 1] == "0.125"  # the share of each launch server
-    assert serve[-2:] == ("--max-total-tokens", "2048")
+    assert serve[-4:] == ("--max-total-tokens", "2048", "--max-connections", "100")
     planner = launch_planner(config.planner_args, cluster.url, config.planner_port, config.host, serve,
                              config.transfer_backend, cluster.log_dir, config.startup_timeout)
     c = planner.config
     assert (c.router, c.connector, c.port, c.log_dir) == ("http://127.0.0.1:8123", "local", 9123, str(tmp_path))
     assert (c.max_decode, c.min_prefill, c.cooldown, c.budget, c.profile) == (3, 1, 20.0, 5.0, "p.json")
     assert c.serve_args == serve and c.leave_servers  # launch stops the planner's servers with its own
+    # the planner's own listener limit is its prefixed flag; the bare one stays the servers'
+    assert (c.max_connections, c.http_limits.max_connections) == (64, 64)
 
 
 @pytest.mark.parametrize("argv, message", [

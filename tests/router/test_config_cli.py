@@ -46,6 +46,9 @@ def test_prefill_url_with_optional_bootstrap_port():
     ["--max-concurrent-requests", "0"],
     ["--retry-max-retries", "0"],
     ["--prefill", "http://a:1", "70000"],
+    ["--max-connections", "0"],
+    ["--http-header-timeout", "0"],
+    ["--http-read-timeout", "-1"],
 ])
 def test_bad_flags_fail_at_start(argv):
     with pytest.raises((SystemExit, ValueError)):

@@ -11,12 +11,17 @@
   naming the cap, not retried.
 - A body declared over ``--max-payload-size`` is a 413 before the router reads it; a request
   finding no admission slot is a 429 before its body is read.
+- A request head sent a byte at a time is closed at ``--http-header-timeout``, a stalled body is a
+  408 at ``--http-read-timeout``, and a connection over ``--max-connections`` is a 503 naming the
+  flag while the open ones are served on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
+import aiohttp
 import pytest
 
 from pdserve.router.cli import build_parser, config_from_args
@@ -262,3 +267,70 @@ def test_loopback_peers_are_told_apart_from_the_rest():
         assert is_loopback(remote), remote
     for remote in ("192.0.2.2", "10.0.0.1", "::ffff:10.0.0.1", "fd00::2", "", None, "localhost", "unix"):
         assert not is_loopback(remote), remote
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(status, body) of one HTTP answer; (0, b"") when the connection closed first."""
+    status_line = await reader.readline()
+    if not status_line:
+        return 0, b""
+    headers = {}
+    while (line := await reader.readline()) not in (b"\r\n", b""):
+        k, v = line.decode().split(":", 1)
+        headers[k.strip().lower()] = v.strip()
+    return int(status_line.split()[1]), await reader.readexactly(int(headers.get("content-length", 0)))
+
+
+async def test_slow_and_surplus_connections_are_dropped(cluster):
+    cap = 3
+    await cluster.start(http_header_timeout=2.0, http_read_timeout=1.0, max_connections=cap)
+    port = int(cluster.url.rsplit(":", 1)[1])
+    # slowloris: a byte every 0.1 s; the router closes the connection before the head is complete
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = b"GET /liveness HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 300 + b"\r\n\r\n"
+    sent, data = 0, None
+    for byte in head:
+        writer.write(bytes([byte]))
+        sent += 1
+        try:
+            data = await asyncio.wait_for(reader.read(4096), 0.1)
+            break
+        except asyncio.TimeoutError:
+            pass
+    writer.close()
+    assert data == b"" and sent < len(head), (sent, data)
+    # a body that stops arriving: 408 naming the flag
+    status, body = await asyncio.wait_for(_raw_post(port, "POST /generate HTTP/1.1\r\nHost: x\r\n"
+                                                    "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n",
+                                                    b"{"), 30)
+    assert status == 408 and b"--http-read-timeout" in body
+    # the cap: `cap` keep-alive connections served, the next one refused, the open ones served on
+    held = []
+    try:
+        for _ in range(cap):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            held.append((reader, writer))
+            writer.write(b"GET /liveness HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _answer(reader))[0] == 200
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        status, body = await _answer(reader)
+        assert await reader.read() == b""  # and closed
+        writer.close()
+        assert status == 503, body
+        err = json.loads(body)["error"]
+        assert err["code"] == "too_many_connections" and f"--max-connections ({cap})" in err["message"]
+        held[0][1].write(b"GET /liveness HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _answer(held[0][0]))[0] == 200
+    finally:
+        for _, writer in held:
+            writer.close()
+    for _ in range(100):  # once the router has seen the closes, a new client is served
+        try:
+            status, _ = await cluster.post("/generate", GEN)
+            if status == 200:
+                break
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail("no request served after the held connections closed")

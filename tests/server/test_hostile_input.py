@@ -9,6 +9,9 @@ others meanwhile, and its pages are all free afterwards.
   at ``--request-timeout``; once the rank runs on (SIGCONT) ``/health`` is 200 again and the
   aborted request's pages are free.
 - A client that sends headers and then stalls its body gets a 408 at ``--http-read-timeout``.
+- A client that sends its request head a byte at a time (slowloris) is closed at
+  ``--http-header-timeout``; a connection over ``--max-connections`` is answered 503 naming the
+  flag and closed, while the open ones are served on.
 - A grammar that compiles for longer than ``--grammar-compile-timeout`` is a 400 naming it, and a
   plain request sent after it finishes first (the compile runs off the scheduler thread).
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import signal
 import threading
@@ -33,13 +37,16 @@ from pdserve.engine.frontend.value_checks import MAX_BATCH_PROMPTS, MAX_STOP_STR
 pytestmark = pytest.mark.timeout(300)
 
 COMPILE_TIMEOUT = 0.3
+MAX_CONNECTIONS = 6
+HEALTH = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
 SMALL = {"max_new_tokens": 2, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--grammar-compile-timeout", str(COMPILE_TIMEOUT), "--health-scheduler-timeout", "2",
-                        "--request-timeout", "10", "--http-read-timeout", "2")
+                        "--request-timeout", "10", "--http-read-timeout", "2",
+                        "--http-header-timeout", "4", "--max-connections", str(MAX_CONNECTIONS))
     try:
         yield srv.wait_ready()
     finally:
@@ -167,3 +174,69 @@ def test_a_stalled_body_is_answered_408(server):
     assert answer.startswith("HTTP/1.1 408"), answer[:200]
     assert "http-read-timeout" in answer
     assert server.get("/health").status_code == 200
+
+
+def read_answer(s: socket.socket) -> bytes:
+    """One HTTP answer (head and Content-Length body), or what came before the connection closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(4096)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next((line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")), 0))
+    while len(body) < length and (chunk := s.recv(4096)):
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_slowloris_connection_is_closed(server):
+    """A request head sent a byte every 0.1 s never completes: the server closes the connection
+    (at --http-header-timeout) before the last byte, without answering, and serves others."""
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 300 + b"\r\n\r\n"
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        for byte in head:
+            s.sendall(bytes([byte]))
+            sent += 1
+            if select.select([s], [], [], 0.1)[0]:
+                break  # the server answered or closed
+        try:
+            answer = s.recv(4096)
+        except ConnectionResetError:
+            answer = b""
+    assert answer == b"" and sent < len(head), (sent, answer[:200])
+    assert server.get("/health").status_code == 200
+
+
+def test_connections_over_the_cap_are_refused(server):
+    """With --max-connections keep-alive connections open, the next one is answered 503 naming the
+    flag and closed; the open ones are still served, and once they close a new one is too."""
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+            held.append(s)
+            s.sendall(HEALTH)
+            assert read_answer(s).startswith(b"HTTP/1.1 200"), "a connection under the cap is served"
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as extra:
+            answer = read_answer(extra)
+            assert extra.recv(4096) == b""  # and closed
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+        err = json.loads(answer.partition(b"\r\n\r\n")[2])["error"]
+        assert err["code"] == "too_many_connections" and f"--max-connections ({MAX_CONNECTIONS})" in err["message"]
+        held[0].sendall(HEALTH)
+        assert read_answer(held[0]).startswith(b"HTTP/1.1 200")
+    finally:
+        for s in held:
+            s.close()
+    for _ in range(100):  # the server sees the closes as they arrive
+        try:
+            if server.get("/health").status_code == 200:
+                break
+        except requests.ConnectionError:  # refused while the closes were on their way
+            pass
+        time.sleep(0.1)
+    else:
+        pytest.fail("no connection served after the held ones closed")
