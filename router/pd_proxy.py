@@ -197,31 +197,36 @@ class PDProxy:
     # one attempt, JSON answer ---------------------------------------------
     async def _attempt_json(self, path: str, body: dict, pair: Pair, t0: float) -> web.Response:
         p_body, d_body = Pairing.leg_bodies(body, pair)
+        # the prefill leg in a task of its own, the decode leg awaited here (one task per request
+        # fewer than a task per leg, on the router's busiest path); a prefill failure while the
+        # decode leg is out cancels this task, which then raises that failure
         p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
-        d_task = asyncio.ensure_future(self.leg("decode", pair.decode, path, d_body))
-        # one future woken by the first failure or by both successes (lighter than asyncio.wait)
-        waiter = asyncio.get_running_loop().create_future()
+        me = asyncio.current_task()
+        decode_out = True
+        interrupted = False
 
-        def wake(t: asyncio.Task) -> None:
-            if not waiter.done() and (t.cancelled() or t.exception() is not None
-                                      or (p_task.done() and d_task.done())):
-                waiter.set_result(t)
+        def prefill_done(t: asyncio.Task) -> None:
+            nonlocal interrupted
+            if decode_out and not t.cancelled() and t.exception() is not None:
+                interrupted = True
+                me.cancel()
 
-        p_task.add_done_callback(wake)
-        d_task.add_done_callback(wake)
+        p_task.add_done_callback(prefill_done)
         try:
-            t = await waiter
-            if t.cancelled():
-                raise asyncio.CancelledError()
-            if t.exception() is not None:
-                raise t.exception()
+            try:
+                status, ctype, d_data = await self.leg("decode", pair.decode, path, d_body)
+                decode_out = False
+                _, _, p_data = await p_task
+            except asyncio.CancelledError:
+                # cancelled by the prefill leg's failure alone (not also by the client): raise it
+                if interrupted and me.uncancel() == 0:
+                    raise p_task.exception() from None
+                raise
         finally:
-            for t in (p_task, d_task):
-                if not t.done():
-                    t.cancel()
-                t.add_done_callback(_consume)
-        _, _, p_data = p_task.result()
-        status, ctype, d_data = d_task.result()
+            decode_out = False
+            if not p_task.done():
+                p_task.cancel()
+            p_task.add_done_callback(_consume)
         if body.get("return_logprob") and path == "/generate":
             d_data = merge_input_logprobs(p_data, d_data)
         self.metrics.ttft.observe(time.perf_counter() - t0)  # a JSON answer's first byte is all of it

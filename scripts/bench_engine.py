@@ -37,6 +37,11 @@ figures of docs/PERFORMANCE.md are against 6fc1355, the last commit before the n
 
     .venv/bin/python scripts/bench_engine.py --no-hf --threads 2 --repeats 3 --baseline-rev 6fc1355
 
+``--baseline-tree DIR`` takes that side from another checkout instead (``git worktree add DIR
+REV``). With ``--repeats N`` > 1 every ratio also comes per round (the sides alternate A B, B A,
+...) as ``{ratio}_median``, ``_min`` and ``_max``: on a shared machine the median of the rounds'
+ratios, with its spread, is the figure to report.
+
 Each figure is also given as a fraction of its hardware limit, measured in the
 same run (``benchlib.hw_limits``): decode at 1 sequence against weight bytes /
 read bandwidth (a 512 MB bf16 sum), prefill and decode at ``--batch`` against
@@ -59,8 +64,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
 
+from benchlib.ab_rounds import round_ratios, timed  # noqa: E402
 from benchlib.baselines import ONEDNN_LINEARS  # noqa: E402
-from benchlib.revision_tree import revision_tree  # noqa: E402
+from benchlib.revision_tree import checkout_tree, revision_tree  # noqa: E402
 from benchlib.hw_limits import gemm_rate, linear_params, read_bandwidth_gbs, step_flops  # noqa: E402
 
 from pdserve.engine.model_executor.model_runner import cpu_supports_bf16  # noqa: E402
@@ -92,6 +98,9 @@ def parse_args(argv=None):
                    help="add a side 'rev': the Engine of git revision REV of this checkout (e.g. 6fc1355, the last "
                         "commit before the native decode step), so the speedup over that code shows as a ratio in the same run; "
                         "with --quantization, in its own int8")
+    p.add_argument("--baseline-tree", default=None, metavar="DIR",
+                   help="as --baseline-rev, from a checkout at DIR (e.g. made by git worktree add DIR REV) "
+                        "rather than a revision of this one")
     p.add_argument("--unfused", action="store_true",
                    help="add a side 'unfused': pdserve with --disable-fused-decode (the same weights, its small "
                         "decode steps op by op from Python), so the fused step's gain shows as a ratio")
@@ -100,6 +109,8 @@ def parse_args(argv=None):
                         "--quant-sides none w8a16), so pdserve's speedup over each shows as a ratio {fig}_vs_q_<Q>")
     p.add_argument("--prefill-only", action="store_true", help="the prefill figure alone (no decode runs)")
     args = p.parse_args(argv)
+    if args.baseline_rev and args.baseline_tree:
+        p.error("--baseline-rev and --baseline-tree name the same side: give one")
     if args.quick:
         args.prompt_len, args.num_prompts, args.batch, args.new_tokens = 128, 2, 8, 16
     return args
@@ -109,18 +120,6 @@ def random_prompts(n: int, length: int, rng: random.Random, vocab: int) -> list[
     # ids from the middle of the vocabulary: ordinary tokens, no special ones
     lo, hi = min(1000, vocab // 4), vocab - 1
     return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
-
-
-def timed(sides: dict, call, repeats: int = 1) -> dict[str, tuple[object, float]]:
-    """Each side's output of ``call(side)`` and its best wall time of ``repeats`` rounds. The sides
-    take turns within each round, so that a loaded moment on a shared machine hits them alike."""
-    best = {name: (None, float("inf")) for name in sides}
-    for _ in range(repeats):
-        for name, side in sides.items():
-            t0 = time.perf_counter()
-            out = call(side)
-            best[name] = (out, min(best[name][1], time.perf_counter() - t0))
-    return best
 
 
 # the baseline sides' engine flags over the pdserve side's
@@ -324,9 +323,13 @@ def main(argv=None) -> dict:
             sides["eager"] = PdserveSide(args, max_tokens, baseline="eager")
         if args.unfused:
             sides["unfused"] = PdserveSide(args, max_tokens, baseline="unfused")
-        if args.baseline_rev:
-            repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            tree = revision_tree(repo, args.baseline_rev, os.path.join(hf_dir, "rev"))
+        if args.baseline_rev or args.baseline_tree:
+            dest = os.path.join(hf_dir, "rev")
+            if args.baseline_tree:
+                tree = checkout_tree(args.baseline_tree, dest)
+            else:
+                repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                tree = revision_tree(repo, args.baseline_rev, dest)
             sides["rev"] = PdserveSide(args, max_tokens, pythonpath=tree)
         for q in args.quant_sides:
             sides[f"q_{q}"] = PdserveSide(args, max_tokens, quantization=q)
@@ -335,17 +338,20 @@ def main(argv=None) -> dict:
         if args.server:
             sides["server"] = ServerSide(args, max_tokens)
         figures: dict[str, float] = {}
+        round_times: dict[str, list[float]] = {}  # "{side}_{fig}" -> each round's seconds
         outputs: dict[str, dict[str, list]] = {name: {} for name in sides}
         for name, side in sides.items():
             side.generate(warm, 4)  # warm-up: first-call allocations, kernel selection
-        for name, (_, dt) in timed(sides, lambda side: side.generate(prefill_prompts, 1), args.repeats).items():
+        for name, (_, dt, ts) in timed(sides, lambda side: side.generate(prefill_prompts, 1), args.repeats).items():
             figures[f"{name}_prefill_tok_s"] = args.num_prompts * args.prompt_len / dt
+            round_times[f"{name}_prefill"] = ts
             print(f"{name:8s} prefill {args.num_prompts}x{args.prompt_len}: {dt:.2f}s", file=sys.stderr)
         for conc in () if args.prefill_only else (1, args.batch):
             runs = timed(sides, lambda side: side.generate(decode_prompts[:conc], args.new_tokens), args.repeats)
-            for name, (out, dt) in runs.items():
+            for name, (out, dt, ts) in runs.items():
                 outputs[name][conc] = out
                 figures[f"{name}_decode{conc}_tok_s"] = conc * args.new_tokens / dt
+                round_times[f"{name}_decode{conc}"] = ts
                 print(f"{name:8s} decode  {conc}x{args.new_tokens}: {dt:.2f}s", file=sys.stderr)
         for side in sides.values():
             side.close()
@@ -382,12 +388,16 @@ def main(argv=None) -> dict:
             continue
         for fig in figs:
             # hf: pdserve engine / hf;  server: server / pdserve engine (the HTTP API's overhead);
-            # eager: pdserve / pdserve with oneDNN linears only (the native decode step's speedup); rev: pdserve / --baseline-rev's code;
+            # eager: pdserve / pdserve with oneDNN linears only (the native decode step's speedup);
+            # rev: pdserve / --baseline-rev's (or --baseline-tree's) code;
             # unfused: pdserve / its steps op by op;
             # q_<Q>: pdserve / pdserve with weights Q
             num, den = ("server", "pdserve") if other == "server" else ("pdserve", other)
             key = {"hf": f"{fig}_ratio", "server": f"server_{fig}_vs_engine"}.get(other, f"{fig}_vs_{other}")
             result[key] = round(figures[f"{num}_{fig}_tok_s"] / figures[f"{den}_{fig}_tok_s"], 3)
+            if args.repeats > 1:  # the same ratio round by round: its median and spread
+                for stat, v in round_ratios(round_times[f"{num}_{fig}"], round_times[f"{den}_{fig}"]).items():
+                    result[f"{key}_{stat}"] = round(v, 3)
             rows.append((fig, num, den, key))
     if "hf" in sides and not args.prefill_only:
         # greedy tokens agreeing with HF up to each sequence's first divergence (bf16 near-ties may flip)
@@ -396,10 +406,13 @@ def main(argv=None) -> dict:
         result["server_greedy_match"] = round(
             match_fraction(outputs["server"][args.batch], outputs["pdserve"][args.batch]), 3
         )
-    print(f"{'figure':24s} {'side':>8s} {'tok/s':>10s} {'base':>8s} {'tok/s':>10s} {'ratio':>7s}", file=sys.stderr)
+    print(f"{'figure':24s} {'side':>8s} {'tok/s':>10s} {'base':>8s} {'tok/s':>10s} {'ratio':>7s}"
+          f"{'  median (min-max) of rounds' if args.repeats > 1 else ''}", file=sys.stderr)
     for fig, num, den, key in rows:
+        spread = (f"  {result[f'{key}_median']:.3f} ({result[f'{key}_min']:.3f}-{result[f'{key}_max']:.3f})"
+                  if args.repeats > 1 else "")
         print(f"{fig:24s} {num:>8s} {result[f'{num}_{fig}_tok_s']:10.1f} {den:>8s} "
-              f"{result[f'{den}_{fig}_tok_s']:10.1f} {result[key]:7.2f}", file=sys.stderr)
+              f"{result[f'{den}_{fig}_tok_s']:10.1f} {result[key]:7.2f}{spread}", file=sys.stderr)
     for name in sides:
         print(f"{name:8s} fraction of limit: " + ", ".join(
             f"{fig} {result[f'{name}_{fig}_frac']:.2f} of {limit(name, fig):.0f} tok/s" for fig in figs),

@@ -15,12 +15,14 @@ non-streamed and streamed ``/generate`` requests:
 Saturation runs alternate between the routers (median of ``--rounds``). Ends
 with ONE JSON line holding both routers' figures and the ratios. Fixed seed.
 
-``--baseline-tree DIR`` adds the pdserve router of another checkout (a build of
-the previous commit: ``git archive HEAD~1 | tar -x -C DIR``) as a third router,
-measured in the same run; the ``vs_baseline`` ratios compare this tree's with it.
+``--baseline-tree DIR`` adds the pdserve router of another checkout (``git worktree add DIR
+REV``) as a third router, and ``--baseline-rev REV`` that of a revision of this one, measured in
+the same run; the ``vs_baseline`` ratios compare this tree's with it. Each saturation ratio is
+also given per round (the routers take turns within a round) as ``{ratio}_median``, ``_min`` and
+``_max``: on a shared machine, the median with its spread is the figure to report.
 
     .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 3] [--rounds 2] [--concurrency 32]
-                                             [--baseline-tree DIR] [--no-sglang]
+                                             [--baseline-tree DIR | --baseline-rev REV] [--no-sglang]
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ import time
 
 import aiohttp
 
-from pdserve.entrypoints.procs import free_port, spawn, stop_groups
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package: benchlib by path
+
+from benchlib.ab_rounds import round_ratios  # noqa: E402
+from benchlib.revision_tree import checkout_tree, revision_tree  # noqa: E402
+
+from pdserve.entrypoints.procs import free_port, spawn, stop_groups  # noqa: E402
 
 PY = sys.executable
 # the stand-in worker is test code (it imports nothing of pdserve): run by path, as its own process
@@ -144,21 +151,8 @@ async def measure(args, targets: dict[str, str], pids: dict[str, int]) -> dict:
                 if name in rate:
                     results[f"{kind}.{name}"]["rps"] = statistics.median(r for r, _ in rate[name])
                     results[f"{kind}.{name}"]["cpu_us_per_req"] = statistics.median(c for _, c in rate[name])
+                    results[f"{kind}.{name}"]["rounds_rps"] = [r for r, _ in rate[name]]
     return results
-
-
-def source_tree_env(tree: str, into: str) -> dict[str, str]:
-    """The environment that makes ``pdserve`` import from the checkout ``tree`` (another commit,
-    e.g. ``git archive REV | tar -x -C DIR``) instead of this one: a ``pdserve/`` folder of links
-    to its top-level packages, first on PYTHONPATH (ahead of this tree's editable install)."""
-    pkg = os.path.join(into, "pdserve")
-    os.makedirs(pkg, exist_ok=True)
-    for folder in ("engine", "prefill", "decode", "kvtransfer", "router", "kernels"):
-        link = os.path.join(pkg, folder)
-        if os.path.lexists(link):
-            os.remove(link)
-        os.symlink(os.path.abspath(os.path.join(tree, folder)), link)
-    return {**os.environ, "PYTHONPATH": into}
 
 
 def main() -> None:
@@ -167,8 +161,11 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=3.0, help="seconds per saturation run")
     p.add_argument("--rounds", type=int, default=2, help="saturation runs per target (median)")
     p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--baseline-tree", metavar="DIR",
-                   help="also run the pdserve router of this checkout (another commit) as 'baseline'")
+    base = p.add_mutually_exclusive_group()
+    base.add_argument("--baseline-tree", metavar="DIR",
+                      help="also run the pdserve router of this checkout (another commit) as 'baseline'")
+    base.add_argument("--baseline-rev", metavar="REV",
+                      help="also run the pdserve router of git revision REV of this checkout as 'baseline'")
     p.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
     p.add_argument("--logs", default="/tmp/bench_router_logs")
     args = p.parse_args()
@@ -193,8 +190,14 @@ def main() -> None:
         pdserve_args = ["-m", "pdserve.router", "--prefill", prefill, str(bp), "--decode", decode,
                         "--host", "127.0.0.1", "--policy", "round_robin", "--log-level", "warn"]
         runs = [("pdserve", None)]
-        if args.baseline_tree:
-            runs.append(("baseline", source_tree_env(args.baseline_tree, f"{args.logs}/baseline_path")))
+        if args.baseline_tree or args.baseline_rev:
+            dest = f"{args.logs}/baseline_{os.getpid()}"
+            if args.baseline_tree:
+                path = checkout_tree(args.baseline_tree, dest)
+            else:
+                repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                path = revision_tree(repo, args.baseline_rev, dest)
+            runs.append(("baseline", {**os.environ, "PYTHONPATH": path}))
         for name, env in runs:
             port = free_port()
             routers[name] = spawn([PY, *pdserve_args, "--port", str(port)], f"{args.logs}/{name}_router.log",
@@ -232,7 +235,10 @@ def main() -> None:
             print(f"{kind:7} {name:8} {r['p50_ms']:8.3f} {r['p99_ms']:8.3f} "
                   f"{r.get('added_p50_ms', 0):10.3f} {r.get('added_p99_ms', 0):10.3f} "
                   f"{r.get('rps', float('nan')):8.0f} {r.get('cpu_us_per_req', float('nan')):10.0f}")
+            rounds_rps = r.pop("rounds_rps", None)
             summary[f"{kind}_{name}"] = {k: round(v, 4) for k, v in r.items()}
+            if rounds_rps is not None:
+                summary[f"{kind}_{name}"]["rounds_rps"] = [round(x, 1) for x in rounds_rps]
         for other, label in (("sglang", "ratio"), ("baseline", "vs_baseline")):
             if other not in targets:
                 continue
@@ -242,6 +248,13 @@ def main() -> None:
             summary[f"{kind}_{label}_added_p99"] = round(
                 ours_["added_p99_ms"] / max(theirs_["added_p99_ms"], 1e-6), 3)
             summary[f"{kind}_{label}_rps"] = round(ours_["rps"] / theirs_["rps"], 3)
+            # round by round (the routers took turns within each round): a rate is a speed
+            per_round = round_ratios([1 / x for x in summary[f"{kind}_pdserve"]["rounds_rps"]],
+                                     [1 / x for x in summary[f"{kind}_{other}"]["rounds_rps"]])
+            for stat, v in per_round.items():
+                summary[f"{kind}_{label}_rps_{stat}"] = round(v, 3)
+            print(f"{kind:7} rps pdserve/{other}: {summary[f'{kind}_{label}_rps']:.3f} (median of rounds "
+                  f"{per_round['median']:.3f}, {per_round['min']:.3f}-{per_round['max']:.3f})")
             summary[f"{kind}_{label}_cpu_per_req"] = round(ours_["cpu_us_per_req"] / theirs_["cpu_us_per_req"], 3)
     if "sglang" in targets:
         summary["targets_met"] = all(summary[f"{k}_ratio_added_p50"] <= 1.5 and summary[f"{k}_ratio_rps"] >= 0.5

@@ -197,6 +197,22 @@ async def test_mid_stream_failure_ends_with_an_error_event(cluster):
     assert len(cluster.decodes[0].requests) == 1  # no retry once bytes went out
 
 
+async def test_json_decode_failure_cancels_prefill_and_moves_to_another_decode(cluster):
+    # the JSON path awaits its decode leg in the request's own task: its failure cancels the
+    # prefill leg still out, as a failed prefill leg cancels the decode leg (above)
+    await cluster.start(1, 2, prefill_behavior=Behavior(delay_s=0.3), policy="round_robin")
+    bad, good = cluster.decodes
+    bad.behavior.fail_status = 503
+    for _ in range(3):
+        status, body = await cluster.post("/generate", {"text": "x"})
+        assert status == 200 and body["text"]
+    bad_rooms = set(bad.rooms())
+    assert bad_rooms
+    await wait_for(lambda: {r.body["bootstrap_room"] for r in cluster.prefills[0].cancelled} == bad_rooms)
+    assert good.completed == 3
+    await wait_for(lambda: all(w.load == 0 for w in cluster.router.registry.workers()))
+
+
 # -- client disconnect ------------------------------------------------------------------
 
 async def test_client_disconnect_cancels_both_legs(cluster):
