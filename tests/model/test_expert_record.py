@@ -11,6 +11,7 @@ from support.model_util import make_tiny_checkpoint
 
 from pdserve.engine import Engine
 from pdserve.engine.frontend.expert_metrics import imbalance_family
+from pdserve.engine.frontend.metrics import ServerMetrics
 from pdserve.engine.messages import MetricFamily, MetricSample, RankMetrics
 
 pytestmark = pytest.mark.timeout(300)
@@ -70,3 +71,5 @@ def test_imbalance_is_the_groups_max_over_its_mean():
     assert imbalance_family("m", {}) is None
     g = imbalance_family("m", {(0, 0): _shares(0, 10.0, 3.0), (0, 1): _shares(1, 6.0, 2.0)})
     assert [(s.labels["dp_rank"], s.labels["layer"], s.value) for s in g.samples] == [("0", "1", 2.0)]
+    text = ServerMetrics(1, "m").render([None], [0], {(0, 0): _shares(0, 10.0, 3.0), (0, 1): _shares(1, 6.0, 2.0)})
+    assert 'pdserve_expert_load_imbalance{model_name="m",dp_rank="0",layer="1"} 2.0' in text
