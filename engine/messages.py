@@ -93,6 +93,14 @@ class StopProfileReq(msgspec.Struct, tag=True):
     req_id: int = 0
 
 
+class ExpertDistributionReq(msgspec.Struct, tag=True):
+    """SGLang's expert distribution recorder: ``action`` "start", "stop" or "dump" (the dump's counts
+    come back in ``ControlResult.values``/``shape``, [num_layers, num_experts])."""
+
+    action: str
+    req_id: int = 0
+
+
 class TokenOutput(msgspec.Struct, tag=True):
     """Incremental output of one request: the tokens produced since the last one."""
 
@@ -195,7 +203,7 @@ class RankMetrics(msgspec.Struct, tag=True):
 
 ControlReq = (
     FlushCacheReq | UpdateWeightsFromDiskReq | GetWeightsByNameReq | ReleaseMemoryReq | ResumeMemoryReq
-    | StartProfileReq | StopProfileReq
+    | StartProfileReq | StopProfileReq | ExpertDistributionReq
 )
 SchedulerInput = TokenizedGenerateReq | AbortReq | ControlReq
 SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError | RankMetrics | ControlResult

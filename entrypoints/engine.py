@@ -351,6 +351,20 @@ class Engine:
         """Stop the profile and write its trace; returns the message naming the file."""
         return self._checked(self._wait(control_api.stop_profile(self._tm)))
 
+    def start_expert_distribution_record(self) -> str:
+        """Zero the per-layer, per-expert token counts and count from the next step on."""
+        return self._checked(self._wait(control_api.start_expert_distribution_record(self._tm)))
+
+    def stop_expert_distribution_record(self) -> str:
+        return self._checked(self._wait(control_api.stop_expert_distribution_record(self._tm)))
+
+    def dump_expert_distribution_record(self) -> list[list[int]]:
+        """The counts recorded since start, [num_layers][num_experts] summed over every rank (SGLang's
+        ``logical_count``); the counts start again from zero."""
+        answer = self._wait(control_api.dump_expert_distribution_record(self._tm))
+        self._checked(answer)
+        return answer.data
+
     # -------------------------------------------------------------------- state
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the scheduler loop's thread between steps, after every request and abort

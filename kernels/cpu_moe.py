@@ -41,6 +41,8 @@ class MoeKernels:
         assert x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1
         assert w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
         assert w13.shape == (E, I2, H) and w2.shape == (E, H, I2 // 2) and ids.shape == weights.shape
+        if T == 0:  # an EP rank that received no slots: an empty tensor's data pointer is NULL
+            return torch.empty(0, H, dtype=x.dtype)
         ids = ids.to(torch.int32).contiguous()  # [T, K]
         weights = weights.to(torch.float32).contiguous()
         out = torch.empty(T, H, dtype=x.dtype)

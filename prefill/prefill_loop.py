@@ -202,7 +202,8 @@ class PrefillLoop(SchedulerLoop):
                                        num_prefill_inflight_queue_reqs=len(self.inflight))
 
     def rank_metrics(self) -> RankMetrics:
-        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache))
+        return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache)
+                          + self.runner.model_families())
 
     def check_integrity(self) -> None:
         super().check_integrity()

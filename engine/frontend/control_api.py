@@ -23,6 +23,7 @@ from pdserve.engine.kv_events_config import advertised_endpoints
 from pdserve.engine.frontend.tokenizer_manager import TokenizerManager
 from pdserve.engine.messages import (
     ControlResult,
+    ExpertDistributionReq,
     FlushCacheReq,
     GetWeightsByNameReq,
     ReleaseMemoryReq,
@@ -64,6 +65,10 @@ class ProfileInput(msgspec.Struct, forbid_unknown_fields=True):
     with_stack: bool | None = None
     record_shapes: bool | None = None
     profile_id: str | None = None
+
+
+class EmptyInput(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of a route that takes no fields (``{}``; any field is refused by name)."""
 
 
 @dataclass
@@ -173,6 +178,28 @@ async def start_profile(tm: TokenizerManager, inp: ProfileInput, confined: bool 
 
 async def stop_profile(tm: TokenizerManager) -> ControlAnswer:
     return _answer(tm, await tm.control(StopProfileReq()))
+
+
+async def start_expert_distribution_record(tm: TokenizerManager) -> ControlAnswer:
+    return _answer(tm, await tm.control(ExpertDistributionReq(action="start")))
+
+
+async def stop_expert_distribution_record(tm: TokenizerManager) -> ControlAnswer:
+    return _answer(tm, await tm.control(ExpertDistributionReq(action="stop")))
+
+
+async def dump_expert_distribution_record(tm: TokenizerManager) -> ControlAnswer:
+    """The counts of every DP rank summed (each rank's already summed over its TP/EP ranks):
+    ``data`` is SGLang's ``logical_count``, [num_layers][num_experts] token counts, returned in the
+    answer rather than written to a file on the server."""
+    results = await tm.control(ExpertDistributionReq(action="dump"))
+    answer = _answer(tm, results, "Dumped the expert distribution.")
+    if answer.success:
+        total = [0] * len(results[0].values)
+        for r in results:
+            total = [a + int(b) for a, b in zip(total, r.values)]
+        answer.data = nest(total, results[0].shape)
+    return answer
 
 
 def server_info(tm: TokenizerManager) -> dict:

@@ -470,6 +470,26 @@ async def stop_profile(request: web.Request) -> web.Response:
     return web.Response(text=f"Stop profiling. {answer.message}\n")
 
 
+async def start_expert_distribution_record(request: web.Request) -> web.Response:
+    await _control_body(request, control_api.EmptyInput)
+    return _control_response(await control_api.start_expert_distribution_record(request.app[TM_KEY]))
+
+
+async def stop_expert_distribution_record(request: web.Request) -> web.Response:
+    await _control_body(request, control_api.EmptyInput)
+    return _control_response(await control_api.stop_expert_distribution_record(request.app[TM_KEY]))
+
+
+async def dump_expert_distribution_record(request: web.Request) -> web.Response:
+    """{"success", "message", "logical_count": [num_layers][num_experts]} (SGLang writes the same
+    counts to a file on the server; here they come back in the answer)."""
+    await _control_body(request, control_api.EmptyInput)
+    answer = await control_api.dump_expert_distribution_record(request.app[TM_KEY])
+    if not answer.success:
+        raise RequestError(f"Dump expert distribution failed: {answer.message}")
+    return json_response({"success": True, "message": answer.message, "logical_count": answer.data})
+
+
 def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics, drain: Drain) -> web.Application:
     # the body limit is enforced in read_body with a clear error; aiohttp's own limit sits above it
     app = web.Application(middlewares=[api_middleware, drain_middleware], client_max_size=config.max_request_bytes + 1)
@@ -502,6 +522,9 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.post("/resume_memory_occupation", resume_memory_occupation),
             web.post("/start_profile", start_profile),
             web.post("/stop_profile", stop_profile),
+            web.post("/start_expert_distribution_record", start_expert_distribution_record),
+            web.post("/stop_expert_distribution_record", stop_expert_distribution_record),
+            web.post("/dump_expert_distribution_record", dump_expert_distribution_record),
         ]
     )
     if config.enable_metrics:

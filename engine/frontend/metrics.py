@@ -3,8 +3,10 @@
 Counters and histograms are updated by the tokenizer manager as requests move;
 per-rank gauges (running, waiting, KV usage, in flight, the PD queues, quarantined
 pages) are read from the ranks' latest ``SchedulerStats`` when scraped, and each
-scheduler process's own families (its KV rooms: ``kvtransfer/room_metrics.py``)
-from its latest ``RankMetrics``, with ``dp_rank`` and ``tp_rank`` labels added.
+scheduler process's own families (its KV rooms: ``kvtransfer/room_metrics.py``; a MoE
+model's all-to-all counters and expert load) from its latest ``RankMetrics``, with ``dp_rank``
+and ``tp_rank`` labels added, and the expert load imbalance derived from them
+(``expert_metrics.py``).
 Names and their SGLang counterparts: docs/ARCHITECTURE.md, "Metrics and the request
 log". Each ``ServerMetrics`` has its own ``CollectorRegistry`` (never the library's
 global one), so servers and tests in one process do not share counts.
@@ -15,6 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.engine.frontend.expert_metrics import imbalance_family
 from pdserve.engine.prometheus_text import exposition
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 
@@ -153,3 +156,6 @@ class _RankFamilies:
                 for s in f.samples:
                     family.add_sample(s.name, {**rank, **s.labels}, s.value)
         yield from merged.values()
+        imbalance = imbalance_family(self.model_name, self.latest)
+        if imbalance is not None:
+            yield imbalance

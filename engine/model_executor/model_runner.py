@@ -27,6 +27,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
+from pdserve.engine.model_executor.expert_recorder import ExpertRecorder, a2a_families
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks
 from pdserve.engine.model_source import ModelSource
@@ -124,6 +125,7 @@ class ModelRunner:
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
         self.ep = init_ep(config.ep_size, config.moe_a2a_backend)  # read by every FusedMoE the model builds
         self.model: CausalLM | None = self._build_model(weights, source)
+        self.expert_recorder = ExpertRecorder(self.model, arch.num_layers, self.device)
         del weights
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         weights_bytes = tensor_bytes(self.model)
@@ -204,14 +206,23 @@ class ModelRunner:
         self.release_weights()  # the old copy goes first: the peak is one model, not two
         self.model = self._build_model(weights, source)
         self.model_path, self.model_source = model_path, source
+        self.expert_recorder.attach(self.model)  # the new layers count into the same record
         if self.page_pool.model:
             self.page_pool.model = self._identity(source)
         self._capture_graphs()
         logger.info("weights updated from %s", source.path)
 
+    def model_families(self) -> list:
+        """The model's own Prometheus families for ``RankMetrics``: the MoE all-to-all counters and,
+        while recording, the expert load (``expert_recorder.py``); none for a dense model."""
+        if self.model is None or not self.expert_recorder.has_experts:
+            return []
+        return a2a_families(self.model) + self.expert_recorder.families()
+
     def release_weights(self) -> None:
         """Free the weights (``resume_weights`` reloads them from ``model_path``)."""
         self.model = None
+        self.expert_recorder.attach(None)  # its layers hold the weights too
         self.graph_runner = None  # its graphs hold the weights too
         gc.collect()
         trim_heap()
@@ -228,7 +239,8 @@ class ModelRunner:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
         graphs = self.graph_runner
-        if graphs is not None and after_layer is None and graphs.can_run(batch):
+        # a captured graph holds no expert counting: steps run eagerly while the experts are recorded
+        if graphs is not None and after_layer is None and not self.expert_recorder.recording and graphs.can_run(batch):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend, after_layer)

@@ -22,6 +22,11 @@ Semantics, as SGLang's:
   an error naming what is released.
 - ``start_profile``: torch.profiler over the following steps; the trace is
   written at ``stop_profile`` or after ``num_steps`` steps.
+- expert distribution (``ExpertDistributionReq``): ``start`` zeroes the
+  per-layer, per-expert counts and counts from the next step, ``stop`` stops,
+  ``dump`` answers the counts summed over the TP group and resets them
+  (``engine/model_executor/expert_recorder.py``). Every TP rank runs the
+  dump's all-reduce, so it raises nothing before it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import time
 from pdserve.engine.messages import (
     AbortReq,
     ControlResult,
+    ExpertDistributionReq,
     FlushCacheReq,
     GetWeightsByNameReq,
     ReleaseMemoryReq,
@@ -111,6 +117,8 @@ class RankControl:
             return [self._start_profile(msg)]
         if isinstance(msg, StopProfileReq):
             return [self._stop_profile(msg)]
+        if isinstance(msg, ExpertDistributionReq):
+            return [self._expert_distribution(msg)]
         raise TypeError(f"unexpected scheduler input {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> list:
@@ -206,6 +214,23 @@ class RankControl:
             logger.exception("resume_memory_occupation failed")
             return self._result(req, False, f"{type(e).__name__}: {e}")
         return self._result(req, True, "resumed" + (f"; still released: {sorted(self.released)}" if self.released else ""))
+
+    # ---------------------------------------------------- expert distribution
+    def _expert_distribution(self, req: ExpertDistributionReq) -> ControlResult:
+        recorder = self.loop.runner.expert_recorder
+        if req.action == "dump":
+            if recorder.num_experts == 0:  # the same on every TP rank: none of them reduces
+                return self._result(req, False, "the model has no routed experts to record")
+            counts = recorder.dump()  # [L, E]: the TP group's all-reduce
+            return self._result(req, True, "", values=[float(v) for v in counts.flatten().tolist()],
+                                shape=list(counts.shape))
+        if req.action == "start":
+            recorder.start()
+            return self._result(req, True, "Start recording the expert distribution.")
+        if req.action == "stop":
+            recorder.stop()
+            return self._result(req, True, "Stop recording the expert distribution.")
+        return self._result(req, False, f"unknown expert distribution action {req.action!r}")
 
     # -------------------------------------------------------------- profiling
     def _start_profile(self, req: StartProfileReq) -> ControlResult:

@@ -473,7 +473,8 @@ class SchedulerLoop:
     def rank_metrics(self) -> RankMetrics | None:
         """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
         KV rooms)."""
-        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + self.spec_families())
+        return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + self.spec_families()
+                          + self.runner.model_families())
 
     def spec_families(self) -> list:
         """Speculation's families (``spec_metrics``), at 0 on a rank that does not speculate: a dashboard

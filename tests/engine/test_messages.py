@@ -31,6 +31,7 @@ SAMPLES = {
     "StartProfileReq": messages.StartProfileReq(output_dir="/tmp/p", num_steps=3, record_shapes=True,
                                                 with_stack=True, profile_id="x", req_id=8),
     "StopProfileReq": messages.StopProfileReq(req_id=9),
+    "ExpertDistributionReq": messages.ExpertDistributionReq(action="dump", req_id=10),
     "ControlResult": messages.ControlResult(dp_rank=1, req_id=5, success=True, message="ok",
                                             values=[0.5, -1.25, 2.0, 3.0], shape=[2, 2]),
     "TokenOutput": messages.TokenOutput(
@@ -86,7 +87,7 @@ def test_round_trip_each():
 
 def test_round_trip_unions():
     inputs = ("TokenizedGenerateReq", "AbortReq", "FlushCacheReq", "UpdateWeightsFromDiskReq", "GetWeightsByNameReq",
-              "ReleaseMemoryReq", "ResumeMemoryReq", "StartProfileReq", "StopProfileReq")
+              "ReleaseMemoryReq", "ResumeMemoryReq", "StartProfileReq", "StopProfileReq", "ExpertDistributionReq")
     for obj in (SAMPLES[n] for n in inputs):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(obj), type=messages.SchedulerInput) == obj
     outputs = ("TokenOutput", "SchedulerStats", "SchedulerReady", "SchedulerError", "ControlResult")

@@ -94,6 +94,15 @@ def test_experts_match_a_plain_loop(kernels, dtype, K, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kernels", _paths())
+def test_no_rows_give_no_rows(kernels, dtype):
+    """An expert-parallel rank that received no slots in a step runs its experts on 0 rows."""
+    x, w13, w2, ids, weights = _problem(1, 2, dtype, seed=2)
+    out = fused_experts(x[:0], w13, w2, ids[:0], weights[:0], kernels)
+    assert out.shape == (0, H) and out.dtype == dtype
+
+
 @pytest.mark.parametrize("kernels", _paths())
 def test_an_id_past_the_experts_is_refused(kernels):
     x, w13, w2, ids, weights = _problem(4, 2, torch.float32, seed=1)

@@ -8,6 +8,8 @@ server (bound on every address, no admin key, a profile folder) for the whole mo
   ``output_dir`` naming a file, a trace that cannot be written at the end of a step: each is a
   4xx or a logged error, and the server serves on with its pages free.
 - ``truncate_size`` is capped.
+- The expert distribution routes are control routes too; on this dense model they answer 400
+  naming the missing experts, and the server serves on.
 """
 
 from __future__ import annotations
@@ -111,3 +113,18 @@ def test_truncate_size_is_capped(server):
     assert r.status_code == 200 and len(r.json()) == 2
     alive(server)
     server.wait_idle_and_unleaked()
+
+
+def test_expert_distribution_routes_are_control_routes(server):
+    paths = ("/start_expert_distribution_record", "/stop_expert_distribution_record",
+             "/dump_expert_distribution_record")
+    for path in paths:
+        assert requests.get(server.url + path, timeout=10).status_code == 405, path
+        r = requests.post(server.url + path, data="{}", headers={"Content-Type": "text/plain"}, timeout=10)
+        assert r.status_code == 415, (path, r.text)
+    r = server.control("/start_expert_distribution_record", {"mode": "stat"})  # no fields taken
+    assert r.status_code == 400 and "mode" in error_of(r)["message"], r.text
+    for path in (paths[0], paths[2]):
+        r = server.control(path)
+        assert r.status_code == 400 and "no routed experts" in r.text, (path, r.text)
+    alive(server)

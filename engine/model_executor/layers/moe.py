@@ -130,6 +130,12 @@ class FusedMoE:
         self.w2: torch.Tensor | None = torch.empty(n_local, hidden, inter, dtype=plan.dtype, device=plan.device)
         self.method = method or PerExpertMoEMethod(plan, n_local)
         self.method.num_experts = n_local
+        # expert statistics (``expert_recorder.py``): this layer's row of the counts while recording,
+        # else None; a rank counts the slots routed to the experts it holds (one rank per EP rank)
+        self.record: torch.Tensor | None = None
+        self.counts_tokens = ep.moe_tp_rank == 0 if ep.ep_size > 1 else tp.rank == 0
+        held = [1 if self.counts_tokens and r == ep.ep_rank else 0 for r in self.placement.owner]
+        self._held = torch.tensor(held, dtype=torch.int64, device=plan.device)  # [E]
 
     def weight_loader(self, param: str, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
         if shard_id not in ("w1", "w2", "w3"):
@@ -177,5 +183,8 @@ class FusedMoE:
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` with the routing chosen by the caller (a model's own gate): topk_weights
         [T, k] float32, topk_ids [T, k] int64 -> residual + the weighted sum over the group, [T, hidden]."""
+        if self.record is not None:
+            flat = topk_ids.reshape(-1)  # [T k]
+            self.record.scatter_add_(0, flat, self._held[flat])
         y = self.exchange.run(x, topk_weights, topk_ids, step, self.method.apply)
         return y if residual is None else residual + y
