@@ -160,6 +160,32 @@ def test_openai_model_names_the_adapter(server, refs, alone):
     assert all(m["parent"] == BASE_NAME for m in models[1:])
 
 
+def test_bf16_forward_applies_each_rows_adapter(refs, alone):
+    """In bf16 (the native kernels: panels or oneDNN at prefill, gemv at these 3-row decode steps)
+    a batch of two adapters and the base, teacher-forced along the fp32 server's outputs, picks
+    the same tokens but at near-ties: where they differ, the served token is in bf16's top 3. The
+    adapters' rows move their logits; the base row's are those of a batch without adapters."""
+    from pdserve.engine.model_executor.model_runner import ModelRunner
+    from support.model_util import greedy_generate
+
+    paths, prompts, _ = refs
+    runner = ModelRunner(EngineConfig(dtype="bfloat16", max_total_tokens=512, page_size=4, max_loras_per_batch=2,
+                                      lora_paths=tuple(f"{n}={p}" for n, p in paths.items())))
+    runner.load_lora([(0, "a"), (1, "c")])
+    order = ["a", "c", None]
+    served = [alone[a][i] for i, a in enumerate(order)]
+    tokens, logits = greedy_generate(runner, prompts, MAX_NEW, forced=served, lora_slots=[0, 1, -1])
+    differ = 0
+    for got, want, seq_logits in zip(tokens, served, logits):
+        for t, (g, w) in enumerate(zip(got, want)):
+            if g != w:
+                differ += 1
+                assert w in seq_logits[t].topk(3).indices.tolist(), (t, g, w)
+    assert differ <= len(prompts) * MAX_NEW // 4
+    _, base_logits = greedy_generate(runner, prompts, MAX_NEW, forced=served, lora_slots=[-1, -1, -1])
+    assert [float((x - y).abs().max()) > 0.5 for x, y in zip(logits, base_logits)] == [True, True, False]
+
+
 def test_prefix_cache_keyed_by_adapter(server, refs):
     """The same prompt under another adapter (or none) reuses no page; under its own it does."""
     prompt = refs[1][2] * 3  # a few pages
