@@ -42,10 +42,14 @@ class LoraStacks:
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """y += scaling[s] * (x[rows] @ A[s].T) @ B[s].T for each (slot s, rows) of ``segments``; returns y.
         x: [T, in]; y: [T, out]; rows: int64 row indices."""
+        x = x.to(self.a.dtype)
         for slot, rows in segments:
             if not self.used[slot]:
                 continue
-            xs = x.index_select(0, rows).to(self.a.dtype)  # [n, in]
+            if rows.numel() == x.shape[0]:  # every row on this adapter: no gather or scatter
+                y.add_(((x @ self.a[slot].T) @ self.b[slot].T).to(y.dtype), alpha=self.scaling[slot])
+                continue
+            xs = x.index_select(0, rows)  # [n, in]
             delta = (xs @ self.a[slot].T) @ self.b[slot].T  # [n, out]
             y.index_add_(0, rows, delta.to(y.dtype), alpha=self.scaling[slot])
         return y
@@ -91,7 +95,8 @@ class LoraHook:
 
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
         """y [T, out] (the base product of x [T, in]) plus each row's delta; SwiGLU after, if set."""
-        if lora is not None:
+        if lora is not None and self.parts:
+            x = x.to(self.parts[0][1].a.dtype)  # once for the parts that share it (q, k, v; gate, up)
             for cols, stacks in self.parts:
                 stacks.add_delta(y[:, cols], x, lora.segments)
         if self.swiglu:
