@@ -18,7 +18,8 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.model_executor.layers.linear import LinearBase
-from pdserve.engine.model_executor.layers.lora_adapter import LORA_MODULES, LoraAdapter, load_lora_adapter
+from pdserve.engine.model_executor.layers.lora_adapter import (LORA_MODULES, LoraAdapter, LoraAdapterError,
+                                                               load_lora_adapter)
 from pdserve.engine.model_executor.layers.lora_product import LoraHook, LoraStacks
 
 logger = logging.getLogger(__name__)
@@ -30,8 +31,13 @@ def read_adapters(config: EngineConfig, num_layers: int) -> dict[str, LoraAdapte
     """Every adapter of ``lora_paths``, checked against ``max_lora_rank`` (LoraAdapterError names
     the adapter and what does not fit)."""
     rank = config.max_lora_rank or sys.maxsize  # None: the slots take the largest adapter's rank
-    return {name: load_lora_adapter(name, path, rank, LORA_MODULES, num_layers)
-            for name, path in parse_lora_paths(config.lora_paths).items()}
+    out = {}
+    for name, path in parse_lora_paths(config.lora_paths).items():
+        try:
+            out[name] = load_lora_adapter(name, path, rank, LORA_MODULES, num_layers)
+        except (LoraAdapterError, OSError) as e:  # a start-up error naming the entry
+            raise LoraAdapterError(f"lora_paths {name}={path}: {e}") from None
+    return out
 
 
 class LoraManager:
