@@ -78,7 +78,8 @@ def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, rep
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rank", type=int, default=8)
