@@ -15,6 +15,7 @@ from pdserve.engine.text.chat_templates import check_chat_template
 from pdserve.engine.model_executor.ep_names import check_ep
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.speculative_names import check_speculative
+from pdserve.engine.lora_names import check_lora
 from pdserve.engine.model_executor.attention.attention_backend import check_attention_backend
 
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
@@ -109,8 +110,19 @@ class EngineConfig:
     # "deepep" (DeepEP, CUDA)
     ep_size: int = 1
     moe_a2a_backend: str = "none"
+    # LoRA adapters (SGLang's flags; docs/USER_GUIDE.md, "LoRA adapters"): PEFT checkpoints named
+    # NAME=PATH (or PATH, named by itself), served per request (``lora_path``, or OpenAI's
+    # "model": "base:NAME"); lora_paths implies enable_lora. max_loras_per_batch: the adapters one
+    # step may mix, the slots their weights sit in; max_lora_rank: None takes the largest of lora_paths'
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()
+    max_loras_per_batch: int = 8
+    max_lora_rank: int | None = None
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_paths", tuple(self.lora_paths or ()))  # the CLI gives a list
+        if self.lora_paths and not self.enable_lora:
+            object.__setattr__(self, "enable_lora", True)  # as SGLang: adapters named means LoRA on
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if self.dtype not in DTYPES:
@@ -152,6 +164,8 @@ class EngineConfig:
                           self.speculative_draft_model_path, self.speculative_draft_quantization,
                           self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
                           self.speculative_ngram_branches)
+        check_lora(self.enable_lora, self.lora_paths, self.max_loras_per_batch, self.max_lora_rank,
+                   self.quantization, self.speculative_algorithm, self.enable_hierarchical_cache)
 
     @classmethod
     def field_names(cls) -> set[str]:

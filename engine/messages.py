@@ -35,6 +35,7 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     # fake bootstrap): prefill computes the KV and drops it, decode prefills it itself
     health_probe: bool = False
     priority: int = 0  # with --enable-priority-scheduling: the waiting queue's order
+    lora_path: str | None = None  # the LoRA adapter's name (--lora-paths); None: the base model
 
 
 class AbortReq(msgspec.Struct, tag=True):

@@ -147,6 +147,9 @@ class ServerConfig:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
+        if self.engine.enable_lora and self.disaggregation_mode != "null":
+            raise ValueError(f"enable_lora serves colocated (disaggregation_mode null) only, got "
+                             f"disaggregation_mode {self.disaggregation_mode!r}")
         KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
         self.kv_transfer.check_exposure(self.disaggregation_mode, self.host)
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
@@ -160,6 +163,8 @@ class ServerConfig:
         if self.engine.moe_a2a_backend != "none" and self.engine.ep_size not in (1, self.tp_size):
             raise ValueError(f"moe_a2a_backend {self.engine.moe_a2a_backend!r} needs ep_size equal to tp_size, "
                              f"got ep_size {self.engine.ep_size}, tp_size {self.tp_size}")
+        if self.engine.enable_lora and self.tp_size > 1:
+            raise ValueError(f"enable_lora serves at tp_size 1 only, got tp_size {self.tp_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
         if self.dist_timeout <= 0:

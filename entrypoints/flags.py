@@ -146,6 +146,12 @@ _HELP = {
     "speculative_ngram_max_match_window_size": "NGRAM: longest suffix of the sequence looked up",
     "speculative_ngram_branches": "NGRAM: candidate continuations merged into a draft tree (1: a chain); trees "
                                   "need --attention-backend torch",
+    "enable_lora": "serve LoRA adapters: requests name one by lora_path (/generate) or model \"BASE:NAME\" "
+                   "(OpenAI routes); implied by --lora-paths (docs/USER_GUIDE.md)",
+    "lora_paths": "PEFT adapters to serve, NAME=PATH (or PATH, named by itself), read at start",
+    "max_loras_per_batch": "adapters one step may mix: the slots their weights sit in (more adapters than slots "
+                           "take turns, least recently used first)",
+    "max_lora_rank": "largest adapter rank accepted (the slots' width); default: the largest of --lora-paths",
     "disaggregation_transfer_backend": f"one of {', '.join(TRANSFER_ENGINES)}, or an importable 'module:attr' engine factory",
 }
 _TYPES = {"int": int, "float": float, "str": str}
@@ -167,6 +173,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str], 
         help_ = helps.get(dest, "")
         if type_str == "bool":
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
+            continue
+        if type_str == "tuple[str,...]":  # a list flag: --lora-paths a=/x b=/y
+            parser.add_argument(flag, dest=dest, nargs="*", type=str, default=default, metavar="VALUE",
+                                help=f"{help_} (default: none)".strip())
             continue
         base = type_str.split("|")[0]
         if base not in _TYPES:

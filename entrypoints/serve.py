@@ -270,7 +270,7 @@ async def serve(config: ServerConfig) -> int:
 def check_model(config: ServerConfig) -> None:
     """Refuse, before any rank loads weights, what the real model (its config.json or GGUF header)
     cannot serve: a quantized checkpoint, a TP size its heads cannot be split by, a context_length
-    past its own."""
+    past its own, a LoRA adapter of --lora-paths that does not fit it."""
     from pdserve.engine.model_executor.model_loader import load_arch
 
     arch = load_arch(config.engine.model_path)
@@ -280,6 +280,10 @@ def check_model(config: ServerConfig) -> None:
     draft = config.engine.speculative_draft_model_path
     if draft is not None and config.disaggregation_mode != "prefill":  # a prefill server ignores it
         check_draft_model(arch, draft, config.tp_size)
+    if config.engine.enable_lora:
+        from pdserve.engine.model_executor.lora_manager import read_adapters
+
+        read_adapters(config.engine, arch.num_layers)  # a bad adapter names itself here, not in a rank
 
 
 def check_draft_model(target, path: str, tp_size: int) -> None:

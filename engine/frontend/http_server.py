@@ -16,6 +16,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend import tokenize_api
@@ -343,7 +344,10 @@ async def models(request: web.Request) -> web.Response:
         "root": c.engine.model_path or c.model_name,
         "max_model_len": tm.model_info.max_context_len,
     }
-    return json_response({"object": "list", "data": [card]})
+    # each LoRA adapter is a model of its own, its parent the base (vLLM's cards; SGLang lists them too)
+    adapters = [{**card, "id": name, "root": path, "parent": c.model_name}
+                for name, path in parse_lora_paths(c.engine.lora_paths).items()]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def model_info(request: web.Request) -> web.Response:

@@ -10,7 +10,7 @@ never gets the base model when it asked for a LoRA adapter, or plain output
 when it asked for hidden states.
 
 The fields of structured output and tools (``response_format``, ``tools``,
-``regex``, ...) are checked where they are implemented, not here.
+``regex``, ...) and LoRA's ``lora_path`` are checked where they are implemented, not here.
 
 Accepted with any value, as they ask for nothing pdserve leaves undone:
 ``user`` (OpenAI's end-user id, for the caller's abuse monitoring), ``no_logs``
@@ -39,8 +39,7 @@ SAMPLING_PARAMS: dict[str, tuple] = {
 
 # /generate's body (its sampling_params: SAMPLING_PARAMS)
 GENERATE: dict[str, tuple] = {
-    "lora_path": ABSENT,
-    "lora_id": ABSENT,
+    "lora_id": ABSENT,  # SGLang's internal id; adapters are named by lora_path (lora_fields.py)
     "custom_logit_processor": ABSENT,
     "session_params": ABSENT,
     "extra_key": ABSENT,  # a prefix-cache namespace
@@ -61,7 +60,6 @@ GENERATE: dict[str, tuple] = {
 
 # both OpenAI endpoints
 OPENAI: dict[str, tuple] = {
-    "lora_path": ABSENT,
     "session_params": ABSENT,
     "custom_logit_processor": ABSENT,
     "custom_params": ABSENT,

@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from pdserve.engine.frontend import refused_fields
+from pdserve.engine.frontend.lora_fields import generate_adapters, openai_adapter
 from pdserve.engine.frontend.grammar_fields import chat_tools, one_grammar, response_format_schema, sglang_grammars
 from pdserve.engine.frontend.request_error import RequestError
 from pdserve.engine.frontend.request_schemas import (
@@ -72,6 +73,7 @@ class SequenceSpec:
     max_tokens_param: str = "max_tokens"
     tool_plan: ToolPlan | None = None  # chat with tools: how the output becomes tool_calls
     reasoning: ReasoningPlan | None = None  # chat under --reasoning-parser: how the thinking is split off
+    lora_path: str | None = None  # the LoRA adapter (lora_fields.py); None: the base model
 
 
 # the sampling fields a /generate body's sampling_params and an OpenAI body share by name
@@ -168,6 +170,7 @@ def generate_sequences(
             raise RequestError(f"{name} has {len(v)} entries for {num} prompts", param=name)
     routed = check_dp_rank(req, limits)
     priority = limits.check_priority(req.priority)
+    adapters = generate_adapters(req.lora_path, num, limits.lora_adapters)
     boots = bootstrap_infos(req, num, n, limits, req.disagg_prefill_dp_rank)
     rids = sequence_rids(req.rid, num, n)
     seqs = []
@@ -192,6 +195,7 @@ def generate_sequences(
                     routed_dp_rank=routed,
                     bootstrap=boots[i * n + j],
                     priority=priority,
+                    lora_path=adapters[i],
                     no_stop_trim=no_trim,
                     prompt_param=prompt_param,
                     max_tokens_param="sampling_params.max_new_tokens",
@@ -252,6 +256,7 @@ def _openai_sequences(
     reasoning: ReasoningPlan | None = None,
 ) -> list[SequenceSpec]:
     n = check_n(req.n, limits)
+    adapter = openai_adapter(req.lora_path, req.model, limits.model_names, limits.lora_adapters)
     routed = check_dp_rank(req, limits)
     priority = limits.check_priority(req.priority)
     boots = bootstrap_infos(req, len(prompts), n, limits, req.disagg_prefill_dp_rank)
@@ -277,13 +282,14 @@ def _openai_sequences(
                     max_tokens_param=max_tokens_param,
                     tool_plan=tool_plan,
                     reasoning=reasoning,
+                    lora_path=adapter,
                 )
             )
     return seqs
 
 
 def completion_sequences(req: CompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
-    limits.check_model(req.model)
+    openai_adapter(req.lora_path, req.model, limits.model_names, limits.lora_adapters)  # model: base or adapter
     refuse_openai(req, refused_fields.COMPLETIONS)
     if req.echo:
         raise RequestError("`echo` is not supported by pdserve", param="echo", code="unsupported")
@@ -345,7 +351,7 @@ def _message_dict(m: ChatMessage, i: int) -> dict[str, Any]:
 
 
 def chat_sequences(req: ChatCompletionRequest, limits: RequestLimits) -> list[SequenceSpec]:
-    limits.check_model(req.model)
+    openai_adapter(req.lora_path, req.model, limits.model_names, limits.lora_adapters)  # model: base or adapter
     unsupported(req, ("functions", "audio", "prediction"))
     tools = chat_tools(req, limits)
     grammars = sglang_grammars(req)

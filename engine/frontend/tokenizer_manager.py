@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.text.detokenizer import Detokenizer
 from pdserve.engine.messages import (
     AbortReq,
@@ -137,6 +138,7 @@ class TokenizerManager:
             tool_call_parser=c.tool_call_parser,
             enable_priority_scheduling=c.engine.enable_priority_scheduling,
             reasoning_parser=c.reasoning_parser,
+            lora_adapters=frozenset(parse_lora_paths(c.engine.lora_paths)),
         )
 
     def token_str(self, token_id: int) -> str:
@@ -286,6 +288,7 @@ class TokenizerManager:
                 bootstrap=spec.bootstrap,
                 health_probe=spec.health_probe,
                 priority=spec.priority,
+                lora_path=spec.lora_path,
             )
             self._send(st.dp_rank, req)
         return handle

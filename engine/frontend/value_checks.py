@@ -52,6 +52,7 @@ class RequestLimits:
     tool_call_parser: str | None = None  # --tool-call-parser: tool_choice auto needs one
     reasoning_parser: str | None = None  # --reasoning-parser: chat outputs split into reasoning and answer
     enable_priority_scheduling: bool = False  # --enable-priority-scheduling: `priority` is accepted
+    lora_adapters: frozenset[str] = frozenset()  # the adapters of --lora-paths (lora_fields.py)
 
     def check_priority(self, priority: int | None) -> int:
         """The request's priority (0 when absent); a RequestError when the server does not order by it

@@ -28,6 +28,8 @@ class ForwardBatch:
     # prefix + its depth). Each row attends to the prefix, the fed token and its own ancestors. None
     # (the field or a sequence's entry): the new rows are causal, one position each.
     tree_parents: list[list[int] | None] | None = None
+    # [num_tokens] int64: each row's LoRA slot (-1: the base model); None: no row uses an adapter
+    lora_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -39,6 +39,24 @@ from pdserve.engine.mem_cache.kv_events import (
 from pdserve.engine.mem_cache.page_pool import PagePool
 
 
+_SALT_BASE = 2**32  # an adapter's salt is 2**32 - lora_id: above every vocabulary, a uint32
+
+
+class AdapterTokens(list):
+    """Token ids computed under a LoRA adapter: ``lora_id`` (> 0) salts the key of the first page,
+    so a prefix computed under one adapter (or none) never matches under another, and its chained
+    block hashes differ too. What a cache is asked with for a request that has an adapter."""
+
+    def __init__(self, tokens, lora_id: int):
+        super().__init__(tokens)
+        self.lora_id = lora_id
+
+
+def cache_key(token_ids: list[int], lora_id: int) -> list[int]:
+    """``token_ids`` as the prefix cache keys them under adapter ``lora_id`` (0: the base model)."""
+    return AdapterTokens(token_ids, lora_id) if lora_id else token_ids
+
+
 class PrefixCache(ABC):
     """What the scheduler needs from a prefix cache."""
 
@@ -187,9 +205,13 @@ class RadixCache(PrefixCache):
         return self._clock
 
     def _keys(self, token_ids: Sequence[int], num_pages: int):
+        """Each page's key: its tokens; under an adapter (``AdapterTokens``) the first page's key
+        leads with ``2**32 - lora_id``, which no token id is (the block hash packs uint32s)."""
         ps = self.page_size
+        lora_id = getattr(token_ids, "lora_id", 0)
         for i in range(num_pages):
-            yield tuple(token_ids[i * ps : (i + 1) * ps])
+            key = tuple(token_ids[i * ps : (i + 1) * ps])
+            yield (_SALT_BASE - lora_id,) + key if lora_id and i == 0 else key
 
     def match_prefix(self, token_ids):
         now = self._tick()
@@ -277,12 +299,18 @@ class RadixCache(PrefixCache):
             self.events.append(BlockStored(
                 block_hashes=[n.hash for n in run],
                 parent_block_hash=run[0].parent.hash,
-                token_ids=[t for n in run for t in n.key],
+                token_ids=[t for n in run for t in n.key[-self.page_size:]],  # without an adapter's salt
                 block_size=self.page_size,
-                lora_id=None,
+                lora_id=self._lora_id(run[0]),
                 medium=medium,
             ))
             start = i
+
+    def _lora_id(self, node: TreeNode) -> int | None:
+        """The adapter whose namespace ``node`` is in (its first page's salt), None for the base's."""
+        while node.parent is not None and node.parent is not self.root:
+            node = node.parent
+        return _SALT_BASE - node.key[0] if len(node.key) > self.page_size else None
 
     def _record_removed(self, hashes: list[int], medium: str = MEDIUM_GPU) -> None:
         if hashes and self.record_events:
@@ -360,7 +388,9 @@ class RadixCache(PrefixCache):
             if n.page in seen or n.page == 0:
                 raise AssertionError(f"radix page {n.page} held twice or is the scratch page")
             seen.add(n.page)
-            if len(n.key) != self.page_size:
+            # one page; an adapter's first page leads with its salt (``_keys``)
+            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and n.key[0] > _SALT_BASE // 2
+            if len(n.key) != self.page_size and not salted:
                 raise AssertionError("radix edge is not one page")
             if n.lock_ref < 0 or any(c.lock_ref > n.lock_ref for c in n.children.values()):
                 raise AssertionError("child locked more than its parent")

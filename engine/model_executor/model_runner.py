@@ -29,6 +29,7 @@ from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
 from pdserve.engine.model_executor.expert_recorder import ExpertRecorder, a2a_families
 from pdserve.engine.model_executor.model_config import ModelArch
+from pdserve.engine.model_executor.lora_manager import LoraManager
 from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks
 from pdserve.engine.model_source import ModelSource
 from pdserve.engine.model_executor.layers.kernel_plan import can_prepack
@@ -127,6 +128,8 @@ class ModelRunner:
         self.model: CausalLM | None = self._build_model(weights, source)
         self.expert_recorder = ExpertRecorder(self.model, arch.num_layers, self.device)
         del weights
+        # --enable-lora: the adapters of --lora-paths, put into the model's slots on demand
+        self.lora = LoraManager(config, self.model, arch.num_layers) if config.enable_lora else None
         self.tokenizer = load_tokenizer(config.model_path, config.tokenizer_path, config.chat_template)
         weights_bytes = tensor_bytes(self.model)
         if page_pool is None:
@@ -173,7 +176,9 @@ class ModelRunner:
         and again whenever the weights change (a graph holds their addresses)."""
         config = self.config
         self.graph_runner = None
-        if self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0:
+        # a graph would hold one step's LoRA slots: LoRA steps run eagerly
+        if (self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0
+                or config.enable_lora):
             return
         # a verify step is a decode step of 1 + draft tokens rows per sequence (batch_builder)
         rows_per_seq = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 1
@@ -192,7 +197,7 @@ class ModelRunner:
         return build_model(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
                            quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
                            fused_decode=not self.config.disable_fused_decode,
-                           gemm=not self.config.disable_native_gemm, q8_0=q8_0)
+                           gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0)
 
     # ------------------------------------------------------------- weights
     def load_weights(self, model_path: str | None) -> None:
@@ -205,6 +210,8 @@ class ModelRunner:
                              f"model ({self.arch.shape_key()})")
         self.release_weights()  # the old copy goes first: the peak is one model, not two
         self.model = self._build_model(weights, source)
+        if self.lora is not None:
+            self.lora.attach(self.model)
         self.model_path, self.model_source = model_path, source
         self.expert_recorder.attach(self.model)  # the new layers count into the same record
         if self.page_pool.model:
@@ -230,6 +237,11 @@ class ModelRunner:
     def resume_weights(self) -> None:
         if self.model is None:
             self.load_weights(self.model_path)
+
+    def load_lora(self, loads: list[tuple[int, str]]) -> None:
+        """Put each (slot, adapter) the scheduler placed into the model's LoRA slots."""
+        for slot, name in loads:
+            self.lora.load(slot, name)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -257,4 +269,6 @@ class ModelRunner:
             logits_indices=batch.logits_indices.to(dev, torch.int64),
             extend_lens=batch.extend_lens,
             seq_lens=batch.seq_lens,
+            tree_parents=batch.tree_parents,
+            lora_slots=None if batch.lora_slots is None else batch.lora_slots.to(dev, torch.int64),
         )

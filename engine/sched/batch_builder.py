@@ -52,7 +52,15 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, device: str | tor
         num_pages.append(-(-end // page_size))
     logits_indices.extend(row for _, row, _ in input_logprob_rows(batch))
     return _forward_batch(device, input_ids, positions, out_loc, _page_table(batch, num_pages), logits_indices,
-                          list(batch.extend_lens), seq_lens)
+                          list(batch.extend_lens), seq_lens, lora_slots=_lora_slots(batch, device))
+
+
+def _lora_slots(batch: ScheduledBatch, device) -> torch.Tensor | None:
+    """[num_tokens] int64: each row's LoRA slot (-1: base); None when no request has an adapter."""
+    if all(req.lora_slot < 0 for req in batch.reqs):
+        return None
+    slots = torch.tensor([req.lora_slot for req in batch.reqs], dtype=torch.int64)
+    return slots.repeat_interleave(torch.tensor(batch.extend_lens, dtype=torch.int64)).to(device)
 
 
 def build_chain_verify_batch(batch: ScheduledBatch, page_size: int,

@@ -20,6 +20,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.mem_cache.radix_cache import cache_key
 from pdserve.engine.messages import BootstrapInfo
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -53,6 +54,8 @@ class Req:
     logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens from this position on
     health_probe: bool = False  # /health_generate: PD modes run it without a peer (messages.py)
     priority: int = 0  # the waiting queue's order with enable_priority_scheduling (priority_order.py)
+    lora_name: str | None = None  # the LoRA adapter the request runs under (None: the base model)
+    lora_id: int = 0  # its prefix-cache namespace (> 0; 0: the base model's)
 
     status: ReqStatus = ReqStatus.WAITING
     output_ids: list[int] = field(default_factory=list)
@@ -78,6 +81,8 @@ class Req:
     spec_verify_ct: int = 0
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # the LoRA slot the adapter sits in while the request runs (-1: none held)
+    lora_slot: int = -1
     # structured output: the request's grammar matcher (constrained.RequestGrammar), None if unconstrained
     grammar: Any = None
 
@@ -95,6 +100,10 @@ class Req:
         if end <= p:
             return self.input_ids[start:end]
         return self.input_ids[start:] + self.output_ids[: end - p]
+
+    def cache_key(self, end: int) -> list[int]:
+        """``fill_ids[:end]`` as the prefix cache keys them: in the namespace of the request's adapter."""
+        return cache_key(self.fill_ids[:end], self.lora_id)
 
     @property
     def seq_len(self) -> int:

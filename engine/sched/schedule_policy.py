@@ -24,7 +24,7 @@ def order_waiting(policy: str, waiting: deque, cache) -> None:
     if policy == "fcfs" or not 1 < len(waiting) <= LPM_MAX_WAITING:
         return
     # a stable sort: equal matches keep their arrival order
-    matched = {id(r): len(cache.match_prefix(r.fill_ids)[0]) for r in waiting}
+    matched = {id(r): len(cache.match_prefix(r.cache_key(r.seq_len))[0]) for r in waiting}
     ordered = sorted(waiting, key=lambda r: -matched[id(r)])
     waiting.clear()
     waiting.extend(ordered)

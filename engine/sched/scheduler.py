@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import PrefixCache
+from pdserve.engine.model_executor.layers.lora_slots import LoraSlots, LoraSlotsFull
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.priority_order import order_by_priority
 from pdserve.engine.sched.schedule_policy import order_waiting
@@ -132,8 +133,11 @@ class Scheduler:
         cache: PrefixCache,
         stop_check: StopCheck = length_only_stop,
         decode: bool = True,
+        lora_slots: LoraSlots | None = None,
     ):
-        """``decode=False``: a prefill server's scheduler (see the module docstring)."""
+        """``decode=False``: a prefill server's scheduler (see the module docstring). ``lora_slots``:
+        which adapters sit in the model's LoRA slots (``--enable-lora``); a request with an adapter
+        pins its slot from admission to release, and waits while every slot is pinned."""
         self.config = config
         self.decode = decode
         self.pool = pool
@@ -151,6 +155,8 @@ class Scheduler:
         self.newly_finished: list[Req] = []
         # slots a speculating request may need past its next token, counted in its decode reserve
         self.num_draft_slots = config.speculative_num_draft_tokens if config.speculative_algorithm else 0
+        self.lora_slots = lora_slots
+        self.lora_loads: list[tuple[int, str]] = []  # (slot, adapter) placed since the loop last loaded
 
     # ------------------------------------------------------------- requests
     def add(self, req: Req) -> FinishReason | None:
@@ -199,13 +205,37 @@ class Scheduler:
     def release(self, req: Req) -> None:
         """Give the request's KV to the prefix cache (or free it) and drop its lock."""
         if req.pages:
-            self.cache.insert(req.fill_ids[: req.kv_len], req.pages, req.num_cache_pages)
+            self.cache.insert(req.cache_key(req.kv_len), req.pages, req.num_cache_pages)
         if req.cache_node is not None:
             self.cache.unlock(req.cache_node)
         req.pages = []
         req.kv_len = 0
         req.num_cache_pages = 0
         req.cache_node = None
+        if req.lora_slot >= 0:
+            self.lora_slots.release(req.lora_name)
+            req.lora_slot = -1
+
+    # ----------------------------------------------------------------- LoRA
+    def _take_lora_slot(self, req: Req) -> bool:
+        """Pin a slot for the request's adapter while it runs (an adapter placed anew is queued in
+        ``lora_loads`` for the loop to load before the step); False when every slot is pinned."""
+        if req.lora_name is None:
+            return True
+        placed = self.lora_slots.slot_of(req.lora_name) is not None
+        try:
+            slot, _ = self.lora_slots.acquire(req.lora_name)
+        except LoraSlotsFull:
+            return False
+        if not placed:
+            self.lora_loads.append((slot, req.lora_name))
+        req.lora_slot = slot
+        return True
+
+    def drain_lora_loads(self) -> list[tuple[int, str]]:
+        """The (slot, adapter) placements since the last call: load them before the next forward."""
+        out, self.lora_loads = self.lora_loads, []
+        return out
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked)
@@ -304,7 +334,7 @@ class Scheduler:
             match_len = req.seq_len - 1
             if req.wants_input_logprobs:  # positions whose logits are wanted must be computed
                 match_len = min(match_len, max(req.logprob_start_len + len(req.input_logprobs) - 1, 0))
-            cached_pages, node = self.cache.match_prefix(req.fill_ids[:match_len])
+            cached_pages, node = self.cache.match_prefix(req.cache_key(match_len))
             self.cache.lock(node)
             need = self.pool.pages_for(req.seq_len) - len(cached_pages)
             # req holds no pages yet: its reserve is what it needs past its prompt's pages
@@ -316,6 +346,9 @@ class Scheduler:
                     # a retracted request that outgrew the whole pool can never run again
                     self.finish(req, FinishReason("length", message="KV pool too small for this sequence"))
                     continue
+                break
+            if not self._take_lora_slot(req):  # every slot holds an adapter running requests use
+                self.cache.unlock(node)
                 break
             self.waiting.popleft()
             req.pages = cached_pages + self._alloc(need)
@@ -514,6 +547,8 @@ class Scheduler:
         """Prove that every used page is owned exactly once: by a live request or the cache."""
         self.pool.check_integrity()
         self.cache.check_integrity()
+        if self.lora_slots is not None:
+            self.lora_slots.check_integrity()
         cache_pages = self.cache.held_pages()
         owned: list[int] = []
         for req in self.reqs.values():

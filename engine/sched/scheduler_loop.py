@@ -38,6 +38,8 @@ from pdserve.engine.constrained.grammar_masks import CompileJob, GrammarMasks, P
 from pdserve.engine.constrained.thinking_budget import ThinkingBudget
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.lora_names import parse_lora_paths
+from pdserve.engine.model_executor.layers.lora_slots import LoraSlots
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
 from pdserve.engine.sched.cache_factory import make_cache
@@ -85,7 +87,11 @@ class SchedulerLoop:
         self.device = runner.device
         self.cache = make_cache(self.pool, config, *_namespace_of(runner))
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
-        self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode)
+        # --enable-lora: which adapters sit in the model's slots, and each adapter's cache namespace
+        lora_slots = LoraSlots(config.max_loras_per_batch) if config.enable_lora else None
+        self.lora_ids = {name: i + 1 for i, name in enumerate(parse_lora_paths(config.lora_paths))}
+        self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode,
+                                   lora_slots=lora_slots)
         # structured output: xgrammar is loaded on the first request that names a grammar
         self.grammars = GrammarMasks(self.tokenizer, self.arch.vocab_size, self.arch.eos_token_ids)
         self._compiling: dict[str, tuple[Req, CompileJob]] = {}  # rid -> (req, its grammar's compilation)
@@ -133,6 +139,8 @@ class SchedulerLoop:
             logprob_start_len=msg.logprob_start_len if msg.return_logprob else -1,
             health_probe=msg.health_probe,
             priority=msg.priority,
+            lora_name=msg.lora_path,
+            lora_id=self.lora_ids.get(msg.lora_path, 0),
         )
         error = self.validate(req)
         if error is None and req.sampling_params.grammar is not None and parallel.tp_size() == 1:
@@ -172,6 +180,8 @@ class SchedulerLoop:
             return str(exc)
         if req.top_logprobs_num < 0:
             return "top_logprobs_num must be >= 0"
+        if req.lora_name is not None and req.lora_name not in self.lora_ids:
+            return f"lora_path: unknown LoRA adapter {req.lora_name!r}"
         return None
 
     def _admit_compiled(self) -> None:
@@ -294,6 +304,9 @@ class SchedulerLoop:
         return outputs, events
 
     def run_batch(self, batch: ScheduledBatch) -> SampleOutput:
+        loads = self.scheduler.drain_lora_loads()
+        if loads:  # adapters given a slot at this batch's admission
+            self.runner.load_lora(loads)
         fb = build_forward_batch(batch, self.pool.page_size, self.device)
         if batch.drafts is not None:
             return self._run_verify(batch, fb)

@@ -85,3 +85,23 @@ def test_no_prefix_cache_frees_everything(pool):
     cache = NoPrefixCache(pool)
     put(cache, pool, list(range(10)))
     assert pool.num_used == 0 and cache.match_prefix(list(range(10)))[0] == []
+
+
+def test_adapter_namespaces_share_no_page(pool):
+    """The same tokens under two adapters and the base are three prefixes; KV events name the
+    adapter and carry the tokens without the namespace's salt."""
+    from pdserve.engine.mem_cache.radix_cache import cache_key
+
+    cache = RadixCache(pool)
+    cache.enable_events()
+    tokens = list(range(8))
+    put(cache, pool, cache_key(tokens, 1))
+    assert cache.match_prefix(tokens)[0] == [] and cache.match_prefix(cache_key(tokens, 2))[0] == []
+    assert len(cache.match_prefix(cache_key(tokens + [9], 1))[0]) == 2
+    put(cache, pool, tokens)
+    put(cache, pool, cache_key(tokens, 2))
+    assert cache.num_pages == 6 and len({p for p in cache.held_pages()}) == 6
+    stored = cache.drain_events()
+    assert [e.lora_id for e in stored] == [1, None, 2]
+    assert all(e.token_ids == tokens for e in stored)
+    assert len({e.block_hashes[0] for e in stored}) == 3

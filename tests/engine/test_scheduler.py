@@ -421,3 +421,27 @@ def test_fill_slice_is_the_slice_of_fill_ids():
     for start in range(8):
         for end in range(start, 8):
             assert req.fill_slice(start, end) == req.fill_ids[start:end], (start, end)
+
+
+def test_lora_slots_pinned_while_running_and_loaded_once():
+    """Three adapters over two slots: a request waits while both slots are pinned by running
+    requests, then takes the least recently used one; each placement is queued for loading once."""
+    from pdserve.engine.model_executor.layers.lora_slots import LoraSlots
+
+    pool = PagePool(64, PS, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    sched = Scheduler(EngineConfig(page_size=PS), pool, make_prefix_cache(pool, False), lora_slots=LoraSlots(2))
+    model = EchoModel(pool)
+    reqs = [req(f"r{i}", p, n=4 + 2 * i) for i, p in enumerate(prompts(4, seed=3))]
+    for r, (name, lora_id) in zip(reqs, [("a", 1), ("b", 2), ("c", 3), (None, 0)]):
+        r.lora_name, r.lora_id = name, lora_id
+        sched.add(r)
+    first = sched.schedule()
+    assert [r.rid for r in first.reqs] == ["r0", "r1"]  # c waits for a slot; the base request behind it
+    assert sched.drain_lora_loads() == [(0, "a"), (1, "b")]
+    assert [r.lora_slot for r in first.reqs] == [0, 1]
+    sched.postprocess(first, model(first))
+    loads = []
+    run(sched, model, on_step=lambda _: loads.extend(sched.drain_lora_loads()))
+    assert loads == [(0, "c")]  # a finished first: its slot, least recently used, goes to c
+    assert all(r.finished and r.lora_slot == -1 for r in reqs)
+    assert sched.lora_slots.unload("b") == 1  # held no pin: AdapterInUse otherwise

@@ -49,7 +49,7 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
     (1, "base", ("pdserve.engine.env", "pdserve.engine.version", "pdserve.engine.sampling_params",
                  "pdserve.engine.messages", "pdserve.engine.kv_events_config", "pdserve.engine.quantization_names",
                  "pdserve.engine.pd_rules", "pdserve.engine.json_flags", "pdserve.engine.http_limits", "pdserve.engine.http_site", "pdserve.engine.http_json_errors",
-                 "pdserve.engine.speculative_names", "pdserve.engine.model_source", "pdserve.engine.prometheus_text",
+                 "pdserve.engine.speculative_names", "pdserve.engine.lora_names", "pdserve.engine.model_source", "pdserve.engine.prometheus_text",
                  "pdserve.engine.kv_transfer_config", "pdserve.engine.kv_auth", "pdserve.engine.transfer_backends",
                  "pdserve.engine.secret_files", "pdserve.engine.net_allowlist")),
     (2, "mem_cache", ("pdserve.engine.mem_cache",)),

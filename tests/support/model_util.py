@@ -22,12 +22,14 @@ def random_prompts(lens: list[int], seed: int) -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lens]
 
 
-def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list[list[int]] | None = None):
+def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list[list[int]] | None = None,
+                    lora_slots: list[int] | None = None):
     """Prefill all prompts in one ragged batch, then decode them together.
 
     Returns (tokens, logits): tokens[i] are sequence i's argmax picks, logits[i] its
     [max_new, vocab] logits. With ``forced``, sequence i is fed forced[i][t] at step t
     instead of its own pick (teacher forcing), so its logits follow another model's path.
+    ``lora_slots``: sequence i's LoRA slot in the runner (-1: none), for every step.
     """
     pool = runner.page_pool
     ps = pool.page_size
@@ -54,6 +56,7 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list
             logits_indices=ends,
             extend_lens=list(lens),
             seq_lens=list(lens),
+            lora_slots=None if lora_slots is None else torch.tensor(lora_slots).repeat_interleave(torch.tensor(lens)),
         )
         for step in range(max_new):
             out = runner.forward(batch)
@@ -72,6 +75,7 @@ def greedy_generate(runner, prompts: list[list[int]], max_new: int, forced: list
                 logits_indices=torch.arange(bs),
                 extend_lens=[1] * bs,
                 seq_lens=[p + 1 for p in positions],
+                lora_slots=None if lora_slots is None else torch.tensor(lora_slots),
             )
     finally:
         for p in pages:

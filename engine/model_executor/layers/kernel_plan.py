@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.model_executor.layers.lora_product import LoraRows
 from pdserve.engine.quantization_names import UNQUANTIZED, W8A8, check_quantization
 from pdserve.kernels.cpu_int8_act import Int8ActKernels
 from pdserve.kernels.cpu_native import NativeKernels, native_kernels
@@ -61,12 +62,13 @@ class KernelPlan:
     upcast: bool
     w8_amx: bool
     a8: bool
+    lora: bool = False
 
     @classmethod
     def choose(cls, dtype: torch.dtype, device: torch.device, quantization: str = UNQUANTIZED,
-               prepack: bool = False, gemv: bool = True, gemm: bool = True) -> "KernelPlan":
+               prepack: bool = False, gemv: bool = True, gemm: bool = True, lora: bool = False) -> "KernelPlan":
         """``prepack``: ``can_prepack`` holds; ``gemv``/``gemm``: the engine allows those kernels
-        (``--disable-decode-gemv``, ``--disable-native-gemm``)."""
+        (``--disable-decode-gemv``, ``--disable-native-gemm``); ``lora``: ``--enable-lora``."""
         check_quantization(quantization)
         quant = quantization != UNQUANTIZED
         a8 = quantization == W8A8
@@ -84,6 +86,7 @@ class KernelPlan:
             upcast=cpu_bf16 and not prepack,
             w8_amx=quant and use_gemv and native.has_w8_amx,
             a8=a8,
+            lora=lora,
         )
 
     @property
@@ -99,7 +102,7 @@ class KernelPlan:
         """Decode steps of at most this many rows run as one ``DecodeStack`` call (0: never): with
         gemv, at TP 1 (an all-reduce sits in each layer otherwise), without q/k norm (torch's float32
         mean is not the C kernel's sum order); any size where the layers hold panels too."""
-        if not (enabled and self.gemv_rows > 0 and tp_size == 1 and not qk_norm):
+        if not (enabled and self.gemv_rows > 0 and tp_size == 1 and not qk_norm and not self.lora):
             return 0
         return sys.maxsize if self.gemm else self.gemv_rows
 
@@ -111,3 +114,12 @@ class Step:
 
     rows: int
     decode: bool
+    # the rows' LoRA slots (None: no row of the step uses an adapter)
+    lora: LoraRows | None = None
+
+    def narrow(self, rows: torch.Tensor) -> "Step":
+        """The step past the last layer's attention, which keeps only ``rows`` (the sampled ones):
+        the kernel choice stays the step's, the LoRA slots follow the rows."""
+        if self.lora is None:
+            return self
+        return Step(self.rows, self.decode, self.lora.narrow(rows))

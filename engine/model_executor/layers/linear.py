@@ -17,6 +17,7 @@ import torch
 
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
+from pdserve.engine.model_executor.layers.lora_product import LoraHook
 from pdserve.engine.model_executor.parallel import HeadShard, all_reduce
 from pdserve.engine.model_executor.quantization import Q8_0_BLOCK, Int8Weight
 
@@ -37,7 +38,12 @@ class LinearBase:
         self.shape = (out_rows, in_cols)
         self.weight: torch.Tensor | None = None  # [out_rows, in_cols] while loading
         self.bias = torch.empty(out_rows, dtype=plan.dtype, device=plan.device) if bias else None
-        self.method = method or linear_method(plan, swiglu)
+        # under LoRA the delta goes in before SwiGLU: the method keeps gate | up unfused
+        self.method = method or linear_method(plan, swiglu and not plan.lora)
+        self.swiglu = swiglu
+        # the adapters' A and B for this layer (model_executor/lora_manager.py attaches them); an
+        # unfused gate | up takes its SwiGLU there even while no adapter targets it
+        self.lora: LoraHook | None = LoraHook([], swiglu=True) if swiglu and plan.lora else None
         self.processed = False
         params = ("weight", "bias") if bias else ("weight",)
         self._want = {(p, s) for p in params for s in parts}
@@ -110,6 +116,8 @@ class LinearBase:
         return getattr(g, "scale", None) is not None and g.scale.dim() == 2
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.lora is not None:
+            return self.lora.apply(self.method.apply(x, step, bias=self.bias), x, step.lora)
         return self.method.apply(x, step, bias=self.bias)
 
     def read_back(self, param: str = "weight", shard_id: str | None = None) -> torch.Tensor:
@@ -175,6 +183,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + all_reduce(x @ W.T) (without ``residual``: the all-reduced product)."""
+        if self.lora is not None:  # LoRA serves at TP 1 (server_config.py)
+            y = self.lora.apply(self.method.apply(x, step), x, step.lora)
+            return y if residual is None else residual + y
         if self.tp_size == 1:
             return self.method.apply(x, step, residual=residual)
         y = all_reduce(self.method.apply(x, step))

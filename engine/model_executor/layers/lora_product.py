@@ -10,6 +10,8 @@ base product's output in place.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -40,10 +42,14 @@ class LoraStacks:
     def add_delta(self, y: torch.Tensor, x: torch.Tensor, segments: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
         """y += scaling[s] * (x[rows] @ A[s].T) @ B[s].T for each (slot s, rows) of ``segments``; returns y.
         x: [T, in]; y: [T, out]; rows: int64 row indices."""
+        x = x.to(self.a.dtype)
         for slot, rows in segments:
             if not self.used[slot]:
                 continue
-            xs = x.index_select(0, rows).to(self.a.dtype)  # [n, in]
+            if rows.numel() == x.shape[0]:  # every row on this adapter: no gather or scatter
+                y.add_(((x @ self.a[slot].T) @ self.b[slot].T).to(y.dtype), alpha=self.scaling[slot])
+                continue
+            xs = x.index_select(0, rows)  # [n, in]
             delta = (xs @ self.a[slot].T) @ self.b[slot].T  # [n, out]
             y.index_add_(0, rows, delta.to(y.dtype), alpha=self.scaling[slot])
         return y
@@ -56,3 +62,44 @@ def segments_of(row_slots: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
         if slot >= 0:
             out.append((slot, (row_slots == slot).nonzero().flatten()))
     return out
+
+
+@dataclass(frozen=True)
+class LoraRows:
+    """One step's rows by LoRA slot: ``row_slots`` [T] (-1: no adapter) and its ``segments``."""
+
+    row_slots: torch.Tensor
+    segments: list[tuple[int, torch.Tensor]]
+
+    @classmethod
+    def of(cls, row_slots: torch.Tensor | None) -> "LoraRows | None":
+        """None where no row uses an adapter, so such a step takes the base products alone."""
+        if row_slots is None:
+            return None
+        segments = segments_of(row_slots)
+        return cls(row_slots, segments) if segments else None
+
+    def narrow(self, rows: torch.Tensor) -> "LoraRows | None":
+        """The slots of ``rows`` alone (the last layer keeps the sampled rows)."""
+        return LoraRows.of(self.row_slots.index_select(0, rows))
+
+
+class LoraHook:
+    """A linear layer's LoRA: per part of its output (q, k, v of a merged q|k|v; gate, up), the
+    stacks of the adapters' A and B for that projection. ``swiglu``: the layer's weight is gate | up
+    and SiLU(gate) * up is taken here, after the delta (the products stay unfused under LoRA)."""
+
+    def __init__(self, parts: list[tuple[slice, LoraStacks]], swiglu: bool):
+        self.parts = parts
+        self.swiglu = swiglu
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
+        """y [T, out] (the base product of x [T, in]) plus each row's delta; SwiGLU after, if set."""
+        if lora is not None and self.parts:
+            x = x.to(self.parts[0][1].a.dtype)  # once for the parts that share it (q, k, v; gate, up)
+            for cols, stacks in self.parts:
+                stacks.add_delta(y[:, cols], x, lora.segments)
+        if self.swiglu:
+            inter = y.shape[1] // 2
+            return torch.nn.functional.silu(y[:, :inter]) * y[:, inter:]
+        return y

@@ -14,6 +14,7 @@ from pdserve.engine.model_executor.layers import (Attention, MergedColumnParalle
                                                   VocabEmbedding, rope_inv_freq)
 from pdserve.engine.model_executor.layers.fused_decode import DenseLayerParts, DenseModelParts, FusedDecode
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan
+from pdserve.engine.model_executor.layers.lora_product import LoraRows
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.models.base import CausalLM
 from pdserve.engine.model_executor.models.registry import register_model
@@ -74,6 +75,7 @@ class LlamaDecoderLayer:
             return None
         if rows is not None:
             o, h = o.index_select(0, rows), h.index_select(0, rows)
+            step = step.narrow(rows)
         h = self.self_attn.o_proj.forward(o, step, residual=h)
         return self.mlp.forward(self.post_attention_layernorm.forward(h), step, residual=h)
 
@@ -117,7 +119,7 @@ class LlamaForCausalLM(CausalLM):
             pages = attn.native_decode_pages()
             if pages is not None:
                 return self.lm_head.gather(self.fused.forward(h, batch, attn, pages, after_layer))
-        step = Step(h.shape[0], batch.is_decode)
+        step = Step(h.shape[0], batch.is_decode, LoraRows.of(batch.lora_slots))
         self.rotary.begin_step(batch.positions)
         layers = self.model.layers
         for layer in layers:  # past the last attention only the sampled rows matter

@@ -1,0 +1,54 @@
+"""LoRA serving's flags (SGLang's ``--enable-lora``, ``--lora-paths``, ``--max-loras-per-batch``,
+``--max-lora-rank``): their parsing and the combinations refused at start, importable without torch.
+
+The adapters themselves are read by ``model_executor/layers/lora_adapter.py`` and applied by
+``model_executor/lora_manager.py``; this module is what the configs and the CLI need.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.quantization_names import UNQUANTIZED
+
+
+def parse_lora_paths(entries: tuple[str, ...]) -> dict[str, str]:
+    """``NAME=PATH`` or ``PATH`` (the path is then the name, as in SGLang) -> {name: path}, in
+    order; ValueError naming ``lora_paths`` for an empty part, a JSON entry or a repeated name."""
+    out: dict[str, str] = {}
+    for entry in entries:
+        if not isinstance(entry, str) or not entry.strip():
+            raise ValueError(f"lora_paths entries must be NAME=PATH or PATH, got {entry!r}")
+        if entry.lstrip().startswith("{"):
+            raise ValueError(f"lora_paths takes NAME=PATH or PATH; SGLang's JSON entries are not supported: {entry!r}")
+        name, sep, path = entry.partition("=")
+        if not sep:
+            name, path = entry, entry
+        if not name or not path:
+            raise ValueError(f"lora_paths entry {entry!r} has an empty name or path")
+        if ":" in name:
+            # "base:NAME" in an OpenAI request's model field splits at the colon
+            raise ValueError(f"lora_paths adapter name {name!r} must not contain ':'")
+        if name in out:
+            raise ValueError(f"lora_paths names adapter {name!r} twice")
+        out[name] = path
+    return out
+
+
+def check_lora(enable_lora: bool, lora_paths: tuple[str, ...], max_loras_per_batch: int,
+               max_lora_rank: int | None, quantization: str, speculative_algorithm: str | None,
+               enable_hierarchical_cache: bool) -> None:
+    """Raise ValueError naming the field that is out of range or cannot combine with LoRA."""
+    parse_lora_paths(lora_paths)
+    if max_loras_per_batch < 1:
+        raise ValueError(f"max_loras_per_batch must be >= 1, got {max_loras_per_batch}")
+    if max_lora_rank is not None and max_lora_rank < 1:
+        raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
+    if not enable_lora:
+        return
+    if quantization != UNQUANTIZED:
+        raise ValueError(f"enable_lora applies adapters over unquantized (bf16 or float32) weights; quantization "
+                         f"{quantization!r} is not supported with LoRA")
+    if speculative_algorithm is not None:
+        raise ValueError(f"enable_lora cannot combine with speculative_algorithm {speculative_algorithm!r}")
+    if enable_hierarchical_cache:
+        raise ValueError("enable_lora cannot combine with enable_hierarchical_cache: the host and storage tiers "
+                         "do not key pages by adapter")

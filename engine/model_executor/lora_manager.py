@@ -1,0 +1,87 @@
+"""A rank's LoRA adapters: read from ``--lora-paths`` at start, their weights put into the model's
+slot stacks when the scheduler gives an adapter a slot (``sched/scheduler.py``, ``LoraSlots``).
+
+Every projection an adapter may target gets one ``LoraStacks`` per layer, of
+``--max-loras-per-batch`` slots and ``--max-lora-rank`` width, hooked into its linear layer
+(a merged q|k|v or gate|up layer holds one per part, over its part's output columns). The
+adapters stay in host memory as read; ``load`` copies one into a slot, so the stacks hold only
+what the running requests use. The Llama family is served (its projections' names are PEFT's).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.lora_names import parse_lora_paths
+from pdserve.engine.model_executor.layers.linear import LinearBase
+from pdserve.engine.model_executor.layers.lora_adapter import (LORA_MODULES, LoraAdapter, LoraAdapterError,
+                                                               load_lora_adapter)
+from pdserve.engine.model_executor.layers.lora_product import LoraHook, LoraStacks
+
+logger = logging.getLogger(__name__)
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def read_adapters(config: EngineConfig, num_layers: int) -> dict[str, LoraAdapter]:
+    """Every adapter of ``lora_paths``, checked against ``max_lora_rank`` (LoraAdapterError names
+    the adapter and what does not fit)."""
+    rank = config.max_lora_rank or sys.maxsize  # None: the slots take the largest adapter's rank
+    out = {}
+    for name, path in parse_lora_paths(config.lora_paths).items():
+        try:
+            out[name] = load_lora_adapter(name, path, rank, LORA_MODULES, num_layers)
+        except (LoraAdapterError, OSError) as e:  # a start-up error naming the entry
+            raise LoraAdapterError(f"lora_paths {name}={path}: {e}") from None
+    return out
+
+
+class LoraManager:
+    def __init__(self, config: EngineConfig, model, num_layers: int):
+        self.adapters = read_adapters(config, num_layers)
+        self.num_slots = config.max_loras_per_batch
+        self.r_max = config.max_lora_rank or max((a.rank for a in self.adapters.values()), default=1)
+        self.resident: dict[int, str] = {}  # slot -> adapter whose weights are in it
+        self.stacks: dict[tuple[int, str], LoraStacks] = {}
+        self.attach(model)
+        logger.info("LoRA: %d adapter(s) %s, %d slots of rank %d", len(self.adapters), sorted(self.adapters),
+                    self.num_slots, self.r_max)
+
+    def attach(self, model) -> None:
+        """Hook stacks into ``model``'s projections (again after its weights were replaced) and
+        put back the adapters the slots held."""
+        self.stacks = {}
+        packed = getattr(model, "packed_modules_mapping", {})
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
+            raise ValueError(f"LoRA serves the Llama family; {type(model).__name__} is not supported")
+        dtype, device = torch.float32, model.plan.device
+        for i, layer in enumerate(layers):
+            hooks: dict[int, tuple[LinearBase, list[tuple[slice, LoraStacks]]]] = {}
+            for module in LORA_MODULES:
+                owner = layer.self_attn if module in _ATTENTION else layer.mlp
+                attr, shard = packed.get(module, (module, None))
+                linear = getattr(owner, attr, None)
+                if not isinstance(linear, LinearBase) or shard not in linear.parts:
+                    raise ValueError(f"LoRA: layer {i} has no {module} projection to adapt")
+                cols = linear.parts[shard][0]
+                out_features = cols.stop - cols.start
+                stacks = LoraStacks(self.num_slots, self.r_max, linear.shape[1], out_features, dtype, device)
+                self.stacks[(i, module)] = stacks
+                hooks.setdefault(id(linear), (linear, []))[1].append((cols, stacks))
+            for linear, parts in hooks.values():
+                linear.lora = LoraHook(parts, swiglu=linear.swiglu)
+        for slot, name in self.resident.items():
+            self.load(slot, name)
+
+    def load(self, slot: int, name: str) -> None:
+        """Put adapter ``name``'s A and B in ``slot`` of every projection (zeros where it has none)."""
+        adapter = self.adapters[name]
+        for (layer, module), stacks in self.stacks.items():
+            ab = adapter.weights.get((layer, module))
+            stacks.set(slot, *(ab or (None, None)), adapter.scaling)
+        self.resident[slot] = name

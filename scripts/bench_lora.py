@@ -1,0 +1,114 @@
+#!/usr/bin/env python
+"""Decode-step time of the default model under LoRA against without, same run.
+
+Three ModelRunner set-ups decode one step of ``--batch`` sequences at a context of
+``--context`` tokens, in bf16 (the native kernels):
+
+- base: no ``--enable-lora`` (the fused decode step where the CPU allows it);
+- lora-off: ``--enable-lora`` with one adapter loaded, no row using it (the products
+  unfused, no delta);
+- lora-all: every row on that adapter (rank ``--rank`` on all seven projections);
+- lora-mixed (batches of 2+): half the rows on the adapter, half on none.
+
+The adapter is random, made with peft on the default model. Rounds alternate the set-ups
+(``--rounds``; medians reported) so a change of load hits all alike. Ends with one JSON
+line: each set-up's ms per step and its rate relative to base.
+
+    .venv/bin/python scripts/bench_lora.py
+    .venv/bin/python scripts/bench_lora.py --batch 1 8 32 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_executor.model_runner import ModelRunner
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(rank: int) -> str:
+    """A random rank-``rank`` PEFT adapter of the default model, in a temporary directory."""
+    import peft
+    import transformers
+
+    d = tempfile.mkdtemp(prefix="bench-lora-")
+    arch, weights, _ = load_model(None)
+    save_hf_checkpoint(arch, weights, d + "/base")
+    del weights
+    model = transformers.LlamaForCausalLM.from_pretrained(d + "/base", dtype=torch.float32)
+    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=MODULES, init_lora_weights=False)
+    peft.get_peft_model(model, cfg).save_pretrained(d + "/a")
+    return d + "/a"
+
+
+def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, reps: int) -> float:
+    """Mean ms of one decode step of ``bs`` sequences at ``ctx`` tokens, rows on ``slots``."""
+    pool = runner.page_pool
+    ps = pool.page_size
+    pages = [pool.alloc(pool.pages_for(ctx + 1)) for _ in range(bs)]
+    try:
+        batch = ForwardBatch(
+            input_ids=torch.randint(0, 1000, (bs,)),
+            positions=torch.full((bs,), ctx),
+            out_cache_loc=torch.tensor([p[ctx // ps] * ps + ctx % ps for p in pages]),
+            page_table=torch.tensor(pages, dtype=torch.int32),
+            logits_indices=torch.arange(bs),
+            extend_lens=[1] * bs,
+            seq_lens=[ctx + 1] * bs,
+            lora_slots=None if slots is None else torch.tensor(slots),
+        )
+        runner.forward(batch)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            runner.forward(batch)
+        return (time.perf_counter() - t0) / reps * 1000
+    finally:
+        for p in pages:
+            pool.free(p)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=5, help="steps timed per round")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    adapter = make_adapter(args.rank)
+    common = dict(dtype="bfloat16", max_total_tokens=max(args.batch) * (args.context + 32) + 64, page_size=16)
+    base = ModelRunner(EngineConfig(**common))
+    lora = ModelRunner(EngineConfig(**common, lora_paths=(f"a={adapter}",)))
+    lora.load_lora([(0, "a")])
+    summary = {}
+    for bs in args.batch:
+        setups = {"base": (base, None), "lora-off": (lora, None), "lora-all": (lora, [0] * bs)}
+        if bs > 1:
+            setups["lora-mixed"] = (lora, [0, -1] * (bs // 2) + [0] * (bs % 2))
+        times: dict[str, list[float]] = {k: [] for k in setups}
+        for _ in range(args.rounds):
+            for name, (runner, slots) in setups.items():
+                times[name].append(step_ms(runner, bs, slots, args.context, args.reps))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name, ms in med.items():
+            print(f"batch {bs}: {name}: {ms:.1f} ms/step, {med['base'] / ms:.2f}x base's rate")
+        summary[f"batch_{bs}"] = {k: {"ms": round(v, 2), "vs_base": round(med["base"] / v, 3)} for k, v in med.items()}
+    print(json.dumps({"bench": "lora_decode_step", "context": args.context, "rank": args.rank, **summary}))
+
+
+if __name__ == "__main__":
+    main()
