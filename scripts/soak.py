@@ -520,7 +520,8 @@ def rolling_main(args, cluster: Cluster, log) -> dict:
 # -------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds of load (default 120; with --hostile, each arm's, default 600)")
     ap.add_argument("--prefills", type=int, default=2)
     ap.add_argument("--decodes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -545,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=float, default=60.0, help="--hostile: seconds of one block of one arm")
     ap.add_argument("--hostile-concurrency", type=int, default=4, help="--hostile: hostile clients at once")
     args = ap.parse_args(argv)
+    if args.duration is None:
+        args.duration = 600.0 if args.hostile else 120.0
     if args.rolling_restart:
         return rolling_cli(args)
     if args.hostile:
