@@ -545,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--duration is each arm's total; reports both arms' p99 TTFT and their ratio")
     ap.add_argument("--block", type=float, default=60.0, help="--hostile: seconds of one block of one arm")
     ap.add_argument("--hostile-concurrency", type=int, default=4, help="--hostile: hostile clients at once")
+    ap.add_argument("--warmup", type=int, default=32,
+                    help="--hostile: plain requests sent first and not measured (0: none)")
     args = ap.parse_args(argv)
     if args.duration is None:
         args.duration = 600.0 if args.hostile else 120.0
@@ -701,6 +703,9 @@ def hostile_main(args, cluster: Cluster, admin_headers: dict, log) -> dict:
                 max_new=(1, args.max_new))
     kinds = hostile_requests(cluster.decodes[0].url)
     workers_before = router_listing(cluster.router.url, admin_headers)
+    if args.warmup:  # unmeasured, so that the first (plain) block does not carry the servers' warm-up
+        warm = asyncio.run(run_load(cluster.router.url, n=args.warmup, seed=args.seed - 1, **load))
+        log(f"warm-up: {warm.counts['completed']}/{warm.sent} completed")
     arms = {"plain": LoadStats(), "hostile": LoadStats()}
     ran = {"plain": 0.0, "hostile": 0.0}
     hostile = HostileStats()
