@@ -26,6 +26,16 @@ the load (``rolling_restart``: drained, SIGTERM, exit 0, started again, taken ba
 then the same load runs as long with no restart; the JSON line gives requests per second and p50/p99
 TTFT of both runs per pool, ``failed`` (target 0), ``mismatched_outputs`` (greedy outputs of a prompt
 that differ between runs) and ``pages_leaked``.
+
+``--hostile`` (instead of the faults): the plain load alone and the plain load beside a hostile mix
+(``benchlib/hostile.py``: slow clients, oversized bodies, grammar bombs, huge stop lists, ``n`` too
+large, worker registrations without the admin key) alternate in blocks of ``--block`` seconds until
+each arm has run ``--duration`` seconds, so that load drift on the machine hits both arms alike. The
+JSON line gives p50/p99 TTFT of the plain requests in each arm and their ratio, ``lost`` (plain
+requests not completed, target 0), ``pages_leaked`` (target 0) and the hostile answers by kind and
+status (``hostile_wrong``: answers outside each kind's allowed 4xx/200 set, 5xx or hung; target 0).
+Example: ``python scripts/soak.py --hostile --prefills 1 --decodes 1 --duration 600 --block 60``
+
 The load functions (``run_load``, ``scrape``, ``pages_free``) are imported by tests/reliability.
 """
 
@@ -47,7 +57,11 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # scripts/ is not a package
+
+from benchlib.hostile import HostileRequest, hostile_requests, is_allowed, send_hostile  # noqa: E402
+
+from pdserve.entrypoints.procs import free_port, signal_group, spawn, stop_group, wait_healthy  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("completed", "error", "disconnected", "hung")
@@ -506,7 +520,8 @@ def rolling_main(args, cluster: Cluster, log) -> dict:
 # -------------------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
-    ap.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
+    ap.add_argument("--duration", type=float, default=None,
+                    help="seconds of load (default 120; with --hostile, each arm's, default 600)")
     ap.add_argument("--prefills", type=int, default=2)
     ap.add_argument("--decodes", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -525,9 +540,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="--rolling-restart: requests cycle through this many prompts, so outputs are compared")
     ap.add_argument("--drain-timeout", type=float, default=120.0,
                     help="--rolling-restart: the servers' --graceful-shutdown-timeout")
+    ap.add_argument("--hostile", action="store_true",
+                    help="instead of --faults: alternate blocks of the plain load alone and beside a hostile mix; "
+                         "--duration is each arm's total; reports both arms' p99 TTFT and their ratio")
+    ap.add_argument("--block", type=float, default=60.0, help="--hostile: seconds of one block of one arm")
+    ap.add_argument("--hostile-concurrency", type=int, default=4, help="--hostile: hostile clients at once")
+    ap.add_argument("--warmup", type=int, default=32,
+                    help="--hostile: plain requests sent first and not measured (0: none)")
     args = ap.parse_args(argv)
+    if args.duration is None:
+        args.duration = 600.0 if args.hostile else 120.0
     if args.rolling_restart:
         return rolling_cli(args)
+    if args.hostile:
+        return hostile_cli(args)
     faults = [f for f in args.faults.split(",") if f and f != "none"]
     logdir = Path(args.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
@@ -633,6 +659,155 @@ def rolling_cli(args) -> int:
         cluster.stop()
     print(json.dumps(report), flush=True)
     ok = report.get("failed") == 0 and report.get("mismatched_outputs") == 0 and report.get("pages_leaked") == 0
+    return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------- hostile
+@dataclass
+class HostileStats:
+    sent: int = 0
+    outcomes: dict = field(default_factory=dict)  # kind -> {outcome: count}
+    seconds: dict = field(default_factory=dict)  # kind -> the longest time to its answer (or hang)
+    wrong: int = 0  # answers outside the kind's allowed set (5xx, hung, closed, a wrong 4xx)
+
+    def add(self, req: HostileRequest, outcome: str, took: float) -> None:
+        by = self.outcomes.setdefault(req.kind, {})
+        by[outcome] = by.get(outcome, 0) + 1
+        self.seconds[req.kind] = max(self.seconds.get(req.kind, 0.0), round(took, 1))
+        self.wrong += not is_allowed(req, outcome)
+
+
+async def run_hostile(url: str, kinds: list[HostileRequest], *, until: float, concurrency: int, seed: int,
+                      stats: HostileStats, deadline: float) -> HostileStats:
+    """``concurrency`` clients send the hostile kinds in a shuffled cycle until ``until`` (monotonic)."""
+    rng = random.Random(seed)
+
+    async def client():
+        order: list[HostileRequest] = []
+        while time.monotonic() < until:
+            if not order:
+                order = rng.sample(kinds, len(kinds))
+            req = order.pop()
+            stats.sent += 1
+            t0 = time.monotonic()
+            outcome = await send_hostile(url, req, deadline)
+            stats.add(req, outcome, time.monotonic() - t0)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return stats
+
+
+def hostile_main(args, cluster: Cluster, admin_headers: dict, log) -> dict:
+    """Alternate blocks (plain, hostile, plain, ...) until each arm ran ``args.duration`` seconds."""
+    load = dict(concurrency=args.concurrency, deadline=args.deadline, prompt_lens=(1, args.max_prompt),
+                max_new=(1, args.max_new))
+    kinds = hostile_requests(cluster.decodes[0].url)
+    workers_before = router_listing(cluster.router.url, admin_headers)
+    if args.warmup:  # unmeasured, so that the first (plain) block does not carry the servers' warm-up
+        warm = asyncio.run(run_load(cluster.router.url, n=args.warmup, seed=args.seed - 1, **load))
+        log(f"warm-up: {warm.counts['completed']}/{warm.sent} completed")
+    arms = {"plain": LoadStats(), "hostile": LoadStats()}
+    ran = {"plain": 0.0, "hostile": 0.0}
+    hostile = HostileStats()
+    blocks = []
+    i = seen_out = 0
+    while min(ran.values()) < args.duration:
+        arm = "plain" if i % 2 == 0 else "hostile"
+        block = min(args.block, args.duration - ran[arm])
+        t0 = time.monotonic()
+        mine = LoadStats()
+
+        async def one_block(block=block, arm=arm, mine=mine, seed=args.seed + i):
+            tasks = [run_load(cluster.router.url, duration=block, seed=seed, stats=mine, **load)]
+            if arm == "hostile":
+                tasks.append(run_hostile(cluster.router.url, kinds, until=time.monotonic() + block,
+                                         concurrency=args.hostile_concurrency, seed=seed, stats=hostile,
+                                         deadline=args.deadline))
+            await asyncio.gather(*tasks)
+
+        asyncio.run(one_block())
+        took = time.monotonic() - t0
+        ran[arm] += block
+        _merge(arms[arm], mine)
+        summary = run_summary(mine, took)
+        outs = _log_count(cluster.router.log_path, "out of rotation")
+        blocks.append({"arm": arm, "sent": mine.sent, "completed": summary["completed"],
+                       "ttft_p99_ms": summary["ttft_p99_ms"], "seconds": round(took, 1),
+                       "workers_out_of_rotation": outs - seen_out})
+        seen_out = outs
+        log(f"block {i} {arm}: {json.dumps(blocks[-1])}; hostile so far: sent {hostile.sent}, wrong {hostile.wrong}")
+        i += 1
+    plain, hot = (run_summary(arms[a], ran[a]) for a in ("plain", "hostile"))
+    ratio = None
+    if plain["ttft_p99_ms"] and hot["ttft_p99_ms"] is not None:
+        ratio = round(hot["ttft_p99_ms"] / plain["ttft_p99_ms"], 2)
+    return {"plain": plain, "hostile": hot, "ttft_p99_ratio": ratio, "lost": plain["failed"] + hot["failed"],
+            "hostile_sent": hostile.sent, "hostile_wrong": hostile.wrong,
+            "hostile_outcomes": {k: dict(sorted(v.items())) for k, v in sorted(hostile.outcomes.items())},
+            "hostile_max_seconds": dict(sorted(hostile.seconds.items())),
+            "workers_out_of_rotation": {a: sum(b["workers_out_of_rotation"] for b in blocks if b["arm"] == a)
+                                        for a in ("plain", "hostile")},
+            "workers_unchanged": router_listing(cluster.router.url, admin_headers) == workers_before,
+            "blocks": blocks}
+
+
+def _log_count(path: Path, text: str) -> int:
+    """How many lines of the log at ``path`` hold ``text`` (the router's health transitions)."""
+    try:
+        return sum(text in line for line in path.read_text(errors="replace").splitlines())
+    except OSError:
+        return 0
+
+
+def _merge(into: LoadStats, part: LoadStats) -> None:
+    into.sent += part.sent
+    for k, v in part.counts.items():
+        into.counts[k] += v
+    into.ttfts += part.ttfts
+    into.tokens_completed += part.tokens_completed
+    into.bad_token_counts += part.bad_token_counts
+    for k, v in part.errors.items():
+        into.errors[k] = into.errors.get(k, 0) + v
+
+
+def router_listing(router_url: str, headers: dict) -> dict:
+    """The router's workers as {role: sorted urls}."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(router_url + "/workers", headers=headers), timeout=10) as r:
+        listing = json.loads(r.read())
+    return {role: sorted(w["url"] for w in ws) for role, ws in listing.items()}
+
+
+def hostile_cli(args) -> int:
+    logdir = Path(args.logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+
+    def log(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+
+    key_file = logdir / "router-admin-key"
+    key = os.urandom(24).hex()
+    key_file.write_text(key)
+    key_file.chmod(0o600)
+    # an admin key, so that a stranger on loopback (the hostile clients) is refused the admin routes
+    cluster = Cluster(args.prefills, args.decodes, logdir, args.server_arg,
+                      ["--admin-api-key-file", str(key_file), "--request-queue-timeout-secs", str(args.deadline)])
+    log(f"starting {args.prefills}P{args.decodes}D + router (logs in {logdir})")
+    cluster.start()
+    report: dict = {}
+    try:
+        report = hostile_main(args, cluster, {"Authorization": f"Bearer {key}"}, log)
+        pages = {s.name: pages_free(s.url)[:2] if s.alive else None for s in cluster.servers}
+        report["servers_alive"] = all(p is not None for p in pages.values()) and cluster.router.alive
+        report["pages"] = {k: None if v is None else f"{v[0]}/{v[1]}" for k, v in pages.items()}
+        report["pages_leaked"] = sum(t - f for f, t in (v for v in pages.values() if v is not None))
+    finally:
+        cluster.stop()
+    print(json.dumps(report), flush=True)
+    ok = (report.get("lost") == 0 and report.get("pages_leaked") == 0 and report.get("hostile_wrong") == 0
+          and report.get("servers_alive") and report.get("workers_unchanged"))
     return 0 if ok else 1
 
 

@@ -2,7 +2,7 @@
 server for the whole module: each is a 400 naming the field or the limit, the server answers
 others meanwhile, and its pages are all free afterwards.
 
-- Stop strings (count, length), prompts per batch and grammar text are capped.
+- Stop strings (count, length), prompts per batch, grammar text and a JSON schema's nesting are capped.
 - A prompt whose characters cannot fit the context is refused before it is tokenized; one that is
   tokenized runs on the tokenizer's thread while the loop answers ``/health``.
 - ``/health`` turns 503 while a stopped rank (SIGSTOP) holds a request, whose client gets a 504
@@ -30,7 +30,7 @@ import pytest
 import requests
 from server_helpers import ServerProcess, children_of
 
-from pdserve.engine.frontend.grammar_fields import MAX_GRAMMAR_CHARS
+from pdserve.engine.frontend.grammar_fields import MAX_GRAMMAR_CHARS, MAX_SCHEMA_DEPTH
 from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN
 from pdserve.engine.frontend.value_checks import MAX_BATCH_PROMPTS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS
 
@@ -62,6 +62,14 @@ def generate(server, body: dict) -> requests.Response:
     return server.post("/generate", body)
 
 
+def deep_schema(depth: int) -> dict:
+    """An object schema nested ``depth`` levels (short text, deep grammar)."""
+    schema: dict = {"type": "string"}
+    for i in range(depth):
+        schema = {"type": "object", "properties": {f"k{i}": schema}, "required": [f"k{i}"]}
+    return schema
+
+
 def test_stop_strings_batches_and_grammars_are_capped(server):
     err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "stop": ["s"] * (MAX_STOP_STRINGS + 1)}}))
     assert err["param"] == "stop" and str(MAX_STOP_STRINGS) in err["message"]
@@ -75,6 +83,13 @@ def test_stop_strings_batches_and_grammars_are_capped(server):
     assert err["param"] == "prompt"
     err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "regex": "a" * (MAX_GRAMMAR_CHARS + 1)}}))
     assert err["param"] == "sampling_params.regex" and str(MAX_GRAMMAR_CHARS) in err["message"]
+    # deep, not long: 400 nested object schemas are 31 KiB, and xgrammar took 20 s to read them
+    err = error_of(generate(server, {"text": "x", "sampling_params": {**SMALL, "json_schema": json.dumps(deep_schema(400))}}))
+    assert err["param"] == "sampling_params.json_schema" and str(MAX_SCHEMA_DEPTH) in err["message"]
+    err = error_of(server.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": deep_schema(400)}}}))
+    assert err["param"].startswith("response_format") and str(MAX_SCHEMA_DEPTH) in err["message"]
     # within the caps all is well
     r = generate(server, {"text": ["x", "y"], "sampling_params": {**SMALL, "stop": ["s"] * MAX_STOP_STRINGS}})
     assert r.status_code == 200 and len(r.json()) == 2
