@@ -175,3 +175,25 @@ def test_forbidden_rows_are_exactly_where_the_mask_changes_the_argmax(masks):
     masks.begin(grammars).apply(full)
     logits[0, int(full[0].argmax())] = 100.0
     assert 0 not in masks.begin(grammars).forbidden_rows(logits.argmax(-1))
+
+
+def test_the_compiled_grammar_cache_stays_under_its_byte_cap(tokenizer, monkeypatch):
+    """Every distinct schema compiled stays in xgrammar's cache unless it is capped: the compiler
+    is built with ``GRAMMAR_CACHE_BYTES`` and evicts past it (here a 256 KiB cap, 40 schemas)."""
+    from pdserve.engine.constrained import grammar_backend
+
+    cap = 256 * 2**10
+    monkeypatch.setattr(grammar_backend, "GRAMMAR_CACHE_BYTES", cap)
+    backend = grammar_backend.GrammarBackend(tokenizer, 49152, [EOS])
+    compiler = backend._compiler  # noqa: SLF001 - the cap is the compiler's own setting
+    assert compiler.cache_limit_bytes == cap
+    sizes = []
+    for i in range(40):
+        schema = {"type": "object", "properties": {f"field_{i}_{j}": {"type": "string"} for j in range(8)},
+                  "required": [f"field_{i}_0"]}
+        backend.matcher("json_schema", json.dumps(schema))
+        sizes.append(compiler.get_cache_size_bytes())
+    one = sizes[0]  # one compiled schema; 40 of them uncapped would hold over 10x the cap
+    assert one > 0 and 40 * one > 10 * cap
+    # eviction runs after an insert: at most one entry over the cap at any time
+    assert max(sizes) < cap + one, sizes
