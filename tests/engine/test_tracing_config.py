@@ -1,0 +1,58 @@
+"""``--enable-trace`` and its flags, without servers: off makes nothing, on without the packages
+is a clear error, the flags are checked, the endpoint becomes the OTLP/HTTP URL."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine.tracing import TRACE_PACKAGES, TraceConfig, Tracer, make_tracer
+from pdserve.router.config import RouterConfig
+from pdserve.router.server import Router
+
+
+def test_tracing_off_creates_no_exporter_and_imports_no_sdk():
+    """Off (the default): no tracer, no provider, no exporter; pdserve imports no OpenTelemetry SDK."""
+    assert make_tracer(TraceConfig(), "pdserve-router") is None
+    assert Router(RouterConfig()).tracer is None
+    code = ("import sys; import pdserve.router.server, pdserve.engine.frontend.http_server, pdserve.entrypoints.serve; "
+            "from pdserve.router.server import Router; from pdserve.router.config import RouterConfig; "
+            "assert Router(RouterConfig()).tracer is None; "
+            "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_tracing_on_makes_one_provider_with_the_otlp_http_exporter():
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    tracer = make_tracer(TraceConfig(True, "127.0.0.1:9", 0.5), "pdserve-test")
+    try:
+        assert isinstance(tracer, Tracer) and isinstance(tracer.exporter, OTLPSpanExporter)
+    finally:
+        tracer.shutdown()
+
+
+def test_enable_trace_without_the_packages_names_them(monkeypatch):
+    monkeypatch.setitem(sys.modules, "opentelemetry.sdk.trace", None)  # as if not installed
+    with pytest.raises(RuntimeError, match="opentelemetry-sdk") as e:
+        make_tracer(TraceConfig(enable=True), "pdserve-test")
+    assert TRACE_PACKAGES in str(e.value)
+
+
+@pytest.mark.parametrize("endpoint, url", [
+    ("localhost:4318", "http://localhost:4318/v1/traces"),
+    ("http://collector:4318", "http://collector:4318/v1/traces"),
+    ("https://otel.example/custom/path", "https://otel.example/custom/path"),
+])
+def test_endpoint_becomes_the_traces_url(endpoint, url):
+    assert TraceConfig(True, endpoint).url == url
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.5])
+def test_sample_ratio_out_of_range_is_refused_naming_the_flag(ratio):
+    with pytest.raises(ValueError, match="trace_sample_ratio"):
+        RouterConfig(enable_trace=True, trace_sample_ratio=ratio)
