@@ -70,6 +70,7 @@ class Tracer:
         self.tracer = self.provider.get_tracer("pdserve")
         self.server_kind = trace.SpanKind.SERVER
         self.client_kind = trace.SpanKind.CLIENT
+        self.internal_kind = trace.SpanKind.INTERNAL
 
     def extract(self, headers: Mapping[str, str]) -> Any:
         """The context a request's ``traceparent`` header names (an empty one without it)."""
@@ -78,8 +79,8 @@ class Tracer:
     def start(self, name: str, parent: Any = None, kind: Any = None, start_ns: int | None = None,
               attributes: dict | None = None) -> Any:
         """A started span under ``parent`` (a context; None: the current one)."""
-        return self.tracer.start_span(name, context=parent, kind=kind, start_time=start_ns,
-                                      attributes=attributes)
+        return self.tracer.start_span(name, context=parent, kind=kind or self.internal_kind,
+                                      start_time=start_ns, attributes=attributes)
 
     def context_of(self, span: Any, parent: Any = None) -> Any:
         return self._trace.set_span_in_context(span, parent)
