@@ -56,3 +56,16 @@ def test_endpoint_becomes_the_traces_url(endpoint, url):
 def test_sample_ratio_out_of_range_is_refused_naming_the_flag(ratio):
     with pytest.raises(ValueError, match="trace_sample_ratio"):
         RouterConfig(enable_trace=True, trace_sample_ratio=ratio)
+
+
+def test_the_flags_of_the_router_and_of_serve():
+    from pdserve.entrypoints.flags import parse_serve_args
+    from pdserve.router.cli import build_parser, config_from_args
+
+    flags = ["--enable-trace", "--otlp-traces-endpoint", "collector:4318", "--trace-sample-ratio", "0.25"]
+    router = config_from_args(build_parser().parse_args(["--decode", "http://d:1", *flags]))
+    serve = parse_serve_args(flags)
+    for c in (router, serve):
+        assert (c.enable_trace, c.otlp_traces_endpoint, c.trace_sample_ratio) == (True, "collector:4318", 0.25)
+    assert not config_from_args(build_parser().parse_args([])).enable_trace
+    assert not parse_serve_args([]).enable_trace
