@@ -8,40 +8,44 @@ wait), ``router.route`` (choosing the pair, one per attempt) and one client span
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 from pdserve.engine.tracing import Tracer
 
 
-@contextlib.contextmanager
-def request_span(tracer: Tracer | None, headers, route: str) -> Iterator[Any]:
-    """``router.request``, current while the request is served (its legs' tasks inherit it);
-    yields the span (None when tracing is off)."""
-    if tracer is None:
-        yield None
-        return
+class _Scope:
+    """A span for the length of a ``with`` block (None inside when tracing is off), current in it
+    when ``attach``. A plain class, not ``contextlib.contextmanager``: that one writes
+    ``__traceback__`` on the exception passing through, which the router's frozen ``RouterError``
+    refuses."""
+
+    def __init__(self, tracer: Tracer | None, span: Any, parent: Any = None, attach: bool = False):
+        self.tracer = tracer
+        self.span = span
+        self.token = tracer.attach(tracer.context_of(span, parent)) if attach else None
+
+    def __enter__(self) -> Any:
+        return self.span
+
+    def __exit__(self, *exc) -> bool:
+        if self.token is not None:
+            self.tracer.detach(self.token)
+        if self.span is not None:
+            self.span.end()
+        return False
+
+
+def request_span(tracer: Tracer, headers, route: str) -> _Scope:
+    """``router.request`` under the client's ``traceparent``, current in the block (the legs'
+    tasks, made in it, inherit it)."""
     parent = tracer.extract(headers)
     span = tracer.start("router.request", parent, tracer.server_kind, attributes={"http.route": route})
-    token = tracer.attach(tracer.context_of(span, parent))
-    try:
-        yield span
-    finally:
-        tracer.detach(token)
-        span.end()
+    return _Scope(tracer, span, parent, attach=True)
 
 
-@contextlib.contextmanager
-def child_span(tracer: Tracer | None, name: str, **attributes) -> Iterator[Any]:
+def child_span(tracer: Tracer | None, name: str, **attributes) -> _Scope:
     """A span under the current one (``router.queue``, ``router.route``); None when tracing is off."""
-    if tracer is None:
-        yield None
-        return
-    span = tracer.start(name, attributes=attributes or None)
-    try:
-        yield span
-    finally:
-        span.end()
+    return _Scope(tracer, None if tracer is None else tracer.start(name, attributes=attributes or None))
 
 
 def leg_span(tracer: Tracer | None, leg: str, endpoint_key: str) -> tuple[Any, bytes]:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from support.otlp_receiver import OtlpReceiver
 
 from pdserve.engine.tracing import TRACE_PACKAGES, TraceConfig, Tracer, make_tracer
 from pdserve.router.config import RouterConfig
@@ -69,3 +70,26 @@ def test_the_flags_of_the_router_and_of_serve():
         assert (c.enable_trace, c.otlp_traces_endpoint, c.trace_sample_ratio) == (True, "collector:4318", 0.25)
     assert not config_from_args(build_parser().parse_args([])).enable_trace
     assert not parse_serve_args([]).enable_trace
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["off", "on"])
+def test_a_router_error_passes_through_the_routers_spans(on):
+    """The router's errors are frozen dataclasses: a span's block must not write to them."""
+    from pdserve.router.errors import RouterError
+    from pdserve.router.trace_spans import child_span, request_span
+
+    receiver = OtlpReceiver()  # a collector that answers, so that shutdown's export does not retry
+    tracer = make_tracer(TraceConfig(on, receiver.endpoint), "pdserve-test")
+    try:
+        with pytest.raises(RouterError):
+            with child_span(tracer, "router.queue"):
+                raise RouterError(429, "full", "rate_limit_error")
+        if tracer is not None:
+            with pytest.raises(RouterError):
+                with request_span(tracer, {}, "/generate"):
+                    raise RouterError(503, "none", "service_unavailable")
+    finally:
+        if tracer is not None:
+            tracer.shutdown()
+        receiver.close()
+    assert {s.name for s in receiver.spans} == ({"router.queue", "router.request"} if on else set())
