@@ -92,3 +92,15 @@ class OtlpReceiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+if __name__ == "__main__":  # a collector stand-in of its own (scripts/bench_router.py --traced)
+    import argparse
+
+    p = argparse.ArgumentParser(allow_abbrev=False, description="OTLP/HTTP traces receiver (counts spans)")
+    p.add_argument("--port", type=int, required=True)
+    receiver = OtlpReceiver()
+    port = p.parse_args().port
+    receiver.close()
+    receiver.server = ThreadingHTTPServer(("127.0.0.1", port), receiver.server.RequestHandlerClass)
+    receiver.server.serve_forever()
