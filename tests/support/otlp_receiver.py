@@ -34,7 +34,7 @@ def _value(v):
 
 
 class OtlpReceiver:
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.spans: list[ReceivedSpan] = []
         self.lock = threading.Lock()
         receiver = self
@@ -55,7 +55,7 @@ class OtlpReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
@@ -97,10 +97,6 @@ class OtlpReceiver:
 if __name__ == "__main__":  # a collector stand-in of its own (scripts/bench_router.py --traced)
     import argparse
 
-    p = argparse.ArgumentParser(allow_abbrev=False, description="OTLP/HTTP traces receiver (counts spans)")
+    p = argparse.ArgumentParser(allow_abbrev=False, description="OTLP/HTTP traces receiver")
     p.add_argument("--port", type=int, required=True)
-    receiver = OtlpReceiver()
-    port = p.parse_args().port
-    receiver.close()
-    receiver.server = ThreadingHTTPServer(("127.0.0.1", port), receiver.server.RequestHandlerClass)
-    receiver.server.serve_forever()
+    OtlpReceiver(p.parse_args().port).thread.join()
