@@ -17,6 +17,7 @@ import pdserve.engine.env as env
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 from pdserve.engine.secret_files import read_key
 from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
+from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
 from pdserve.engine.text.reasoning_parsers import REASONING_PARSERS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
@@ -104,6 +105,10 @@ class ServerConfig:
     incremental_streaming_output: bool = False
     # SGLang's --tool-call-parser: how tool_choice auto finds tool calls in the output; None: auto is refused
     tool_call_parser: str | None = None
+    # OpenTelemetry traces (SGLang's flags; engine/tracing.py): off by default, OTLP/HTTP protobuf
+    enable_trace: bool = False
+    otlp_traces_endpoint: str = DEFAULT_ENDPOINT
+    trace_sample_ratio: float = 1.0
     # SGLang's --reasoning-parser: chat outputs split into reasoning_content and content; None: no split
     reasoning_parser: str | None = None
 
@@ -118,6 +123,7 @@ class ServerConfig:
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         self._check_parallel()
+        TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # checks them
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.http_read_timeout > 0:

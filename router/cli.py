@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, how long in-flight requests may take to finish (SGLang's "
                         "flag; sglang-router's name is accepted too)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default=_D["log_level"])
+    p.add_argument("--enable-trace", action="store_true", default=_D["enable_trace"],
+                   help="export an OpenTelemetry span tree per request (needs pdserve[trace])")
+    p.add_argument("--otlp-traces-endpoint", default=_D["otlp_traces_endpoint"],
+                   help="OTLP/HTTP collector: host:port (path /v1/traces) or a full URL")
+    p.add_argument("--trace-sample-ratio", type=float, default=_D["trace_sample_ratio"],
+                   help="share of requests without a client traceparent that are traced (0..1)")
     return p
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
 from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
 from pdserve.router.policy import POLICY_NAMES
 
@@ -114,6 +115,10 @@ class RouterConfig:
     request_queue_timeout_secs: float = 30.0
     graceful_shutdown_timeout: float = 180.0
     log_level: str = "info"
+    # OpenTelemetry traces (SGLang's flags; engine/tracing.py): off by default, OTLP/HTTP protobuf
+    enable_trace: bool = False
+    otlp_traces_endpoint: str = DEFAULT_ENDPOINT
+    trace_sample_ratio: float = 1.0
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -162,6 +167,7 @@ class RouterConfig:
             raise ValueError(f"retry_jitter_factor must be in [0, 1], got {self.retry_jitter_factor}")
         if self.retry_backoff_multiplier < 1.0:
             raise ValueError("retry_backoff_multiplier must be >= 1")
+        TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # checks them
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for spec in self.prefill:

@@ -33,6 +33,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from pdserve.engine.tracing import Tracer
 from pdserve.router.config import RouterConfig, backoff_ms
 from pdserve.router.errors import RouterError, upstream_failed
 from pdserve.router.leg_failure import LegFailure
@@ -41,6 +42,7 @@ from pdserve.router.migration.migrating_relay import MigratingRelay
 from pdserve.router.migration.migration import error_event, migratable
 from pdserve.router.migration.openai_migration import openai_migratable, with_token_ids
 from pdserve.router.route import LocalRule
+from pdserve.router.trace_spans import child_span, end_leg, leg_span
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
@@ -72,8 +74,9 @@ def _consume(task: asyncio.Task) -> None:
 
 class PDProxy:
     def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
-                 upstream: UpstreamPool):
+                 upstream: UpstreamPool, tracer: Tracer | None = None):
         self.config = config
+        self.tracer = tracer  # --enable-trace: spans of routing and of each leg; None: off
         self.pairing = pairing
         self.metrics = metrics
         self.upstream = upstream  # pooled connections to the workers (sends --api-key as bearer)
@@ -89,7 +92,9 @@ class PDProxy:
         exclude: set[str] = set()
         last: LegFailure | None = None
         query = self.pairing.query(body)  # the request read (and tokenized) once
-        route = self.pairing.route(query, local=self._local_rule if self._local_allowed(body) else None)
+        with child_span(self.tracer, "router.route", **{"pdserve.attempt": 0}) as span:
+            route = self.pairing.route(query, local=self._local_rule if self._local_allowed(body) else None)
+            _describe(span, route)
         if route.local:
             d_ep = route.decode
             self.metrics.local_reasons.inc(route.local_reason.value)
@@ -109,7 +114,10 @@ class PDProxy:
                 self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
                 self.metrics.retries_by_cause.inc(last.leg, last.cause)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
-                route = self.pairing.route(query, exclude)
+                with child_span(self.tracer, "router.route", **{"pdserve.attempt": attempt,
+                                                                "pdserve.retry_cause": last.cause or ""}) as span:
+                    route = self.pairing.route(query, exclude)
+                    _describe(span, route)
             pair = Pair(route.prefill, route.decode, route.room)
             log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
             try:
@@ -239,18 +247,22 @@ class PDProxy:
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, leg)
         t0 = time.perf_counter()
+        span, trace_headers = leg_span(self.tracer, leg, ep.key)
         ep.load += 1
         resp = None
         try:
-            resp = await self.upstream.post(url, path, data)
+            resp = await self.upstream.post(url, path, data, trace_headers)
             payload = await resp.read()
         except UpstreamError as e:
+            end_leg(span, error=str(e))
+            span = None
             _refuse_too_large(leg, ep, e)
             raise LegFailure(leg, ep, str(e), cause=e.cause) from None
         finally:
             ep.load -= 1
             if resp is not None:
                 resp.close()  # no-op when read; aborts the connection when cancelled
+            end_leg(span, resp.status if resp is not None else None)
         if resp.status >= 400:
             raise LegFailure(leg, ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
                              payload, resp.content_type)
@@ -374,8 +386,10 @@ class PDProxy:
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, "decode")
         resp = None
+        # the decode leg's span covers the request up to its first bytes (a stream outlives it)
+        span, trace_headers = leg_span(self.tracer, "decode", ep.key)
         try:
-            resp = await self.upstream.post(url, path, data)
+            resp = await self.upstream.post(url, path, data, trace_headers)
             if resp.status >= 400:
                 payload = await resp.read()
                 raise LegFailure("decode", ep, f"HTTP {resp.status}: {_short(payload)}", resp.status,
@@ -383,6 +397,8 @@ class PDProxy:
             first = await resp.readany()
             if not first:
                 raise LegFailure("decode", ep, "closed the stream before sending anything", cause="empty_stream")
+            end_leg(span, resp.status)
+            span = None
             return resp, first
         except UpstreamError as e:
             if resp is not None:
@@ -393,6 +409,18 @@ class PDProxy:
             if resp is not None:
                 resp.close()
             raise
+        finally:
+            end_leg(span, error="failed before its first bytes")
+
+
+def _describe(span, route) -> None:
+    """The chosen route as the ``router.route`` span's attributes (when tracing)."""
+    if span is None:
+        return
+    span.set_attribute("pdserve.decode", route.decode.key)
+    span.set_attribute("pdserve.prefill", LOCAL if route.local else route.prefill.key)
+    if route.room is not None:
+        span.set_attribute("pdserve.bootstrap_room", str(route.room))
 
 
 def merge_input_logprobs(prefill: bytes, decode: bytes) -> bytes:

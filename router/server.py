@@ -35,7 +35,9 @@ from aiohttp import web
 from pdserve.engine.http_json_errors import json_error_middleware
 from pdserve.engine.http_site import limited_runner, start_limited_site
 from pdserve.router.admin_api import AdminApi
+from pdserve.engine.tracing import TraceConfig, Tracer, make_tracer
 from pdserve.router.admission import Admission
+from pdserve.router.trace_spans import child_span, request_span
 from pdserve.router.admission_metrics import AdmissionGauges
 from pdserve.router.auth import Access
 from pdserve.router.config import RouterConfig
@@ -99,6 +101,9 @@ class Router:
         if control_key:
             self.control_headers["Authorization"] = f"Bearer {control_key}"
         self.admin_api = AdminApi(self)
+        # --enable-trace: the request's spans (router/trace_spans.py); None: tracing off
+        self.tracer: Tracer | None = make_tracer(TraceConfig(config.enable_trace, config.otlp_traces_endpoint,
+                                                             config.trace_sample_ratio), "pdserve-router")
         self.session: aiohttp.ClientSession | None = None
         self.proxy: PDProxy | None = None
         self.upstream: UpstreamPool | None = None
@@ -117,7 +122,7 @@ class Router:
         auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
         self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth,
                                      max_response_bytes=self.config.max_response_bytes)
-        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream)
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.tracer)
         if self.prompt_tokenizer is not None and self.config.tokenizer_path:
             self.prompt_tokenizer.start(None)
         self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)
@@ -172,6 +177,9 @@ class Router:
         if self.session is not None:
             await self.session.close()
             self.session = None
+        if self.tracer is not None:
+            self.tracer.shutdown()  # exports the spans still batched
+            self.tracer = None
 
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.config.max_payload_size, middlewares=[json_errors])
@@ -195,6 +203,14 @@ class Router:
 
     # request path ------------------------------------------------------------
     async def _inference(self, request: web.Request) -> web.StreamResponse:
+        if self.tracer is None:
+            return await self._serve(request)
+        with request_span(self.tracer, request.headers, request.path) as span:
+            resp = await self._serve(request)
+            span.set_attribute("http.status_code", resp.status)
+            return resp
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         route = request.path
         admitted = entered = False
@@ -205,7 +221,8 @@ class Router:
             self.access.check_inference(request)
             priority = request_priority(request.headers, self.config.enable_priority_scheduling)
             # the slot before the body: concurrent uploads wait in the queue, not in memory
-            await self.admission.acquire(priority)
+            with child_span(self.tracer, "router.queue"):
+                await self.admission.acquire(priority)
             admitted = True
             raw = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout)
             try:

@@ -219,10 +219,11 @@ class UpstreamPool:
         self._heads: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}
         self._ssl = None
 
-    async def post(self, base_url: str, path: str, body: bytes) -> UpstreamResponse:
-        """POST ``body`` (JSON) to ``base_url + path``; returns once the answer's head is in."""
+    async def post(self, base_url: str, path: str, body: bytes, headers: bytes = b"") -> UpstreamResponse:
+        """POST ``body`` (JSON) to ``base_url + path``; returns once the answer's head is in.
+        ``headers``: more header lines of this request alone (``name: value\\r\\n`` each)."""
         key, head = self._head(base_url, path)
-        request = head + str(len(body)).encode() + b"\r\n\r\n" + body
+        request = head + headers + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         for attempt in (0, 1):
             conn = await self._acquire(key)
             reused = conn.used
@@ -261,7 +262,7 @@ class UpstreamPool:
             https = u.scheme == "https"
             key = (u.hostname, u.port or (443 if https else 80), https)
             head = (f"POST {u.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {u.netloc}\r\n"
-                    f"Content-Type: application/json\r\n").encode("latin-1") + self._extra + b"Content-Length: "
+                    f"Content-Type: application/json\r\n").encode("latin-1") + self._extra
             cached = self._heads[(base_url, path)] = (key, head)
         return cached
 

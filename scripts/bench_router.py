@@ -15,6 +15,10 @@ non-streamed and streamed ``/generate`` requests:
 Saturation runs alternate between the routers (median of ``--rounds``). Ends
 with ONE JSON line holding both routers' figures and the ratios. Fixed seed.
 
+``--traced`` adds the same pdserve router with ``--enable-trace`` (ratio 1.0) exporting to an OTLP/HTTP
+receiver of its own process (``tests/support/otlp_receiver.py``); ``{kind}_vs_traced_rps`` is the
+untraced router's request rate over the traced one's (the stand-ins do not trace: the router's cost alone).
+
 ``--baseline-tree DIR`` adds the pdserve router of another checkout (``git worktree add DIR
 REV``) as a third router, and ``--baseline-rev REV`` that of a revision of this one, measured in
 the same run; the ``vs_baseline`` ratios compare this tree's with it. Each saturation ratio is
@@ -22,7 +26,7 @@ also given per round (the routers take turns within a round) as ``{ratio}_median
 ``_max``: on a shared machine, the median with its spread is the figure to report.
 
     .venv/bin/python scripts/bench_router.py [--requests 400] [--duration 3] [--rounds 2] [--concurrency 32]
-                                             [--baseline-tree DIR | --baseline-rev REV] [--no-sglang]
+                                             [--baseline-tree DIR | --baseline-rev REV] [--no-sglang] [--traced]
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pdserve.entrypoints.procs import free_port, spawn, stop_groups  # noqa: E40
 PY = sys.executable
 # the stand-in worker is test code (it imports nothing of pdserve): run by path, as its own process
 STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "support", "standin_worker.py")
+RECEIVER = os.path.join(os.path.dirname(STANDIN), "otlp_receiver.py")  # --traced: the collector's stand-in
 
 
 async def wait_ready(session: aiohttp.ClientSession, url: str, body: dict, timeout: float,
@@ -167,6 +172,7 @@ def main() -> None:
     base.add_argument("--baseline-rev", metavar="REV",
                       help="also run the pdserve router of git revision REV of this checkout as 'baseline'")
     p.add_argument("--no-sglang", action="store_true", help="leave sglang-router out")
+    p.add_argument("--traced", action="store_true", help="add the pdserve router with --enable-trace")
     p.add_argument("--logs", default="/tmp/bench_router_logs")
     args = p.parse_args()
     random.seed(0)
@@ -203,6 +209,14 @@ def main() -> None:
             routers[name] = spawn([PY, *pdserve_args, "--port", str(port)], f"{args.logs}/{name}_router.log",
                                   env=env)
             targets[name] = f"http://127.0.0.1:{port}"
+        if args.traced:
+            rp = free_port()
+            procs.append(spawn([PY, RECEIVER, "--port", str(rp)], f"{args.logs}/otlp_receiver.log"))
+            port = free_port()
+            routers["traced"] = spawn([PY, *pdserve_args, "--port", str(port), "--enable-trace",
+                                       "--otlp-traces-endpoint", f"127.0.0.1:{rp}", "--trace-sample-ratio", "1.0"],
+                                      f"{args.logs}/traced_router.log")
+            targets["traced"] = f"http://127.0.0.1:{port}"
         if not args.no_sglang:
             port = free_port()
             routers["sglang"] = spawn(
@@ -239,7 +253,7 @@ def main() -> None:
             summary[f"{kind}_{name}"] = {k: round(v, 4) for k, v in r.items()}
             if rounds_rps is not None:
                 summary[f"{kind}_{name}"]["rounds_rps"] = [round(x, 1) for x in rounds_rps]
-        for other, label in (("sglang", "ratio"), ("baseline", "vs_baseline")):
+        for other, label in (("sglang", "ratio"), ("baseline", "vs_baseline"), ("traced", "vs_traced")):
             if other not in targets:
                 continue
             ours_, theirs_ = results[f"{kind}.pdserve"], results[f"{kind}.{other}"]

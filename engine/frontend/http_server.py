@@ -41,6 +41,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.frontend.seq_state import SeqState
 from pdserve.engine.frontend.chat_choice import ChatChoiceStream
 from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.frontend.request_trace import trace_middleware
 from pdserve.engine.frontend.tokenizer_manager import MAX_CHARS_PER_TOKEN, RequestHandle, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -496,7 +497,10 @@ async def dump_expert_distribution_record(request: web.Request) -> web.Response:
 
 def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics, drain: Drain) -> web.Application:
     # the body limit is enforced in read_body with a clear error; aiohttp's own limit sits above it
-    app = web.Application(middlewares=[api_middleware, drain_middleware], client_max_size=config.max_request_bytes + 1)
+    middlewares = [api_middleware, drain_middleware]
+    if tm.tracer is not None:
+        middlewares.append(trace_middleware(tm.tracer, config.disaggregation_mode))
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_request_bytes + 1)
     app[DRAIN_KEY] = drain
     app[TM_KEY] = tm
     app[CONFIG_KEY] = config

@@ -44,6 +44,8 @@ from pdserve.engine.frontend.rank_transport import RankTransport
 from pdserve.engine.model_executor.sampling_defaults import model_sampling_defaults
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
+from pdserve.engine.frontend.request_trace import SeqTrace, record_sequence
+from pdserve.engine.tracing import TraceConfig, Tracer, make_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +88,10 @@ class TokenizerManager:
         # thread: requests are tokenized in arrival order and the tokenizer is never shared
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._control: dict[int, list[asyncio.Future]] = {}  # req_id -> one future per DP rank
+        # --enable-trace: each sequence's stage spans (request_trace.py); None: tracing off
+        self.tracer: Tracer | None = make_tracer(TraceConfig(config.enable_trace, config.otlp_traces_endpoint,
+                                                             config.trace_sample_ratio), "pdserve-" + config.disaggregation_mode)
+        self._traces: dict[str, SeqTrace] = {}  # rid -> its spans' parent, while in flight (tracing on)
 
     # --- start and stop --------------------------------------------------------------------
 
@@ -110,6 +116,8 @@ class TokenizerManager:
 
     def close(self) -> None:
         self.transport.close()
+        if self.tracer is not None:
+            self.tracer.shutdown()  # exports the spans still batched
 
     # --- model facts -----------------------------------------------------------------------
 
@@ -231,7 +239,15 @@ class TokenizerManager:
         def encode_all() -> dict[int, list[int]]:
             return {i: encode_prompt(self.tokenizer, p) for i, p in prompts.items()}
 
-        return self.submit(seqs, batch, await self.in_tokenizer_thread(encode_all))
+        if self.tracer is None:
+            return self.submit(seqs, batch, await self.in_tokenizer_thread(encode_all))
+        start = time.monotonic()
+        encoded = await self.in_tokenizer_thread(encode_all)
+        trace = SeqTrace(self.tracer.current(), start, time.monotonic())
+        handle = self.submit(seqs, batch, encoded)
+        for st in handle.states:
+            self._traces[st.rid] = trace
+        return handle
 
     def submit(self, seqs: list[SequenceSpec], batch: bool = False,
                encoded: dict[int, list[int]] | None = None) -> "RequestHandle":
@@ -439,6 +455,9 @@ class TokenizerManager:
         if st.dp_rank is not None:
             self.inflight[st.dp_rank] -= 1
         self.metrics.on_finish(reason, st.prompt_tokens, st.completion_tokens, st.cached_tokens, st.e2e_latency())
+        trace = self._traces.pop(st.rid, None) if self.tracer is not None else None
+        if trace is not None:
+            record_sequence(self.tracer, st, trace, self.config.disaggregation_mode)
 
 
 class RequestHandle:

@@ -2,7 +2,8 @@
 
 Stand: prefill servers PA (--dp-size 2) and PB, decode servers DA (--dp-size 2)
 and DB (a small pool), all fp32 with 64-token chunks, and the colocated server
-as the reference. Every scenario ends with the pools of the servers it used
+as the reference. PB and DB export OpenTelemetry traces to a receiver in this process.
+Every scenario ends with the pools of the servers it used
 proven unleaked (every page free after a cache flush, the ranks' idle
 integrity checks passed).
 """
@@ -10,14 +11,17 @@ integrity checks passed).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import random
 import sys
 import time
 
 import pytest
 import requests
-from support.pd_stand import Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
+from support.otlp_receiver import OtlpReceiver
+from support.pd_stand import InProcessRouter, Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
 
 from pdserve.entrypoints.procs import free_port, wait_healthy
+from pdserve.router.config import RouterConfig, WorkerSpec
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,14 +31,26 @@ MAX_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def stand(request):
+def otlp():
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def stand(request, otlp):
+    # PB and DB trace every request; their exporters send each batch after 0.1 s (the SDK's variable)
+    trace = ("--enable-trace", "--otlp-traces-endpoint", otlp.endpoint)
+    trace_env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
     servers = {
         "PA": Server("PA", "prefill", "--dp-size", "2", "--max-total-tokens", "2048"),
         # rooms may wait long for DB's pages: a bootstrap timeout as generous as a real deployment's
-        "PB": Server("PB", "prefill", "--max-total-tokens", "2048", "--disaggregation-bootstrap-timeout", "120"),
+        "PB": Server("PB", "prefill", "--max-total-tokens", "2048", "--disaggregation-bootstrap-timeout", "120",
+                     *trace, env=trace_env),
         "DA": Server("DA", "decode", "--dp-size", "2", "--max-total-tokens", "2048"),
         # 48 pages: a few long requests exhaust it
-        "DB": Server("DB", "decode", "--max-total-tokens", "768", "--num-reserved-decode-tokens", "16"),
+        "DB": Server("DB", "decode", "--max-total-tokens", "768", "--num-reserved-decode-tokens", "16",
+                     *trace, env=trace_env),
     }
     with serving(servers, lambda: request.getfixturevalue("colocated")):
         yield servers
@@ -188,6 +204,56 @@ def test_pdserve_router_in_front_of_1p1d(stand, reference, colocated):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
     finally:
         router.stop()
+    P.wait_unleaked()
+    D.wait_unleaked()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_one_trace_per_request_router_prefill_decode(stand, reference, otlp, stream):
+    """A request with a client traceparent, through a tracing router to PB and DB: one trace,
+    every span under the client's, each hop under the span of the hop before it."""
+    P, D = stand["PB"], stand["DB"]
+    rng = random.Random(int(stream))
+    trace_id, client_span = f"{rng.getrandbits(128):032x}", f"{rng.getrandbits(64):016x}"
+    r = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
+                                     decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600,
+                                     enable_trace=True, otlp_traces_endpoint=otlp.endpoint))
+    ids = prompt_ids(90, seed=620)
+    try:
+        r.wait_ready()
+        resp = requests.post(f"http://127.0.0.1:{r.port}/generate", json=dict(greedy_body(ids, MAX_NEW), stream=stream),
+                             headers={"traceparent": f"00-{trace_id}-{client_span}-01"}, timeout=120)
+        assert resp.status_code == 200, resp.text
+        if not stream:
+            assert resp.json()["output_ids"] == reference(ids, MAX_NEW)
+    finally:
+        r.close()  # exports the router's spans
+    server_stages = {"server.request", "tokenize", "prefill.queue_prefill_kv_transfer", "decode.kv_transfer_wait",
+                     "decode"}
+    spans = otlp.wait_for(trace_id, {"router.request", "router.queue", "router.route", "router.leg.prefill",
+                                     "router.leg.decode"} | server_stages)
+    one = {}
+    for s in spans:
+        one.setdefault((s.service, s.name), []).append(s)
+    assert all(len(v) == 1 for v in one.values()), one  # no retry: one span of each per process
+    by = {k: v[0] for k, v in one.items()}
+    root = by["pdserve-router", "router.request"]
+    assert root.parent_span_id == client_span
+    for name in ("router.queue", "router.route", "router.leg.prefill", "router.leg.decode"):
+        assert by["pdserve-router", name].parent_span_id == root.span_id, name
+    route = by["pdserve-router", "router.route"].attributes
+    assert P.url in route["pdserve.prefill"] and D.url in route["pdserve.decode"], route
+    for role in ("prefill", "decode"):
+        server = by[f"pdserve-{role}", "server.request"]
+        assert server.parent_span_id == by["pdserve-router", f"router.leg.{role}"].span_id, role
+        assert server.attributes["http.status_code"] == 200
+        assert by[f"pdserve-{role}", "tokenize"].parent_span_id == server.span_id
+    first = {"prefill": "prefill.queue_prefill_kv_transfer", "decode": "decode.kv_transfer_wait"}
+    for role, name in first.items():
+        assert by[f"pdserve-{role}", name].parent_span_id == by[f"pdserve-{role}", "server.request"].span_id
+        assert by[f"pdserve-{role}", name].attributes["pdserve.prompt_tokens"] == len(ids)
+    assert by["pdserve-decode", "decode"].attributes["pdserve.completion_tokens"] == MAX_NEW
+    assert {s.service for s in spans} == {"pdserve-router", "pdserve-prefill", "pdserve-decode"}
     P.wait_unleaked()
     D.wait_unleaked()
 

@@ -51,7 +51,7 @@ LEVELS: list[tuple[int, str, tuple[str, ...]]] = [
                  "pdserve.engine.pd_rules", "pdserve.engine.json_flags", "pdserve.engine.http_limits", "pdserve.engine.http_site", "pdserve.engine.http_json_errors",
                  "pdserve.engine.speculative_names", "pdserve.engine.lora_names", "pdserve.engine.model_source", "pdserve.engine.prometheus_text",
                  "pdserve.engine.kv_transfer_config", "pdserve.engine.kv_auth", "pdserve.engine.transfer_backends",
-                 "pdserve.engine.secret_files", "pdserve.engine.net_allowlist")),
+                 "pdserve.engine.secret_files", "pdserve.engine.net_allowlist", "pdserve.engine.tracing")),
     (2, "mem_cache", ("pdserve.engine.mem_cache",)),
     (2, "text", ("pdserve.engine.text",)),
     (3, "model_executor", ("pdserve.engine.model_executor", "pdserve.engine.config")),
