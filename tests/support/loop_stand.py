@@ -107,6 +107,10 @@ class EchoRunner:
         logits[torch.arange(len(wanted)), torch.tensor([rows[r] for r in wanted], dtype=torch.long)] = 10.0
         return logits
 
+    def model_families(self) -> list:
+        """No model families: the echo model has no experts (``ModelRunner.model_families``)."""
+        return []
+
 
 class FakeClock:
     """The KV managers' (and the decode quarantine's) clock; tests move it."""
