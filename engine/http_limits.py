@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
+HTTP_READ_TIMEOUT = 60.0  # seconds a request body may take to arrive (then 408)
 HTTP_HEADER_TIMEOUT = 75.0  # seconds; nginx's keep-alive default, above the router's pooled 60 s
 MAX_CONNECTIONS = 8192
 

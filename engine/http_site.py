@@ -4,7 +4,7 @@ under a cap.
 aiohttp closes a connection whose request head has not arrived within the runner's
 ``keepalive_timeout``, counted from the connection's start and from each answer and not reset by
 a partial head (aiohttp >= 3.14, the lower bound in pyproject.toml; the slowloris tests hold it
-to that), so that setting is the header timeout (``limited_runner``): a client sending its
+to that), so that setting is the header timeout (``serve_limited``): a client sending its
 headers a byte a minute is dropped, and so is an idle keep-alive connection. aiohttp has no cap on
 connections; ``LimitedSite`` puts a thin protocol in front of each accepted connection that counts
 it, and once ``max_connections`` are open it answers a new one 503 (a JSON message naming
@@ -110,14 +110,12 @@ class LimitedSite(web.BaseSite):
             lambda: CountedConnection(self.gate, handler_factory), self._host, self._port, backlog=self._backlog)
 
 
-def limited_runner(app: web.Application, limits: HttpLimits, **kwargs) -> web.AppRunner:
-    """An ``AppRunner`` whose connections must deliver each request head within the header timeout."""
-    return web.AppRunner(app, keepalive_timeout=limits.header_timeout, **kwargs)
-
-
-async def start_limited_site(runner: web.AppRunner, host: str, port: int, limits: HttpLimits,
-                             backlog: int = 128) -> LimitedSite:
-    """Listen on ``host:port`` (0: a free port; ``runner.addresses`` has the bound one) under ``limits``."""
-    site = LimitedSite(runner, host, port, max_connections=limits.max_connections, backlog=backlog)
-    await site.start()
-    return site
+async def serve_limited(app: web.Application, host: str, port: int, limits: HttpLimits, *, backlog: int = 128,
+                        **runner_kwargs) -> web.AppRunner:
+    """Serve ``app`` on ``host:port`` (0: a free port; ``runner.addresses`` has the bound one) under
+    ``limits``: each request head within the header timeout (the runner's keep-alive timeout), at
+    most ``max_connections`` open. ``runner_kwargs`` go to the ``AppRunner``."""
+    runner = web.AppRunner(app, keepalive_timeout=limits.header_timeout, **runner_kwargs)
+    await runner.setup()
+    await LimitedSite(runner, host, port, max_connections=limits.max_connections, backlog=backlog).start()
+    return runner

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields
 import pdserve.engine.env as env
 from pdserve.engine.config import DISAGGREGATION_MODES, EngineConfig
 from pdserve.engine.secret_files import read_key
-from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
+from pdserve.engine.http_limits import (HTTP_HEADER_TIMEOUT, HTTP_READ_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES,
+                                        HttpLimits)
 from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
 from pdserve.engine.text.reasoning_parsers import REASONING_PARSERS
 from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
@@ -67,7 +68,7 @@ class ServerConfig:
     # environment's, and without either profiling is refused
     profile_dir: str | None = None
     # seconds a client may take to send a request's body: a slow client is answered 408
-    http_read_timeout: float = 60.0
+    http_read_timeout: float = HTTP_READ_TIMEOUT
     # seconds a connection may go without a whole request head, from its start and from each
     # answer (slowloris, idle keep-alive): then it is closed; the bootstrap server's too
     http_header_timeout: float = HTTP_HEADER_TIMEOUT
@@ -123,7 +124,7 @@ class ServerConfig:
         if self.dp_size < 1:
             raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
         self._check_parallel()
-        TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # checks them
+        self.trace  # raises on a bad --trace-sample-ratio or --otlp-traces-endpoint
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         if not self.http_read_timeout > 0:
@@ -261,6 +262,11 @@ class ServerConfig:
     def http_limits(self) -> HttpLimits:
         """The limits of this server's listeners (HTTP and bootstrap)."""
         return HttpLimits(self.http_header_timeout, self.max_connections)
+
+    @property
+    def trace(self) -> TraceConfig:
+        """What the tracing flags say (``make_tracer`` takes it)."""
+        return TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)
 
     @classmethod
     def server_field_names(cls) -> list[str]:

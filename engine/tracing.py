@@ -18,6 +18,12 @@ from typing import Any, Mapping
 TRACE_PACKAGES = "opentelemetry-sdk and opentelemetry-exporter-otlp-proto-http (pip install 'pdserve[trace]')"
 DEFAULT_ENDPOINT = "localhost:4318"  # an OpenTelemetry collector's OTLP/HTTP port
 TRACEPARENT = "traceparent"
+# the tracing flags' help, the same on `pdserve serve` and on the router
+TRACE_FLAG_HELP = {
+    "enable_trace": "export an OpenTelemetry span tree per request (needs pdserve[trace]; docs/DEPLOYMENT.md)",
+    "otlp_traces_endpoint": "OTLP/HTTP collector: host:port (path /v1/traces) or a full URL",
+    "trace_sample_ratio": "share of requests without a client traceparent that are traced (0..1)",
+}
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from pdserve.engine.mem_cache.hicache_names import PREFETCH_POLICIES, STORAGE_BA
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.server_config import KV_FLAGS, LOG_LEVELS, ServerConfig
 from pdserve.engine.kv_transfer_config import KVTransferConfig
+from pdserve.engine.tracing import TRACE_FLAG_HELP
 from pdserve.engine.transfer_backends import TRANSFER_ENGINES
 from pdserve.engine.model_executor.attention.attention_backend import attention_backend_names
 
@@ -97,9 +98,7 @@ _HELP = {
     "num_threads": "torch threads per scheduler process; default: the CPU cores split between them",
     "quantization": "w8a16: int8 weights, one scale per output channel; w8a8: the same, and prefill's activations "
                     "int8 per token (int8 x int8 products); prefill and decode servers must match",
-    "enable_trace": "export an OpenTelemetry span tree per request (needs pdserve[trace]; docs/DEPLOYMENT.md)",
-    "otlp_traces_endpoint": "OTLP/HTTP collector: host:port (path /v1/traces) or a full URL",
-    "trace_sample_ratio": "share of requests without a client traceparent that are traced (0..1)",
+    **TRACE_FLAG_HELP,
     "log_requests": "log one JSON line per request with its stages and times (logger pdserve.requests)",
     "disable_decode_gemv": "run decode steps of a few tokens through the prefill linears instead of native gemv",
     "disable_fused_decode": "run the gemv decode steps op by op from Python instead of one native call per step",

@@ -27,7 +27,7 @@ import time
 import uvloop
 
 import pdserve.engine.env as env
-from pdserve.engine.http_site import limited_runner, start_limited_site
+from pdserve.engine.http_site import serve_limited
 from pdserve.entrypoints.cluster import free_port, split_cpus
 from pdserve.entrypoints.loops import rank_loop_builder
 from pdserve.engine.frontend.drain import Drain
@@ -225,10 +225,8 @@ async def serve(config: ServerConfig) -> int:
 
         drain = Drain(config.graceful_shutdown_timeout, lambda: sum(tm.inflight))
         app = build_app(tm, config, metrics, drain)
-        runner = limited_runner(app, config.http_limits, handler_cancellation=True, access_log=None,
-                                shutdown_timeout=1.0)
-        await runner.setup()
-        await start_limited_site(runner, config.host, config.port, config.http_limits)
+        runner = await serve_limited(app, config.host, config.port, config.http_limits, handler_cancellation=True,
+                                     access_log=None, shutdown_timeout=1.0)
         port = runner.addresses[0][1] if runner.addresses else config.port
         logger.info(
             "pdserve serving %s on http://%s:%d (dp_size=%d, tp_size=%d, %d threads per rank, tokenizer %s)",

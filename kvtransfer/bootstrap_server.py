@@ -24,8 +24,8 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.http_json_errors import json_error_middleware
-from pdserve.engine.http_limits import HttpLimits
-from pdserve.engine.http_site import limited_runner, start_limited_site
+from pdserve.engine.http_limits import HTTP_READ_TIMEOUT, HttpLimits
+from pdserve.engine.http_site import serve_limited
 from pdserve.engine.kv_auth import AUTH_HEADER, AuthError, FrameAuth
 from pdserve.engine.kv_transfer_config import DEFAULT_BOOTSTRAP_PORT
 from pdserve.kvtransfer.messages import KV_KINDS, LATENT, RankRegistration, Topology
@@ -53,7 +53,7 @@ class BootstrapServer:
         auth: FrameAuth | None = None,
         on_refused: Callable[[], None] | None = None,
         limits: HttpLimits = HttpLimits(),
-        read_timeout: float = 60.0,
+        read_timeout: float = HTTP_READ_TIMEOUT,
     ):
         if dp_size < 1 or tp_size < 1:
             raise ValueError(f"dp_size and tp_size must be >= 1, got {dp_size}, {tp_size}")
@@ -170,9 +170,7 @@ class BootstrapServer:
     # -------------------------------------------------------------- running
     async def start(self) -> None:
         """Serve on the running event loop."""
-        self._runner = limited_runner(self.app(), self.limits, access_log=None)
-        await self._runner.setup()
-        await start_limited_site(self._runner, self.host, self.port, self.limits)
+        self._runner = await serve_limited(self.app(), self.host, self.port, self.limits, access_log=None)
         self.port = self._runner.addresses[0][1]  # the bound port (port 0 picks one)
 
     async def stop(self) -> None:

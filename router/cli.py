@@ -7,6 +7,7 @@ import argparse
 import logging
 from dataclasses import fields
 
+from pdserve.engine.tracing import TRACE_FLAG_HELP
 from pdserve.router.auth import keys_from_flags
 from pdserve.router.config import LOG_LEVELS, RouterConfig, WorkerSpec
 from pdserve.router.policy import POLICY_NAMES
@@ -106,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "flag; sglang-router's name is accepted too)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default=_D["log_level"])
     p.add_argument("--enable-trace", action="store_true", default=_D["enable_trace"],
-                   help="export an OpenTelemetry span tree per request (needs pdserve[trace])")
+                   help=TRACE_FLAG_HELP["enable_trace"])
     p.add_argument("--otlp-traces-endpoint", default=_D["otlp_traces_endpoint"],
-                   help="OTLP/HTTP collector: host:port (path /v1/traces) or a full URL")
+                   help=TRACE_FLAG_HELP["otlp_traces_endpoint"])
     p.add_argument("--trace-sample-ratio", type=float, default=_D["trace_sample_ratio"],
-                   help="share of requests without a client traceparent that are traced (0..1)")
+                   help=TRACE_FLAG_HELP["trace_sample_ratio"])
     return p
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
-from pdserve.engine.http_limits import HTTP_HEADER_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES, HttpLimits
+from pdserve.engine.http_limits import (HTTP_HEADER_TIMEOUT, HTTP_READ_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES,
+                                        HttpLimits)
 from pdserve.router.policy import POLICY_NAMES
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -88,7 +89,7 @@ class RouterConfig:
     # start and each answer; idle keep-alive too) and to a whole body (else 408); the open
     # connections kept (more are answered 503)
     http_header_timeout: float = HTTP_HEADER_TIMEOUT
-    http_read_timeout: float = 60.0
+    http_read_timeout: float = HTTP_READ_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
     # retries: retry_max_retries counts attempts in total, as sglang-router does (1 = no retry)
     retry_max_retries: int = 5
@@ -124,6 +125,11 @@ class RouterConfig:
     def http_limits(self) -> HttpLimits:
         """The limits of the router's listener."""
         return HttpLimits(self.http_header_timeout, self.max_connections)
+
+    @property
+    def trace(self) -> TraceConfig:
+        """What the tracing flags say (``make_tracer`` takes it)."""
+        return TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)
 
     def __post_init__(self):
         for name in ("policy", "prefill_policy", "decode_policy"):
@@ -167,7 +173,7 @@ class RouterConfig:
             raise ValueError(f"retry_jitter_factor must be in [0, 1], got {self.retry_jitter_factor}")
         if self.retry_backoff_multiplier < 1.0:
             raise ValueError("retry_backoff_multiplier must be >= 1")
-        TraceConfig(self.enable_trace, self.otlp_traces_endpoint, self.trace_sample_ratio)  # checks them
+        self.trace  # raises on a bad --trace-sample-ratio or --otlp-traces-endpoint
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for spec in self.prefill:

@@ -92,7 +92,7 @@ class PDProxy:
         exclude: set[str] = set()
         last: LegFailure | None = None
         query = self.pairing.query(body)  # the request read (and tokenized) once
-        with child_span(self.tracer, "router.route", **{"pdserve.attempt": 0}) as span:
+        with child_span(self.tracer, "router.route", self._route_attributes(0)) as span:
             route = self.pairing.route(query, local=self._local_rule if self._local_allowed(body) else None)
             _describe(span, route)
         if route.local:
@@ -114,8 +114,7 @@ class PDProxy:
                 self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
                 self.metrics.retries_by_cause.inc(last.leg, last.cause)
                 await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
-                with child_span(self.tracer, "router.route", **{"pdserve.attempt": attempt,
-                                                                "pdserve.retry_cause": last.cause or ""}) as span:
+                with child_span(self.tracer, "router.route", self._route_attributes(attempt, last.cause)) as span:
                     route = self.pairing.route(query, exclude)
                     _describe(span, route)
             pair = Pair(route.prefill, route.decode, route.room)
@@ -201,6 +200,15 @@ class PDProxy:
         self.metrics.ttft.observe(time.perf_counter() - t0)
         return web.Response(body=payload, status=status, content_type=ctype or "application/json",
                             headers=headers)
+
+    def _route_attributes(self, attempt: int, retry_cause: str | None = None) -> dict | None:
+        """The ``router.route`` span's first attributes; None (nothing built) when tracing is off."""
+        if self.tracer is None:
+            return None
+        out: dict = {"pdserve.attempt": attempt}
+        if attempt:
+            out["pdserve.retry_cause"] = retry_cause or ""
+        return out
 
     # one attempt, JSON answer ---------------------------------------------
     async def _attempt_json(self, path: str, body: dict, pair: Pair, t0: float) -> web.Response:

@@ -33,9 +33,9 @@ import msgspec
 from aiohttp import web
 
 from pdserve.engine.http_json_errors import json_error_middleware
-from pdserve.engine.http_site import limited_runner, start_limited_site
+from pdserve.engine.http_site import serve_limited
 from pdserve.router.admin_api import AdminApi
-from pdserve.engine.tracing import TraceConfig, Tracer, make_tracer
+from pdserve.engine.tracing import Tracer, make_tracer
 from pdserve.router.admission import Admission
 from pdserve.router.trace_spans import child_span, request_span
 from pdserve.router.admission_metrics import AdmissionGauges
@@ -102,8 +102,7 @@ class Router:
             self.control_headers["Authorization"] = f"Bearer {control_key}"
         self.admin_api = AdminApi(self)
         # --enable-trace: the request's spans (router/trace_spans.py); None: tracing off
-        self.tracer: Tracer | None = make_tracer(TraceConfig(config.enable_trace, config.otlp_traces_endpoint,
-                                                             config.trace_sample_ratio), "pdserve-router")
+        self.tracer: Tracer | None = make_tracer(config.trace, "pdserve-router")
         self.session: aiohttp.ClientSession | None = None
         self.proxy: PDProxy | None = None
         self.upstream: UpstreamPool | None = None
@@ -323,10 +322,8 @@ async def start_router(config: RouterConfig, host: str | None = None,
     """Start a router in the running loop (tests, embedding); returns (router, runner, port)."""
     router = Router(config)
     await router.start()
-    runner = limited_runner(router.make_app(), config.http_limits, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await start_limited_site(runner, host or config.host, config.port if port is None else port,
-                             config.http_limits, backlog=2048)
+    runner = await serve_limited(router.make_app(), host or config.host, config.port if port is None else port,
+                                 config.http_limits, backlog=2048, handler_cancellation=True, access_log=None)
     return router, runner, runner.addresses[0][1]  # the bound port (port 0: chosen by the OS)
 
 

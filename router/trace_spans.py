@@ -43,9 +43,12 @@ def request_span(tracer: Tracer, headers, route: str) -> _Scope:
     return _Scope(tracer, span, parent, attach=True)
 
 
-def child_span(tracer: Tracer | None, name: str, **attributes) -> _Scope:
+_OFF = _Scope(None, None)  # tracing off: one scope that does nothing, shared by every request
+
+
+def child_span(tracer: Tracer | None, name: str, attributes: dict | None = None) -> _Scope:
     """A span under the current one (``router.queue``, ``router.route``); None when tracing is off."""
-    return _Scope(tracer, None if tracer is None else tracer.start(name, attributes=attributes or None))
+    return _OFF if tracer is None else _Scope(tracer, tracer.start(name, attributes=attributes))
 
 
 def leg_span(tracer: Tracer | None, leg: str, endpoint_key: str) -> tuple[Any, bytes]:

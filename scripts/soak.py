@@ -518,6 +518,18 @@ def rolling_main(args, cluster: Cluster, log) -> dict:
 
 
 # -------------------------------------------------------------------------------------- main
+class RunLog:
+    """A run's log folder and its progress lines, each stamped with the seconds since the start."""
+
+    def __init__(self, logdir: str):
+        self.dir = Path(logdir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=None,
@@ -555,12 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hostile:
         return hostile_cli(args)
     faults = [f for f in args.faults.split(",") if f and f != "none"]
-    logdir = Path(args.logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+    log = RunLog(args.logdir)
+    logdir, t0 = log.dir, log.t0
 
     cluster = Cluster(args.prefills, args.decodes, logdir, args.server_arg, [])
     log(f"starting {args.prefills}P{args.decodes}D + router (logs in {logdir})")
@@ -639,12 +647,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def rolling_cli(args) -> int:
-    logdir = Path(args.logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+    log = RunLog(args.logdir)
+    logdir = log.dir
 
     cluster = Cluster(args.prefills, args.decodes, logdir,
                       ["--graceful-shutdown-timeout", str(args.drain_timeout), *args.server_arg],
@@ -780,12 +784,8 @@ def router_listing(router_url: str, headers: dict) -> dict:
 
 
 def hostile_cli(args) -> int:
-    logdir = Path(args.logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    t0 = time.monotonic()
-
-    def log(msg: str) -> None:
-        print(f"[{time.monotonic() - t0:7.1f}s] {msg}", flush=True)
+    log = RunLog(args.logdir)
+    logdir = log.dir
 
     key_file = logdir / "router-admin-key"
     key = os.urandom(24).hex()

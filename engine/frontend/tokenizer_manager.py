@@ -45,7 +45,7 @@ from pdserve.engine.model_executor.sampling_defaults import model_sampling_defau
 from pdserve.engine.frontend.seq_state import Delta, SeqState, TokenLogprob
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.request_trace import SeqTrace, record_sequence
-from pdserve.engine.tracing import TraceConfig, Tracer, make_tracer
+from pdserve.engine.tracing import Tracer, make_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ class TokenizerManager:
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._control: dict[int, list[asyncio.Future]] = {}  # req_id -> one future per DP rank
         # --enable-trace: each sequence's stage spans (request_trace.py); None: tracing off
-        self.tracer: Tracer | None = make_tracer(TraceConfig(config.enable_trace, config.otlp_traces_endpoint,
-                                                             config.trace_sample_ratio), "pdserve-" + config.disaggregation_mode)
+        self.tracer: Tracer | None = make_tracer(config.trace, "pdserve-" + config.disaggregation_mode)
         self._traces: dict[str, SeqTrace] = {}  # rid -> its spans' parent, while in flight (tracing on)
 
     # --- start and stop --------------------------------------------------------------------

@@ -15,6 +15,8 @@ A layer without routed experts (DeepSeek's first dense layers) keeps a row of ze
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from pdserve.engine.messages import MetricFamily, MetricSample
@@ -111,11 +113,11 @@ class ExpertRecorder:
         ]
 
 
-def a2a_families(model) -> list[MetricFamily]:
-    """The MoE layers' all-to-all exchange counters of this rank, summed over layers (0 where the
+def a2a_families(layers: Iterable[FusedMoE]) -> list[MetricFamily]:
+    """The MoE ``layers``' all-to-all exchange counters of this rank, summed over layers (0 where the
     backend moves nothing: ``none`` and EP 1)."""
     sent = seconds = calls = 0.0
-    for layer in (moe_layers(model) if model is not None else {}).values():
+    for layer in layers:
         stats = getattr(layer.exchange, "stats", None)
         if stats is not None:
             sent += stats.bytes_sent

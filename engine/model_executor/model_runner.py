@@ -224,7 +224,7 @@ class ModelRunner:
         while recording, the expert load (``expert_recorder.py``); none for a dense model."""
         if self.model is None or not self.expert_recorder.has_experts:
             return []
-        return a2a_families(self.model) + self.expert_recorder.families()
+        return a2a_families(self.expert_recorder.layers.values()) + self.expert_recorder.families()
 
     def release_weights(self) -> None:
         """Free the weights (``resume_weights`` reloads them from ``model_path``)."""

@@ -21,7 +21,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from pdserve.engine.http_site import limited_runner, start_limited_site
+from pdserve.engine.http_site import serve_limited
 from pdserve.entrypoints.planner import profile as prof
 from pdserve.entrypoints.planner.connector import Connector, connector_class
 from pdserve.entrypoints.planner.planner_config import PlannerConfig
@@ -172,9 +172,7 @@ async def serve_planner(config: PlannerConfig, stop: asyncio.Event | None = None
     """Run the planner until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
     process = PlannerProcess(config, connector)
     await asyncio.to_thread(process.start)
-    runner = limited_runner(process.make_app(), config.http_limits, access_log=None)
-    await runner.setup()
-    await start_limited_site(runner, config.host, config.port, config.http_limits)
+    runner = await serve_limited(process.make_app(), config.host, config.port, config.http_limits, access_log=None)
     port = runner.addresses[0][1]
     log.info("planner on http://%s:%d/metrics; router %s; connector %s", config.host, port, config.router,
              config.connector)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import threading
-import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -36,7 +35,7 @@ def _value(v):
 class OtlpReceiver:
     def __init__(self, port: int = 0):
         self.spans: list[ReceivedSpan] = []
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()  # notified as each export lands
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -74,6 +73,7 @@ class OtlpReceiver:
                                             s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes}))
         with self.lock:
             self.spans.extend(got)
+            self.lock.notify_all()
 
     def of_trace(self, trace_id: str) -> list[ReceivedSpan]:
         with self.lock:
@@ -81,13 +81,14 @@ class OtlpReceiver:
 
     def wait_for(self, trace_id: str, names: set[str], timeout: float = 60.0) -> list[ReceivedSpan]:
         """The trace's spans once every name in ``names`` is among them (the exporters batch)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            spans = self.of_trace(trace_id)
-            if names <= {s.name for s in spans}:
-                return spans
-            assert time.monotonic() < deadline, f"missing {names - {s.name for s in spans}}; got {spans}"
-            time.sleep(0.1)
+        def complete() -> bool:
+            return names <= {s.name for s in self.spans if s.trace_id == trace_id}
+
+        with self.lock:
+            if not self.lock.wait_for(complete, timeout):
+                got = [s for s in self.spans if s.trace_id == trace_id]
+                raise AssertionError(f"missing {names - {s.name for s in got}}; got {got}")
+            return [s for s in self.spans if s.trace_id == trace_id]
 
     def close(self) -> None:
         self.server.shutdown()
