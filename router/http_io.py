@@ -23,8 +23,10 @@ async def read_body(request: web.Request, limit: int, timeout: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise payload_too_large(limit)
     try:
-        async with asyncio.timeout(timeout):
+        if request.content.is_eof():  # all of it came with the head (most requests): nothing to time
             return await request.read()  # the application's client_max_size is the same limit
+        async with asyncio.timeout(timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise payload_too_large(limit) from None
     except TimeoutError:
