@@ -24,6 +24,7 @@ method (405) included (``json_errors``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -60,6 +61,10 @@ log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode
 _encode = msgspec.json.encode
 INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+# a request leaves ~12 container objects to the cyclic collector: at CPython's default 700 a
+# collection every ~60 requests, and every hundredth of them walks the whole start-up heap (8 us
+# per request, measured); frozen start-up objects and a larger first generation take that to ~0
+GC_GEN0_THRESHOLD = 20_000
 
 
 def _render_error(status: int, message: str) -> web.Response:
@@ -333,6 +338,8 @@ def serve(config: RouterConfig) -> None:
 
     async def run():
         router, runner, port = await start_router(config)
+        gc.freeze()  # what start-up built lives as long as the router: no collection walks it again
+        gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
         log.info("router listening on %s:%d; prefill %s; decode %s", config.host, port,
                  [w.url for w in router.registry.workers("prefill")],
                  [w.url for w in router.registry.workers("decode")])
