@@ -90,7 +90,7 @@ def move_experts(layer: FusedMoE, new: ExpertPlacement) -> int:
     pending, received = [], {}
     for k, (dst, e, src) in enumerate(plan):
         if src == me:
-            w13, w2 = layer.local_weights(layer._slots[e][0])
+            w13, w2 = layer.local_weights(layer.slots_of[e][0])
             pending += [(dist.isend(w13, peer(dst), tag=2 * k), w13), (dist.isend(w2, peer(dst), tag=2 * k + 1), w2)]
         if dst == me:
             w13 = torch.empty(2 * layer.inter, layer.hidden, dtype=layer.plan.dtype, device=layer.plan.device)
@@ -101,6 +101,6 @@ def move_experts(layer: FusedMoE, new: ExpertPlacement) -> int:
         work.wait()
     slots = []
     for e in new.experts_of(me):
-        slots.append(layer.local_weights(layer._slots[e][0]) if layer._slots[e] else received[e])
+        slots.append(layer.local_weights(layer.slots_of[e][0]) if layer.slots_of[e] else received[e])
     layer.install(new, torch.stack([a for a, _ in slots]), torch.stack([b for _, b in slots]))
     return len(plan)

@@ -140,7 +140,7 @@ class FusedMoE:
                              f"not fit this layer's {self.num_experts} over {ep.ep_size}")
         self.placement = placement
         self.local_experts = placement.experts_of(ep.ep_rank)  # logical ids, by local index
-        self._slots = [[i for i, e in enumerate(self.local_experts) if e == x] for x in range(self.num_experts)]
+        self.slots_of = [[i for i, e in enumerate(self.local_experts) if e == x] for x in range(self.num_experts)]
         local_of = torch.tensor(placement.local_ids(ep.ep_rank), dtype=torch.int64, device=dev)
         stats = getattr(self.exchange, "stats", None)
         if ep.a2a_backend == "gloo":
@@ -166,7 +166,7 @@ class FusedMoE:
     def weight_loader(self, param: str, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
         if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"expert shard_id must be w1, w2 or w3, got {shard_id!r}")
-        for e in self._slots[expert_id]:  # none where another EP rank holds this expert
+        for e in self.slots_of[expert_id]:  # none where another EP rank holds this expert
             if shard_id == "w1":
                 self.w13[e, : self.inter].copy_(loaded[self.rows])
             elif shard_id == "w3":
@@ -196,10 +196,10 @@ class FusedMoE:
     def read_back(self, param: str, shard_id: str, expert_id: int) -> torch.Tensor:
         """Expert ``expert_id``'s float32 matrix ``shard_id`` of this rank (``get_weights_by_name``);
         ValueError for an expert another EP rank holds."""
-        if not self._slots[expert_id]:
+        if not self.slots_of[expert_id]:
             owners = sorted({self.placement.owner[p] for p in self.placement.replicas()[expert_id]})
             raise ValueError(f"expert {expert_id} is held by EP rank {owners[0]}, not this rank ({self.ep_rank})")
-        return self.method.dense(self._slots[expert_id][0], shard_id)
+        return self.method.dense(self.slots_of[expert_id][0], shard_id)
 
     def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Logical expert ids [T, k] -> physical slots [T, k]: token t takes replica t mod n of its
