@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pdserve.engine.mem_cache.hicache_names import check_hicache
 from pdserve.engine.mem_cache.storage_backend import parse_extra_config
 from pdserve.engine.text.chat_templates import check_chat_template
-from pdserve.engine.model_executor.ep_names import check_ep
+from pdserve.engine.model_executor.ep_names import check_ep, check_placement_flags
 from pdserve.engine.quantization_names import UNQUANTIZED, check_quantization
 from pdserve.engine.speculative_names import check_speculative
 from pdserve.engine.lora_names import check_lora
@@ -110,6 +110,14 @@ class EngineConfig:
     # "deepep" (DeepEP, CUDA)
     ep_size: int = 1
     moe_a2a_backend: str = "none"
+    # expert placement (SGLang's flags; docs/ENGINE.md, "Expert placement and EPLB"): R extra physical
+    # expert slots holding replicas of logical experts; init_expert_location: "trivial" or a JSON file
+    # (model_executor/expert_location.py); enable_eplb: every eplb_rebalance_num_iterations steps a
+    # new placement from the recorded load, the weights moved between the EP ranks
+    ep_num_redundant_experts: int = 0
+    init_expert_location: str = "trivial"
+    enable_eplb: bool = False
+    eplb_rebalance_num_iterations: int = 1000
     # LoRA adapters (SGLang's flags; docs/USER_GUIDE.md, "LoRA adapters"): PEFT checkpoints named
     # NAME=PATH (or PATH, named by itself), served per request (``lora_path``, or OpenAI's
     # "model": "base:NAME"); lora_paths implies enable_lora. max_loras_per_batch: the adapters one
@@ -156,6 +164,8 @@ class EngineConfig:
             raise ValueError("num_reserved_decode_tokens must be >= 0")
         check_attention_backend(self.attention_backend)
         check_ep(self.ep_size, self.moe_a2a_backend)
+        check_placement_flags(self.ep_size, self.moe_a2a_backend, self.ep_num_redundant_experts,
+                              self.init_expert_location, self.enable_eplb, self.eplb_rebalance_num_iterations)
         if self.moe_a2a_backend == "deepep" and not self.device.startswith("cuda"):
             raise ValueError(f"moe_a2a_backend 'deepep' runs on CUDA only, got device {self.device!r} "
                              "(use 'gloo' on CPU)")

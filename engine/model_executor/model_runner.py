@@ -27,7 +27,9 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
-from pdserve.engine.model_executor.expert_recorder import ExpertRecorder, a2a_families
+from pdserve.engine.model_executor.eplb import ExpertBalancer
+from pdserve.engine.model_executor.expert_location import expert_locations
+from pdserve.engine.model_executor.expert_recorder import ExpertRecorder, a2a_families, moe_layers
 from pdserve.engine.model_executor.model_config import ModelArch
 from pdserve.engine.model_executor.lora_manager import LoraManager
 from pdserve.engine.model_executor.model_loader import load_model, read_q8_0_blocks
@@ -127,6 +129,7 @@ class ModelRunner:
         self.ep = init_ep(config.ep_size, config.moe_a2a_backend)  # read by every FusedMoE the model builds
         self.model: CausalLM | None = self._build_model(weights, source)
         self.expert_recorder = ExpertRecorder(self.model, arch.num_layers, self.device)
+        self.eplb = self._expert_balancer()
         del weights
         # --enable-lora: the adapters of --lora-paths, put into the model's slots on demand
         self.lora = LoraManager(config, self.model, arch.num_layers) if config.enable_lora else None
@@ -197,7 +200,28 @@ class ModelRunner:
         return build_model(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
                            quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
                            fused_decode=not self.config.disable_fused_decode,
-                           gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0)
+                           gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0,
+                           before_load=self._place_experts)
+
+    def _place_experts(self, model: CausalLM) -> None:
+        """Give the MoE layers their starting placement (``--init-expert-location``, with
+        ``--ep-num-redundant-experts`` slots) before their weights load."""
+        layers = moe_layers(model)
+        config = self.config
+        if not layers or (config.ep_num_redundant_experts == 0 and config.init_expert_location == "trivial"):
+            return
+        first = next(iter(layers.values()))
+        placements = expert_locations(config.init_expert_location, self.arch.num_layers, sorted(layers),
+                                      first.num_experts, config.ep_num_redundant_experts, self.ep.ep_size)
+        for i, layer in layers.items():
+            layer.set_placement(placements[i])
+
+    def _expert_balancer(self) -> ExpertBalancer | None:
+        """``--enable-eplb``: the balancer of this model's MoE layers; None when off or dense."""
+        if not self.config.enable_eplb or not self.expert_recorder.has_experts:
+            return None
+        return ExpertBalancer(self.expert_recorder.layers, self.arch.num_layers,
+                              self.config.eplb_rebalance_num_iterations, self.device)
 
     # ------------------------------------------------------------- weights
     def load_weights(self, model_path: str | None) -> None:
@@ -214,6 +238,7 @@ class ModelRunner:
             self.lora.attach(self.model)
         self.model_path, self.model_source = model_path, source
         self.expert_recorder.attach(self.model)  # the new layers count into the same record
+        self.eplb = self._expert_balancer()  # the new layers start from --init-expert-location again
         if self.page_pool.model:
             self.page_pool.model = self._identity(source)
         self._capture_graphs()
@@ -230,6 +255,7 @@ class ModelRunner:
         """Free the weights (``resume_weights`` reloads them from ``model_path``)."""
         self.model = None
         self.expert_recorder.attach(None)  # its layers hold the weights too
+        self.eplb = None  # and so do the balancer's
         self.graph_runner = None  # its graphs hold the weights too
         gc.collect()
         trim_heap()
@@ -250,9 +276,13 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
+        if self.eplb is not None:  # a rebalance, when due, runs at this step boundary on every rank
+            self.eplb.step()
         graphs = self.graph_runner
         # a captured graph holds no expert counting: steps run eagerly while the experts are recorded
-        if graphs is not None and after_layer is None and not self.expert_recorder.recording and graphs.can_run(batch):
+        # or balanced
+        if (graphs is not None and after_layer is None and not self.expert_recorder.recording
+                and self.eplb is None and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend, after_layer)

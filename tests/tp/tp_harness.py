@@ -27,7 +27,10 @@ def _expert_record(runner, run) -> dict:
     own = runner.expert_recorder.counts.tolist()
     families = {s.name: s.value for f in runner.model_families() for s in f.samples if not s.labels}
     runner.expert_recorder.stop()
-    return {"result": result, "own": own, "dump": runner.expert_recorder.dump().tolist(), "metrics": families}
+    layers = runner.expert_recorder.layers
+    eplb = None if runner.eplb is None else [runner.eplb.rebalances, runner.eplb.moved]
+    return {"result": result, "own": own, "dump": runner.expert_recorder.dump().tolist(), "metrics": families,
+            "placement": {i: list(layer.placement.physical_to_logical) for i, layer in layers.items()}, "eplb": eplb}
 
 
 def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out,
@@ -62,7 +65,8 @@ def run_tp(model_path: str | None, tp: int, prompts: list[list[int]], max_new: i
     """``(tokens, logits, {rank: (pool k shape, HeadShard)})`` of a greedy run at TP ``tp``;
     ``engine_kw``: more ``EngineConfig`` fields (e.g. ``ep_size``). ``record_experts``: the run is
     recorded (``expert_recorder``) and each rank's entry gains a third item, ``{"own": its counts,
-    "dump": the group's, "metrics": its MoE counters by sample name}``."""
+    "dump": the group's, "metrics": its MoE counters by sample name, "placement": each MoE layer's
+    physical -> logical map at the end, "eplb": [rebalances, expert copies moved] or None}``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"

@@ -107,48 +107,72 @@ class FusedMoE:
         split, split_rank = (ep.moe_tp_size, ep.moe_tp_rank) if ep.ep_size > 1 else (tp.size, tp.rank)
         if intermediate % split:
             raise ValueError(f"tp_size {split} does not divide the experts' intermediate size {intermediate}")
-        self.placement: ExpertPlacement = contiguous_placement(num_experts, ep.ep_size)
+        self.plan, self.hidden, self.ep = plan, hidden, ep
         self.ep_rank = ep.ep_rank
-        self.local_experts = self.placement.experts_of(ep.ep_rank)  # global ids, by local index
-        n_local = len(self.local_experts)
-        local_of = torch.tensor(self.placement.local_ids(ep.ep_rank), dtype=torch.int64, device=plan.device)
+        inter = intermediate // split
+        self.rows = slice(split_rank * inter, (split_rank + 1) * inter)
+        self.inter = inter
+        self.method = method or PerExpertMoEMethod(plan, num_experts)
+        # expert statistics (``expert_recorder.py``): this layer's row of the counts while recording,
+        # else None; a rank counts the slots routed to the experts it holds (one rank per EP rank).
+        # ``load``: the same count for EPLB (``eplb.py``), None when it is off
+        self.record: torch.Tensor | None = None
+        self.load: torch.Tensor | None = None
+        self.counts_tokens = ep.moe_tp_rank == 0 if ep.ep_size > 1 else tp.rank == 0
+        self.exchange = None
+        self.set_placement(contiguous_placement(num_experts, ep.ep_size))
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Hold the slots ``placement`` gives this rank, before the weights load (they are empty
+        after this); ``install`` changes the placement of loaded weights."""
+        self._use_placement(placement)
+        n_local = placement.slots_per_rank
+        self.w13: torch.Tensor | None = torch.empty(n_local, 2 * self.inter, self.hidden, dtype=self.plan.dtype,
+                                                    device=self.plan.device)
+        self.w2: torch.Tensor | None = torch.empty(n_local, self.hidden, self.inter, dtype=self.plan.dtype,
+                                                   device=self.plan.device)
+
+    def _use_placement(self, placement: ExpertPlacement) -> None:
+        """The id maps of ``placement``: routing (logical -> physical), the exchange's, counting."""
+        ep, dev = self.ep, self.plan.device
+        if placement.num_logical != self.num_experts or placement.ep_size != ep.ep_size:
+            raise ValueError(f"a placement of {placement.num_logical} experts over {placement.ep_size} EP ranks does "
+                             f"not fit this layer's {self.num_experts} over {ep.ep_size}")
+        self.placement = placement
+        self.local_experts = placement.experts_of(ep.ep_rank)  # logical ids, by local index
+        self.slots_of = [[i for i, e in enumerate(self.local_experts) if e == x] for x in range(self.num_experts)]
+        local_of = torch.tensor(placement.local_ids(ep.ep_rank), dtype=torch.int64, device=dev)
+        stats = getattr(self.exchange, "stats", None)
         if ep.a2a_backend == "gloo":
-            owner = torch.tensor(self.placement.owner, dtype=torch.int64, device=plan.device)
-            local_all = torch.tensor(self.placement.local, dtype=torch.int64, device=plan.device)
+            owner = torch.tensor(placement.owner, dtype=torch.int64, device=dev)
+            local_all = torch.tensor(placement.local, dtype=torch.int64, device=dev)
             self.exchange = AllToAllExchange(owner, local_all, ep.ep_rank, ep.ep_size)
         elif ep.a2a_backend == "deepep":
             from pdserve.engine.model_executor.layers.moe_a2a_deepep import DeepEPExchange
 
-            self.exchange = DeepEPExchange(self.placement, ep.ep_rank, hidden, plan.dtype)
+            self.exchange = DeepEPExchange(placement, ep.ep_rank, self.hidden, self.plan.dtype)
         else:
             self.exchange = ReplicatedExchange(local_of)
-        inter = intermediate // split
-        self.rows = slice(split_rank * inter, (split_rank + 1) * inter)
-        self.inter = inter
-        self.w13: torch.Tensor | None = torch.empty(n_local, 2 * inter, hidden, dtype=plan.dtype,
-                                                    device=plan.device)
-        self.w2: torch.Tensor | None = torch.empty(n_local, hidden, inter, dtype=plan.dtype, device=plan.device)
-        self.method = method or PerExpertMoEMethod(plan, n_local)
-        self.method.num_experts = n_local
-        # expert statistics (``expert_recorder.py``): this layer's row of the counts while recording,
-        # else None; a rank counts the slots routed to the experts it holds (one rank per EP rank)
-        self.record: torch.Tensor | None = None
-        self.counts_tokens = ep.moe_tp_rank == 0 if ep.ep_size > 1 else tp.rank == 0
-        held = [1 if self.counts_tokens and r == ep.ep_rank else 0 for r in self.placement.owner]
-        self._held = torch.tensor(held, dtype=torch.int64, device=plan.device)  # [E]
+        if stats is not None:  # the all-to-all counters run on across a new placement
+            self.exchange.stats = stats
+        # routing: token t's slot for expert e is replicas[e, t % num_replicas[e]]
+        self._identity = placement.is_identity
+        self._replicas = torch.tensor(placement.replica_table(), dtype=torch.int64, device=dev)  # [E, R + 1]
+        self._num_replicas = torch.tensor([len(r) for r in placement.replicas()], dtype=torch.int64, device=dev)
+        held = [1 if self.counts_tokens and r == ep.ep_rank else 0 for r in placement.owner]
+        self._held = torch.tensor(held, dtype=torch.int64, device=dev)  # [P]
+        self.method.num_experts = placement.slots_per_rank
 
     def weight_loader(self, param: str, loaded: torch.Tensor, shard_id: str, expert_id: int) -> None:
         if shard_id not in ("w1", "w2", "w3"):
             raise ValueError(f"expert shard_id must be w1, w2 or w3, got {shard_id!r}")
-        if self.placement.owner[expert_id] != self.ep_rank:
-            return  # another EP rank holds this expert
-        e = self.placement.local[expert_id]
-        if shard_id == "w1":
-            self.w13[e, : self.inter].copy_(loaded[self.rows])
-        elif shard_id == "w3":
-            self.w13[e, self.inter :].copy_(loaded[self.rows])
-        else:
-            self.w2[e].copy_(loaded[:, self.rows])
+        for e in self.slots_of[expert_id]:  # none where another EP rank holds this expert
+            if shard_id == "w1":
+                self.w13[e, : self.inter].copy_(loaded[self.rows])
+            elif shard_id == "w3":
+                self.w13[e, self.inter :].copy_(loaded[self.rows])
+            else:
+                self.w2[e].copy_(loaded[:, self.rows])
 
     def process_weights(self) -> None:
         """Hand the loaded matrices to the method (once)."""
@@ -157,13 +181,34 @@ class FusedMoE:
         self.method.prepare(self.w13, self.w2)
         self.w13 = self.w2 = None
 
+    def local_weights(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local slot ``slot``'s (w13 [2 I, K], w2 [K, I]) in the model dtype, as loaded (unquantized
+        methods give back exactly what they were given)."""
+        dtype = self.plan.dtype
+        w13 = torch.cat([self.method.dense(slot, "w1"), self.method.dense(slot, "w3")]).to(dtype)
+        return w13, self.method.dense(slot, "w2").to(dtype)
+
+    def install(self, placement: ExpertPlacement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Switch to ``placement`` with this rank's new slots' weights w13 [S, 2 I, K], w2 [S, K, I]."""
+        self._use_placement(placement)
+        self.method.prepare(w13, w2)
+
     def read_back(self, param: str, shard_id: str, expert_id: int) -> torch.Tensor:
         """Expert ``expert_id``'s float32 matrix ``shard_id`` of this rank (``get_weights_by_name``);
         ValueError for an expert another EP rank holds."""
-        if self.placement.owner[expert_id] != self.ep_rank:
-            raise ValueError(f"expert {expert_id} is held by EP rank {self.placement.owner[expert_id]}, "
-                             f"not this rank ({self.ep_rank})")
-        return self.method.dense(self.placement.local[expert_id], shard_id)
+        if not self.slots_of[expert_id]:
+            owners = sorted({self.placement.owner[p] for p in self.placement.replicas()[expert_id]})
+            raise ValueError(f"expert {expert_id} is held by EP rank {owners[0]}, not this rank ({self.ep_rank})")
+        return self.method.dense(self.slots_of[expert_id][0], shard_id)
+
+    def physical_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids [T, k] -> physical slots [T, k]: token t takes replica t mod n of its
+        expert's n replicas, so a replicated expert's tokens split between them."""
+        if self._identity:
+            return topk_ids
+        n = self._num_replicas[topk_ids]  # [T, k]
+        col = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None] % n
+        return self._replicas[topk_ids, col]
 
     def select_experts(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
@@ -183,8 +228,11 @@ class FusedMoE:
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` with the routing chosen by the caller (a model's own gate): topk_weights
         [T, k] float32, topk_ids [T, k] int64 -> residual + the weighted sum over the group, [T, hidden]."""
-        if self.record is not None:
-            flat = topk_ids.reshape(-1)  # [T k]
-            self.record.scatter_add_(0, flat, self._held[flat])
-        y = self.exchange.run(x, topk_weights, topk_ids, step, self.method.apply)
+        physical = self.physical_ids(topk_ids)
+        if self.record is not None or self.load is not None:
+            flat, held = topk_ids.reshape(-1), self._held[physical.reshape(-1)]  # [T k]
+            for counts in (self.record, self.load):
+                if counts is not None:
+                    counts.scatter_add_(0, flat, held)
+        y = self.exchange.run(x, topk_weights, physical, step, self.method.apply)
         return y if residual is None else residual + y

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement, contiguous_placement
+from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement
 from pdserve.engine.model_executor.layers.kernel_plan import Step
 from pdserve.engine.model_executor.layers.moe_a2a import ExchangeStats, Experts
 
@@ -32,9 +32,10 @@ class DeepEPExchange:
             from deep_ep import Buffer
         except ImportError as e:
             raise RuntimeError("moe_a2a_backend 'deepep' needs the deep_ep package (DeepEP, built for CUDA)") from e
-        if placement != contiguous_placement(len(placement.owner), placement.ep_size):
-            raise ValueError("moe_a2a_backend 'deepep' needs the contiguous expert placement")
-        self.num_experts, self.rank, self.hidden = len(placement.owner), rank, hidden
+        if not placement.is_identity:
+            raise ValueError("moe_a2a_backend 'deepep' needs the contiguous expert placement (no redundant experts, "
+                             "no --init-expert-location, no EPLB)")
+        self.num_experts, self.rank, self.hidden = placement.num_physical, rank, hidden
         self.group = dist.group.WORLD
         size = dist.get_world_size()
         rdma = Buffer.get_low_latency_rdma_size_hint(MAX_DISPATCH_TOKENS_PER_RANK, hidden, size, self.num_experts)

@@ -7,6 +7,7 @@ module of this package is imported at the first lookup, so a new model is one ne
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 import pkgutil
 
 import torch
@@ -54,15 +55,19 @@ def model_class(architecture: str) -> type[CausalLM]:
 def build_model(arch: ModelArch, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
                 prepack: bool = False, tp: HeadShard | None = None, quantization: str = UNQUANTIZED, gemv: bool = True,
                 fused_decode: bool = True, gemm: bool = True, lora: bool = False,
-                q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> CausalLM:
+                q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                before_load: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """``arch``'s model with ``weights`` loaded (HF names), its kernels chosen
     (``KernelPlan.choose``: ``prepack``, ``gemv``, ``gemm``, ``quantization``; ``fused_decode``:
     small decode steps' layers in one native call where the model allows it; ``lora``: the
     projections stay unfused for LoRA deltas). ``q8_0``: a GGUF
-    file's Q8_0 matrices as stored, kept as int8 where the weights are int8."""
+    file's Q8_0 matrices as stored, kept as int8 where the weights are int8. ``before_load``: runs on
+    the built model before its weights load (the runner places the MoE layers' experts there)."""
     arch.check_tp_size(1 if tp is None else tp.size)
     tp = tp or head_shard(0, 1, arch.num_heads, arch.num_kv_heads)
     plan = KernelPlan.choose(dtype, device, quantization, prepack=prepack, gemv=gemv, gemm=gemm, lora=lora)
     model = model_class(arch.architecture)(arch, plan, tp, fused_decode=fused_decode)
+    if before_load is not None:
+        before_load(model)
     model.load_weights(weights, q8_0)
     return model

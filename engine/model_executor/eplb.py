@@ -1,0 +1,106 @@
+"""EPLB at run time (``--enable-eplb``): every ``--eplb-rebalance-num-iterations`` steps, a new
+placement of each MoE layer's experts from the load counted since the last one, and the weights
+moved to the ranks that now hold them.
+
+Each ``FusedMoE`` adds the (token, slot) pairs routed to the replicas this rank holds to its row
+of ``load`` (as the expert recorder counts, independently of it: the recorder keeps its own
+counts, by logical expert, across a rebalance). At the step boundary every TP rank runs the same
+``step`` in lockstep (identical scheduling on every rank): one all-reduce sums the group's load,
+``ep_rebalance.rebalance_layer`` (pure, so identical on every rank) gives the new placement, and
+an expert a rank now holds and did not hold before comes from a rank that held it, by gloo
+point-to-point (each (expert, destination) a tagged send and receive, all posted before any
+wait); the rank with the same ``moe_tp_rank`` sends, so a split expert's rows move as slices.
+No request is dropped: the step that follows runs on the new placement.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement
+from pdserve.engine.model_executor.layers.ep_rebalance import rank_imbalance, rebalance_layer
+from pdserve.engine.model_executor.layers.moe import FusedMoE
+from pdserve.engine.model_executor.parallel import all_reduce, tp_size
+
+logger = logging.getLogger(__name__)
+
+
+class ExpertBalancer:
+    """Counts the steps and rebalances the ``layers`` (by decoder layer index) every ``every`` of them."""
+
+    def __init__(self, layers: dict[int, FusedMoE], num_layers: int, every: int, device: torch.device):
+        if any(layer.plan.quantized for layer in layers.values()):
+            raise ValueError("enable_eplb needs unquantized expert weights (it moves them as loaded)")
+        self.layers, self.every = layers, every
+        self.steps = self.rebalances = self.moved = 0
+        num_experts = next(iter(layers.values())).num_experts if layers else 0
+        self.load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
+        for i, layer in layers.items():
+            layer.load = self.load[i]
+
+    def step(self) -> None:
+        """Before each forward step: rebalance when ``every`` steps ran since the last one."""
+        if self.steps and self.steps % self.every == 0:
+            self.rebalance()
+        self.steps += 1
+
+    def rebalance(self) -> None:
+        """New placements from the group's load; every TP rank calls it at the same step."""
+        total = self.load.clone()
+        if tp_size() > 1:
+            total = all_reduce(total)
+        total = total.tolist()
+        moved = 0
+        for i, layer in self.layers.items():
+            new = rebalance_layer(total[i], layer.placement)
+            if new != layer.placement:
+                before = rank_imbalance(layer.placement, total[i])
+                moved += move_experts(layer, new)
+                logger.debug("EPLB layer %d: rank imbalance %.3f -> %.3f", i, before, rank_imbalance(new, total[i]))
+        self.load.zero_()
+        self.rebalances += 1
+        self.moved += moved
+        logger.info("EPLB rebalance %d at step %d: %d expert copies moved between ranks", self.rebalances,
+                    self.steps, moved)
+
+
+def transfers(old: ExpertPlacement, new: ExpertPlacement) -> list[tuple[int, int, int]]:
+    """(destination EP rank, logical expert, source EP rank) for each expert a rank holds under
+    ``new`` and not under ``old``, in one order every rank computes alike; the source is the
+    lowest rank that held it."""
+    out = []
+    for r in range(new.ep_size):
+        have = set(old.experts_of(r))
+        for e in sorted(set(new.experts_of(r)) - have):
+            out.append((r, e, min(old.owner[p] for p in old.replicas()[e])))
+    return out
+
+
+def move_experts(layer: FusedMoE, new: ExpertPlacement) -> int:
+    """Give ``layer`` placement ``new`` with its weights; returns the expert copies the group moved."""
+    ep, me = layer.ep, layer.ep_rank
+    plan = transfers(layer.placement, new)
+
+    def peer(ep_rank: int) -> int:  # the TP rank of that EP rank holding this rank's rows
+        return ep_rank * ep.moe_tp_size + ep.moe_tp_rank
+
+    pending, received = [], {}
+    for k, (dst, e, src) in enumerate(plan):
+        if src == me:
+            w13, w2 = layer.local_weights(layer.slots_of[e][0])
+            pending += [(dist.isend(w13, peer(dst), tag=2 * k), w13), (dist.isend(w2, peer(dst), tag=2 * k + 1), w2)]
+        if dst == me:
+            w13 = torch.empty(2 * layer.inter, layer.hidden, dtype=layer.plan.dtype, device=layer.plan.device)
+            w2 = torch.empty(layer.hidden, layer.inter, dtype=layer.plan.dtype, device=layer.plan.device)
+            pending += [(dist.irecv(w13, peer(src), tag=2 * k), w13), (dist.irecv(w2, peer(src), tag=2 * k + 1), w2)]
+            received[e] = (w13, w2)
+    for work, _ in pending:
+        work.wait()
+    slots = []
+    for e in new.experts_of(me):
+        slots.append(layer.local_weights(layer.slots_of[e][0]) if layer.slots_of[e] else received[e])
+    layer.install(new, torch.stack([a for a, _ in slots]), torch.stack([b for _, b in slots]))
+    return len(plan)
