@@ -251,8 +251,9 @@ class ModelRunner:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
         graphs = self.graph_runner
-        # a captured graph holds no expert counting: steps run eagerly while the experts are recorded
-        if graphs is not None and after_layer is None and not self.expert_recorder.recording and graphs.can_run(batch):
+        # a captured graph holds no expert counting and keeps no hidden states: such steps run eagerly
+        if (graphs is not None and after_layer is None and not self.expert_recorder.recording
+                and not getattr(self.model, "keep_hidden", False) and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend, after_layer)
