@@ -41,6 +41,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.pd_rules import local_prefill_refusal
+from pdserve.engine.speculative_names import NEXTN, NEXTN_PD_REFUSAL
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -71,6 +72,8 @@ class DecodeLoop(SchedulerLoop):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
         Timeouts run on ``kv.clock``, so a test can move time for both. ``max_local_prefill_tokens``:
         the longest prompt prefilled here when it comes without bootstrap fields (0: none)."""
+        if config.speculative_algorithm == NEXTN:
+            raise ValueError(NEXTN_PD_REFUSAL)
         super().__init__(local_prefill_config(config, max_local_prefill_tokens), dp_rank, runner)
         self.max_local_prefill_tokens = max_local_prefill_tokens
         if kv.pool is not self.pool:

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 from pdserve.engine.quantization_names import QUANTIZATIONS
 
-NGRAM, STANDALONE = "NGRAM", "STANDALONE"
-SPECULATIVE_ALGORITHMS = (NGRAM, STANDALONE)
+NGRAM, STANDALONE, NEXTN = "NGRAM", "STANDALONE", "NEXTN"
+SPECULATIVE_ALGORITHMS = (NGRAM, STANDALONE, NEXTN)
+# the MTP drafts from the target's hidden state at every position; a PD prefill does not hand them over
+NEXTN_PD_REFUSAL = ("speculative_algorithm NEXTN serves colocated only (disaggregation_mode null): a decode "
+                    "server gets no hidden states of the prompt from the prefill")
 MAX_DRAFT_TOKENS = 16  # per sequence and step: the verify step's query rows grow with it
 MAX_NGRAM_BRANCHES = 8  # NGRAM's candidate continuations merged into a draft tree
 
@@ -27,11 +30,11 @@ def check_speculative(algorithm: str | None, num_draft_tokens: int, draft_model_
         return
     if algorithm not in SPECULATIVE_ALGORITHMS:
         raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algorithm!r} "
-                         "(SGLang's EAGLE, EAGLE3 and NEXTN are not implemented)")
+                         "(SGLang's EAGLE and EAGLE3 are not implemented)")
     if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ValueError(f"speculative_num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}], got {num_draft_tokens}")
-    if algorithm == NGRAM and (draft_model_path is not None or draft_quantization is not None):
-        raise ValueError(f"speculative_algorithm {NGRAM} uses no draft model: drop "
+    if algorithm in (NGRAM, NEXTN) and (draft_model_path is not None or draft_quantization is not None):
+        raise ValueError(f"speculative_algorithm {algorithm} uses no draft model: drop "
                          "speculative_draft_model_path and speculative_draft_quantization")
     if draft_quantization is not None and draft_quantization not in QUANTIZATIONS:
         raise ValueError(f"speculative_draft_quantization must be one of {QUANTIZATIONS}, got {draft_quantization!r}")

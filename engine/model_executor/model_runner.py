@@ -279,10 +279,11 @@ class ModelRunner:
         if self.eplb is not None:  # a rebalance, when due, runs at this step boundary on every rank
             self.eplb.step()
         graphs = self.graph_runner
-        # a captured graph holds no expert counting: steps run eagerly while the experts are recorded
-        # or balanced
+        # a captured graph holds no expert counting or balancing and keeps no hidden states: such
+        # steps run eagerly
         if (graphs is not None and after_layer is None and not self.expert_recorder.recording
-                and self.eplb is None and graphs.can_run(batch)):
+                and self.eplb is None and not getattr(self.model, "keep_hidden", False)
+                and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         return self.model.forward(batch, self.attn_backend, after_layer)

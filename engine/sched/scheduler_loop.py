@@ -278,6 +278,8 @@ class SchedulerLoop:
                 self.spec.attach(batch, self.scheduler)
             t0 = time.perf_counter()
             sampled = self.run_batch(batch)
+            if self.spec is not None and self.spec.wants_hidden:
+                self.spec.observe(batch, sampled)
             if batch.mode is ForwardMode.PREFILL:
                 self.cache.observe_compute(time.perf_counter() - t0, batch.num_tokens)
             events = self.scheduler.postprocess(batch, sampled)

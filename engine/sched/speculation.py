@@ -63,6 +63,9 @@ class Speculation:
         self._bitmask = None  # one row, for the constrained requests' rows in turn
         # draft trees need an attention backend that masks them (torch); elsewhere the first chain
         self.trees = getattr(getattr(runner, "attn_backend", None), "supports_tree_mask", False)
+        # a proposer drafting from the target's hidden states (NEXTN) sees every step's valid rows
+        self.wants_hidden = self.proposer.wants_hidden
+        self._runner = runner
 
     # ----------------------------------------------------------------- drafts
     def attach(self, batch: ScheduledBatch, scheduler: Scheduler) -> bool:
@@ -104,6 +107,21 @@ class Speculation:
         if self.shares_kv:
             return DraftInput(req.rid, req.fill_ids, budget, pages=req.pages, kv_len=req.kv_len)
         return DraftInput(req.rid, req.fill_ids, budget)
+
+    def observe(self, batch: ScheduledBatch, sampled) -> None:
+        """Hand a ``wants_hidden`` proposer each speculating request's hidden states of the step
+        just run (the target model's ``last_hidden``, rows in batch order): a prefill's every row,
+        a decode step's one, a verify step's fed token and accepted drafts (``sampled.accepted``)."""
+        hidden = self._runner.model.last_hidden
+        row = 0
+        for i, (req, start, n) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+            valid = n
+            if batch.drafts is not None:
+                n = 1 + len(batch.drafts[i])
+                valid = len(sampled.accepted[i]) if sampled.accepted is not None else 1
+            if can_speculate(req):
+                self.proposer.observe(req.rid, start, hidden[row : row + valid])
+            row += n
 
     # ----------------------------------------------------------------- verify
     def verify(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],

@@ -8,8 +8,10 @@ model's KV), keyed by ``rid``, and must be told when a request ends (``release``
 was accepted from the ``token_ids`` of the next call: everything past their common prefix with
 what it saw before was rejected.
 
-Room for EAGLE-style heads: ``DraftInput.hidden`` carries the target's last hidden state for the
-sequence when a proposer asks for it (``wants_hidden``); NGRAM and STANDALONE do not.
+A proposer that drafts from the target's hidden states (``wants_hidden``: NEXTN) also has
+``observe(rid, start, hidden)``: after every target step of a speculating request, the hidden
+states [n, hidden] that step made valid, at positions ``start ..`` (``Speculation.observe``);
+NGRAM and STANDALONE do not.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ class DraftInput:
     token_ids: Sequence[int]
     # the most draft tokens wanted (the tree's size), 1..speculative_num_draft_tokens
     max_tokens: int
-    hidden: object | None = None  # torch.Tensor [hidden_size] when the proposer wants_hidden
     # a proposer drafting over the target's KV (``shares_target_kv``): the request's pages, reserved
     # for ``kv_len + 1 + max_tokens`` tokens, and ``kv_len``, the tokens whose K/V they hold (all but
     # the last); None for the others

@@ -1,7 +1,8 @@
 """The proposers by ``--speculative-algorithm`` name, each built by a factory ``(config, runner)``.
 
 A proposer's module is imported only when it is chosen (``STANDALONE`` loads a draft model and its
-module imports the model executor; ``NGRAM`` is pure Python). The names are
+module imports the model executor, as ``NEXTN``'s, which loads the checkpoint's MTP layer; ``NGRAM``
+is pure Python). The names are
 ``speculative_names.SPECULATIVE_ALGORITHMS``, which the config and the CLI check.
 """
 
@@ -10,12 +11,13 @@ from __future__ import annotations
 import importlib
 
 from pdserve.engine.speculative.proposer import Proposer
-from pdserve.engine.speculative_names import NGRAM, SPECULATIVE_ALGORITHMS, STANDALONE
+from pdserve.engine.speculative_names import NEXTN, NGRAM, SPECULATIVE_ALGORITHMS, STANDALONE
 
 # name -> "module:factory"; the factory takes (config: EngineConfig, target_runner)
 PROPOSERS: dict[str, str] = {
     NGRAM: "pdserve.engine.speculative.ngram:NgramProposer.from_config",
     STANDALONE: "pdserve.engine.speculative.self_draft:standalone_proposer",
+    NEXTN: "pdserve.engine.speculative.nextn:nextn_proposer",
 }
 
 

@@ -70,6 +70,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     #: every decode and prefill row through the absorbed form (the forms' equality test sets it)
     absorbed_prefill = False
+    #: keep every row's final-normed hidden state of each step in ``last_hidden`` (NEXTN drafts from it)
+    keep_hidden = False
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
         """``fused_decode`` (Llama's decode step in one native call) has no form for these layers."""
@@ -134,7 +136,13 @@ class DeepseekV2ForCausalLM(CausalLM):
             h = layer.forward(h, step, pool, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.sampled_logits(h, batch, self.model.norm, self.lm_head)
+        if not self.keep_hidden:
+            return self.sampled_logits(h, batch, self.model.norm, self.lm_head)
+        self.last_hidden = h = self.model.norm.forward(h)  # [T, hidden]
+        if batch.logits_indices.numel() == 0:
+            return self.no_logits()
+        rows = h.index_select(0, batch.logits_indices)
+        return self.lm_head.forward(rows, Step(rows.shape[0], batch.is_decode))
 
 
 def _mtp_layer(name: str, num_layers: int) -> bool:
