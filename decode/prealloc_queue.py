@@ -5,6 +5,11 @@ the receiver is bootstrapped (the prefill rank accepted this pool), pages for
 the whole prompt and an aux slot are taken, in arrival order, but only when the
 free pages minus the reserve promised to running decodes allow: requests
 waiting for KV never starve running decodes of pages.
+
+With ``enable_priority_scheduling`` the order is by priority, then arrival, and a request short of
+pages preempts running decodes of lower priority (``Scheduler.preempt_for``): they rejoin the
+scheduler's waiting queue and resume by a local prefill of prompt plus output so far, as a
+retracted request does.
 """
 
 from __future__ import annotations
@@ -108,12 +113,20 @@ class PreallocQueue:
         """
         out = []
         s = self.scheduler
-        for rid, e in list(self.entries.items()):
-            if len(out) >= max_new:
-                break
+        entries = list(self.entries.items())
+        if s.config.enable_priority_scheduling:  # a stable sort: arrival order within a priority
+            sign = 1 if s.config.schedule_low_priority_values_first else -1
+            entries.sort(key=lambda item: sign * item[1].req.priority)
+        for rid, e in entries:
             if e.receiver is None or e.receiver.poll() is not KVPoll.WaitingForInput:
                 continue  # not bootstrapped yet; later ones may be (different prefill peers)
             req = e.req
+            if len(out) >= max_new:  # every running slot is taken
+                released = s.preempt_for(req, 0, need_slot=True)
+                if released is None:
+                    break
+                promised -= released
+                max_new += 1
             total = self.pool.pages_for(req.prompt_len)
             cached, node = self._match(req)
             need = total - len(cached)
@@ -121,7 +134,15 @@ class PreallocQueue:
             reserve = s.reserve_pages(req, req.seq_len + 1) - total
             if not s.fits(need, reserve, promised, alone=not s.reqs):
                 s.cache.unlock(node)
-                break  # FIFO: no overtaking, so a large prompt is not starved by small ones
+                released = s.preempt_for(req, need + reserve + promised - s.free_pages())
+                if released is None:
+                    break  # FIFO: no overtaking, so a large prompt is not starved by small ones
+                promised -= released
+                cached, node = self._match(req)  # the victims' KV went to the cache
+                need = total - len(cached)
+                if not s.fits(need, reserve, promised, alone=not s.reqs):
+                    s.cache.unlock(node)
+                    break
             slot = self.kv.aux_pool.alloc()
             if slot is None:
                 s.cache.unlock(node)

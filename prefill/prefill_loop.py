@@ -203,7 +203,7 @@ class PrefillLoop(SchedulerLoop):
 
     def rank_metrics(self) -> RankMetrics:
         return RankMetrics(self.dp_rank, self.kv.tp.rank, self.kv.metrics.snapshot() + hicache_families(self.cache)
-                          + self.runner.model_families())
+                          + self.sched_families() + self.runner.model_families())
 
     def check_integrity(self) -> None:
         super().check_integrity()

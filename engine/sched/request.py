@@ -54,6 +54,7 @@ class Req:
     logprob_start_len: int = -1  # >= 0: report logprobs of prompt tokens from this position on
     health_probe: bool = False  # /health_generate: PD modes run it without a peer (messages.py)
     priority: int = 0  # the waiting queue's order with enable_priority_scheduling (priority_order.py)
+    arrival: int = 0  # the scheduler's arrival count: preemption takes the latest of a priority first
     lora_name: str | None = None  # the LoRA adapter the request runs under (None: the base model)
     lora_id: int = 0  # its prefix-cache namespace (> 0; 0: the base model's)
 

@@ -37,11 +37,16 @@ the caller runs the model on it and hands the sampled tokens to
   KV goes to the prefix cache (or is freed) and it rejoins the front of the
   queue keeping its output tokens, to be recomputed later. A request that
   cannot grow even alone in the pool finishes with ``length``.
+- With ``enable_priority_scheduling``, retraction takes the lowest priority first, and a waiting
+  request that lacks pages or a running slot preempts (retracts) running requests of lower
+  priority when they free enough (``preemption.py``; ``preempt_for``, also used by the decode
+  mode's preallocation).
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
@@ -51,6 +56,7 @@ from pdserve.engine.mem_cache.page_pool import PagePool
 from pdserve.engine.mem_cache.radix_cache import PrefixCache
 from pdserve.engine.model_executor.layers.lora_slots import LoraSlots, LoraSlotsFull
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
+from pdserve.engine.sched.preemption import pick_victims, preemption_order
 from pdserve.engine.sched.priority_order import order_by_priority
 from pdserve.engine.sched.schedule_policy import order_waiting
 from pdserve.engine.speculative.proposer import is_chain
@@ -150,7 +156,9 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}  # every live request by rid
         # used pages owned by no request nor the cache, on purpose (the decode's quarantine of failed rooms)
         self.held_pages: set[int] = set()
-        self.num_retractions = 0
+        self.num_retractions = 0  # every retraction, for memory or for priority
+        self.num_preemptions = 0  # retractions for a waiting request of higher priority
+        self._arrivals = itertools.count()
         # every finish (stop, abort, no room) lands here; ``drain_finished`` reports each once
         self.newly_finished: list[Req] = []
         # slots a speculating request may need past its next token, counted in its decode reserve
@@ -170,6 +178,7 @@ class Scheduler:
             req.status = ReqStatus.FINISHED
             return req.finish_reason
         req.status = ReqStatus.WAITING
+        req.arrival = next(self._arrivals)
         self.reqs[req.rid] = req
         self.waiting.append(req)
         return None
@@ -287,6 +296,7 @@ class Scheduler:
             raise ValueError(f"duplicate rid {req.rid!r}")
         req.pages = pages
         req.kv_len = 0
+        req.arrival = next(self._arrivals)
         self.reqs[req.rid] = req
 
     # ------------------------------------------------------------- schedule
@@ -325,9 +335,12 @@ class Scheduler:
 
         promised = self.promised_pages()
         while self.waiting and budget > 0 and self.chunked is None:
-            if len(self.running) + len(batch.reqs) >= self.config.max_running_requests:
-                break
             req = self.waiting[0]
+            if len(self.running) + len(batch.reqs) >= self.config.max_running_requests:
+                released = self.preempt_for(req, 0, need_slot=True)
+                if released is None:
+                    break
+                promised -= released
             if not self.cache.prefetch_ready(req.rid):
                 break
             # leave at least one token to compute: its logits give the next token
@@ -346,7 +359,11 @@ class Scheduler:
                     # a retracted request that outgrew the whole pool can never run again
                     self.finish(req, FinishReason("length", message="KV pool too small for this sequence"))
                     continue
-                break
+                released = self.preempt_for(req, need + reserve + promised - self.free_pages())
+                if released is None:
+                    break
+                promised -= released
+                continue  # match again: the victims' KV went to the cache
             if not self._take_lora_slot(req):  # every slot holds an adapter running requests use
                 self.cache.unlock(node)
                 break
@@ -388,7 +405,10 @@ class Scheduler:
             if len(self.running) == 1:
                 self.finish(self.running[0], FinishReason("length", message="KV pool too small for this sequence"))
                 break
-            self.retract(self.running[-1])
+            if self.config.enable_priority_scheduling:
+                self.retract(preemption_order(self.running, self.config.schedule_low_priority_values_first)[0])
+            else:
+                self.retract(self.running[-1])
         if not self.running:
             return None
         for r in self.running:
@@ -454,6 +474,30 @@ class Scheduler:
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)
+
+    def preempt_for(self, req: Req, short_pages: int, need_slot: bool = False) -> int | None:
+        """With priority scheduling, retract the running requests of lower priority than ``req`` that
+        give back ``short_pages`` pages (and a running slot when ``need_slot``), lowest priority and
+        latest arrival first (``preemption.pick_victims``). Returns the decode reserve they were
+        promised (to take off a running ``promised`` sum), or None when nothing was preempted: no
+        such requests, or too few to make ``req`` fit."""
+        if not self.config.enable_priority_scheduling:
+            return None
+        low_first = self.config.schedule_low_priority_values_first
+        victims = pick_victims(req, self.running, short_pages, need_slot, self._preempt_gain, low_first)
+        if not victims:
+            return None
+        released = sum(self.reserve_pages(v, v.seq_len) for v in victims)
+        for v in victims:
+            self.retract(v)
+            self.num_preemptions += 1
+        order_by_priority(self.waiting, low_first)  # the victims queue behind ``req``
+        return released
+
+    def _preempt_gain(self, req: Req) -> int:
+        """Pages retracting ``req`` makes available: those it owns (freed, or cached and evictable)
+        and the decode reserve promised to it."""
+        return len(req.pages) - req.num_cache_pages + self.reserve_pages(req, req.seq_len)
 
     # ---------------------------------------------------------- postprocess
     def postprocess(self, batch: ScheduledBatch, out: SampleOutput) -> StepEvents:

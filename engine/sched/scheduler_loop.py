@@ -45,6 +45,7 @@ from pdserve.engine.model_executor import parallel
 from pdserve.engine.sched.cache_factory import make_cache
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
+from pdserve.engine.sched.sched_metrics import scheduler_families
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
@@ -489,12 +490,16 @@ class SchedulerLoop:
         """This rank's own Prometheus families (the hierarchical cache's tiers; the PD modes add their
         KV rooms)."""
         return RankMetrics(self.dp_rank, parallel.tp_rank(), hicache_families(self.cache) + self.spec_families()
-                          + self.runner.model_families())
+                          + self.sched_families() + self.runner.model_families())
 
     def spec_families(self) -> list:
         """Speculation's families (``spec_metrics``), at 0 on a rank that does not speculate: a dashboard
         reads 0, not "no data"."""
         return (self.spec.stats if self.spec is not None else SpecStats()).families()
+
+    def sched_families(self) -> list:
+        """The scheduler's families (``sched_metrics``): its preemptions by reason."""
+        return scheduler_families(self.scheduler.num_retractions, self.scheduler.num_preemptions)
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()

@@ -6,6 +6,7 @@ afterwards."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -19,7 +20,8 @@ MAX_NEW = 8
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess("--enable-priority-scheduling", "--max-running-requests", "1")
+    # float32: a preempted request's recomputed KV matches its decoded KV closely enough for greedy
+    srv = ServerProcess("--enable-priority-scheduling", "--max-running-requests", "1", "--dtype", "float32")
     try:
         yield srv.wait_ready()
     finally:
@@ -74,3 +76,30 @@ def test_later_high_priorities_are_served_before_earlier_low_ones(server):
     assert alone.json()["output_ids"] == outputs["high-a"]
     server.wait_idle_and_unleaked()
 
+
+
+def _preemptions(server: ServerProcess) -> float:
+    text = server.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve_preemptions_total{") and 'reason="priority"' in line)
+
+
+def test_a_high_priority_request_preempts_the_running_low_one(server):
+    before = _preemptions(server)
+    low_body = {"text": "Count: one, two,", "stream": True, "priority": 0,
+                "sampling_params": {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0}}
+    low = requests.post(server.url + "/generate", stream=True, timeout=120, json=low_body)
+    chunks = (line for line in low.iter_lines() if line and line != b"data: [DONE]")
+    next(chunks)  # the first token: it holds the only running slot
+    high = server.post("/generate", body("urgent", 9))
+    assert high.status_code == 200, high.text
+    # the low stream was preempted, not lost: it resumes after the high one and runs to its end
+    *_, last = chunks
+    low_out = json.loads(last.removeprefix(b"data: "))
+    assert low_out["meta_info"]["finish_reason"]["type"] == "length"
+    assert _preemptions(server) == before + 1
+    server.wait_idle_and_unleaked()
+    solo = server.post("/generate", dict(low_body, stream=False)).json()
+    assert low_out["output_ids"] == solo["output_ids"]
+    assert server.post("/generate", body("urgent", 9)).json()["output_ids"] == high.json()["output_ids"]
+    server.wait_idle_and_unleaked()

@@ -63,8 +63,9 @@ def finish_order(priorities: list[int], **cfg) -> tuple[list[int], list[Req]]:
 
 
 def test_higher_priorities_queued_later_finish_first():
+    # the running r0 is preempted for r3 and resumes first among its equals
     order, reqs = finish_order([0, 0, 0, 5, 1, 5], enable_priority_scheduling=True)
-    assert order == [0, 3, 5, 4, 1, 2]
+    assert order == [3, 5, 4, 0, 1, 2]
     for r in reqs:
         assert r.output_ids == reference(r.input_ids, 3)
 
@@ -72,7 +73,7 @@ def test_higher_priorities_queued_later_finish_first():
 def test_low_values_first_and_fifo_without_the_flag():
     order, _ = finish_order([0, 3, -2, 3], enable_priority_scheduling=True,
                             schedule_low_priority_values_first=True)
-    assert order == [0, 2, 1, 3]
+    assert order == [2, 0, 1, 3]
     order, _ = finish_order([0, 0, 9, 1])
     assert order == [0, 1, 2, 3]
 
