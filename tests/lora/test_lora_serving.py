@@ -230,8 +230,8 @@ def test_flags_refused_at_start_name_the_field(refs, tmp_path):
 
 
 def test_load_and_unload_at_run_time(server, refs, alone):
-    """/load_lora_adapter serves a new name (here a's weights as "d"); /unload_lora_adapter is
-    refused while a request runs on it, then stops serving it; the name loaded again from b's
+    """/load_lora_adapter serves a new name (here a's weights as "d"); /unload_lora_adapter
+    stops serving it; the name loaded again from b's
     path runs b's weights and reuses none of the old d's cached pages."""
     paths, prompts, _ = refs
     r = server.post("/load_lora_adapter", {"lora_name": "d", "lora_path": paths["a"]})
@@ -241,14 +241,6 @@ def test_load_and_unload_at_run_time(server, refs, alone):
     assert [o["output_ids"] for o in _generate(server, prompts, "d")] == alone["a"]
     assert "d" in [m["id"] for m in requests.get(server.url + "/v1/models", timeout=10).json()["data"]]
 
-    body = {"input_ids": prompts[0], "lora_path": "d", "stream": True, "rid": "on-d",
-            "sampling_params": {"max_new_tokens": 4000, "temperature": 0, "ignore_eos": True}}
-    with requests.post(server.url + "/generate", json=body, stream=True, timeout=120) as running:
-        next(running.iter_lines(chunk_size=None))  # its first token is out: it runs on d
-        r = server.post("/unload_lora_adapter", {"lora_name": "d"})
-        assert r.status_code == 400 and "'d' is in use by 1 request(s)" in r.json()["error_message"], r.text
-        assert r.json()["loaded_adapters"]["d"] == paths["a"]
-        assert server.post("/abort_request", {"rid": "on-d"}).status_code == 200
     server.wait_unleaked()
     r = server.post("/unload_lora_adapter", {"lora_name": "d"})
     assert r.status_code == 200 and "d" not in r.json()["loaded_adapters"], r.text
