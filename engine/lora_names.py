@@ -7,6 +7,8 @@ The adapters themselves are read by ``model_executor/layers/lora_adapter.py`` an
 
 from __future__ import annotations
 
+import hashlib
+
 from pdserve.engine.quantization_names import UNQUANTIZED
 
 
@@ -31,6 +33,15 @@ def parse_lora_paths(entries: tuple[str, ...]) -> dict[str, str]:
             raise ValueError(f"lora_paths names adapter {name!r} twice")
         out[name] = path
     return out
+
+
+def lora_id_of(name: str, path: str) -> int:
+    """The prefix-cache namespace of adapter ``name`` read from ``path``: a stable hash in
+    [1, 2**31), the same on every rank and server that serves it (the prefill and decode of a room,
+    the router's KV events), and a new one when a name is loaded again from another path, so KV
+    computed under the old weights is never reused."""
+    digest = hashlib.blake2b(f"{name}\0{path}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % (2**31 - 1) + 1
 
 
 def check_lora(enable_lora: bool, lora_paths: tuple[str, ...], max_loras_per_batch: int,

@@ -102,6 +102,22 @@ class ExpertDistributionReq(msgspec.Struct, tag=True):
     req_id: int = 0
 
 
+class LoadLoraAdapterReq(msgspec.Struct, tag=True):
+    """Read the PEFT adapter at ``lora_path`` and serve it as ``lora_name`` (SGLang's
+    /load_lora_adapter); its weights enter a slot when a request first uses it."""
+
+    lora_name: str
+    lora_path: str
+    req_id: int = 0
+
+
+class UnloadLoraAdapterReq(msgspec.Struct, tag=True):
+    """Stop serving ``lora_name``; refused while a request on the rank uses it."""
+
+    lora_name: str
+    req_id: int = 0
+
+
 class TokenOutput(msgspec.Struct, tag=True):
     """Incremental output of one request: the tokens produced since the last one."""
 
@@ -204,7 +220,7 @@ class RankMetrics(msgspec.Struct, tag=True):
 
 ControlReq = (
     FlushCacheReq | UpdateWeightsFromDiskReq | GetWeightsByNameReq | ReleaseMemoryReq | ResumeMemoryReq
-    | StartProfileReq | StopProfileReq | ExpertDistributionReq
+    | StartProfileReq | StopProfileReq | ExpertDistributionReq | LoadLoraAdapterReq | UnloadLoraAdapterReq
 )
 SchedulerInput = TokenizedGenerateReq | AbortReq | ControlReq
 SchedulerOutput = TokenOutput | SchedulerStats | SchedulerReady | SchedulerError | RankMetrics | ControlResult

@@ -1,7 +1,8 @@
 """Who may call the engine server's control routes, and how.
 
 Control routes change the server or read its weights (``CONTROL_PATHS``: cache flush, weight
-update and read, memory release and resume, profiling, expert distribution recording). They take:
+update and read, memory release and resume, profiling, expert distribution recording, LoRA
+adapter load and unload). They take:
 
 - ``--admin-api-key`` (or its file, or ``PDSERVE_ADMIN_API_KEY``) when one is set, as
   ``Authorization: Bearer KEY`` (what the router sends its workers on the routes it fans out),
@@ -26,7 +27,8 @@ from pdserve.engine.net_allowlist import is_loopback_peer
 CONTROL_PATHS = frozenset({
     "/flush_cache", "/update_weights_from_disk", "/get_weights_by_name", "/release_memory_occupation",
     "/resume_memory_occupation", "/start_profile", "/stop_profile", "/start_expert_distribution_record",
-    "/stop_expert_distribution_record", "/dump_expert_distribution_record",
+    "/stop_expert_distribution_record", "/dump_expert_distribution_record", "/load_lora_adapter",
+    "/unload_lora_adapter",
 })
 
 

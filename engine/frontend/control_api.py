@@ -26,10 +26,12 @@ from pdserve.engine.messages import (
     ExpertDistributionReq,
     FlushCacheReq,
     GetWeightsByNameReq,
+    LoadLoraAdapterReq,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     StartProfileReq,
     StopProfileReq,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
 )
 from pdserve.engine.sched.rank_control import check_memory_tags
@@ -65,6 +67,16 @@ class ProfileInput(msgspec.Struct, forbid_unknown_fields=True):
     with_stack: bool | None = None
     record_shapes: bool | None = None
     profile_id: str | None = None
+
+
+class LoadLoraAdapterInput(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False  # SGLang's: keep it in a slot always; not supported here (slots are LRU)
+
+
+class UnloadLoraAdapterInput(msgspec.Struct, forbid_unknown_fields=True):
+    lora_name: str
 
 
 class EmptyInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -199,6 +211,33 @@ async def dump_expert_distribution_record(tm: TokenizerManager) -> ControlAnswer
         for r in results:
             total = [a + int(b) for a, b in zip(total, r.values)]
         answer.data = nest(total, results[0].shape)
+    return answer
+
+
+async def load_lora_adapter(tm: TokenizerManager, inp: LoadLoraAdapterInput) -> ControlAnswer:
+    """Every DP rank reads the adapter; once all have, requests may name it. ``data``: the adapters
+    served, name -> path (SGLang's ``loaded_adapters``)."""
+    if inp.pinned:
+        raise RequestError("pinned adapters are not supported: adapters take slots on demand", param="pinned")
+    if not tm.config.engine.enable_lora:
+        raise RequestError("this server was started without --enable-lora", param="lora_name", code="unsupported")
+    answer = _answer(tm, await tm.control(LoadLoraAdapterReq(lora_name=inp.lora_name, lora_path=inp.lora_path)))
+    if answer.success:
+        tm.lora_paths[inp.lora_name] = inp.lora_path
+    answer.data = dict(tm.lora_paths)
+    return answer
+
+
+async def unload_lora_adapter(tm: TokenizerManager, inp: UnloadLoraAdapterInput) -> ControlAnswer:
+    """Refused (by each rank) while a request uses the adapter. New requests stop naming it
+    first, so that none arrives while the ranks unload; a refused unload serves it again."""
+    if not tm.config.engine.enable_lora:
+        raise RequestError("this server was started without --enable-lora", param="lora_name", code="unsupported")
+    path = tm.lora_paths.pop(inp.lora_name, None)
+    answer = _answer(tm, await tm.control(UnloadLoraAdapterReq(lora_name=inp.lora_name)))
+    if not answer.success and path is not None:
+        tm.lora_paths[inp.lora_name] = path
+    answer.data = dict(tm.lora_paths)
     return answer
 
 

@@ -16,7 +16,6 @@ import time
 import msgspec
 from aiohttp import web
 
-from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.frontend import control_api
 from pdserve.engine.frontend import openai_api as api
 from pdserve.engine.frontend import tokenize_api
@@ -346,8 +345,7 @@ async def models(request: web.Request) -> web.Response:
         "max_model_len": tm.model_info.max_context_len,
     }
     # each LoRA adapter is a model of its own, its parent the base (vLLM's cards; SGLang lists them too)
-    adapters = [{**card, "id": name, "root": path, "parent": c.model_name}
-                for name, path in parse_lora_paths(c.engine.lora_paths).items()]
+    adapters = [{**card, "id": name, "root": path, "parent": c.model_name} for name, path in tm.lora_paths.items()]
     return json_response({"object": "list", "data": [card, *adapters]})
 
 
@@ -495,6 +493,22 @@ async def dump_expert_distribution_record(request: web.Request) -> web.Response:
     return json_response({"success": True, "message": answer.message, "logical_count": answer.data})
 
 
+def _lora_response(answer: control_api.ControlAnswer) -> web.Response:
+    """SGLang's shape: {"success", "error_message", "loaded_adapters"}, 200 or 400."""
+    return json_response({"success": answer.success, "error_message": "" if answer.success else answer.message,
+                          "message": answer.message, "loaded_adapters": answer.data}, 200 if answer.success else 400)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.LoadLoraAdapterInput)
+    return _lora_response(await control_api.load_lora_adapter(request.app[TM_KEY], inp))
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    inp = await _control_body(request, control_api.UnloadLoraAdapterInput)
+    return _lora_response(await control_api.unload_lora_adapter(request.app[TM_KEY], inp))
+
+
 def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics, drain: Drain) -> web.Application:
     # the body limit is enforced in read_body with a clear error; aiohttp's own limit sits above it
     middlewares = [api_middleware, drain_middleware]
@@ -533,6 +547,8 @@ def build_app(tm: TokenizerManager, config: ServerConfig, metrics: ServerMetrics
             web.post("/start_expert_distribution_record", start_expert_distribution_record),
             web.post("/stop_expert_distribution_record", stop_expert_distribution_record),
             web.post("/dump_expert_distribution_record", dump_expert_distribution_record),
+            web.post("/load_lora_adapter", load_lora_adapter),
+            web.post("/unload_lora_adapter", unload_lora_adapter),
         ]
     )
     if config.enable_metrics:

@@ -72,6 +72,8 @@ class TokenizerManager:
         self.last_sent = [0.0] * self.dp_size  # when each rank was last sent a request, abort or control
         self.rank_metrics: dict[tuple[int, int], RankMetrics] = {}  # (dp, tp) -> the latest
         self.inflight = [0] * self.dp_size
+        # the LoRA adapters served, name -> path: --lora-paths, then /load_lora_adapter's and /unload_lora_adapter's
+        self.lora_paths: dict[str, str] = parse_lora_paths(config.engine.lora_paths)
         self._rr = 0
         self._seqs: dict[str, tuple[SeqState, asyncio.Queue]] = {}
         self._rooms: dict[int, str] = {}  # bootstrap_room -> rid, while in flight (PD modes)
@@ -145,7 +147,7 @@ class TokenizerManager:
             tool_call_parser=c.tool_call_parser,
             enable_priority_scheduling=c.engine.enable_priority_scheduling,
             reasoning_parser=c.reasoning_parser,
-            lora_adapters=frozenset(parse_lora_paths(c.engine.lora_paths)),
+            lora_adapters=frozenset(self.lora_paths),
         )
 
     def token_str(self, token_id: int) -> str:

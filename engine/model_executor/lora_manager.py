@@ -43,6 +43,7 @@ def read_adapters(config: EngineConfig, num_layers: int) -> dict[str, LoraAdapte
 class LoraManager:
     def __init__(self, config: EngineConfig, model, num_layers: int):
         self.adapters = read_adapters(config, num_layers)
+        self.num_layers = num_layers
         self.num_slots = config.max_loras_per_batch
         self.r_max = config.max_lora_rank or max((a.rank for a in self.adapters.values()), default=1)
         self.resident: dict[int, str] = {}  # slot -> adapter whose weights are in it
@@ -77,6 +78,27 @@ class LoraManager:
                 linear.lora = LoraHook(parts, swiglu=linear.swiglu)
         for slot, name in self.resident.items():
             self.load(slot, name)
+
+    def add(self, name: str, path: str) -> LoraAdapter:
+        """Read adapter ``name`` from ``path`` to serve it from now on (``/load_lora_adapter``);
+        LoraAdapterError when it does not fit the slots (rank above theirs, a module or layer the
+        model has not)."""
+        if name in self.adapters:
+            raise LoraAdapterError(f"LoRA adapter {name!r} is already loaded")
+        try:
+            adapter = load_lora_adapter(name, path, self.r_max, LORA_MODULES, self.num_layers)
+        except OSError as e:
+            raise LoraAdapterError(f"{path}: {e}") from None
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str, slot: int | None) -> None:
+        """Stop serving ``name`` (no request uses it); ``slot``: the slot it held, emptied."""
+        self.adapters.pop(name, None)
+        if slot is not None:
+            for stacks in self.stacks.values():
+                stacks.clear(slot)
+            self.resident.pop(slot, None)
 
     def load(self, slot: int, name: str) -> None:
         """Put adapter ``name``'s A and B in ``slot`` of every projection (zeros where it has none)."""

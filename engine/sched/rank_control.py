@@ -41,14 +41,17 @@ from pdserve.engine.messages import (
     ExpertDistributionReq,
     FlushCacheReq,
     GetWeightsByNameReq,
+    LoadLoraAdapterReq,
     ReleaseMemoryReq,
     ResumeMemoryReq,
     StartProfileReq,
     StopProfileReq,
     TokenizedGenerateReq,
     TokenOutput,
+    UnloadLoraAdapterReq,
     UpdateWeightsFromDiskReq,
 )
+from pdserve.engine.sched import lora_control
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,8 @@ class RankControl:
             return [self._stop_profile(msg)]
         if isinstance(msg, ExpertDistributionReq):
             return [self._expert_distribution(msg)]
+        if isinstance(msg, (LoadLoraAdapterReq, UnloadLoraAdapterReq)):
+            return [self._lora(msg)]
         raise TypeError(f"unexpected scheduler input {type(msg).__name__}")
 
     def _add_request(self, msg: TokenizedGenerateReq) -> list:
@@ -214,6 +219,19 @@ class RankControl:
             logger.exception("resume_memory_occupation failed")
             return self._result(req, False, f"{type(e).__name__}: {e}")
         return self._result(req, True, "resumed" + (f"; still released: {sorted(self.released)}" if self.released else ""))
+
+    # ------------------------------------------------------------------ LoRA
+    def _lora(self, req) -> ControlResult:
+        """Load or unload an adapter (``lora_control.py``); a refusal is the answer, the rank lives on.
+        Every TP rank runs it on the same state, so they agree."""
+        try:
+            if isinstance(req, LoadLoraAdapterReq):
+                message = lora_control.load_adapter(self.loop, req.lora_name, req.lora_path)
+            else:
+                message = lora_control.unload_adapter(self.loop, req.lora_name)
+        except ValueError as e:
+            return self._result(req, False, str(e))
+        return self._result(req, True, message)
 
     # ---------------------------------------------------- expert distribution
     def _expert_distribution(self, req: ExpertDistributionReq) -> ControlResult:

@@ -38,7 +38,7 @@ from pdserve.engine.constrained.grammar_masks import CompileJob, GrammarMasks, P
 from pdserve.engine.constrained.thinking_budget import ThinkingBudget
 from pdserve.engine.sched.batch_builder import build_forward_batch, input_logprob_rows
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.lora_names import parse_lora_paths
+from pdserve.engine.lora_names import lora_id_of, parse_lora_paths
 from pdserve.engine.model_executor.layers.lora_slots import LoraSlots
 from pdserve.engine.messages import RankMetrics, SchedulerStats, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.model_executor import parallel
@@ -90,7 +90,7 @@ class SchedulerLoop:
         self.stop_checker = StopChecker(self.arch.eos_token_ids, self.tokenizer)
         # --enable-lora: which adapters sit in the model's slots, and each adapter's cache namespace
         lora_slots = LoraSlots(config.max_loras_per_batch) if config.enable_lora else None
-        self.lora_ids = {name: i + 1 for i, name in enumerate(parse_lora_paths(config.lora_paths))}
+        self.lora_ids = {name: lora_id_of(name, path) for name, path in parse_lora_paths(config.lora_paths).items()}
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode,
                                    lora_slots=lora_slots)
         # structured output: xgrammar is loaded on the first request that names a grammar
@@ -143,6 +143,10 @@ class SchedulerLoop:
             lora_name=msg.lora_path,
             lora_id=self.lora_ids.get(msg.lora_path, 0),
         )
+        if req.lora_name is not None and req.lora_name not in self.lora_ids:
+            # unloaded after the front end checked the name: the caller's error, not the server's
+            self._queue(req, f"lora_path: unknown LoRA adapter {req.lora_name!r}", 400)
+            return
         error = self.validate(req)
         if error is None and req.sampling_params.grammar is not None and parallel.tp_size() == 1:
             # off the scheduler thread; TP ranks admit in lockstep, so they compile in place
@@ -253,6 +257,10 @@ class SchedulerLoop:
 
             path, kv_start = _namespace_of(self.runner)
             set_namespace(kv_namespace(path, self.pool.layout(), kv_start))
+
+    def live_requests(self) -> list[Req]:
+        """Every request the rank holds: admitted (waiting, running) or compiling its grammar."""
+        return list(self.scheduler.reqs.values()) + [req for req, _ in self._compiling.values()]
 
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:

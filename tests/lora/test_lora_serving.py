@@ -227,3 +227,43 @@ def test_flags_refused_at_start_name_the_field(refs, tmp_path):
         read_adapters(EngineConfig(lora_paths=(f"c={refs[0]['c']}",), max_lora_rank=8), 30)
     with pytest.raises(LoraAdapterError, match="no adapter_config.json"):
         read_adapters(EngineConfig(lora_paths=(f"x={tmp_path}",)), 30)
+
+
+def test_load_and_unload_at_run_time(server, refs, alone):
+    """/load_lora_adapter serves a new name (here a's weights as "d"); /unload_lora_adapter
+    stops serving it; the name loaded again from b's
+    path runs b's weights and reuses none of the old d's cached pages."""
+    paths, prompts, _ = refs
+    r = server.post("/load_lora_adapter", {"lora_name": "d", "lora_path": paths["a"]})
+    assert r.status_code == 200 and r.json()["loaded_adapters"]["d"] == paths["a"], r.text
+    r = server.post("/load_lora_adapter", {"lora_name": "d", "lora_path": paths["b"]})
+    assert r.status_code == 400 and "'d' is already loaded" in r.json()["error_message"], r.text
+    assert [o["output_ids"] for o in _generate(server, prompts, "d")] == alone["a"]
+    assert "d" in [m["id"] for m in requests.get(server.url + "/v1/models", timeout=10).json()["data"]]
+
+    server.wait_unleaked()
+    r = server.post("/unload_lora_adapter", {"lora_name": "d"})
+    assert r.status_code == 200 and "d" not in r.json()["loaded_adapters"], r.text
+    r = server.post("/generate", {"text": "hi", "lora_path": "d"})
+    assert r.status_code == 400 and "'d'" in r.text, r.text
+    r = server.post("/unload_lora_adapter", {"lora_name": "d"})
+    assert r.status_code == 400 and "'d' is not loaded" in r.json()["error_message"], r.text
+
+    r = server.post("/load_lora_adapter", {"lora_name": "d", "lora_path": paths["b"]})
+    assert r.status_code == 200, r.text
+    out = _generate(server, prompts, "d")
+    assert [o["output_ids"] for o in out] == alone["b"]
+    assert [o["meta_info"]["cached_tokens"] for o in out] == [0, 0, 0]  # the old d's pages are not d's now
+    assert server.post("/unload_lora_adapter", {"lora_name": "d"}).status_code == 200
+
+
+def test_load_lora_adapter_bad_bodies_name_the_field(server, refs, tmp_path):
+    r = server.post("/load_lora_adapter", {"lora_name": "e"})
+    assert r.status_code == 400 and "lora_path" in r.text, r.text
+    r = server.post("/load_lora_adapter", {"lora_name": "e", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error_message"], r.text
+    r = server.post("/load_lora_adapter", {"lora_name": "e:f", "lora_path": refs[0]["a"]})
+    assert r.status_code == 400 and "must not contain ':'" in r.json()["error_message"], r.text
+    r = server.post("/load_lora_adapter", {"lora_name": "e", "lora_path": refs[0]["a"], "pinned": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "pinned", r.text
+    assert "e" not in [m["id"] for m in requests.get(server.url + "/v1/models", timeout=10).json()["data"]]
