@@ -92,8 +92,11 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
     shares: list[tuple[int, ...] | None] = split_cpus(cpus, n) if 1 < n <= len(cpus) else [None] * n
     explicit = config.engine.num_threads or env.PDSERVE_NUM_THREADS
     specs = []
+    shared = (config.dist_init_addr or f"127.0.0.1:{free_port()}") if config.enable_dp_attention else ""
     for i, (r, t) in enumerate(ranks):
-        if config.tp_size == 1:
+        if config.enable_dp_attention:  # one world of every DP rank: their dense layers are split over it
+            addr = shared
+        elif config.tp_size == 1:
             addr = ""
         elif config.dist_init_addr is not None:
             host, _, port = config.dist_init_addr.rpartition(":")

@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import msgspec
 
 from pdserve.engine.messages import SchedulerInput, SchedulerReady, SchedulerStats
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.sched.rank_control import RankControl
 
 logger = logging.getLogger(__name__)
@@ -66,8 +67,9 @@ def serve_rank(
     last_metrics = loop.rank_metrics()
     send([last_stats] if last_metrics is None else [last_stats, last_metrics])
     last_stats_time = last_sent_time = time.monotonic()
+    others_busy = False  # DP attention: another group ran a forward in the last iteration
     while not should_stop():
-        busy = loop.has_work()
+        busy = loop.has_work() or others_busy
         msgs: list = []
         for msg in recv(0 if busy else IDLE_POLL_MS):
             msgs.extend(control.handle(msg))
@@ -75,6 +77,8 @@ def serve_rank(
         if loop.has_work():
             msgs.extend(loop.step())
             control.after_step()
+        # DP attention: join the other groups' forwards until every group is done with this iteration
+        others_busy = dp_attention.finish_iteration(loop.runner.idle_forward) > 0 if dp_attention.enabled() else False
         if after_step is not None:
             try:
                 after_step()
