@@ -94,9 +94,9 @@ def test_group_out_of_range_is_refused(dp_server):
 
 def test_per_group_load_on_metrics(dp_server):
     text = dp_server.get("/metrics").text
-    for rank in ("0", "1"):
-        assert re.search(rf'pdserve_num_running_reqs\{{[^}}]*dp_rank="{rank}"', text)
-        assert re.search(rf'pdserve_num_waiting_reqs\{{[^}}]*dp_rank="{rank}"', text)
+    for name in ("num_running_reqs", "num_waiting_reqs", "num_running_tokens", "num_queued_tokens"):
+        for rank in ("0", "1"):
+            assert re.search(rf'pdserve_{name}\{{[^}}]*dp_rank="{rank}"', text), name
 
 
 def test_refused_shapes_are_named():
@@ -122,9 +122,10 @@ def test_killed_group_takes_the_server_down(dp_server):
     t = threading.Thread(target=long_request)
     t.start()
     deadline = time.monotonic() + 30
-    while dp_server.server_info()["internal_states"][0]["num_running_reqs"] == 0:
+    while (states := dp_server.server_info()["internal_states"])[0]["num_running_tokens"] == 0:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
+    assert states[0]["num_running_reqs"] == 1 and states[1]["num_running_tokens"] == 0  # the load per group
     os.kill(pids["pdserve-dp1-tp0"], signal.SIGKILL)  # the idle group: the working one waits on its MLPs
     t.join(60)
     r = result["r"]
