@@ -53,8 +53,8 @@ class ServerConfig:
     # tensor parallel (SGLang's flags): each DP rank is tp_size processes joined by torch.distributed
     tp_size: int = 1
     # SGLang's --enable-dp-attention: the dp_size DP ranks are attention groups of one server of
-    # tp_size ranks (dp_attention.py): each its own scheduler, KV pool and batch, the dense layers
-    # split over all of them; attention groups of one process each (dp_size == tp_size)
+    # tp_size ranks (dp_attention.py): each its own scheduler, KV pool and batch, the dense and MoE
+    # layers split over all of them; attention groups of one process each (dp_size == tp_size)
     enable_dp_attention: bool = False
     # host:port where DP rank r's TP group meets (port + r); None: a free local port per DP rank
     # (one node). Needed when one DP rank spans nodes (nnodes > 1): the address of node 0.
@@ -207,8 +207,7 @@ class ServerConfig:
                              f"tp_size), got dp_size {self.dp_size}, tp_size {self.tp_size}")
         refused = [(self.disaggregation_mode != "null", f"disaggregation_mode {self.disaggregation_mode!r}"),
                    (self.nnodes > 1, f"nnodes {self.nnodes}"),
-                   (self.engine.ep_size > 1, f"ep_size {self.engine.ep_size}"),
-                   (self.engine.moe_a2a_backend != "none", f"moe_a2a_backend {self.engine.moe_a2a_backend!r}"),
+                   (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
                    (self.engine.speculative_algorithm is not None,
                     f"speculative_algorithm {self.engine.speculative_algorithm!r}")]
         for bad, what in refused:

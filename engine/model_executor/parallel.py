@@ -133,9 +133,11 @@ def moe_parallel_for(rank: int, size: int, ep_size: int, a2a_backend: str) -> Mo
 
 
 def init_ep(ep_size: int, a2a_backend: str) -> MoeParallel:
-    """Fix this process's expert-parallel layout over its TP group (before the model is built)."""
+    """Fix this process's expert-parallel layout over its TP group, or under DP attention over every
+    attention group (before the model is built)."""
     global _MOE
-    _MOE = moe_parallel_for(tp_rank(), tp_size(), ep_size, a2a_backend)
+    dp = _DP_ATTENTION
+    _MOE = moe_parallel_for(dp.rank if dp else tp_rank(), dp.size if dp else tp_size(), ep_size, a2a_backend)
     return _MOE
 
 

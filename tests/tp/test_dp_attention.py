@@ -106,8 +106,11 @@ def test_refused_shapes_are_named():
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with disaggregation_mode 'decode'"):
         ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, disaggregation_mode="decode")
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with ep_size 2"):
-        ServerConfig(EngineConfig(ep_size=2), tp_size=2, dp_size=2, enable_dp_attention=True)
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with moe_a2a_backend 'deepep'"):
+        ServerConfig(EngineConfig(device="cuda", ep_size=2, moe_a2a_backend="deepep"), tp_size=2, dp_size=2,
+                     enable_dp_attention=True)
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with nnodes 2"):
+        ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="127.0.0.1:5000")
 
 
 def test_killed_group_takes_the_server_down(dp_server):

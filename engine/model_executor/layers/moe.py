@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
+from pdserve.engine.model_executor.dp_attention import dense_mlp
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement, contiguous_placement
@@ -178,6 +180,24 @@ class FusedMoE:
         """x [T, hidden] -> residual + the experts' weighted sum over the group, [T, hidden]."""
         weights, ids = self.select_experts(router_logits)
         return self.forward_routed(x, weights, ids, step, residual)
+
+    def forward_dp_attention(self, x: torch.Tensor, gate: Callable[[torch.Tensor, Step], torch.Tensor], step: Step,
+                             residual: torch.Tensor) -> torch.Tensor:
+        """Under DP attention: this group's rows x [T, hidden] through every group's experts, routed
+        by ``gate(rows, step)`` -> residual + the weighted sum. The all-to-all sends this group's own
+        rows to their experts' ranks; otherwise the groups' rows are gathered and each rank runs its
+        experts on all of them (``dp_attention.dense_mlp``)."""
+        if isinstance(self.exchange, AllToAllExchange):
+            # an idle group routes no rows (a 0-row step would take the gemv path, which a plan may lack)
+            logits = gate(x, step) if x.shape[0] else x.new_empty(0, self.num_experts)
+            weights, ids = self.select_experts(logits)
+            return residual + self.exchange.exchange(x, weights, ids, step, self.method.apply)
+
+        def partial(rows: torch.Tensor) -> torch.Tensor:
+            gathered = Step(rows.shape[0], step.decode)
+            return self.forward(rows, gate(rows, gathered), gathered)
+
+        return dense_mlp(partial, x, residual)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
                        residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,7 +67,7 @@ class LlamaMLP:
     def join_idle(self, hidden: torch.Tensor) -> None:
         """Under DP attention: take part in the other groups' MLP with no rows of this group's."""
         empty = hidden[:0]
-        dp_attention.dense_mlp(lambda rows: self._partial(rows, Step(0, True)), empty, empty)
+        dp_attention.dense_mlp(lambda rows: self._partial(rows, Step(0, False)), empty, empty)
 
 
 class LlamaDecoderLayer:
