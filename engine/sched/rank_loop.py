@@ -60,7 +60,9 @@ def serve_rank(
     drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline
     Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
     publisher). Requests, aborts and control operations go through the rank's ``RankControl``
-    (``rank_control.py``)."""
+    (``rank_control.py``). Under DP attention every iteration ends in ``dp_attention.finish_iteration``:
+    the rank runs idle forwards beside the other attention groups' until all are done, and while
+    another group was busy it polls without waiting, so that group never waits on this one's poll."""
     control = RankControl(loop, dp_rank, tp_rank)
     loop.ship_early = send  # a PD decode's first token leaves before the step it joins, not after
     last_stats = _stats(loop, dp_rank)
