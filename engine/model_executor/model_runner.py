@@ -126,7 +126,7 @@ class ModelRunner:
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
         if dp_attention.enabled():  # the dense layers split over every attention group
-            arch.check_tp_size(dp_attention.mlp_shard(tp).size)
+            arch.check_mlp_split(dp_attention.mlp_shard(tp).size)
         self.ep = init_ep(config.ep_size, config.moe_a2a_backend)  # read by every FusedMoE the model builds
         self.model: CausalLM | None = self._build_model(weights, source)
         self.expert_recorder = ExpertRecorder(self.model, arch.num_layers, self.device)
@@ -263,7 +263,7 @@ class ModelRunner:
         if graphs is not None and after_layer is None and not self.expert_recorder.recording and graphs.can_run(batch):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
-        dp_attention.join_forward()
+        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel())
         return self.model.forward(batch, self.attn_backend, after_layer)
 
     @torch.inference_mode()

@@ -52,11 +52,11 @@ class LlamaMLP:
                                                        ("gate", "up"), swiglu=True)
         self.down_proj = RowParallelLinear(plan, arch.intermediate_size, arch.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor, last: bool = False) -> torch.Tensor:
         """residual + down(SiLU(gate(x)) * up(x)), [T, hidden]; under DP attention over every
-        attention group's rows (``dp_attention.dense_mlp``)."""
+        attention group's rows (``dp_attention.dense_mlp``; ``last``: the sampled rows alone)."""
         if dp_attention.enabled():
-            return dp_attention.dense_mlp(lambda rows: self._partial(rows, step), x, residual)
+            return dp_attention.dense_mlp(lambda rows: self._partial(rows, step), x, residual, last)
         return self.down_proj.forward(self.gate_up_proj.forward(x, step), step, residual)
 
     def _partial(self, rows: torch.Tensor, step: Step) -> torch.Tensor:
@@ -64,10 +64,10 @@ class LlamaMLP:
         gathered = Step(rows.shape[0], step.decode)
         return self.down_proj.forward(self.gate_up_proj.forward(rows, gathered), gathered)
 
-    def join_idle(self, hidden: torch.Tensor) -> None:
+    def join_idle(self, hidden: torch.Tensor, last: bool) -> None:
         """Under DP attention: take part in the other groups' MLP with no rows of this group's."""
         empty = hidden[:0]
-        dp_attention.dense_mlp(lambda rows: self._partial(rows, Step(0, False)), empty, empty)
+        dp_attention.dense_mlp(lambda rows: self._partial(rows, Step(0, False)), empty, empty, last)
 
 
 class LlamaDecoderLayer:
@@ -87,13 +87,13 @@ class LlamaDecoderLayer:
             after_layer(self.layer_id)
         if rows is not None and rows.numel() == 0:
             if dp_attention.enabled():
-                self.mlp.join_idle(h)
+                self.mlp.join_idle(h, last=True)
             return None
         if rows is not None:
             o, h = o.index_select(0, rows), h.index_select(0, rows)
             step = step.narrow(rows)
         h = self.self_attn.o_proj.forward(o, step, residual=h)
-        return self.mlp.forward(self.post_attention_layernorm.forward(h), step, residual=h)
+        return self.mlp.forward(self.post_attention_layernorm.forward(h), step, residual=h, last=rows is not None)
 
     def fused_parts(self) -> DenseLayerParts:
         return DenseLayerParts(self.input_layernorm, self.self_attn.qkv_proj, self.self_attn.o_proj,
@@ -128,8 +128,9 @@ class LlamaForCausalLM(CausalLM):
     def idle_forward(self) -> None:
         """Under DP attention, a forward of no rows: every layer's MLP collectives, nothing else."""
         hidden = torch.empty(0, self.arch.hidden_size, dtype=self.plan.dtype, device=self.plan.device)
-        for layer in self.model.layers:
-            layer.mlp.join_idle(hidden)
+        layers = self.model.layers
+        for layer in layers:
+            layer.mlp.join_idle(hidden, last=layer is layers[-1])
 
     def _dense_parts(self) -> DenseModelParts:
         return DenseModelParts([layer.fused_parts() for layer in self.model.layers], self.model.norm, self.lm_head,
