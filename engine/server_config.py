@@ -205,8 +205,7 @@ class ServerConfig:
         if self.dp_size != self.tp_size:
             raise ValueError(f"enable_dp_attention runs attention groups of one rank only (dp_size equal to "
                              f"tp_size), got dp_size {self.dp_size}, tp_size {self.tp_size}")
-        refused = [(self.disaggregation_mode != "null", f"disaggregation_mode {self.disaggregation_mode!r}"),
-                   (self.nnodes > 1, f"nnodes {self.nnodes}"),
+        refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
                    (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
                    (self.engine.speculative_algorithm is not None,
                     f"speculative_algorithm {self.engine.speculative_algorithm!r}")]

@@ -56,7 +56,8 @@ async def start_bootstrap_server(config: ServerConfig, metrics: ServerMetrics):
     from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
     bootstrap = BootstrapServer(
-        config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
+        # a DP rank's processes register: under DP attention one per attention group
+        config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.attn_tp_size,
         auth=config.kv_transfer.frame_auth("bootstrap"),
         on_refused=metrics.bootstrap_auth_refused.inc,
         limits=config.http_limits, read_timeout=config.http_read_timeout,
