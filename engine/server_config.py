@@ -198,7 +198,8 @@ class ServerConfig:
                 )
 
     def _check_dp_attention(self) -> None:
-        """What DP attention serves: attention groups of one process, colocated, dense MLPs."""
+        """What DP attention serves: attention groups of one process on one node, no speculation,
+        no DeepEP (the model's own check refuses architectures without an idle forward)."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")

@@ -105,8 +105,8 @@ def test_refused_shapes_are_named():
         ServerConfig(tp_size=4, dp_size=2, enable_dp_attention=True)
     with pytest.raises(ValueError, match="dp_size dividing tp_size"):
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with disaggregation_mode 'decode'"):
-        ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, disaggregation_mode="decode")
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NGRAM'"):
+        ServerConfig(EngineConfig(speculative_algorithm="NGRAM"), tp_size=2, dp_size=2, enable_dp_attention=True)
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with moe_a2a_backend 'deepep'"):
         ServerConfig(EngineConfig(device="cuda", ep_size=2, moe_a2a_backend="deepep"), tp_size=2, dp_size=2,
                      enable_dp_attention=True)
