@@ -203,7 +203,7 @@ class ModelRunner:
                             fused_decode=not self.config.disable_fused_decode,
                             gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0)
         if dp_attention.enabled() and not model.dp_attention:
-            raise ValueError(f"enable_dp_attention serves the Llama family and Qwen3-MoE only, got "
+            raise ValueError(f"enable_dp_attention serves the Llama family, Qwen3-MoE and DeepSeek only, got "
                              f"{type(model).__name__}")
         return model
 

@@ -92,6 +92,12 @@ class PerExpertMoEMethod(MoEMethod):
         return w13[:inter] if shard_id == "w1" else w13[inter:]
 
 
+# (rows, step) -> (topk_weights [T, k] float32, topk_ids [T, k] int64): a model's routing
+Route = Callable[[torch.Tensor, Step], tuple[torch.Tensor, torch.Tensor]]
+# (rows, step) -> this rank's unreduced share of the shared experts' output
+Shared = Callable[[torch.Tensor, Step], torch.Tensor]
+
+
 class FusedMoE:
     """E routed experts (SwiGLU), sharded over TP on the intermediate dimension, or placed whole
     on the EP ranks when ``parallel.init_ep`` set EP > 1. ``weight_loader`` takes a checkpoint
@@ -181,21 +187,29 @@ class FusedMoE:
         weights, ids = self.select_experts(router_logits)
         return self.forward_routed(x, weights, ids, step, residual)
 
-    def forward_dp_attention(self, x: torch.Tensor, gate: Callable[[torch.Tensor, Step], torch.Tensor], step: Step,
-                             residual: torch.Tensor) -> torch.Tensor:
-        """Under DP attention: this group's rows x [T, hidden] through every group's experts, routed
-        by ``gate(rows, step)`` -> residual + the weighted sum. The all-to-all sends this group's own
-        rows to their experts' ranks; otherwise the groups' rows are gathered and each rank runs its
-        experts on all of them (``dp_attention.dense_mlp``)."""
+    def forward_dp_attention(self, x: torch.Tensor, route: Route, step: Step, residual: torch.Tensor,
+                             shared: Shared | None = None) -> torch.Tensor:
+        """Under DP attention: this group's rows x [T, hidden] through every group's experts ->
+        residual + the weighted sum (+ ``shared(rows, step)``, shared experts split like a dense MLP,
+        unreduced). ``route(rows, step)``: (topk_weights, topk_ids) of rows. The all-to-all sends
+        this group's own rows to their experts' ranks (the shared experts gathered apart);
+        otherwise the groups' rows are gathered and each rank runs its experts on all of them
+        (``dp_attention.dense_mlp``)."""
         if isinstance(self.exchange, AllToAllExchange):
+            if shared is not None:
+                residual = dense_mlp(lambda rows: shared(rows, Step(rows.shape[0], step.decode)), x, residual)
             # an idle group routes no rows (a 0-row step would take the gemv path, which a plan may lack)
-            logits = gate(x, step) if x.shape[0] else x.new_empty(0, self.num_experts)
-            weights, ids = self.select_experts(logits)
+            if x.shape[0]:
+                weights, ids = route(x, step)
+            else:
+                weights = x.new_empty(0, self.top_k, dtype=torch.float32)
+                ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
             return residual + self.exchange.exchange(x, weights, ids, step, self.method.apply)
 
         def partial(rows: torch.Tensor) -> torch.Tensor:
             gathered = Step(rows.shape[0], step.decode)
-            return self.forward(rows, gate(rows, gathered), gathered)
+            y = self.forward_routed(rows, *route(rows, gathered), gathered)
+            return y if shared is None else y + shared(rows, gathered)
 
         return dense_mlp(partial, x, residual)
 

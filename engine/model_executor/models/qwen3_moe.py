@@ -73,11 +73,14 @@ class Qwen3MoeSparseBlock:
         self.experts = FusedMoE(plan, E, moe.top_k, hidden, moe.moe_intermediate, dp_attention.mlp_shard(tp),
                                 renormalize=moe.norm_topk_prob, method=moe_method(plan, E))
 
+    def _route(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.select_experts(self.gate.forward(x, step))
+
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: Step) -> torch.Tensor:
         """x [T, hidden] (normed) -> h + the routed experts' sum, [T, hidden]; under DP attention
         over every attention group's experts (``FusedMoE.forward_dp_attention``)."""
         if dp_attention.enabled():
-            return self.experts.forward_dp_attention(x, self.gate.forward, step, h)
+            return self.experts.forward_dp_attention(x, self._route, step, h)
         return self.experts.forward(x, self.gate.forward(x, step), step, residual=h)
 
 
