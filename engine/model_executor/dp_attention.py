@@ -3,8 +3,8 @@ attention group, and the forward rounds that keep the groups' collectives in ste
 
 Each attention group (one process, ``parallel.init_dp_attention``) runs attention on its own batch
 with its own KV pool; the MLP's weights are split over all groups like TP's. Before an MLP a
-group's rows join the other groups' (``dp_gather``: the row counts first, then the rows padded to
-the largest), every group multiplies all rows by its slice, the partial sums are all-reduced, and
+group's rows join the other groups' (``dp_gather``: padded to the largest of the counts its round
+announced), every group multiplies all rows by its slice, the partial sums are all-reduced, and
 each group keeps its own rows (``dp_scatter``), so a token's MLP is the same sum TP computes.
 
 The groups schedule independently, so a group may run a forward while another has none, or run
