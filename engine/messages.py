@@ -159,6 +159,10 @@ class SchedulerStats(msgspec.Struct, tag=True):
     num_decode_prealloc_queue_reqs: int = 0
     num_decode_transfer_queue_reqs: int = 0
     num_quarantine_pages: int = 0  # decode: pages of failed rooms held until their prefill closed them
+    # the load a router balances DP ranks by: tokens of the running batch's sequences, and of the
+    # waiting queue's (what they would prefill)
+    num_running_tokens: int = 0
+    num_queued_tokens: int = 0
 
 
 class SchedulerReady(msgspec.Struct, tag=True):

@@ -53,6 +53,10 @@ class ServerConfig:
     dp_size: int = 1
     # tensor parallel (SGLang's flags): each DP rank is tp_size processes joined by torch.distributed
     tp_size: int = 1
+    # SGLang's --enable-dp-attention: the dp_size DP ranks are attention groups of one server of
+    # tp_size ranks (dp_attention.py): each its own scheduler, KV pool and batch, the dense and MoE
+    # layers split over all of them; attention groups of one process each (dp_size == tp_size)
+    enable_dp_attention: bool = False
     # host:port where DP rank r's TP group meets (port + r); None: a free local port per DP rank
     # (one node). Needed when one DP rank spans nodes (nnodes > 1): the address of node 0.
     dist_init_addr: str | None = None
@@ -173,6 +177,8 @@ class ServerConfig:
         if self.engine.moe_a2a_backend != "none" and self.engine.ep_size not in (1, self.tp_size):
             raise ValueError(f"moe_a2a_backend {self.engine.moe_a2a_backend!r} needs ep_size equal to tp_size, "
                              f"got ep_size {self.engine.ep_size}, tp_size {self.tp_size}")
+        if self.enable_dp_attention:
+            self._check_dp_attention()
         if self.engine.enable_lora and self.tp_size > 1:
             raise ValueError(f"enable_lora serves at tp_size 1 only, got tp_size {self.tp_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -194,15 +200,37 @@ class ServerConfig:
                     f"nnodes, got dp_size {self.dp_size}, tp_size {self.tp_size}, nnodes {self.nnodes}"
                 )
 
+    def _check_dp_attention(self) -> None:
+        """What DP attention serves: attention groups of one process on one node, no speculation,
+        no DeepEP (the model's own check refuses architectures without an idle forward)."""
+        if self.tp_size % self.dp_size:
+            raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
+                             f"tp_size {self.tp_size}")
+        if self.dp_size != self.tp_size:
+            raise ValueError(f"enable_dp_attention runs attention groups of one rank only (dp_size equal to "
+                             f"tp_size), got dp_size {self.dp_size}, tp_size {self.tp_size}")
+        refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
+                   (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
+                   (self.engine.speculative_algorithm is not None,
+                    f"speculative_algorithm {self.engine.speculative_algorithm!r}")]
+        for bad, what in refused:
+            if bad:
+                raise ValueError(f"enable_dp_attention is not supported with {what}")
+
+    @property
+    def attn_tp_size(self) -> int:
+        """The processes of one DP rank: tp_size, or under DP attention its attention group's."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
     def rank_device(self, dp_rank: int, tp_rank: int) -> str:
         """The device of one scheduler process: one CUDA device per TP rank, counted from base_gpu_id."""
         if self.engine.device.startswith("cuda"):
-            return f"cuda:{self.base_gpu_id + dp_rank * self.tp_size + tp_rank}"
+            return f"cuda:{self.base_gpu_id + dp_rank * self.attn_tp_size + tp_rank}"
         return self.engine.device
 
     def local_tp_ranks(self) -> range:
         """The TP ranks of every DP rank that run on this node (all of them on one node)."""
-        per_node = self.tp_size // self.nnodes
+        per_node = self.attn_tp_size // self.nnodes
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property

@@ -62,7 +62,11 @@ _HELP = {
                          "(or GGUF metadata); openai: OpenAI's (temperature 1, top_p 1)",
     "enable_metrics": "serve Prometheus metrics on GET /metrics",
     "tp_size": "tensor-parallel processes per DP rank (heads, MLP and LM head split between them)",
-    "dist_init_addr": "host:port where DP rank r's TP group meets (port + r); default: a free local port",
+    "enable_dp_attention": "data-parallel attention: the dp_size DP ranks are attention groups of one tp_size "
+                           "server, each with its own scheduler, KV pool and batch, the dense layers split over "
+                           "all of them (needs dp_size = tp_size; Llama family, Qwen3-MoE, DeepSeek)",
+    "dist_init_addr": "host:port where DP rank r's TP group meets (port + r; under --enable-dp-attention one "
+                      "group of every DP rank at port); default: a free local port",
     "nnodes": "nodes one DP rank's TP processes span (then dp_size must be 1)",
     "node_rank": "this node's index among nnodes; node 0 serves HTTP",
     "dist_timeout": "seconds a TP collective may wait before the rank fails",

@@ -56,7 +56,8 @@ async def start_bootstrap_server(config: ServerConfig, metrics: ServerMetrics):
     from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 
     bootstrap = BootstrapServer(
-        config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.tp_size,
+        # a DP rank's processes register: under DP attention one per attention group
+        config.host, config.kv_transfer.bootstrap_port, dp_size=config.dp_size, tp_size=config.attn_tp_size,
         auth=config.kv_transfer.frame_auth("bootstrap"),
         on_refused=metrics.bootstrap_auth_refused.inc,
         limits=config.http_limits, read_timeout=config.http_read_timeout,
@@ -92,8 +93,11 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
     shares: list[tuple[int, ...] | None] = split_cpus(cpus, n) if 1 < n <= len(cpus) else [None] * n
     explicit = config.engine.num_threads or env.PDSERVE_NUM_THREADS
     specs = []
+    shared = (config.dist_init_addr or f"127.0.0.1:{free_port()}") if config.enable_dp_attention else ""
     for i, (r, t) in enumerate(ranks):
-        if config.tp_size == 1:
+        if config.enable_dp_attention:  # one world of every DP rank: their dense layers are split over it
+            addr = shared
+        elif config.tp_size == 1:
             addr = ""
         elif config.dist_init_addr is not None:
             host, _, port = config.dist_init_addr.rpartition(":")
@@ -272,7 +276,8 @@ def check_model(config: ServerConfig) -> None:
     from pdserve.engine.model_executor.model_loader import load_arch
 
     arch = load_arch(config.engine.model_path)
-    arch.check_tp_size(config.tp_size)
+    arch.check_tp_size(config.attn_tp_size)  # the heads split within an attention group
+    arch.check_mlp_split(config.tp_size)
     if config.engine.context_length is not None:
         arch.with_context_length(config.engine.context_length)
     draft = config.engine.speculative_draft_model_path

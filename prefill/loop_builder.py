@@ -15,7 +15,7 @@ def build_prefill_loop(config: ServerConfig, dp_rank: int, tp_rank: int):
 
     runner = ModelRunner(config.engine, config.host_ranks)
     # this TP rank's place for its KV manager: its pool holds its share of the model's KV heads
-    tp = TPPlace(tp_rank, config.tp_size, runner.arch.num_kv_heads)
+    tp = TPPlace(tp_rank, config.attn_tp_size, runner.arch.num_kv_heads)  # the heads of this DP rank's group
     with unpinned():
         kv = PrefillKVManager(
             config.kv_transfer_config(), runner.page_pool, dp_rank=dp_rank, tp=tp,

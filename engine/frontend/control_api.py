@@ -266,6 +266,8 @@ def server_info(tm: TokenizerManager) -> dict:
                     "dp_rank": r,
                     "num_running_reqs": s.num_running if s else None,
                     "num_waiting_reqs": s.num_waiting if s else None,
+                    "num_running_tokens": s.num_running_tokens if s else None,
+                    "num_queued_tokens": s.num_queued_tokens if s else None,
                     "num_free_pages": s.num_free_pages if s else None,
                     "num_total_pages": s.num_total_pages if s else None,
                     "max_total_num_tokens": tm.ready[r].max_total_num_tokens,

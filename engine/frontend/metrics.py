@@ -105,6 +105,10 @@ class _RankGauges:
 
         yield per_rank("pdserve_num_running_reqs", "Running requests per DP rank.", lambda s: s.num_running)
         yield per_rank("pdserve_num_waiting_reqs", "Waiting requests per DP rank.", lambda s: s.num_waiting)
+        yield per_rank("pdserve_num_running_tokens", "Tokens of the running requests per DP rank.",
+                       lambda s: s.num_running_tokens)
+        yield per_rank("pdserve_num_queued_tokens", "Tokens of the waiting requests per DP rank.",
+                       lambda s: s.num_queued_tokens)
         inflight = GaugeMetricFamily("pdserve_inflight_requests",
                                      "Sequences the HTTP process has in flight per DP rank.", labels=labels)
         for r, n in enumerate(self.inflight):

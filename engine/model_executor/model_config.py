@@ -95,6 +95,11 @@ class ModelArch:
     def check_tp_size(self, tp_size: int) -> None:
         """Raise ValueError, naming the numbers, when this model cannot be split over ``tp_size`` ranks."""
         check_tp_heads(tp_size, self.num_heads, self.num_kv_heads)
+        self.check_mlp_split(tp_size)
+
+    def check_mlp_split(self, tp_size: int) -> None:
+        """Raise ValueError when the dense MLP cannot be split over ``tp_size`` ranks (under DP
+        attention the MLP splits over every rank while the heads split only within a group)."""
         if self.intermediate_size % tp_size:
             raise ValueError(
                 f"tp_size {tp_size} does not divide the model's intermediate size {self.intermediate_size}"

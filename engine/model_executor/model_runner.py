@@ -24,6 +24,7 @@ import torch
 
 import pdserve.engine.env as env
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.cuda_graph_runner import DecodeGraphRunner, cuda_graph_capture
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.host_memory import host_memory_bytes, trim_heap
@@ -126,6 +127,8 @@ class ModelRunner:
         self.model_path = config.model_path  # what the weights came from (update_weights changes it)
         arch.check_tp_size(tp_size())
         self.tp = tp = head_shard(tp_rank(), tp_size(), arch.num_heads, arch.num_kv_heads)
+        if dp_attention.enabled():  # the dense layers split over every attention group
+            arch.check_mlp_split(dp_attention.mlp_shard(tp).size)
         self.ep = init_ep(config.ep_size, config.moe_a2a_backend)  # read by every FusedMoE the model builds
         self.model: CausalLM | None = self._build_model(weights, source)
         self.expert_recorder = ExpertRecorder(self.model, arch.num_layers, self.device)
@@ -180,8 +183,9 @@ class ModelRunner:
         config = self.config
         self.graph_runner = None
         # a graph would hold one step's LoRA slots: LoRA steps run eagerly
+        # nor do DP attention's steps, whose collectives a group's graph cannot agree with the others
         if (self.device.type != "cuda" or config.disable_cuda_graph or config.cuda_graph_max_bs == 0
-                or config.enable_lora):
+                or config.enable_lora or dp_attention.enabled()):
             return
         # a verify step is a decode step of 1 + draft tokens rows per sequence (batch_builder)
         rows_per_seq = 1 + config.speculative_num_draft_tokens if config.speculative_algorithm else 1
@@ -197,11 +201,15 @@ class ModelRunner:
         # w8a16 keeps a GGUF file's Q8_0 weights as stored rather than quantizing them again
         keep_q8_0 = self.config.quantization == W8A16 and source.format == "gguf"
         q8_0 = read_q8_0_blocks(source.path, self.arch) if keep_q8_0 else None
-        return build_model(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
-                           quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
-                           fused_decode=not self.config.disable_fused_decode,
-                           gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0,
-                           before_load=self._place_experts)
+        model = build_model(self.arch, weights, self.dtype, self.device, prepack=prepack, tp=self.tp,
+                            quantization=self.config.quantization, gemv=not self.config.disable_decode_gemv,
+                            fused_decode=not self.config.disable_fused_decode,
+                            gemm=not self.config.disable_native_gemm, lora=self.config.enable_lora, q8_0=q8_0,
+                            before_load=self._place_experts)
+        if dp_attention.enabled() and not model.dp_attention:
+            raise ValueError(f"enable_dp_attention serves the Llama family, Qwen3-MoE and DeepSeek only, got "
+                             f"{type(model).__name__}")
+        return model
 
     def _place_experts(self, model: CausalLM) -> None:
         """Give the MoE layers their starting placement (``--init-expert-location``, with
@@ -286,7 +294,13 @@ class ModelRunner:
                 and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
+        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel())
         return self.model.forward(batch, self.attn_backend, after_layer)
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``)."""
+        self.model.idle_forward()
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.out_cache_loc.dtype == torch.int64:

@@ -11,6 +11,11 @@ group's timeout, so a rank whose peer died raises instead of hanging.
 
 With TP 1 nothing is initialised and every helper returns its input: zero collectives.
 
+Data-parallel attention (``init_dp_attention``, SGLang's ``--enable-dp-attention``): the world is
+the server's ``dp_size`` processes, one attention group each (attention TP 1), so the TP helpers
+below see a TP group of one and the dense layers' collectives over the world live in
+``dp_attention.py``.
+
 Head split (as SGLang's): rank ``r`` of ``tp`` holds query heads ``[r * H/tp, (r + 1) * H/tp)``;
 KV heads are split the same way when ``kv_heads % tp == 0``, and replicated when ``tp % kv_heads
 == 0`` (each rank then holds the one KV head its query heads read: ``r // (tp / kv_heads)``).
@@ -67,6 +72,36 @@ def init_tp(tp_rank: int, tp_size: int, init_addr: str, timeout_s: float, device
 
 
 @dataclass(frozen=True)
+class DpAttention:
+    """This process's place under data-parallel attention: attention group ``rank`` of ``size``,
+    the world's rank ``rank`` too (each group is one process)."""
+
+    rank: int
+    size: int
+
+
+_DP_ATTENTION: DpAttention | None = None
+
+
+def init_dp_attention(dp_rank: int, dp_size: int, init_addr: str, timeout_s: float, device: torch.device) -> None:
+    """Join the world of the server's ``dp_size`` attention groups at ``init_addr`` (DP rank 0
+    listens there); from now on the TP helpers answer for this group alone (TP 1)."""
+    global _DP_ATTENTION
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{init_addr}", rank=dp_rank,
+        world_size=dp_size, timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    _DP_ATTENTION = DpAttention(dp_rank, dp_size)
+
+
+def dp_attention() -> DpAttention | None:
+    """This process's attention group under data-parallel attention; None without it."""
+    return _DP_ATTENTION
+
+
+@dataclass(frozen=True)
 class MoeParallel:
     """How TP rank ``rank`` of ``size`` runs the MoE layers: expert-parallel rank ``ep_rank`` of
     ``ep_size`` (it holds that share of the experts, whole or split again over ``moe_tp_size``
@@ -98,9 +133,11 @@ def moe_parallel_for(rank: int, size: int, ep_size: int, a2a_backend: str) -> Mo
 
 
 def init_ep(ep_size: int, a2a_backend: str) -> MoeParallel:
-    """Fix this process's expert-parallel layout over its TP group (before the model is built)."""
+    """Fix this process's expert-parallel layout over its TP group, or under DP attention over every
+    attention group (before the model is built)."""
     global _MOE
-    _MOE = moe_parallel_for(tp_rank(), tp_size(), ep_size, a2a_backend)
+    dp = _DP_ATTENTION
+    _MOE = moe_parallel_for(dp.rank if dp else tp_rank(), dp.size if dp else tp_size(), ep_size, a2a_backend)
     return _MOE
 
 
@@ -115,11 +152,11 @@ def close_tp() -> None:
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return dist.get_rank() if dist.is_initialized() and _DP_ATTENTION is None else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    return dist.get_world_size() if dist.is_initialized() and _DP_ATTENTION is None else 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

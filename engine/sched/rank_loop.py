@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 import msgspec
 
 from pdserve.engine.messages import SchedulerInput, SchedulerReady, SchedulerStats
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.sched.rank_control import RankControl
 
 logger = logging.getLogger(__name__)
@@ -59,15 +60,18 @@ def serve_rank(
     drops everything but its ``RankMetrics``, sent like the stats when they changed); the offline
     Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
     publisher). Requests, aborts and control operations go through the rank's ``RankControl``
-    (``rank_control.py``)."""
+    (``rank_control.py``). Under DP attention every iteration ends in ``dp_attention.finish_iteration``:
+    the rank runs idle forwards beside the other attention groups' until all are done, and while
+    another group was busy it polls without waiting, so that group never waits on this one's poll."""
     control = RankControl(loop, dp_rank, tp_rank)
     loop.ship_early = send  # a PD decode's first token leaves before the step it joins, not after
     last_stats = _stats(loop, dp_rank)
     last_metrics = loop.rank_metrics()
     send([last_stats] if last_metrics is None else [last_stats, last_metrics])
     last_stats_time = last_sent_time = time.monotonic()
+    others_busy = False  # DP attention: another group ran a forward in the last iteration
     while not should_stop():
-        busy = loop.has_work()
+        busy = loop.has_work() or others_busy
         msgs: list = []
         for msg in recv(0 if busy else IDLE_POLL_MS):
             msgs.extend(control.handle(msg))
@@ -75,6 +79,8 @@ def serve_rank(
         if loop.has_work():
             msgs.extend(loop.step())
             control.after_step()
+        # DP attention: join the other groups' forwards until every group is done with this iteration
+        others_busy = dp_attention.finish_iteration(loop.runner.idle_forward) > 0 if dp_attention.enabled() else False
         if after_step is not None:
             try:
                 after_step()

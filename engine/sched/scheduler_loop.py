@@ -492,6 +492,8 @@ class SchedulerLoop:
             num_free_pages=s.free_pages(),
             num_total_pages=self.pool.capacity,
             page_size=self.pool.page_size,
+            num_running_tokens=sum(r.seq_len for r in s.running) + (s.chunked.seq_len if s.chunked else 0),
+            num_queued_tokens=sum(r.seq_len for r in s.waiting),
         )
 
     def rank_metrics(self) -> RankMetrics | None:

@@ -47,7 +47,9 @@ class RankSpec:
     tp_rank: int = 0
     num_threads: int = 1
     cpus: tuple[int, ...] | None = None  # CPU affinity of this process; None: inherit the server's
-    dist_init_addr: str = ""  # host:port of this DP rank's TP group (TP rank 0 listens); unused at TP 1
+    # host:port of this DP rank's TP group (TP rank 0 listens), or under DP attention the world of
+    # every DP rank (DP rank 0 listens); unused at TP 1
+    dist_init_addr: str = ""
     device: str = "cpu"  # this rank's device (cuda:N on CUDA)
 
     @property
@@ -96,8 +98,12 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     pull, push = rank_sockets.open_sockets(ctx, in_addr, out_addr, leader)
     send = rank_sockets.sender(push, leader)
     try:
-        parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
-                         torch.device(rank.device))
+        if config.enable_dp_attention:
+            parallel.init_dp_attention(dp_rank, config.dp_size, rank.dist_init_addr, config.dist_timeout,
+                                       torch.device(rank.device))
+        else:
+            parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
+                             torch.device(rank.device))
         loop = build_loop(config, dp_rank, rank.tp_rank)
         flush_on_stop(loop.cache)
         # KV events describe the DP rank's cache: TP rank 0 publishes them for all its TP ranks

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.layers.deepseek_gate import DeepseekGate, GateConfig
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
@@ -22,8 +23,16 @@ class DeepseekMLP:
         self.down_proj = RowParallelLinear(plan, intermediate, hidden, tp)
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, hidden] -> residual + down(SiLU(gate(x)) * up(x))."""
+        """[T, hidden] -> residual + down(SiLU(gate(x)) * up(x)); under DP attention (a dense layer)
+        over every attention group's rows."""
+        if dp_attention.enabled():
+            return dp_attention.dense_mlp(lambda rows: self.partial(rows, Step(rows.shape[0], step.decode)), x,
+                                          residual)
         return self.down_proj.forward(self.gate_up_proj.forward(x, step), step, residual)
+
+    def partial(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """This rank's unreduced share of the MLP (under DP attention, where the split spans the groups)."""
+        return self.down_proj.forward(self.gate_up_proj.forward(x, step), step)
 
 
 class DeepseekMoE:
@@ -37,7 +46,12 @@ class DeepseekMoE:
         self.shared_experts = DeepseekMLP(plan, hidden, moe_intermediate * n_shared, tp) if n_shared else None
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (normed) -> residual + shared(x) + routed experts' weighted sum."""
+        """x [T, hidden] (normed) -> residual + shared(x) + routed experts' weighted sum; under DP
+        attention over every attention group's experts (``FusedMoE.forward_dp_attention``)."""
+        if dp_attention.enabled():
+            shared = None if self.shared_experts is None else self.shared_experts.partial
+            return self.experts.forward_dp_attention(x, lambda rows, _: self.gate.forward(rows), step, residual,
+                                                     shared)
         if self.shared_experts is not None:
             residual = self.shared_experts.forward(x, step, residual)
         weights, ids = self.gate.forward(x)

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
+from pdserve.engine.model_executor.dp_attention import dense_mlp
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement, contiguous_placement
@@ -88,6 +90,12 @@ class PerExpertMoEMethod(MoEMethod):
         w13 = self.w13[expert].dense()
         inter = w13.shape[0] // 2
         return w13[:inter] if shard_id == "w1" else w13[inter:]
+
+
+# (rows, step) -> (topk_weights [T, k] float32, topk_ids [T, k] int64): a model's routing
+Route = Callable[[torch.Tensor, Step], tuple[torch.Tensor, torch.Tensor]]
+# (rows, step) -> this rank's unreduced share of the shared experts' output
+Shared = Callable[[torch.Tensor, Step], torch.Tensor]
 
 
 class FusedMoE:
@@ -223,6 +231,32 @@ class FusedMoE:
         """x [T, hidden] -> residual + the experts' weighted sum over the group, [T, hidden]."""
         weights, ids = self.select_experts(router_logits)
         return self.forward_routed(x, weights, ids, step, residual)
+
+    def forward_dp_attention(self, x: torch.Tensor, route: Route, step: Step, residual: torch.Tensor,
+                             shared: Shared | None = None) -> torch.Tensor:
+        """Under DP attention: this group's rows x [T, hidden] through every group's experts ->
+        residual + the weighted sum (+ ``shared(rows, step)``, shared experts split like a dense MLP,
+        unreduced). ``route(rows, step)``: (topk_weights, topk_ids) of rows. The all-to-all sends
+        this group's own rows to their experts' ranks (the shared experts gathered apart);
+        otherwise the groups' rows are gathered and each rank runs its experts on all of them
+        (``dp_attention.dense_mlp``)."""
+        if isinstance(self.exchange, AllToAllExchange):
+            if shared is not None:
+                residual = dense_mlp(lambda rows: shared(rows, Step(rows.shape[0], step.decode)), x, residual)
+            # an idle group routes no rows (a 0-row step would take the gemv path, which a plan may lack)
+            if x.shape[0]:
+                weights, ids = route(x, step)
+            else:
+                weights = x.new_empty(0, self.top_k, dtype=torch.float32)
+                ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
+            return residual + self.exchange.exchange(x, weights, ids, step, self.method.apply)
+
+        def partial(rows: torch.Tensor) -> torch.Tensor:
+            gathered = Step(rows.shape[0], step.decode)
+            y = self.forward_routed(rows, *route(rows, gathered), gathered)
+            return y if shared is None else y + shared(rows, gathered)
+
+        return dense_mlp(partial, x, residual)
 
     def forward_routed(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
                        residual: torch.Tensor | None = None) -> torch.Tensor:

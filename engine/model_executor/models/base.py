@@ -25,6 +25,8 @@ class CausalLM(ABC):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str]]] = {}
     #: a tensor a checkpoint may omit -> the one it shares
     tied_weights: ClassVar[dict[str, str]] = {}
+    #: the model runs under data-parallel attention (``dp_attention.py``): it has ``idle_forward``
+    dp_attention: ClassVar[bool] = False
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard):
         self.arch, self.plan, self.tp = arch, plan, tp
@@ -37,6 +39,10 @@ class CausalLM(ABC):
     def load_weights(self, weights: dict[str, torch.Tensor],
                      q8_0: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         load_weights(self, weights, q8_0)
+
+    def idle_forward(self) -> None:
+        """Under DP attention, a forward of no rows that joins the other groups' collectives."""
+        raise NotImplementedError(f"{type(self).__name__} does not run under DP attention")
 
     def no_logits(self) -> torch.Tensor:
         """The logits of a step that samples no row (a middle chunk of a chunked prefill): [0, vocab]."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.fp8_block import check_fp8_block_config, dequant_checkpoint
 from pdserve.engine.model_executor.layers import KernelPlan, ParallelLMHead, RMSNorm, Step, VocabEmbedding
 from pdserve.engine.model_executor.layers.deepseek_gate import GateConfig
@@ -41,11 +42,12 @@ class DeepseekDecoderLayer:
         self.input_layernorm = RMSNorm(plan, hidden, eps)
         self.self_attn = MLAAttention(mla_shape(cfg), plan, tp, layer_id, rope, scale)
         self.post_attention_layernorm = RMSNorm(plan, hidden, eps)
+        ffn = dp_attention.mlp_shard(tp)  # under DP attention the MLPs and experts split over every group
         if gate is None:
-            self.mlp = DeepseekMLP(plan, hidden, cfg["intermediate_size"], tp)
+            self.mlp = DeepseekMLP(plan, hidden, cfg["intermediate_size"], ffn)
         else:
             self.mlp = DeepseekMoE(plan, hidden, cfg["moe_intermediate_size"], int(cfg.get("n_shared_experts") or 0),
-                                   gate, tp, gate_bias)
+                                   gate, ffn, gate_bias)
 
     def forward(self, h: torch.Tensor, step: Step, pool, meta: MLAStep) -> torch.Tensor:
         h = self.self_attn.forward(self.input_layernorm.forward(h), h, step, pool, meta)
@@ -72,6 +74,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     absorbed_prefill = False
     #: keep every row's final-normed hidden state of each step in ``last_hidden`` (NEXTN drafts from it)
     keep_hidden = False
+    dp_attention = True
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
         """``fused_decode`` (Llama's decode step in one native call) has no form for these layers."""
@@ -123,6 +126,12 @@ class DeepseekV2ForCausalLM(CausalLM):
         super().load_weights(weights, q8_0)
         for layer in self.model.layers:
             layer.self_attn.absorb()
+
+    def idle_forward(self) -> None:
+        """Under DP attention, a forward of no rows: every layer's MLP or expert collectives."""
+        hidden = torch.empty(0, self.arch.hidden_size, dtype=self.plan.dtype, device=self.plan.device)
+        for layer in self.model.layers:
+            layer.mlp.forward(hidden, Step(0, False), residual=hidden)
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

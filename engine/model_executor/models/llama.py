@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.layers import (Attention, MergedColumnParallelLinear, ParallelLMHead, QKNorm,
                                                   QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear, Step,
                                                   VocabEmbedding, rope_inv_freq)
@@ -51,9 +52,22 @@ class LlamaMLP:
                                                        ("gate", "up"), swiglu=True)
         self.down_proj = RowParallelLinear(plan, arch.intermediate_size, arch.hidden_size, tp)
 
-    def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor) -> torch.Tensor:
-        """residual + down(SiLU(gate(x)) * up(x)), [T, hidden]."""
+    def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor, last: bool = False) -> torch.Tensor:
+        """residual + down(SiLU(gate(x)) * up(x)), [T, hidden]; under DP attention over every
+        attention group's rows (``dp_attention.dense_mlp``; ``last``: the sampled rows alone)."""
+        if dp_attention.enabled():
+            return dp_attention.dense_mlp(lambda rows: self._partial(rows, step), x, residual, last)
         return self.down_proj.forward(self.gate_up_proj.forward(x, step), step, residual)
+
+    def _partial(self, rows: torch.Tensor, step: Step) -> torch.Tensor:
+        """This group's unreduced slice of the MLP over the gathered ``rows``."""
+        gathered = Step(rows.shape[0], step.decode)
+        return self.down_proj.forward(self.gate_up_proj.forward(rows, gathered), gathered)
+
+    def join_idle(self, hidden: torch.Tensor, last: bool) -> None:
+        """Under DP attention: take part in the other groups' MLP with no rows of this group's."""
+        empty = hidden[:0]
+        dp_attention.dense_mlp(lambda rows: self._partial(rows, Step(0, False)), empty, empty, last)
 
 
 class LlamaDecoderLayer:
@@ -62,7 +76,7 @@ class LlamaDecoderLayer:
         self.input_layernorm = RMSNorm(plan, arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = LlamaAttention(arch, plan, tp, layer_id, rotary)
         self.post_attention_layernorm = RMSNorm(plan, arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = LlamaMLP(arch, plan, tp)
+        self.mlp = LlamaMLP(arch, plan, dp_attention.mlp_shard(tp))
 
     def forward(self, h: torch.Tensor, step: Step, attn: AttentionBackend, after_layer: Callable[[int], None] | None,
                 rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -72,12 +86,14 @@ class LlamaDecoderLayer:
         if after_layer is not None:
             after_layer(self.layer_id)
         if rows is not None and rows.numel() == 0:
+            if dp_attention.enabled():
+                self.mlp.join_idle(h, last=True)
             return None
         if rows is not None:
             o, h = o.index_select(0, rows), h.index_select(0, rows)
             step = step.narrow(rows)
         h = self.self_attn.o_proj.forward(o, step, residual=h)
-        return self.mlp.forward(self.post_attention_layernorm.forward(h), step, residual=h)
+        return self.mlp.forward(self.post_attention_layernorm.forward(h), step, residual=h, last=rows is not None)
 
     def fused_parts(self) -> DenseLayerParts:
         return DenseLayerParts(self.input_layernorm, self.self_attn.qkv_proj, self.self_attn.o_proj,
@@ -97,6 +113,7 @@ class LlamaForCausalLM(CausalLM):
                               "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
                               "q_norm": ("qk_norm", "q"), "k_norm": ("qk_norm", "k")}
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    dp_attention = True
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
         super().__init__(arch, plan, tp)
@@ -104,8 +121,16 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(plan, inv_freq, arch.max_context_len)
         self.model = LlamaModel(arch, plan, tp, self.rotary)
         self.lm_head = ParallelLMHead(plan, arch.vocab_size, arch.hidden_size, tp)
-        rows = plan.fused_rows(fused_decode, tp.size, arch.qk_norm)
+        # the fused decode runs every layer in one native call: no room for DP attention's collectives
+        rows = plan.fused_rows(fused_decode and not dp_attention.enabled(), tp.size, arch.qk_norm)
         self.fused = FusedDecode(plan, self._dense_parts(), rows) if rows else None
+
+    def idle_forward(self) -> None:
+        """Under DP attention, a forward of no rows: every layer's MLP collectives, nothing else."""
+        hidden = torch.empty(0, self.arch.hidden_size, dtype=self.plan.dtype, device=self.plan.device)
+        layers = self.model.layers
+        for layer in layers:
+            layer.mlp.join_idle(hidden, last=layer is layers[-1])
 
     def _dense_parts(self) -> DenseModelParts:
         return DenseModelParts([layer.fused_parts() for layer in self.model.layers], self.model.norm, self.lm_head,

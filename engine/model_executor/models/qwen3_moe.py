@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
+from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.layers import (Attention, FusedMoE, KernelPlan, ParallelLMHead,
                                                   QKNorm, QKVParallelLinear, RMSNorm, ReplicatedLinear,
                                                   RotaryEmbedding, RowParallelLinear, Step, VocabEmbedding, rope_inv_freq)
@@ -68,11 +69,18 @@ class Qwen3MoeSparseBlock:
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, moe: MoeConfig):
         E, hidden = moe.num_experts, arch.hidden_size
         self.gate = ReplicatedLinear(plan, hidden, E)  # every rank routes every token alike
-        self.experts = FusedMoE(plan, E, moe.top_k, hidden, moe.moe_intermediate, tp, renormalize=moe.norm_topk_prob,
-                                method=moe_method(plan, E))
+        # under DP attention the experts split over every attention group (dp_attention.mlp_shard)
+        self.experts = FusedMoE(plan, E, moe.top_k, hidden, moe.moe_intermediate, dp_attention.mlp_shard(tp),
+                                renormalize=moe.norm_topk_prob, method=moe_method(plan, E))
+
+    def _route(self, x: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.experts.select_experts(self.gate.forward(x, step))
 
     def forward(self, x: torch.Tensor, h: torch.Tensor, step: Step) -> torch.Tensor:
-        """x [T, hidden] (normed) -> h + the routed experts' sum, [T, hidden]."""
+        """x [T, hidden] (normed) -> h + the routed experts' sum, [T, hidden]; under DP attention
+        over every attention group's experts (``FusedMoE.forward_dp_attention``)."""
+        if dp_attention.enabled():
+            return self.experts.forward_dp_attention(x, self._route, step, h)
         return self.experts.forward(x, self.gate.forward(x, step), step, residual=h)
 
 
@@ -104,6 +112,7 @@ class Qwen3MoeForCausalLM(CausalLM):
     packed_modules_mapping = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                               "q_norm": ("qk_norm", "q"), "k_norm": ("qk_norm", "k")}
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+    dp_attention = True
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
         """``fused_decode`` (Llama's decode step in one native call) has no form for these layers."""
@@ -114,6 +123,12 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
         return expert_weight_name(name)  # HF's per-expert names: experts.{e}.{gate,up,down}_proj
+
+    def idle_forward(self) -> None:
+        """Under DP attention, a forward of no rows: every layer's expert collectives, nothing else."""
+        hidden = torch.empty(0, self.arch.hidden_size, dtype=self.plan.dtype, device=self.plan.device)
+        for layer in self.model.layers:
+            layer.mlp.forward(hidden, hidden, Step(0, False))
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,
                 after_layer: Callable[[int], None] | None = None) -> torch.Tensor:

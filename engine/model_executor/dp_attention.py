@@ -1,0 +1,111 @@
+"""Data-parallel attention (SGLang's ``--enable-dp-attention``): the dense layers over every
+attention group, and the forward rounds that keep the groups' collectives in step.
+
+Each attention group (one process, ``parallel.init_dp_attention``) runs attention on its own batch
+with its own KV pool; the MLP's weights are split over all groups like TP's. Before an MLP a
+group's rows join the other groups' (``dp_gather``: padded to the largest of the counts its round
+announced), every group multiplies all rows by its slice, the partial sums are all-reduced, and
+each group keeps its own rows (``dp_scatter``), so a token's MLP is the same sum TP computes.
+
+The groups schedule independently, so a group may run a forward while another has none, or run
+more forwards in one iteration. Every forward opens a round (``join_forward``); a group done with
+its iteration calls ``finish_iteration``, which answers rounds with an idle forward (zero rows
+through every MLP's collectives) until every group is done. A round is one all-gather of each
+group's (running a forward, rows, sampled rows), so the groups agree on the collectives' order
+without agreeing on a schedule, and every MLP of the forward knows each group's row count
+without asking (``round_counts``: the step's rows, or the sampled rows past the last attention).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.model_executor.parallel import HeadShard, dp_attention
+
+
+def enabled() -> bool:
+    return dp_attention() is not None
+
+
+def mlp_shard(attn: HeadShard) -> HeadShard:
+    """The slice of the dense layers this process holds: ``attn`` (its attention heads) without DP
+    attention; under it, group ``rank`` of ``size`` (the heads stay the group's own)."""
+    dp = dp_attention()
+    if dp is None:
+        return attn
+    return HeadShard(dp.rank, dp.size, attn.num_heads, attn.num_kv_heads, attn.q_start, attn.kv_start)
+
+
+_COUNTS: tuple[list[int], list[int]] = ([], [])  # this round's rows and sampled rows, per group
+
+
+def _round(active: bool, rows: int = 0, sampled: int = 0) -> bool:
+    global _COUNTS
+    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(dp_attention().size)]
+    dist.all_gather(parts, torch.tensor([int(active), rows, sampled], dtype=torch.int64))
+    table = torch.stack(parts).tolist()
+    _COUNTS = ([r[1] for r in table], [r[2] for r in table])
+    return any(r[0] for r in table)
+
+
+def join_forward(rows: int, sampled: int) -> None:
+    """Open a forward round of ``rows`` step rows, ``sampled`` of them sampled: the groups not
+    running a forward now run an idle one beside it."""
+    if enabled():
+        _round(True, rows, sampled)
+
+
+def round_counts(last: bool = False) -> list[int]:
+    """Each group's rows at an MLP of this round's forward: the step's, or with ``last`` the
+    sampled rows a model keeps past its last attention."""
+    return _COUNTS[1 if last else 0]
+
+
+def finish_iteration(idle_forward: Callable[[], None]) -> int:
+    """Answer the other groups' forward rounds with ``idle_forward`` until every group has finished
+    its iteration; returns the idle forwards run."""
+    if not enabled():
+        return 0
+    idle = 0
+    while _round(False):
+        idle_forward()
+        idle += 1
+    return idle
+
+
+def dp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Every group's rows of ``x`` [n, hidden] in group order, given each group's row ``counts``."""
+    mine = counts[dp_attention().rank]
+    if x.shape[0] != mine:  # a wrong count would misplace every group's rows: fail instead
+        raise RuntimeError(f"DP attention: this group has {x.shape[0]} rows, its round said {mine}")
+    width = max(counts)
+    if width == 0:
+        return x
+    padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = [torch.empty_like(padded) for _ in counts]
+    dist.all_gather(parts, padded)
+    return torch.cat([part[:c] for part, c in zip(parts, counts)])
+
+
+def dp_scatter(y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """This group's rows of the gathered ``y`` once its partial sums are all-reduced."""
+    rank = dp_attention().rank
+    if sum(counts):
+        dist.all_reduce(y)
+    start = sum(counts[:rank])
+    return y[start: start + counts[rank]]
+
+
+def dense_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, residual: torch.Tensor | None,
+              last: bool = False) -> torch.Tensor:
+    """``residual + mlp(x)`` with ``mlp`` (this group's slice, unreduced) run over every group's rows
+    (``last``: an MLP past the last attention, over the sampled rows: ``round_counts``)."""
+    counts = round_counts(last)
+    rows = dp_gather(x, counts)
+    y = mlp(rows) if sum(counts) else rows
+    out = dp_scatter(y, counts)
+    return out if residual is None else residual + out

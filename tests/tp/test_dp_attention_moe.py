@@ -1,0 +1,63 @@
+"""DP attention over MoE models (fp32): the tiny random Qwen3-MoE and DeepSeek-V3 (multi-head
+latent attention, a dense first layer, shared and routed experts) at ``--tp-size 2 --dp-size 2
+--enable-dp-attention``, with the experts split over both attention groups by their rows (each
+group's rows gathered around them), and with ``--ep-size 2 --moe-a2a-backend gloo`` (each group
+sends its own rows to the experts' ranks; DeepSeek's shared experts gathered apart). Greedy output
+equals TP 1 with a batch spread over both groups and with one group idle.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from server_helpers import ServerProcess
+from support.deepseek_util import make_deepseek_checkpoint
+from test_tp_server import PROMPTS
+
+from pdserve.entrypoints.engine import Engine
+
+pytestmark = pytest.mark.timeout(300)
+
+GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+EXPERTS = {"split": [], "ep-gloo": ["--ep-size", "2", "--moe-a2a-backend", "gloo"]}
+
+
+@pytest.fixture(scope="module")
+def moe_models(tiny_checkpoints, tmp_path_factory):
+    """{name: (checkpoint, TP 1 outputs of PROMPTS)}."""
+    deepseek = str(tmp_path_factory.mktemp("tiny-deepseek-v3"))
+    make_deepseek_checkpoint("v3", deepseek)
+    out = {}
+    for name, path in (("qwen3_moe", tiny_checkpoints["qwen3_moe"]), ("deepseek_v3", deepseek)):
+        with Engine(model_path=path, dtype="float32", max_total_tokens=2048) as engine:
+            out[name] = path, [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+    return out
+
+
+@pytest.mark.parametrize("experts", sorted(EXPERTS))
+@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+def test_moe_groups_equal_tp1(moe_models, model, experts):
+    path, tp1_outputs = moe_models[model]
+    server = ServerProcess("--model-path", path, "--dtype", "float32", "--tp-size", "2", "--dp-size", "2",
+                           "--enable-dp-attention", "--max-total-tokens", "2048", *EXPERTS[experts])
+    try:
+        server.wait_ready()
+        results: list = [None] * len(PROMPTS)
+
+        def ask(i: int) -> None:
+            results[i] = server.post("/generate", {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
+                                                   "routed_dp_rank": i % 2})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]  # both groups at once
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [r.json().get("output_ids") for r in results] == tp1_outputs, (results[0].text, server.log())
+        # group 1 alone: group 0 idles through the experts' collectives
+        r = server.post("/generate", {"input_ids": PROMPTS[2], "sampling_params": GREEDY, "routed_dp_rank": 1})
+        assert r.json().get("output_ids") == tp1_outputs[2], (r.text, server.log())
+        server.wait_idle_and_unleaked()
+    finally:
+        server.stop()

@@ -1,0 +1,78 @@
+"""PD with DP attention on the tiny Llama (fp32), over Mooncake and over NIXL: prefill P and
+decode D both ``--tp-size 2 --dp-size 2 --enable-dp-attention``, and decode D2 a plain
+``--tp-size 2`` (its ranks split the heads each prefill group holds whole). Each of the four
+(prefill group, decode group) pairs, and each prefill group into D2, gives the colocated TP 1
+output; the named decode group is the one that ran it; every pool ends unleaked.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+from support.pd_stand import Server, greedy_body, pd_post
+
+from pdserve.entrypoints.engine import Engine
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[1, 5, 9, 33, 100, 7, 8], list(range(3, 40))]
+MAX_NEW = 6
+DP_ATTENTION = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def stand(request, tiny_checkpoints):
+    backend = request.param
+    if backend == "nixl":
+        pytest.importorskip("nixl")
+    model = ["--model-path", tiny_checkpoints["llama"], "--max-total-tokens", "2048"]
+    servers = {"P": Server(f"dpattn-P-{backend}", "prefill", *model, *DP_ATTENTION, backend=backend),
+               "D": Server(f"dpattn-D-{backend}", "decode", *model, *DP_ATTENTION, backend=backend),
+               "D2": Server(f"dpattn-D2-{backend}", "decode", *model, "--tp-size", "2", backend=backend)}
+    try:
+        for s in servers.values():
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoints):
+    with Engine(model_path=tiny_checkpoints["llama"], dtype="float32", max_total_tokens=2048) as engine:
+        return [engine.generate(input_ids=p, sampling_params=greedy_body(p, MAX_NEW)["sampling_params"])["output_ids"]
+                for p in PROMPTS]
+
+
+def generate(stand, p_rank: int, decode: str, d_rank: int | None, reference) -> None:
+    for ids, want in zip(PROMPTS, reference):
+        pr, dr = pd_post(stand["P"], stand[decode], "/generate", greedy_body(ids, MAX_NEW), prefill_dp_rank=p_rank,
+                         decode_dp_rank=d_rank)
+        assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text, stand[decode].log(1500))
+        assert dr.json()["output_ids"] == want
+
+
+def dispatched(server: Server) -> dict[str, float]:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return {m[0]: float(m[1]) for m in re.findall(r'pdserve_requests_total\{[^}]*dp_rank="(\d)"[^}]*\} (\S+)', text)}
+
+
+@pytest.mark.parametrize("p_rank, d_rank", [(0, 0), (0, 1), (1, 0), (1, 1)])
+def test_every_group_pair_equals_colocated(stand, reference, p_rank, d_rank):
+    before = dispatched(stand["D"])
+    generate(stand, p_rank, "D", d_rank, reference)
+    after = dispatched(stand["D"])
+    assert after[str(d_rank)] - before.get(str(d_rank), 0) == len(PROMPTS)
+    assert after.get(str(1 - d_rank), 0) == before.get(str(1 - d_rank), 0)
+    stand["P"].wait_unleaked()
+    stand["D"].wait_unleaked()
+
+
+def test_each_prefill_group_into_a_tp2_decode(stand, reference):
+    for p_rank in (0, 1):
+        generate(stand, p_rank, "D2", None, reference)
+    stand["P"].wait_unleaked()
+    stand["D2"].wait_unleaked()
