@@ -12,7 +12,8 @@ hierarchy of node groups), in two greedy passes:
    already held in a slot of that rank keeps that slot, so its weights need not move.
 
 Every logical expert keeps >= 1 replica and every rank gets exactly its capacity of slots;
-``rank_imbalance`` (max over mean of the ranks' loads) is what the rebalance lowers.
+``rank_imbalance`` (max over mean of the ranks' loads) is what the rebalance lowers. A new
+placement that does not lower it is not taken: a rebalance that buys nothing moves no weight.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def rebalance_layer(load: list[float], old: ExpertPlacement) -> ExpertPlacement:
             if slots[i] is None:
                 slots[i] = rest.pop(0)
         physical.extend(slots)  # type: ignore[arg-type]
-    return ExpertPlacement(tuple(physical), old.num_logical, old.ep_size)
+    new = ExpertPlacement(tuple(physical), old.num_logical, old.ep_size)
+    return new if rank_imbalance(new, load) < rank_imbalance(old, load) else old
 
 
 def rank_imbalance(placement: ExpertPlacement, load: list[float]) -> float:
