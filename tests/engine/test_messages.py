@@ -28,6 +28,8 @@ SAMPLES = {
     "GetWeightsByNameReq": messages.GetWeightsByNameReq(name="model.norm.weight", truncate_size=5, req_id=5),
     "ReleaseMemoryReq": messages.ReleaseMemoryReq(tags=["kv_cache", "weights"], req_id=6),
     "ResumeMemoryReq": messages.ResumeMemoryReq(tags=["kv_cache"], req_id=7),
+    "LoadLoraAdapterReq": messages.LoadLoraAdapterReq(lora_name="sql", lora_path="/adapters/sql", req_id=8),
+    "UnloadLoraAdapterReq": messages.UnloadLoraAdapterReq(lora_name="sql", req_id=9),
     "StartProfileReq": messages.StartProfileReq(output_dir="/tmp/p", num_steps=3, record_shapes=True,
                                                 with_stack=True, profile_id="x", req_id=8),
     "StopProfileReq": messages.StopProfileReq(req_id=9),
@@ -87,7 +89,8 @@ def test_round_trip_each():
 
 def test_round_trip_unions():
     inputs = ("TokenizedGenerateReq", "AbortReq", "FlushCacheReq", "UpdateWeightsFromDiskReq", "GetWeightsByNameReq",
-              "ReleaseMemoryReq", "ResumeMemoryReq", "StartProfileReq", "StopProfileReq", "ExpertDistributionReq")
+              "ReleaseMemoryReq", "ResumeMemoryReq", "StartProfileReq", "StopProfileReq", "ExpertDistributionReq",
+              "LoadLoraAdapterReq", "UnloadLoraAdapterReq")
     for obj in (SAMPLES[n] for n in inputs):
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(obj), type=messages.SchedulerInput) == obj
     outputs = ("TokenOutput", "SchedulerStats", "SchedulerReady", "SchedulerError", "ControlResult")
