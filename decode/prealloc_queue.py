@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.sched.priority_order import priority_rank
 from pdserve.engine.sched.request import Req, ReqStatus
 from pdserve.engine.sched.scheduler import Scheduler
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -115,8 +116,8 @@ class PreallocQueue:
         s = self.scheduler
         entries = list(self.entries.items())
         if s.config.enable_priority_scheduling:  # a stable sort: arrival order within a priority
-            sign = 1 if s.config.schedule_low_priority_values_first else -1
-            entries.sort(key=lambda item: sign * item[1].req.priority)
+            low_first = s.config.schedule_low_priority_values_first
+            entries.sort(key=lambda item: priority_rank(item[1].req.priority, low_first))
         for rid, e in entries:
             if e.receiver is None or e.receiver.poll() is not KVPoll.WaitingForInput:
                 continue  # not bootstrapped yet; later ones may be (different prefill peers)

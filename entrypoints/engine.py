@@ -159,8 +159,8 @@ class Engine:
 
             self.loop = None
             self.arch = load_arch(self.config.model_path)
-            self.arch.check_tp_size(server_config.attn_tp_size)  # the heads split within an attention group
-            self.arch.check_mlp_split(server_config.tp_size)
+            # the heads split within an attention group, the MLP over every rank
+            self.arch.check_parallel(server_config.attn_tp_size, server_config.tp_size)
             self.tokenizer = load_tokenizer(self.config.model_path)
             self._rank = None
         self._closed = False

@@ -276,8 +276,7 @@ def check_model(config: ServerConfig) -> None:
     from pdserve.engine.model_executor.model_loader import load_arch
 
     arch = load_arch(config.engine.model_path)
-    arch.check_tp_size(config.attn_tp_size)  # the heads split within an attention group
-    arch.check_mlp_split(config.tp_size)
+    arch.check_parallel(config.attn_tp_size, config.tp_size)  # heads within a group, MLP over all
     if config.engine.context_length is not None:
         arch.with_context_length(config.engine.context_length)
     draft = config.engine.speculative_draft_model_path

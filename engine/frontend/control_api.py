@@ -219,8 +219,7 @@ async def load_lora_adapter(tm: TokenizerManager, inp: LoadLoraAdapterInput) -> 
     served, name -> path (SGLang's ``loaded_adapters``)."""
     if inp.pinned:
         raise RequestError("pinned adapters are not supported: adapters take slots on demand", param="pinned")
-    if not tm.config.engine.enable_lora:
-        raise RequestError("this server was started without --enable-lora", param="lora_name", code="unsupported")
+    _need_lora(tm)
     answer = _answer(tm, await tm.control(LoadLoraAdapterReq(lora_name=inp.lora_name, lora_path=inp.lora_path)))
     if answer.success:
         tm.lora_paths[inp.lora_name] = inp.lora_path
@@ -231,14 +230,18 @@ async def load_lora_adapter(tm: TokenizerManager, inp: LoadLoraAdapterInput) -> 
 async def unload_lora_adapter(tm: TokenizerManager, inp: UnloadLoraAdapterInput) -> ControlAnswer:
     """Refused (by each rank) while a request uses the adapter. New requests stop naming it
     first, so that none arrives while the ranks unload; a refused unload serves it again."""
-    if not tm.config.engine.enable_lora:
-        raise RequestError("this server was started without --enable-lora", param="lora_name", code="unsupported")
+    _need_lora(tm)
     path = tm.lora_paths.pop(inp.lora_name, None)
     answer = _answer(tm, await tm.control(UnloadLoraAdapterReq(lora_name=inp.lora_name)))
     if not answer.success and path is not None:
         tm.lora_paths[inp.lora_name] = path
     answer.data = dict(tm.lora_paths)
     return answer
+
+
+def _need_lora(tm: TokenizerManager) -> None:
+    if not tm.config.engine.enable_lora:
+        raise RequestError("this server was started without --enable-lora", param="lora_name", code="unsupported")
 
 
 def server_info(tm: TokenizerManager) -> dict:

@@ -94,8 +94,13 @@ class ModelArch:
 
     def check_tp_size(self, tp_size: int) -> None:
         """Raise ValueError, naming the numbers, when this model cannot be split over ``tp_size`` ranks."""
-        check_tp_heads(tp_size, self.num_heads, self.num_kv_heads)
-        self.check_mlp_split(tp_size)
+        self.check_parallel(tp_size, tp_size)
+
+    def check_parallel(self, attn_tp_size: int, mlp_tp_size: int) -> None:
+        """``check_tp_size`` for heads split over ``attn_tp_size`` ranks and the MLP over
+        ``mlp_tp_size`` (different under DP attention: the heads within a group, the MLP over all)."""
+        check_tp_heads(attn_tp_size, self.num_heads, self.num_kv_heads)
+        self.check_mlp_split(mlp_tp_size)
 
     def check_mlp_split(self, tp_size: int) -> None:
         """Raise ValueError when the dense MLP cannot be split over ``tp_size`` ranks (under DP

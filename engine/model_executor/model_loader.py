@@ -79,16 +79,24 @@ def _read_hf_config(path: str) -> ModelArch:
 
 
 def _load_hf_dir(path: str) -> tuple[ModelArch, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+    return _read_hf_config(path), read_safetensors(path)
 
-    arch = _read_hf_config(path)
+
+def read_safetensors(path: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors of checkpoint directory ``path`` (its ``*.safetensors`` files) whose names start
+    with ``prefix``, that prefix cut; only those are read (one layer of a large model)."""
+    from safetensors import safe_open
+
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise ValueError(f"model_path {path!r} has a config.json but no *.safetensors files")
-    weights: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     for file in files:
-        weights.update(load_file(file))
-    return arch, weights
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                if name.startswith(prefix):
+                    out[name[len(prefix):]] = f.get_tensor(name)
+    return out
 
 
 # ------------------------------------------------------------------- GGUF

@@ -290,7 +290,7 @@ class ModelRunner:
         # a captured graph holds no expert counting or balancing and keeps no hidden states: such
         # steps run eagerly
         if (graphs is not None and after_layer is None and not self.expert_recorder.recording
-                and self.eplb is None and not getattr(self.model, "keep_hidden", False)
+                and self.eplb is None and not self.model.keep_hidden
                 and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)

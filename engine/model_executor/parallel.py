@@ -62,12 +62,16 @@ def init_tp(tp_rank: int, tp_size: int, init_addr: str, timeout_s: float, device
     """Join this DP rank's TP group at ``init_addr`` (``host:port``; rank 0 listens there). No-op at TP 1."""
     if tp_size == 1:
         return
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    _join_world(tp_rank, tp_size, init_addr, timeout_s, device)
+
+
+def _join_world(rank: int, size: int, init_addr: str, timeout_s: float, device: torch.device) -> None:
+    """The process group of ``size`` processes meeting at ``init_addr`` (gloo, and NCCL beside it on CUDA)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(
-        backend, init_method=f"tcp://{init_addr}", rank=tp_rank, world_size=tp_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{init_addr}", rank=rank,
+        world_size=size, timeout=datetime.timedelta(seconds=timeout_s),
     )
 
 
@@ -87,12 +91,7 @@ def init_dp_attention(dp_rank: int, dp_size: int, init_addr: str, timeout_s: flo
     """Join the world of the server's ``dp_size`` attention groups at ``init_addr`` (DP rank 0
     listens there); from now on the TP helpers answer for this group alone (TP 1)."""
     global _DP_ATTENTION
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://{init_addr}", rank=dp_rank,
-        world_size=dp_size, timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    _join_world(dp_rank, dp_size, init_addr, timeout_s, device)
     _DP_ATTENTION = DpAttention(dp_rank, dp_size)
 
 

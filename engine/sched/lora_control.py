@@ -32,9 +32,7 @@ def load_adapter(loop, name: str, path: str) -> str:
         parse_lora_paths((f"{name}={path}",))  # the names --lora-paths accepts
     except ValueError as e:
         raise LoraControlError(str(e).replace("lora_paths", "lora_name", 1)) from None
-    if name in loop.lora_ids:
-        raise LoraControlError(f"LoRA adapter {name!r} is already loaded")
-    lora.add(name, path)  # LoraAdapterError (a ValueError) names what does not fit
+    lora.add(name, path)  # LoraAdapterError (a ValueError): already loaded, or what does not fit
     loop.lora_ids[name] = lora_id_of(name, path)
     return f"LoRA adapter {name!r} loaded from {path}"
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from pdserve.engine.sched.priority_order import priority_rank
+
 
 class Ranked(Protocol):
     priority: int
@@ -24,13 +26,12 @@ class Ranked(Protocol):
 
 def outranks(a: int, b: int, low_values_first: bool) -> bool:
     """Whether priority ``a`` goes strictly before priority ``b``."""
-    return a < b if low_values_first else a > b
+    return priority_rank(a, low_values_first) < priority_rank(b, low_values_first)
 
 
 def preemption_order(running: Sequence[Ranked], low_values_first: bool) -> list:
     """``running`` in the order victims are taken: lowest priority first, latest arrival first among equals."""
-    sign = -1 if low_values_first else 1
-    return sorted(running, key=lambda r: (sign * r.priority, -r.arrival))
+    return sorted(running, key=lambda r: (-priority_rank(r.priority, low_values_first), -r.arrival))
 
 
 def pick_victims(candidate: Ranked, running: Sequence[Ranked], short_pages: int, need_slot: bool,

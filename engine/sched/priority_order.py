@@ -11,11 +11,16 @@ from __future__ import annotations
 from collections import deque
 
 
+def priority_rank(priority: int, low_values_first: bool) -> int:
+    """A sort key of ``priority``: the smaller goes first (larger values first, or smaller ones with
+    ``low_values_first``). The preallocation queue and preemption order by it too."""
+    return priority if low_values_first else -priority
+
+
 def order_by_priority(waiting: deque, low_values_first: bool) -> None:
     """Reorder ``waiting`` (a deque of ``Req``) in place by priority, keeping the order within one."""
     if len(waiting) < 2:
         return
-    sign = 1 if low_values_first else -1
-    ordered = sorted(waiting, key=lambda r: sign * r.priority)
+    ordered = sorted(waiting, key=lambda r: priority_rank(r.priority, low_values_first))
     waiting.clear()
     waiting.extend(ordered)

@@ -45,7 +45,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.parallel import all_reduce_min
-from pdserve.engine.speculative.proposer import Draft, DraftInput
+from pdserve.engine.speculative.proposer import Draft, DraftInput, chains_at
 from pdserve.engine.speculative_names import STANDALONE
 
 logger = logging.getLogger(__name__)
@@ -236,10 +236,7 @@ class DraftModelProposer:
         if jobs:
             self._catch_up(jobs)
             self._decode(jobs)
-        drafts = [Draft() for _ in inputs]
-        for job in jobs:
-            drafts[job.index] = Draft.chain(job.picks)
-        return drafts
+        return chains_at(len(inputs), ((job.index, job.picks) for job in jobs))
 
     def release(self, rid: str) -> None:
         seq = self._seqs.pop(rid, None)

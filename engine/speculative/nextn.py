@@ -42,7 +42,7 @@ from pdserve.engine.model_executor.models.deepseek_mtp import DeepseekMTP
 from pdserve.engine.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pdserve.engine.model_executor.parallel import all_reduce_min
 from pdserve.engine.speculative.draft_model import COST_PAIRS, ScratchDecode, draft_pool_tokens
-from pdserve.engine.speculative.proposer import Draft, DraftInput
+from pdserve.engine.speculative.proposer import Draft, DraftInput, chains_at
 from pdserve.engine.speculative_names import NEXTN
 
 logger = logging.getLogger(__name__)
@@ -137,10 +137,7 @@ class NextNProposer:
         if jobs:
             self._catch_up(jobs)
             self._chain(jobs)
-        drafts = [Draft() for _ in inputs]
-        for job in jobs:
-            drafts[job.index] = Draft.chain(job.picks)
-        return drafts
+        return chains_at(len(inputs), ((job.index, job.picks) for job in jobs))
 
     def release(self, rid: str) -> None:
         seq = self._seqs.pop(rid, None)

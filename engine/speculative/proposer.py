@@ -17,7 +17,7 @@ NGRAM and STANDALONE do not.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,15 @@ class Draft:
     @classmethod
     def chain(cls, tokens: Sequence[int]) -> "Draft":
         return cls(list(tokens), chain_parents(len(tokens)))
+
+
+def chains_at(n: int, picks: Iterable[tuple[int, Sequence[int]]]) -> list[Draft]:
+    """``n`` drafts, empty but at each (index, tokens) of ``picks``: there the chain of those tokens
+    (the draft-model proposers' answer to ``propose``)."""
+    drafts = [Draft() for _ in range(n)]
+    for i, tokens in picks:
+        drafts[i] = Draft.chain(tokens)
+    return drafts
 
 
 def chain_parents(n: int) -> list[int]:

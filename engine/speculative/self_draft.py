@@ -35,7 +35,7 @@ from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.parallel import all_reduce_min
 from pdserve.engine.speculative.draft_model import (COST_PAIRS, ScratchDecode, check_same_vocabulary,
                                                     draft_engine_config, draft_group_rows)
-from pdserve.engine.speculative.proposer import Draft, DraftInput
+from pdserve.engine.speculative.proposer import Draft, DraftInput, chains_at
 from pdserve.engine.speculative_names import STANDALONE
 
 logger = logging.getLogger(__name__)
@@ -117,10 +117,7 @@ class SharedKVDraftProposer:
             fed = [job.picks[-1] if job.picks else last[job.index] for job in active]
             for job, pick in zip(active, self._forward_groups(active, fed)):
                 job.picks.append(pick)
-        drafts = [Draft() for _ in inputs]
-        for job in jobs:
-            drafts[job.index] = Draft.chain(job.picks)
-        return drafts
+        return chains_at(len(inputs), ((job.index, job.picks) for job in jobs))
 
     def release(self, rid: str) -> None:
         """Nothing is held per request: the draft's K/V live in the request's own slots."""

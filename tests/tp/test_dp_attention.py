@@ -17,6 +17,7 @@ import time
 import pytest
 from server_helpers import ServerProcess, is_running
 from test_tp_server import PROMPTS, rank_pids
+from support.pd_stand import wait_for
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.server_config import ServerConfig
@@ -125,10 +126,9 @@ def test_killed_group_takes_the_server_down(dp_server):
 
     t = threading.Thread(target=long_request)
     t.start()
-    deadline = time.monotonic() + 30
-    while (states := dp_server.server_info()["internal_states"])[0]["num_running_tokens"] == 0:
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.02)
+    wait_for(lambda: dp_server.server_info()["internal_states"][0]["num_running_tokens"] > 0, 30,
+             "the request to start")
+    states = dp_server.server_info()["internal_states"]
     assert states[0]["num_running_reqs"] == 1 and states[1]["num_running_tokens"] == 0  # the load per group
     os.kill(pids["pdserve-dp1-tp0"], signal.SIGKILL)  # the idle group: the working one waits on its MLPs
     t.join(60)

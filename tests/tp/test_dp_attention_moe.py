@@ -2,12 +2,15 @@
 latent attention, a dense first layer, shared and routed experts) at ``--tp-size 2 --dp-size 2
 --enable-dp-attention``, with the experts split over both attention groups by their rows (each
 group's rows gathered around them), and with ``--ep-size 2 --moe-a2a-backend gloo`` (each group
-sends its own rows to the experts' ranks; DeepSeek's shared experts gathered apart). Greedy output
+sends its own rows to the experts' ranks, also under a placement file with redundant expert slots;
+DeepSeek's shared experts gathered apart). Greedy output
 equals TP 1 with a batch spread over both groups and with one group idle.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 
 import pytest
@@ -20,7 +23,22 @@ from pdserve.entrypoints.engine import Engine
 pytestmark = pytest.mark.timeout(300)
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
-EXPERTS = {"split": [], "ep-gloo": ["--ep-size", "2", "--moe-a2a-backend", "gloo"]}
+EXPERTS = {"split": [], "ep-gloo": ["--ep-size", "2", "--moe-a2a-backend", "gloo"],
+           # a placement file: experts in reverse order plus replicas of experts 0 and 1, so each group
+           # must route its own rows to physical slots, not to the logical ids
+           "ep-gloo-placed": ["--ep-size", "2", "--moe-a2a-backend", "gloo", "--ep-num-redundant-experts", "2"]}
+
+
+def placement_file(checkpoint: str, out_dir) -> str:
+    """--init-expert-location: every layer's slots holding experts E-1 .. 0, then 0 and 1."""
+    with open(os.path.join(checkpoint, "config.json")) as f:
+        cfg = json.load(f)
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg["n_routed_experts"]
+    row = list(range(experts - 1, -1, -1)) + [0, 1]
+    path = os.path.join(out_dir, "placement.json")
+    with open(path, "w") as f:
+        json.dump({"physical_to_logical_map": [row] * cfg["num_hidden_layers"]}, f)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +55,11 @@ def moe_models(tiny_checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("experts", sorted(EXPERTS))
 @pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
-def test_moe_groups_equal_tp1(moe_models, model, experts):
+def test_moe_groups_equal_tp1(moe_models, model, experts, tmp_path):
     path, tp1_outputs = moe_models[model]
+    placed = ["--init-expert-location", placement_file(path, tmp_path)] if experts == "ep-gloo-placed" else []
     server = ServerProcess("--model-path", path, "--dtype", "float32", "--tp-size", "2", "--dp-size", "2",
-                           "--enable-dp-attention", "--max-total-tokens", "2048", *EXPERTS[experts])
+                           "--enable-dp-attention", "--max-total-tokens", "2048", *EXPERTS[experts], *placed)
     try:
         server.wait_ready()
         results: list = [None] * len(PROMPTS)

@@ -249,7 +249,9 @@ class FusedMoE:
             else:
                 weights = x.new_empty(0, self.top_k, dtype=torch.float32)
                 ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
-            return residual + self.exchange.exchange(x, weights, ids, step, self.method.apply)
+            # this group's rows alone reach this rank: it counts all of them, whoever holds the slot
+            physical = self._physical(ids, own_rows=True)
+            return residual + self.exchange.exchange(x, weights, physical, step, self.method.apply)
 
         def partial(rows: torch.Tensor) -> torch.Tensor:
             gathered = Step(rows.shape[0], step.decode)
@@ -262,11 +264,22 @@ class FusedMoE:
                        residual: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` with the routing chosen by the caller (a model's own gate): topk_weights
         [T, k] float32, topk_ids [T, k] int64 -> residual + the weighted sum over the group, [T, hidden]."""
+        y = self.exchange.run(x, topk_weights, self._physical(topk_ids), step, self.method.apply)
+        return y if residual is None else residual + y
+
+    def _physical(self, topk_ids: torch.Tensor, own_rows: bool = False) -> torch.Tensor:
+        """``physical_ids`` of the routed ``topk_ids``, counted into the expert statistics and EPLB's
+        load while they record: by a rank that sees every row, the slots it holds (the ranks' counts
+        sum to the whole); with ``own_rows`` (DP attention's all-to-all: each group sees only its
+        own rows), every slot of them."""
         physical = self.physical_ids(topk_ids)
         if self.record is not None or self.load is not None:
-            flat, held = topk_ids.reshape(-1), self._held[physical.reshape(-1)]  # [T k]
+            flat = topk_ids.reshape(-1)  # [T k]
+            if own_rows:
+                held = torch.full_like(flat, int(self.counts_tokens))
+            else:
+                held = self._held[physical.reshape(-1)]
             for counts in (self.record, self.load):
                 if counts is not None:
                     counts.scatter_add_(0, flat, held)
-        y = self.exchange.run(x, topk_weights, physical, step, self.method.apply)
-        return y if residual is None else residual + y
+        return physical

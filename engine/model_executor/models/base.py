@@ -27,6 +27,9 @@ class CausalLM(ABC):
     tied_weights: ClassVar[dict[str, str]] = {}
     #: the model runs under data-parallel attention (``dp_attention.py``): it has ``idle_forward``
     dp_attention: ClassVar[bool] = False
+    #: set by a proposer drafting from the hidden states (NEXTN): each step's final-normed rows are
+    #: kept in ``last_hidden`` (a model that supports it; captured graphs keep none)
+    keep_hidden: bool = False
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard):
         self.arch, self.plan, self.tp = arch, plan, tp
@@ -50,11 +53,11 @@ class CausalLM(ABC):
 
     def sampled_logits(self, h: torch.Tensor, batch: ForwardBatch, norm: Any, lm_head: ParallelLMHead) -> torch.Tensor:
         """The LM head over the sampled rows (``batch.logits_indices``) of the last layer's h
-        [T, hidden], normed by ``norm``: float32 [num_sampled, vocab]."""
+        [T, hidden], normed by ``norm`` (None: h is normed already): float32 [num_sampled, vocab]."""
         if batch.logits_indices.numel() == 0:
             return self.no_logits()
         h = h.index_select(0, batch.logits_indices)  # [num_sampled, hidden]
-        return lm_head.forward(norm.forward(h), Step(h.shape[0], batch.is_decode))
+        return lm_head.forward(h if norm is None else norm.forward(h), Step(h.shape[0], batch.is_decode))
 
     @abstractmethod
     def forward(self, batch: ForwardBatch, attn: AttentionBackend,

@@ -15,7 +15,6 @@ next position when drafts are chained (SGLang's convention: both hidden states a
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -28,6 +27,7 @@ from pdserve.engine.model_executor.layers.linear import ReplicatedLinear
 from pdserve.engine.model_executor.layers.loader import load_weights
 from pdserve.engine.model_executor.layers.mla_attention import MLAStep
 from pdserve.engine.model_executor.layers.moe import expert_weight_name
+from pdserve.engine.model_executor.model_loader import read_safetensors
 from pdserve.engine.model_executor.layers.yarn_rope import LatentRope, rope_parameters, softmax_scale
 from pdserve.engine.model_executor.models.deepseek_v2 import DeepseekDecoderLayer, DeepseekV2ForCausalLM, mla_shape
 
@@ -121,19 +121,10 @@ class DeepseekMTP:
 def read_layer_weights(model_path: str, layer: int) -> dict[str, torch.Tensor]:
     """The tensors under ``model.layers.{layer}.`` of a safetensors checkpoint directory, that prefix
     cut (only they are read, not the whole model again)."""
-    from safetensors import safe_open
-
     if not os.path.isdir(model_path) or not os.path.exists(os.path.join(model_path, "config.json")):
         raise ValueError(f"speculative_algorithm NEXTN reads the MTP layers of a safetensors checkpoint "
                          f"directory; {model_path!r} is not one")
-    prefix = f"model.layers.{layer}."
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(glob.glob(os.path.join(model_path, "*.safetensors"))):
-        with safe_open(file, "pt") as f:
-            for name in f.keys():
-                if name.startswith(prefix):
-                    out[name[len(prefix):]] = f.get_tensor(name)
-    return out
+    return read_safetensors(model_path, f"model.layers.{layer}.")
 
 
 def checkpoint_nextn_layers(model_path: str) -> int:

@@ -72,8 +72,6 @@ class DeepseekV2ForCausalLM(CausalLM):
     tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
     #: every decode and prefill row through the absorbed form (the forms' equality test sets it)
     absorbed_prefill = False
-    #: keep every row's final-normed hidden state of each step in ``last_hidden`` (NEXTN drafts from it)
-    keep_hidden = False
     dp_attention = True
 
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard, fused_decode: bool = True):
@@ -147,11 +145,8 @@ class DeepseekV2ForCausalLM(CausalLM):
                 after_layer(i)
         if not self.keep_hidden:
             return self.sampled_logits(h, batch, self.model.norm, self.lm_head)
-        self.last_hidden = h = self.model.norm.forward(h)  # [T, hidden]
-        if batch.logits_indices.numel() == 0:
-            return self.no_logits()
-        rows = h.index_select(0, batch.logits_indices)
-        return self.lm_head.forward(rows, Step(rows.shape[0], batch.is_decode))
+        self.last_hidden = h = self.model.norm.forward(h)  # [T, hidden], every row normed (NEXTN)
+        return self.sampled_logits(h, batch, None, self.lm_head)
 
 
 def _mtp_layer(name: str, num_layers: int) -> bool:
