@@ -88,6 +88,10 @@ class Tracer:
         return self.tracer.start_span(name, context=parent, kind=kind or self.internal_kind,
                                       start_time=start_ns, attributes=attributes)
 
+    def sampled(self, ctx: Any) -> bool:
+        """Whether the span current in ``ctx`` records (the sampler kept its trace)."""
+        return self._trace.get_current_span(ctx).is_recording()
+
     def context_of(self, span: Any, parent: Any = None) -> Any:
         return self._trace.set_span_in_context(span, parent)
 
