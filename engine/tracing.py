@@ -2,7 +2,9 @@
 
 One trace per request: the router, the prefill server and the decode server each add spans under
 the W3C ``traceparent`` the hop before them sent (the client's at the router). Spans are made in
-the HTTP process from times it already knows, so scheduler processes export nothing.
+the HTTP process, from times it knows and from the stage timeline a scheduler rank returns with a
+sampled request's final output (``engine/sched/stage_recorder.py``), so scheduler processes export
+nothing.
 
 Off by default; when off nothing here is imported or made (``make_tracer`` returns None and callers
 test for None), so the OpenTelemetry packages are needed only with ``--enable-trace``
