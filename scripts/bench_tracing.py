@@ -7,7 +7,10 @@ requests (fresh random prompts, ``--concurrency`` in flight, direct pairing with
 ``bootstrap_host/port/room`` as a router does) through one pair, then through the other, the order
 swapped every round (``benchlib/ab_rounds.py``). Throughput: output tokens per second of a round.
 The ratio is the median of the rounds' traced/plain throughput ratios. Target: >= 0.97.
-The spans received are counted, so a traced side that exported nothing shows.
+Also reported: the CPU seconds the pair's processes (HTTP process and rank, each server) spent
+per round, as the median of the rounds' traced/plain ratios: on a machine shared with other load
+it shows the cost of tracing where wall time is noisy. The spans received are counted, so a
+traced side that exported nothing shows.
 
     .venv/bin/python scripts/bench_tracing.py [--requests 16] [--concurrency 4] [--input-len 256]
         [--output-len 32] [--rounds 4]
@@ -61,6 +64,19 @@ class Server:
     def stop(self) -> None:
         stop_group(self.proc, grace=20.0)
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU time so far of every live process in the server's process group."""
+        pgid, total = os.getpgid(self.proc.pid), 0
+        for d in os.listdir("/proc"):
+            if d.isdigit():
+                try:
+                    fields = Path(f"/proc/{d}/stat").read_text().rpartition(")")[2].split()
+                except OSError:
+                    continue
+                if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
+                    total += int(fields[11]) + int(fields[12])  # utime, stime
+        return total / os.sysconf("SC_CLK_TCK")
+
 
 def one_request(session: requests.Session, P: Server, D: Server, ids: list[int], output_len: int) -> int:
     """One request through the pair (both legs at once); the decode's output tokens."""
@@ -113,6 +129,7 @@ def main() -> None:
                "traced": (Server("P-traced", "prefill", args.threads, *trace),
                           Server("D-traced", "decode", args.threads, *trace))}
     times: dict[str, list[float]] = {name: [] for name in servers}
+    cpu: dict[str, list[float]] = {name: [] for name in servers}
     tokens: dict[str, int] = dict.fromkeys(servers, 0)
     try:
         for pair in servers.values():
@@ -125,10 +142,12 @@ def main() -> None:
             # fresh prompts each round (no prefix-cache hits), the same for both sides
             prompts = [[rng.randrange(100, 40000) for _ in range(args.input_len)] for _ in range(args.requests)]
             for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+                cpu0 = sum(s.cpu_seconds() for s in servers[name])
                 n, secs = run_round(servers[name], prompts, args)
+                cpu[name].append(sum(s.cpu_seconds() for s in servers[name]) - cpu0)
                 tokens[name] += n
                 times[name].append(secs)
-                print(f"round {r} {name}: {n / secs:.1f} tok/s ({secs:.2f} s)", flush=True)
+                print(f"round {r} {name}: {n / secs:.1f} tok/s ({secs:.2f} s, {cpu[name][-1]:.2f} CPU s)", flush=True)
         time.sleep(1.0)  # the exporters' last batches
     finally:
         for pair in servers.values():
@@ -137,15 +156,18 @@ def main() -> None:
     names = [s.name for s in receiver.spans]
     receiver.close()
     ratio = round_ratios(times["traced"], times["plain"])
+    cpu_ratio = round_ratios(cpu["plain"], cpu["traced"])["median"]  # traced CPU s / plain CPU s
     tput = {name: tokens[name] / sum(times[name]) for name in servers}
     print(f"plain {tput['plain']:.1f} tok/s, traced {tput['traced']:.1f} tok/s; per-round ratio median "
-          f"{ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f}); spans received "
+          f"{ratio['median']:.3f} (min {ratio['min']:.3f}, max {ratio['max']:.3f}); CPU s traced/plain "
+          f"{cpu_ratio:.3f}; spans received "
           f"{len(names)} ({names.count('prefill.chunk')} prefill.chunk, {names.count('decode.step')} decode.step)")
     print(json.dumps({"bench": "tracing", "requests": args.requests, "concurrency": args.concurrency,
                       "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds,
                       "plain_tok_s": round(tput["plain"], 2), "traced_tok_s": round(tput["traced"], 2),
                       "ratio_median": round(ratio["median"], 4), "ratio_min": round(ratio["min"], 4),
-                      "ratio_max": round(ratio["max"], 4), "spans": len(names),
+                      "ratio_max": round(ratio["max"], 4), "cpu_ratio_median": round(cpu_ratio, 4),
+                      "spans": len(names),
                       "target": TARGET_RATIO, "meets_target": ratio["median"] >= TARGET_RATIO}))
 
 

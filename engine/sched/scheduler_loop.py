@@ -291,13 +291,13 @@ class SchedulerLoop:
             if self.spec is not None:
                 self.spec.attach(batch, self.scheduler)
             t0 = time.perf_counter()
-            traced_start = time.monotonic() if self.stages.live else 0.0
+            traced_start = time.monotonic() if self.stages.live else None  # None: no traced request here
             sampled = self.run_batch(batch)
             if self.spec is not None and self.spec.wants_hidden:
                 self.spec.observe(batch, sampled)
             if batch.mode is ForwardMode.PREFILL:
                 self.cache.observe_compute(time.perf_counter() - t0, batch.num_tokens)
-            if self.stages.live:
+            if traced_start is not None:
                 self.stages.on_forward(batch, traced_start, time.monotonic())
             events = self.scheduler.postprocess(batch, sampled)
         else:

@@ -75,3 +75,34 @@ def test_decode_steps_are_sampled_first_every_nth_and_last():
     assert [k for _, _, k in tl.steps] == [0, DECODE_STEP_SAMPLE, 2 * DECODE_STEP_SAMPLE, n - 1]
     names = [name for name, *_ in stage_spans(tl, "null")]
     assert names == ["queue", "decode.first_step", "decode.step", "decode.step", "decode.step"]
+
+
+def test_colocated_request_has_chunks_then_decode_steps():
+    """A colocated rank (the same loop, no PD): the prompt's chunks, then one decode step per token
+    after the first (which the last chunk's forward sampled)."""
+    from support.loop_stand import EchoRunner
+
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.messages import TokenizedGenerateReq
+    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sched.scheduler_loop import SchedulerLoop
+
+    cfg = EngineConfig(page_size=PS, chunked_prefill_size=CHUNK)
+    loop = SchedulerLoop(cfg, runner=EchoRunner(64, cfg))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    loop.add_request(TokenizedGenerateReq("c", list(range(20)), params, trace=True))
+    loop.add_request(TokenizedGenerateReq("u", list(range(30, 40)), params))
+    finals = {}
+    for _ in range(100):
+        finals.update({o.rid: o for o in loop.step() if o.finished})
+        if len(finals) == 2:
+            break
+    assert finals["u"].stages is None
+    tl = finals["c"].stages
+    assert [n for _, _, n in tl.chunks] == [8, 8, 4]
+    assert tl.num_steps == 3 and [k for _, _, k in tl.steps] == [0, 2]
+    assert tl.chunks[-1][1] <= tl.steps[0][0] and tl.transfer_start is None
+    names = [n for n, *_ in stage_spans(tl, "null")]
+    assert names == ["queue", "prefill.chunk", "prefill.chunk", "prefill.chunk", "decode.first_step", "decode.step"]
+    assert loop.stages.live == 0
+    loop.close()
