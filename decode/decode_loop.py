@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 from pdserve.decode.prealloc_queue import PreallocQueue
 from pdserve.decode.prefill_dp_sizes import PrefillDPSizes
@@ -138,13 +139,26 @@ class DecodeLoop(SchedulerLoop):
         max_new = self.config.max_running_requests - len(s.running) - len(self.transfer) - (s.chunked is not None)
         for req, receiver in self.prealloc.pop_allocated(promised, max(max_new, 0)):
             self.request_log.mark(req.rid, "preallocated")
+            if req.timeline is not None:
+                req.timeline.prealloc_done = receiver.init_at  # pages held, the destination handed over
             self.transfer.add(req, receiver)
         for req, receiver in self.transfer.pop_done():
+            if req.timeline is not None:
+                self._note_transfer(req, receiver)
             if receiver.poll() is KVPoll.Success:
                 self.request_log.mark(req.rid, "kv_landed")
                 self._start_decoding(req, receiver)
             else:
                 self._end_transfer(req, receiver, FinishReason("error", message=f"KV transfer failed: {receiver.failure_reason}"))
+
+    def _note_transfer(self, req: Req, receiver: KVReceiver) -> None:
+        """A traced request's room ended: its transfer from the destination sent to now, and the KV
+        bytes of the pages it received (those its prefix cache held were not sent)."""
+        tl = req.timeline
+        tl.transfer_start = receiver.init_at
+        tl.transfer_end = time.monotonic()
+        tl.transfer_bytes = len(receiver.dst_pages or ()) * self.kv.metrics.room_page_bytes
+        tl.transfer_backend = self.kv.config.backend
 
     def _dp_sizes(self, entries) -> dict[str, int | str]:
         """The prefill DP sizes of ``entries`` that every TP rank knows: a size, or why it failed."""

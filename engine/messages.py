@@ -36,6 +36,8 @@ class TokenizedGenerateReq(msgspec.Struct, tag=True):
     health_probe: bool = False
     priority: int = 0  # with --enable-priority-scheduling: the waiting queue's order
     lora_path: str | None = None  # the LoRA adapter's name (--lora-paths); None: the base model
+    # --enable-trace, this request sampled: TP rank 0 records its StageTimeline and returns it
+    trace: bool = False
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -118,6 +120,30 @@ class UnloadLoraAdapterReq(msgspec.Struct, tag=True):
     req_id: int = 0
 
 
+class StageTimeline(msgspec.Struct):
+    """Where a traced request's time went inside a scheduler rank, on ``time.monotonic`` (shared by
+    the processes of one host): the HTTP process turns it into child spans
+    (``engine/frontend/request_trace.py``). Times are None for stages the rank's role has not.
+
+    ``chunks``: each prefill forward of the request as (start, end, prompt tokens computed);
+    ``steps``: sampled decode forwards as (start, end, decode step index): the first, every
+    ``DECODE_STEP_SAMPLE``-th and the last (``engine/sched/stage_recorder.py``)."""
+
+    enqueued: float
+    dp_rank: int = 0
+    bootstrapped: float | None = None  # prefill: the decode's destination arrived
+    prealloc_done: float | None = None  # decode: pages preallocated, destination sent
+    chunks: list[tuple[float, float, int]] = []
+    transfer_start: float | None = None  # prefill: first chunk handed over; decode: destination sent
+    transfer_end: float | None = None  # prefill: last write done; decode: KV landed
+    transfer_bytes: int = 0  # KV bytes of the room: written by this rank (prefill), received (decode)
+    transfer_backend: str = ""
+    steps: list[tuple[float, float, int]] = []
+    num_steps: int = 0  # decode forwards the request took part in (sampled into ``steps``)
+    num_retractions: int = 0
+    finished: float | None = None
+
+
 class TokenOutput(msgspec.Struct, tag=True):
     """Incremental output of one request: the tokens produced since the last one."""
 
@@ -141,6 +167,8 @@ class TokenOutput(msgspec.Struct, tag=True):
     spec_verify_ct: int | None = None
     spec_draft_token_num: int | None = None
     spec_accept_token_num: int | None = None
+    # the request's stage timeline, with its final output, when it was traced (TokenizedGenerateReq.trace)
+    stages: StageTimeline | None = None
 
 
 class SchedulerStats(msgspec.Struct, tag=True):

@@ -2,7 +2,9 @@
 
 One trace per request: the router, the prefill server and the decode server each add spans under
 the W3C ``traceparent`` the hop before them sent (the client's at the router). Spans are made in
-the HTTP process from times it already knows, so scheduler processes export nothing.
+the HTTP process, from times it knows and from the stage timeline a scheduler rank returns with a
+sampled request's final output (``engine/sched/stage_recorder.py``), so scheduler processes export
+nothing.
 
 Off by default; when off nothing here is imported or made (``make_tracer`` returns None and callers
 test for None), so the OpenTelemetry packages are needed only with ``--enable-trace``
@@ -87,6 +89,10 @@ class Tracer:
         """A started span under ``parent`` (a context; None: the current one)."""
         return self.tracer.start_span(name, context=parent, kind=kind or self.internal_kind,
                                       start_time=start_ns, attributes=attributes)
+
+    def sampled(self, ctx: Any) -> bool:
+        """Whether the span current in ``ctx`` records (the sampler kept its trace)."""
+        return self._trace.get_current_span(ctx).is_recording()
 
     def context_of(self, span: Any, parent: Any = None) -> Any:
         return self._trace.set_span_in_context(span, parent)

@@ -26,6 +26,7 @@ tell a room that succeeded from one that failed.
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgspec
 
@@ -111,6 +112,8 @@ class PrefillLoop(SchedulerLoop):
             self.finish_unscheduled(req, FinishReason("error", message=reason))
         for req, sender in ready:
             self.request_log.mark(req.rid, "bootstrapped")
+            if req.timeline is not None:
+                req.timeline.bootstrapped = time.monotonic()
             reason = self.scheduler.add(req)
             if reason is not None:
                 sender.abort(reason.message or reason.type)
@@ -130,11 +133,22 @@ class PrefillLoop(SchedulerLoop):
         if chunked is not None and chunked.rid in self.senders and not self.kv.config.layerwise:
             self._send_pages(chunked, self.senders[chunked.rid], is_last=False)
         for req, sender in self.inflight.pop_done():
+            if req.timeline is not None:
+                self._note_transfer(req, sender)
             if sender.poll() is KVPoll.Success:
                 self.request_log.mark(req.rid, "success")
                 self.scheduler.finish(req, FinishReason("length"))
             else:
                 self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {sender.failure_reason}"))
+
+    def _note_transfer(self, req: Req, sender: KVSender) -> None:
+        """A traced request's room ended: its transfer from the first chunk handed over to the last
+        write done, and the KV bytes this rank wrote."""
+        tl = req.timeline
+        tl.transfer_start = sender.sent_at[0] if sender.sent_at else None
+        tl.transfer_end = sender.written_at[-1] if sender.written_at else time.monotonic()
+        tl.transfer_bytes = sender.bytes_sent
+        tl.transfer_backend = self.kv.config.backend
 
     def layer_hook(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager:
         """Layer-wise send: the pages this forward completes go to their senders now, tied to the

@@ -13,6 +13,7 @@ their schedulers.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import time
@@ -245,15 +246,17 @@ class TokenizerManager:
         start = time.monotonic()
         encoded = await self.in_tokenizer_thread(encode_all)
         trace = SeqTrace(self.tracer.current(), start, time.monotonic())
-        handle = self.submit(seqs, batch, encoded)
-        for st in handle.states:
-            self._traces[st.rid] = trace
+        # a sampled trace asks the ranks for the stage timeline of each sequence
+        handle = self.submit(seqs, batch, encoded, traced=self.tracer.sampled(trace.parent))
+        for st in handle.states:  # one each: a sequence's stages and detokenizer time are its own
+            self._traces[st.rid] = dataclasses.replace(trace)
         return handle
 
     def submit(self, seqs: list[SequenceSpec], batch: bool = False,
-               encoded: dict[int, list[int]] | None = None) -> "RequestHandle":
+               encoded: dict[int, list[int]] | None = None, traced: bool = False) -> "RequestHandle":
         """Tokenize (unless ``encoded`` holds each prompt's ids, by prompt index) and validate every
-        sequence (RequestError on the first bad one), then send all."""
+        sequence (RequestError on the first bad one), then send all. ``traced``: the ranks record
+        each sequence's stage timeline (``TokenizedGenerateReq.trace``)."""
         if self.dead_reason is not None:
             raise RequestError(self.dead_reason, status=503, type="server_error", code="unavailable")
         states: list[SeqState] = []
@@ -306,6 +309,7 @@ class TokenizerManager:
                 health_probe=spec.health_probe,
                 priority=spec.priority,
                 lora_path=spec.lora_path,
+                trace=traced,
             )
             self._send(st.dp_rank, req)
         return handle
@@ -433,10 +437,18 @@ class TokenizerManager:
             tops = o.new_top_logprobs or [[] for _ in o.new_logprobs]
             lps = [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in zip(new, o.new_logprobs, tops)]
             st.logprobs.extend(lps)
+        trace = self._traces.get(o.rid) if self._traces else None
+        if trace is not None and o.stages is not None:  # a traced sequence's final output
+            trace.stages = o.stages
+        t0 = time.perf_counter() if trace is not None else 0.0
         text = st.detok.feed(new) if new else ""
         if o.finished:
             matched = o.matched_stop if isinstance(o.matched_stop, str) and not st.spec.no_stop_trim else None
             text += st.detok.finish(matched)
+        if trace is not None:
+            trace.detokenize_s += time.perf_counter() - t0
+            trace.num_outputs += 1
+        if o.finished:
             self._seqs.pop(o.rid, None)
             if o.error:
                 st.error_status = o.error_status

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.mem_cache.radix_cache import cache_key
-from pdserve.engine.messages import BootstrapInfo
+from pdserve.engine.messages import BootstrapInfo, StageTimeline
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -86,6 +86,8 @@ class Req:
     lora_slot: int = -1
     # structured output: the request's grammar matcher (constrained.RequestGrammar), None if unconstrained
     grammar: Any = None
+    # --enable-trace, a traced request on TP rank 0: where its time went (sched/stage_recorder.py)
+    timeline: StageTimeline | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -49,6 +49,7 @@ from pdserve.engine.sched.sched_metrics import scheduler_families
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
+from pdserve.engine.sched.stage_recorder import StageRecorder
 from pdserve.engine.speculative.proposer import chain_parents
 from pdserve.engine.speculative.spec_metrics import SpecStats
 from pdserve.engine.sched.stop_checker import StopChecker
@@ -112,6 +113,8 @@ class SchedulerLoop:
         self._dirty = False  # PD modes: something ran since the last idle integrity check
         # TP rank 0 speaks for its TP group, which runs the same requests in lockstep
         self.request_log = RequestLog(self.SIDE, dp_rank, config.log_requests and parallel.tp_rank() == 0)
+        # traced requests' stage timelines (--enable-trace), recorded by TP rank 0 only
+        self.stages = StageRecorder(dp_rank, parallel.tp_rank() == 0)
 
     # ------------------------------------------------------------- overridables
     def poll(self) -> None:
@@ -143,6 +146,8 @@ class SchedulerLoop:
             lora_name=msg.lora_path,
             lora_id=self.lora_ids.get(msg.lora_path, 0),
         )
+        if msg.trace:
+            self.stages.start(req)
         if req.lora_name is not None and req.lora_name not in self.lora_ids:
             # unloaded after the front end checked the name: the caller's error, not the server's
             self._queue(req, f"lora_path: unknown LoRA adapter {req.lora_name!r}", 400)
@@ -286,11 +291,14 @@ class SchedulerLoop:
             if self.spec is not None:
                 self.spec.attach(batch, self.scheduler)
             t0 = time.perf_counter()
+            traced_start = time.monotonic() if self.stages.live else None  # None: no traced request here
             sampled = self.run_batch(batch)
             if self.spec is not None and self.spec.wants_hidden:
                 self.spec.observe(batch, sampled)
             if batch.mode is ForwardMode.PREFILL:
                 self.cache.observe_compute(time.perf_counter() - t0, batch.num_tokens)
+            if traced_start is not None:
+                self.stages.on_forward(batch, traced_start, time.monotonic())
             events = self.scheduler.postprocess(batch, sampled)
         else:
             events = StepEvents(finished=self.scheduler.drain_finished())
@@ -479,6 +487,7 @@ class SchedulerLoop:
             out.matched_stop = reason.matched
             out.error = reason.message
             out.error_status = reason.status
+            out.stages = self.stages.finish(req)
             self.request_log.end(req)
         return out
 

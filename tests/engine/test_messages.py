@@ -21,6 +21,7 @@ SAMPLES = {
         top_logprobs_num=2,
         bootstrap=messages.BootstrapInfo("h", 1, 2),
         health_probe=True,
+        trace=True,
     ),
     "AbortReq": messages.AbortReq(rid="r1", reason="client left"),
     "FlushCacheReq": messages.FlushCacheReq(req_id=3),
@@ -48,6 +49,9 @@ SAMPLES = {
         finished=True,
         finish_reason="stop",
         matched_stop="\n",
+        stages=messages.StageTimeline(enqueued=10.0, dp_rank=1, bootstrapped=10.5, chunks=[(11.0, 11.25, 64), (11.25, 11.5, 26)],
+                                      transfer_start=11.0, transfer_end=11.75, transfer_bytes=737280,
+                                      transfer_backend="mooncake", finished=12.0),
     ),
     "SchedulerStats": messages.SchedulerStats(
         dp_rank=0, num_running=2, num_waiting=1, num_free_pages=10, num_total_pages=20, page_size=16
@@ -60,6 +64,9 @@ SAMPLES = {
     "MetricSample": messages.MetricSample("pdserve_kv_rooms_total", {"state": "failed", "cause": "transfer"}, 2.0),
     "MetricFamily": messages.MetricFamily("pdserve_kv_transfer_latency_seconds", "histogram", "doc", [
         messages.MetricSample("pdserve_kv_transfer_latency_seconds_bucket", {"le": "0.5"}, 3.0)]),
+    "StageTimeline": messages.StageTimeline(enqueued=1.0, prealloc_done=1.5, transfer_start=1.5, transfer_end=2.0,
+                                            transfer_bytes=4096, steps=[(2.0, 2.1, 0), (3.0, 3.1, 16), (3.2, 3.3, 18)],
+                                            num_steps=19, num_retractions=1, finished=3.5),
     "RankMetrics": messages.RankMetrics(dp_rank=1, tp_rank=2, families=[
         messages.MetricFamily("pdserve_kv_rooms", "counter", "doc", [
             messages.MetricSample("pdserve_kv_rooms_total", {"state": "success", "cause": "none"}, 5.0)])]),

@@ -235,7 +235,9 @@ def test_one_trace_per_request_router_prefill_decode(stand, reference, otlp, str
     one = {}
     for s in spans:
         one.setdefault((s.service, s.name), []).append(s)
-    assert all(len(v) == 1 for v in one.values()), one  # no retry: one span of each per process
+    # no retry: one span of each per process (but the rank's per-chunk and per-step spans)
+    assert all(len(v) == 1 for k, v in one.items() if k[1] not in ("prefill.chunk", "decode.step")), one
+    assert len(one["pdserve-prefill", "prefill.chunk"]) == 2  # 90 tokens in 64-token chunks
     by = {k: v[0] for k, v in one.items()}
     root = by["pdserve-router", "router.request"]
     assert root.parent_span_id == client_span
