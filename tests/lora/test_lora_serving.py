@@ -220,8 +220,8 @@ def test_flags_refused_at_start_name_the_field(refs, tmp_path):
         EngineConfig(enable_lora=True, max_loras_per_batch=0)
     with pytest.raises(ValueError, match="names adapter 'a' twice"):
         EngineConfig(lora_paths=("a=/x", "a=/y"))
-    with pytest.raises(ValueError, match="enable_lora serves at tp_size 1 only"):
-        ServerConfig(engine=EngineConfig(enable_lora=True), tp_size=2)
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_lora"):
+        ServerConfig(engine=EngineConfig(enable_lora=True), tp_size=2, dp_size=2, enable_dp_attention=True)
     assert EngineConfig(lora_paths=["a=/x"]).enable_lora  # --lora-paths implies --enable-lora
     with pytest.raises(LoraAdapterError, match="rank 16, above --max-lora-rank 8"):
         read_adapters(EngineConfig(lora_paths=(f"c={refs[0]['c']}",), max_lora_rank=8), 30)
