@@ -20,7 +20,8 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from support.model_util import make_tiny_checkpoint  # noqa: E402
-from support.pd_stand import InProcessRouter, Server, pd_post, prompt_ids, serving  # noqa: E402
+from support.pd_stand import (ADMIN_HEADERS, InProcessRouter, Server, new_room, pd_post, prompt_ids,  # noqa: E402
+                              serving, wait_for)
 
 from pdserve.router.config import RouterConfig, WorkerSpec  # noqa: E402
 
@@ -174,3 +175,21 @@ def test_decode_running_another_adapter_under_the_name_refuses_the_room(stand):
     assert _received_bytes(D2) == before
     P.wait_unleaked()
     D2.wait_unleaked()
+
+
+def test_decode_refuses_to_unload_an_adapter_a_room_waits_under(stand):
+    """A decode leg whose prefill leg never comes waits for its KV under b: b cannot be unloaded
+    from the decode meanwhile; the request aborted, every page comes back and b stays served."""
+    P, D = stand["P"], stand["D"]
+    body = dict(_body(_ids(10, seed=6), "b"), rid="lora-pd-held", bootstrap_host=P.host,
+                bootstrap_port=P.bootstrap_port, bootstrap_room=new_room())
+    with cf.ThreadPoolExecutor(1) as pool:
+        leg = pool.submit(D.post, "/generate", body)
+        wait_for(lambda: any(s["inflight"] for s in D.states()), what="the decode leg sent to its rank")
+        r = D.post("/unload_lora_adapter", {"lora_name": "b"})
+        assert r.status_code == 400 and "'b' is in use by 1 request(s)" in r.json()["error_message"], r.text
+        D.post("/abort_request", {"rid": "lora-pd-held"}, headers=ADMIN_HEADERS)
+        assert leg.result().json()["meta_info"]["finish_reason"]["type"] == "abort"
+    D.wait_unleaked(timeout=60)
+    P.wait_unleaked()
+    assert "b" in [m["id"] for m in requests.get(D.url + "/v1/models", timeout=10).json()["data"]]
