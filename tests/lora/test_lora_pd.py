@@ -1,4 +1,4 @@
-"""LoRA through prefill/decode disaggregation over Mooncake, on a tiny random Llama, fp32: the
+"""LoRA through prefill/decode disaggregation over Mooncake (and NIXL), on a tiny random Llama, fp32: the
 request's adapter runs on both sides (the prefill's first token and KV, the decode's steps), so
 1P1D under two adapters and the base gives the colocated server's outputs; pages are keyed by
 adapter on both sides (the prefill's prefix cache, the decode's held pages); the room's request
@@ -6,7 +6,7 @@ names the adapter, and a decode that runs another adapter under the same name is
 one that lacks it, with the pools of both sides unleaked.
 
 Stand: the colocated reference C, prefill P and decode D serving adapters a and b, and decode D2
-serving b's weights under the name a and no b."""
+serving b's weights under the name a and no b; a NIXL pair for its one test."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def _body(ids: list[int], adapter: str | None, max_new: int = MAX_NEW) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stand(tmp_path_factory):
+def adapters(tmp_path_factory):
+    """(the tiny base checkpoint's path, {adapter: its PEFT directory})."""
     tmp = tmp_path_factory.mktemp("lora-pd")
     base = str(tmp / "base")
     make_tiny_checkpoint("llama", base)
@@ -56,8 +57,20 @@ def stand(tmp_path_factory):
         model = transformers.LlamaForCausalLM.from_pretrained(base, dtype=torch.float32)
         peft.get_peft_model(model, cfg).save_pretrained(str(tmp / name))
         paths[name] = str(tmp / name)
-    both = ("--lora-paths", *(f"{n}={p}" for n, p in paths.items()))
-    common = ("--model-path", base, "--page-size", str(PAGE), "--max-loras-per-batch", "2")
+    return base, paths
+
+
+def _flags(adapters) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the flags every server of the stand takes, --lora-paths of both adapters)."""
+    base, paths = adapters
+    return (("--model-path", base, "--page-size", str(PAGE), "--max-loras-per-batch", "2"),
+            ("--lora-paths", *(f"{n}={p}" for n, p in paths.items())))
+
+
+@pytest.fixture(scope="module")
+def stand(adapters):
+    common, both = _flags(adapters)
+    paths = adapters[1]
     servers = {
         "C": Server("lora-C", "null", *common, *both),
         "P": Server("lora-P", "prefill", *common, *both),
@@ -93,10 +106,9 @@ def _received_bytes(server: Server) -> float:
     return total
 
 
-def test_1p1d_two_adapters_mixed_equals_colocated(stand, colocated):
+def _mixed_equals_colocated(P: Server, D: Server, colocated) -> None:
     """Prompts of one token to past a 64-token chunk, under a, b and the base, sent at once so the
-    decode batches them together."""
-    P, D = stand["P"], stand["D"]
+    decode batches them together, give the colocated outputs; every page comes back."""
     jobs = [(_ids(n, seed=n), adapter) for n in (1, 9, 70) for adapter in ("a", None, "b")]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         answers = list(pool.map(lambda job: pd_post(P, D, "/generate", _body(*job)), jobs))
@@ -110,6 +122,18 @@ def test_1p1d_two_adapters_mixed_equals_colocated(stand, colocated):
         assert len({tuple(colocated(list(ids), a)) for a in ("a", "b", None)}) == 3
     P.wait_unleaked()
     D.wait_unleaked()
+
+
+def test_1p1d_two_adapters_mixed_equals_colocated(stand, colocated):
+    _mixed_equals_colocated(stand["P"], stand["D"], colocated)
+
+
+def test_1p1d_over_nixl_equals_colocated(adapters, colocated):
+    common, both = _flags(adapters)
+    servers = {"P": Server("lora-PN", "prefill", *common, *both, backend="nixl"),
+               "D": Server("lora-DN", "decode", *common, *both, backend="nixl")}
+    with serving(servers) as ready:
+        _mixed_equals_colocated(ready["P"], ready["D"], colocated)
 
 
 def test_router_forwards_the_adapter(stand, colocated):
@@ -141,6 +165,8 @@ def test_same_prompt_under_two_adapters_shares_no_page(stand, colocated):
         p, d = pd_post(P, D, "/generate", _body(ids, adapter))
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         assert d.json()["output_ids"] == colocated(ids, adapter)
+        # the rank's counters reach /metrics with its next stats, after the answer
+        wait_for(lambda: _received_bytes(D) > before, what="the room's KV bytes on the decode's /metrics")
         return d.json()["meta_info"]["cached_tokens"], _received_bytes(D) - before
 
     first_a = run("a")
