@@ -1,10 +1,13 @@
 """LoRA at tensor parallel 2 on a tiny random Llama, fp32: each adapter sharded as its base linear
 (A whole and B's rows split for q, k, v, gate, up; A's columns split and B whole for o, down, the
 delta joining the partial sums before the all-reduce). A batch mixing three adapters and the base
-gives at TP 2 the outputs of TP 1, and those are transformers + peft's greedy picks; an adapter
-loaded at run time reaches both TP ranks. One TP 2 server for the module."""
+gives at TP 2 the outputs of TP 1, and those are transformers + peft's greedy picks, colocated
+and through a TP 2 prefill and decode; an adapter loaded at run time reaches both TP ranks. One
+TP 2 server for the module, and a PD pair for its test."""
 
 from __future__ import annotations
+
+import concurrent.futures as cf
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from pdserve.entrypoints.engine import Engine  # noqa: E402
 from support.model_util import assert_picks_agree_but_near_ties, make_tiny_checkpoint  # noqa: E402
-from support.pd_stand import Server  # noqa: E402
+from support.pd_stand import Server, pd_post, serving  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -56,10 +59,13 @@ def stand(tmp_path_factory):
         srv.stop()
 
 
-def _generate(server, prompts, adapters):
-    body = {"input_ids": prompts, "lora_path": adapters,
+def _body(prompts, adapters) -> dict:
+    return {"input_ids": prompts, "lora_path": adapters,
             "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}}
-    r = server.post("/generate", body)
+
+
+def _generate(server, prompts, adapters):
+    r = server.post("/generate", _body(prompts, adapters))
     assert r.status_code == 200, r.text
     return [o["output_ids"] for o in r.json()]
 
@@ -101,3 +107,22 @@ def test_adapter_loaded_at_run_time_reaches_both_ranks(stand, tp1_mixed):
     assert server.post("/unload_lora_adapter", {"lora_name": "d"}).status_code == 200
     r = server.post("/generate", {"input_ids": PROMPTS[0], "lora_path": "d"})
     assert r.status_code == 400 and "'d'" in r.text, r.text
+
+
+def test_pd_at_tp2_mixed_batch_equals_tp1(stand, tp1_mixed):
+    """A TP 2 prefill and a TP 2 decode (each decode rank names the adapter to each prefill rank it
+    takes heads from) give the mixed batch's TP 1 outputs, each request on its own room."""
+    _, base, paths = stand
+    flags = ("--model-path", base, "--tp-size", "2", "--page-size", "4", "--max-loras-per-batch", "3",
+             "--lora-paths", *(f"{n}={p}" for n, p in paths.items()))
+    servers = {"P": Server("lora-tp2-P", "prefill", *flags), "D": Server("lora-tp2-D", "decode", *flags)}
+    with serving(servers) as ready:
+        P, D = ready["P"], ready["D"]
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            answers = list(pool.map(lambda i: pd_post(P, D, "/generate", _body(PROMPTS[i], MIXED[i])),
+                                    range(len(PROMPTS))))
+        for (p, d), want in zip(answers, tp1_mixed):
+            assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
+            assert d.json()["output_ids"] == want
+        P.wait_unleaked()
+        D.wait_unleaked()
