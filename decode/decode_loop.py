@@ -120,6 +120,10 @@ class DecodeLoop(SchedulerLoop):
             return True
         return super().abort(rid, reason)
 
+    def live_requests(self) -> list[Req]:
+        """The rank's requests, those still waiting for pages and a room included."""
+        return super().live_requests() + [e.req for e in self.prealloc.entries.values()]
+
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
         return super().has_work() or bool(self.prealloc) or bool(self.transfer) or bool(self.quarantine)

@@ -82,7 +82,7 @@ class PreallocQueue:
                         continue
                     rank = boot.room % size
                 try:
-                    e.receiver = self.kv.create_receiver(boot.room, boot.host, boot.port, rank)
+                    e.receiver = self.kv.create_receiver(boot.room, boot.host, boot.port, rank, e.req.lora_id)
                 except KVTransferError as exc:
                     del self.entries[rid]
                     failed.append((e.req, str(exc)))
@@ -101,7 +101,7 @@ class PreallocQueue:
         if not self.match_cache:
             return [], None
         limit = (req.prompt_len - 1) // self.pool.page_size * self.pool.page_size
-        cached, node = s.cache.match_prefix(req.input_ids[:limit])
+        cached, node = s.cache.match_prefix(req.cache_key(limit))  # in the namespace of its adapter
         s.cache.lock(node)
         return cached, node
 
@@ -146,6 +146,10 @@ class PreallocQueue:
                     break
             slot = self.kv.aux_pool.alloc()
             if slot is None:
+                s.cache.unlock(node)
+                break
+            if not s.take_lora_slot(req):  # every LoRA slot holds an adapter running requests use
+                self.kv.aux_pool.free(slot)
                 s.cache.unlock(node)
                 break
             new = s.try_alloc(need)

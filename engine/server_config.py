@@ -159,9 +159,6 @@ class ServerConfig:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
-        if self.engine.enable_lora and self.disaggregation_mode != "null":
-            raise ValueError(f"enable_lora serves colocated (disaggregation_mode null) only, got "
-                             f"disaggregation_mode {self.disaggregation_mode!r}")
         if self.engine.speculative_algorithm == NEXTN and self.disaggregation_mode == "decode":
             raise ValueError(NEXTN_PD_REFUSAL)
         KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
@@ -179,8 +176,6 @@ class ServerConfig:
                              f"got ep_size {self.engine.ep_size}, tp_size {self.tp_size}")
         if self.enable_dp_attention:
             self._check_dp_attention()
-        if self.engine.enable_lora and self.tp_size > 1:
-            raise ValueError(f"enable_lora serves at tp_size 1 only, got tp_size {self.tp_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got node_rank {self.node_rank}, nnodes {self.nnodes}")
         if self.dist_timeout <= 0:
@@ -214,7 +209,9 @@ class ServerConfig:
                    # the groups run different numbers of forwards: no step boundary is common to all
                    (self.engine.enable_eplb, "enable_eplb"),
                    (self.engine.speculative_algorithm is not None,
-                    f"speculative_algorithm {self.engine.speculative_algorithm!r}")]
+                    f"speculative_algorithm {self.engine.speculative_algorithm!r}"),
+                   # the MLP gathers every group's rows, whose LoRA slots are each group's own
+                   (self.engine.enable_lora, "enable_lora")]
         for bad, what in refused:
             if bad:
                 raise ValueError(f"enable_dp_attention is not supported with {what}")

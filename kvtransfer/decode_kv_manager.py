@@ -64,9 +64,12 @@ class DecodeKVManager(KVManager):
         self._lookups = ThreadPoolExecutor(max_workers=LOOKUP_THREADS, thread_name_prefix="kv-bootstrap-lookup")
 
     # ---------------------------------------------------------- scheduler API
-    def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0) -> KVReceiver:
-        """A receiver for ``room``; WaitingForInput once the prefill rank accepted this pool."""
+    def create_receiver(self, room: int, bootstrap_host: str, bootstrap_port: int, prefill_dp_rank: int = 0,
+                        lora_id: int = 0) -> KVReceiver:
+        """A receiver for ``room``; WaitingForInput once the prefill rank accepted this pool. ``lora_id``:
+        the LoRA adapter the request decodes under (0: none), named in the room's request."""
         receiver = KVReceiver(self, room, (bootstrap_host, int(bootstrap_port), int(prefill_dp_rank)), self.clock())
+        receiver.lora_id = lora_id
         with self.lock:
             self.rooms.add(receiver)
         self.call_soon(lambda: self._attach(receiver))

@@ -36,6 +36,7 @@ class KVReceiver:
         self.dst_pages: list[int] | None = None
         self.aux_slot: int | None = None
         self.held_pages = 0  # leading prompt pages the decode holds already (RoomRequest.held_pages)
+        self.lora_id = 0  # the adapter the decode runs the room under (RoomRequest.lora_id)
         self.requested_at: float | None = None
         # the prefill has no write of this room queued or in flight any more (RoomClosed, or its RoomStatus)
         self.closed_here = False

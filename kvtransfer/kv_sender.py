@@ -36,6 +36,8 @@ class KVSender:
         self.done_at: float | None = None
         self.peer: Any = None  # the manager's record of the (first) decode peer, once known
         self.request: RoomRequest | None = None  # the first destination (every decode TP rank's has the same pages)
+        # the LoRA adapter the room's KV is computed under: (name, lora id); (None, 0): the base model
+        self.lora: tuple[str | None, int] = (None, 0)
         # decode TP rank -> its destination; the room starts once every rank expected here sent one
         self.dests: dict[int, Any] = {}
         self.expected: frozenset[int] | None = None

@@ -98,6 +98,9 @@ class RoomRequest(msgspec.Struct, frozen=True, tag=True):
     # leading pages of the prompt the decode already holds (its prefix cache): the prefill sends
     # only the pages after them, into dst_pages (SGLang's decode radix cache in PD)
     held_pages: int = 0
+    # the LoRA adapter the decode runs the room under, as its prefix-cache namespace (lora_names.lora_id_of;
+    # 0: the base model): a prefill that computed the KV under another refuses the room
+    lora_id: int = 0
 
 
 class RoomStatus(msgspec.Struct, frozen=True, tag=True):

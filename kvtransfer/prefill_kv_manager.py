@@ -119,9 +119,12 @@ class PrefillKVManager(KVManager):
         return self.registration.error
 
     # ---------------------------------------------------------- scheduler API
-    def create_sender(self, room: int) -> KVSender:
-        """A sender for ``room``; WaitingForInput as soon as the decode side's destination is here."""
+    def create_sender(self, room: int, lora: tuple[str | None, int] = (None, 0)) -> KVSender:
+        """A sender for ``room``; WaitingForInput as soon as the decode side's destination is here.
+        ``lora``: the adapter (name, lora id) the KV is computed under; a decode rank whose room
+        request names another lora id is refused."""
         sender = KVSender(self, room, self.clock())
+        sender.lora = lora
         with self.lock:
             self.rooms.open(sender)
         return sender

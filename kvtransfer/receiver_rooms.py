@@ -111,7 +111,8 @@ class ReceiverRooms(RoomTable[KVReceiver]):
         receiver.state = KVPoll.Transferring
         receiver.requested_at = self.clock()
         receiver.sources = peer.sources
-        return m.RoomRequest(receiver.room, self.decode_id, receiver.dst_pages, receiver.aux_slot, receiver.held_pages)
+        return m.RoomRequest(receiver.room, self.decode_id, receiver.dst_pages, receiver.aux_slot, receiver.held_pages,
+                             lora_id=receiver.lora_id)
 
     def peer_ready(self, peer: PrefillPeer) -> list[KVReceiver]:
         """Every source of ``peer`` accepted this pool: its rooms may take their destinations."""

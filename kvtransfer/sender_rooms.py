@@ -34,6 +34,15 @@ logger = logging.getLogger(__name__)
 
 
 
+def lora_mismatch(sender: KVSender, req: m.RoomRequest) -> str:
+    """Why a room's KV cannot go to a decode that runs it under another LoRA adapter."""
+    name, lora_id = sender.lora
+    ran = f"LoRA adapter {name!r} (lora id {lora_id})" if lora_id else "the base model (no LoRA adapter)"
+    wants = f"lora id {req.lora_id}" if req.lora_id else "the base model"
+    return (f"LoRA adapter mismatch: the prefill computed room {sender.room}'s KV under {ran}, the decode "
+            f"runs it under {wants}; both servers must load the adapter under the same name from the same path")
+
+
 @dataclass
 class Dest:
     """One decode TP rank's destination of a room, and the head slices this rank writes there."""
@@ -130,6 +139,9 @@ class SenderRooms(RoomTable[KVSender]):
             return
         if peer.reject_reason:
             self.fail(sender, peer.reject_reason)
+            return
+        if req.lora_id != sender.lora[1]:
+            self.fail(sender, lora_mismatch(sender, req))
             return
         reg = peer.reg
         mine = slices_from(self.tp.rank, self.tp.size, reg.tp_size, self.kv_heads)

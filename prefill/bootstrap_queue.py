@@ -28,7 +28,7 @@ class BootstrapQueue:
     def add(self, req: Req) -> str | None:
         """Open the room's sender; returns an error message if the room cannot be opened."""
         try:
-            sender = self.kv.create_sender(req.bootstrap.room)
+            sender = self.kv.create_sender(req.bootstrap.room, (req.lora_name, req.lora_id))
         except KVTransferError as e:
             return str(e)
         req.status = ReqStatus.WAITING_FOR_BOOTSTRAP

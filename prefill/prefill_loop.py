@@ -99,6 +99,10 @@ class PrefillLoop(SchedulerLoop):
             sender.abort(f"aborted by prefill: {reason}")
         return super().abort(rid, reason)
 
+    def live_requests(self) -> list[Req]:
+        """The rank's requests, those still waiting for their decode's destination included."""
+        return super().live_requests() + [req for req, _ in self.bootstrap_queue.entries.values()]
+
     # ------------------------------------------------------------------- loop
     def has_work(self) -> bool:
         return super().has_work() or bool(self.bootstrap_queue) or bool(self.inflight)

@@ -6,6 +6,12 @@ Every projection an adapter may target gets one ``LoraStacks`` per layer, of
 (a merged q|k|v or gate|up layer holds one per part, over its part's output columns). The
 adapters stay in host memory as read; ``load`` copies one into a slot, so the stacks hold only
 what the running requests use. The Llama family is served (its projections' names are PEFT's).
+
+Under tensor parallelism each adapter is sharded as its base linear is, with the slices the
+linear's ``weight_loader`` takes from the checkpoint: a column-parallel projection (q, k, v, gate,
+up) keeps all of A and this rank's output rows of B; a row-parallel one (o, down) keeps this
+rank's input columns of A and all of B, so its partial delta joins the base product's partial
+sums before the one all-reduce (``RowParallelLinear.forward``).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ class LoraManager:
         self.r_max = config.max_lora_rank or max((a.rank for a in self.adapters.values()), default=1)
         self.resident: dict[int, str] = {}  # slot -> adapter whose weights are in it
         self.stacks: dict[tuple[int, str], LoraStacks] = {}
+        # (layer, module) -> this rank's (rows of B, columns of A) of the full adapter
+        self.shards: dict[tuple[int, str], tuple[slice, slice]] = {}
         self.attach(model)
         logger.info("LoRA: %d adapter(s) %s, %d slots of rank %d", len(self.adapters), sorted(self.adapters),
                     self.num_slots, self.r_max)
@@ -56,6 +64,7 @@ class LoraManager:
         """Hook stacks into ``model``'s projections (again after its weights were replaced) and
         put back the adapters the slots held."""
         self.stacks = {}
+        self.shards = {}
         packed = getattr(model, "packed_modules_mapping", {})
         layers = getattr(getattr(model, "model", None), "layers", None)
         if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
@@ -69,10 +78,11 @@ class LoraManager:
                 linear = getattr(owner, attr, None)
                 if not isinstance(linear, LinearBase) or shard not in linear.parts:
                     raise ValueError(f"LoRA: layer {i} has no {module} projection to adapt")
-                cols = linear.parts[shard][0]
+                cols, src_rows, src_cols = linear.parts[shard]
                 out_features = cols.stop - cols.start
                 stacks = LoraStacks(self.num_slots, self.r_max, linear.shape[1], out_features, dtype, device)
                 self.stacks[(i, module)] = stacks
+                self.shards[(i, module)] = (src_rows, src_cols)
                 hooks.setdefault(id(linear), (linear, []))[1].append((cols, stacks))
             for linear, parts in hooks.values():
                 linear.lora = LoraHook(parts, swiglu=linear.swiglu)
@@ -101,9 +111,15 @@ class LoraManager:
             self.resident.pop(slot, None)
 
     def load(self, slot: int, name: str) -> None:
-        """Put adapter ``name``'s A and B in ``slot`` of every projection (zeros where it has none)."""
+        """Put this rank's shard of adapter ``name``'s A and B in ``slot`` of every projection (zeros
+        where it has none)."""
         adapter = self.adapters[name]
-        for (layer, module), stacks in self.stacks.items():
-            ab = adapter.weights.get((layer, module))
-            stacks.set(slot, *(ab or (None, None)), adapter.scaling)
+        for key, stacks in self.stacks.items():
+            ab = adapter.weights.get(key)
+            if ab is None:
+                stacks.set(slot, None, None, adapter.scaling)
+                continue
+            rows, cols = self.shards[key]
+            a, b = ab  # A [r, in], B [out, r]
+            stacks.set(slot, a[:, cols], b[rows], adapter.scaling)
         self.resident[slot] = name

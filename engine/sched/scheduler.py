@@ -226,7 +226,7 @@ class Scheduler:
             req.lora_slot = -1
 
     # ----------------------------------------------------------------- LoRA
-    def _take_lora_slot(self, req: Req) -> bool:
+    def take_lora_slot(self, req: Req) -> bool:
         """Pin a slot for the request's adapter while it runs (an adapter placed anew is queued in
         ``lora_loads`` for the loop to load before the step); False when every slot is pinned."""
         if req.lora_name is None:
@@ -364,7 +364,7 @@ class Scheduler:
                     break
                 promised -= released
                 continue  # match again: the victims' KV went to the cache
-            if not self._take_lora_slot(req):  # every slot holds an adapter running requests use
+            if not self.take_lora_slot(req):  # every slot holds an adapter running requests use
                 self.cache.unlock(node)
                 break
             self.waiting.popleft()

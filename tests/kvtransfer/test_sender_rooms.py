@@ -144,3 +144,23 @@ def test_a_second_open_sender_of_a_room_is_refused():
     st.sender(4)
     with pytest.raises(KVTransferError, match="already has an open sender"):
         st.sender(4)
+
+
+def test_a_destination_under_another_lora_adapter_fails_the_room():
+    """The room's request names the adapter the decode runs it under (its lora id): a prefill that
+    computed the KV under another refuses the room before any write, naming the adapter, and both
+    sides learn it (the decode frees its pages on the RoomClosed that follows)."""
+    st = Stand()
+    s = st.sender(5)
+    s.lora = ("a", 11)
+    req = m.RoomRequest(5, "d0", [3, 4], 0, lora_id=12)
+    peer, problem = st.peers.check_request(req)
+    assert st.rooms.on_request(req, peer, problem) == []
+    assert s.poll() is KVPoll.Failed and "LoRA adapter mismatch" in s.failure_reason
+    assert "'a' (lora id 11)" in s.failure_reason and "lora id 12" in s.failure_reason
+    assert [type(msg) for _, msg in st.told] == [m.AbortRoom, m.RoomClosed]
+    same = st.sender(6)
+    same.lora = ("a", 11)
+    req = m.RoomRequest(6, "d0", [7], 0, lora_id=11)
+    assert st.rooms.on_request(req, *st.peers.check_request(req)) == []
+    assert same.poll() is KVPoll.WaitingForInput

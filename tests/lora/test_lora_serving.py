@@ -220,8 +220,8 @@ def test_flags_refused_at_start_name_the_field(refs, tmp_path):
         EngineConfig(enable_lora=True, max_loras_per_batch=0)
     with pytest.raises(ValueError, match="names adapter 'a' twice"):
         EngineConfig(lora_paths=("a=/x", "a=/y"))
-    with pytest.raises(ValueError, match="enable_lora serves at tp_size 1 only"):
-        ServerConfig(engine=EngineConfig(enable_lora=True), tp_size=2)
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_lora"):
+        ServerConfig(engine=EngineConfig(enable_lora=True), tp_size=2, dp_size=2, enable_dp_attention=True)
     assert EngineConfig(lora_paths=["a=/x"]).enable_lora  # --lora-paths implies --enable-lora
     with pytest.raises(LoraAdapterError, match="rank 16, above --max-lora-rank 8"):
         read_adapters(EngineConfig(lora_paths=(f"c={refs[0]['c']}",), max_lora_rank=8), 30)
@@ -267,3 +267,23 @@ def test_load_lora_adapter_bad_bodies_name_the_field(server, refs, tmp_path):
     r = server.post("/load_lora_adapter", {"lora_name": "e", "lora_path": refs[0]["a"], "pinned": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "pinned", r.text
     assert "e" not in [m["id"] for m in requests.get(server.url + "/v1/models", timeout=10).json()["data"]]
+
+
+def test_unload_of_an_adapter_in_use_is_refused_until_its_request_ends(server, refs):
+    """A streaming request under "e" holds it: /unload_lora_adapter is refused naming the adapter
+    and its running request; once the client hangs up (the request is aborted), it unloads."""
+    paths = refs[0]
+    assert server.post("/load_lora_adapter", {"lora_name": "e", "lora_path": paths["a"]}).status_code == 200
+    body = {"input_ids": refs[1][0], "lora_path": "e", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=120) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith(b"data:"))  # it runs
+        r = server.post("/unload_lora_adapter", {"lora_name": "e"})
+        assert r.status_code == 400, r.text
+        assert "'e' is in use by 1 request(s)" in r.json()["error_message"], r.text
+        assert "e" in [m["id"] for m in requests.get(server.url + "/v1/models", timeout=10).json()["data"]]
+    server.wait_unleaked(timeout=120)  # the hang-up aborted it
+    r = server.post("/unload_lora_adapter", {"lora_name": "e"})
+    assert r.status_code == 200 and "e" not in r.json()["loaded_adapters"], r.text

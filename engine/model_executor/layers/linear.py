@@ -183,8 +183,10 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor | None = None) -> torch.Tensor:
         """residual + all_reduce(x @ W.T) (without ``residual``: the all-reduced product)."""
-        if self.lora is not None:  # LoRA serves at TP 1 (server_config.py)
+        if self.lora is not None:  # this rank's partial delta joins its partial sums before the reduce
             y = self.lora.apply(self.method.apply(x, step), x, step.lora)
+            if self.tp_size > 1:
+                y = all_reduce(y)
             return y if residual is None else residual + y
         if self.tp_size == 1:
             return self.method.apply(x, step, residual=residual)
