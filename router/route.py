@@ -27,6 +27,7 @@ class RouteQuery:
     body: dict
     text: str | None = None  # the prompt as text, when a policy reads text (cache-aware trees)
     ids: list[int] | None = None  # its token ids: None for a batch, or with no tokenizer loaded
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it names (router/workers/adapters.py)
 
     @property
     def prompt_tokens(self) -> int | None:
