@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+from pdserve.engine.lora_names import lora_id_of
+
 E = TypeVar("E")  # an Endpoint (worker_registry.Endpoint): has .worker.url
 
 
@@ -145,6 +147,15 @@ class AdapterTable:
             raise AdapterError(f"{param}: unknown LoRA adapter {name!r}; the workers serve "
                                f"{', '.join(served) or 'none'}", param)
         return name
+
+    def namespace(self, adapters: frozenset[str]) -> int:
+        """The prefix-cache namespace (``lora_id``) the workers key one adapter's pages in, from
+        its name and path as they load it; 0 for none, several, or an unknown path."""
+        if len(adapters) != 1:
+            return 0
+        (name,) = adapters
+        path = self.path_of(name)
+        return lora_id_of(name, path) if path else 0
 
     def prefer(self, endpoints: Sequence[E], adapters: Iterable[str]) -> Sequence[E]:
         """Those of ``endpoints`` whose worker holds every adapter of ``adapters``, else those

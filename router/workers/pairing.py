@@ -95,16 +95,18 @@ class Pairing:
         """``body`` read once: its text if a policy reads text, its token ids if a tokenizer is
         loaded (the prefill policy's, else the decode policy's, else the router's own)."""
         adapters = frozenset()
+        lora_id = 0
         if self.adapters is not None:
             try:
                 adapters = self.adapters.request_adapters(body)
             except AdapterError as e:
                 raise bad_request(str(e), e.param) from None
+            lora_id = self.adapters.namespace(adapters)
         text = prompt_text(body) if self.needs_text else None
         encode = self.prefill_policy.encoder or self.decode_policy.encoder
         if encode is None and self.prompt_tokenizer is not None:
             encode = self.prompt_tokenizer.encoder
-        return RouteQuery(body, text, None if encode is None else encode(body), adapters)
+        return RouteQuery(body, text, None if encode is None else encode(body), adapters, lora_id)
 
     def route(self, query: RouteQuery, exclude: frozenset[str] | set[str] = frozenset(),
               local: Callable[[Endpoint], LocalRule | None] | None = None) -> Route:

@@ -65,6 +65,33 @@ def test_no_adapter_anywhere_reads_nothing():
     assert table.request_adapters({"lora_path": "x", "model": "x"}) == frozenset()
 
 
+def test_kv_hashes_are_the_adapters_namespace():
+    """kv_aware hashes an adapter's prompt as a worker's radix cache keys its pages under that
+    adapter (the namespace ``lora_id_of(name, path)``), so only blocks made under it count."""
+    import torch
+
+    from pdserve.engine.lora_names import lora_id_of
+    from pdserve.engine.mem_cache.kv_events import block_hashes
+    from pdserve.engine.mem_cache.page_pool import PagePool
+    from pdserve.engine.mem_cache.radix_cache import RadixCache, cache_key
+
+    table = AdapterTable()
+    table.set_models("http://a", _models(("x", "/p/x"), ("y", "/p/y")))
+    lora_id = table.namespace(frozenset({"x"}))
+    assert lora_id == lora_id_of("x", "/p/x") and table.namespace(frozenset({"x", "y"})) == 0
+    pool = PagePool(17, 4, num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    cache = RadixCache(pool)
+    cache.enable_events()
+    tokens = list(range(100, 112))
+    for key in (cache_key(tokens, lora_id), tokens):
+        pages = pool.alloc(3)
+        cache.insert(key, pages, 0)
+    under_x, base = cache.drain_events()
+    assert under_x.block_hashes == block_hashes(tokens, 4, lora_id)
+    assert base.block_hashes == block_hashes(tokens, 4)
+    assert not set(under_x.block_hashes) & set(base.block_hashes)
+
+
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory):
     """Three random peft adapters of the default model: x, y and z."""
