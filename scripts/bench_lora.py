@@ -10,8 +10,8 @@ ModelRunner set-ups decode one step of ``--batch`` sequences (default 32) at a c
 - lora-one: every row on one adapter (rank ``--rank`` on all seven projections);
 - lora-mixed: the rows spread over all ``--adapters`` adapters (row i on adapter i mod N),
   the mix a fleet serving many fine-tunes of one base sends a server (the dense product);
-- lora-mixed-per-slot: the same rows, the product looping over the slots (``LoraHook.dense``
-  off), the form before the dense one.
+- lora-one-per-slot, lora-mixed-per-slot: lora-one's and lora-mixed's rows, the product
+  looping over the slots and parts (``LoraHook.dense`` off) instead of the stacked forms.
 
 The adapters are random, made with peft on the default model. Rounds alternate the set-ups
 (``--rounds``; medians reported) so a change of load hits all alike. Ends with one JSON
@@ -109,11 +109,12 @@ def main() -> None:
     for bs in args.batch:
         setups = {"base": (base, None), "lora-off": (lora, None), "lora-one": (lora, [0] * bs),
                   "lora-mixed": (lora, [i % n for i in range(bs)]),
+                  "lora-one-per-slot": (lora, [0] * bs),
                   "lora-mixed-per-slot": (lora, [i % n for i in range(bs)])}
         times: dict[str, list[float]] = {k: [] for k in setups}
         for _ in range(args.rounds):
             for name, (runner, slots) in setups.items():
-                LoraHook.dense = name != "lora-mixed-per-slot"
+                LoraHook.dense = not name.endswith("-per-slot")
                 times[name].append(step_ms(runner, bs, slots, args.context, args.reps))
         LoraHook.dense = True
         med = {k: statistics.median(v) for k, v in times.items()}
