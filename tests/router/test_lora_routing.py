@@ -1,6 +1,6 @@
-"""Adapter-aware routing. The adapter table alone (pure logic), then a real router in front of two
-real colocated servers on the default model (SmolLM2, fp32), each started with a different peft
-adapter: every request for an adapter lands on the worker holding it (round robin would spread
+"""Adapter-aware routing. The adapter table, the PD pairing (both legs prefer holders) and the
+adapter's KV hashes alone (pure logic); then a real router in front of two real colocated servers
+on the default model (SmolLM2, fp32), each started with a different peft adapter: every request for an adapter lands on the worker holding it (round robin would spread
 them); the router's /v1/models lists the base and both adapters; after the holder is drained a
 request for its adapter is served by the other worker, which the router had load it (its own
 /v1/models then lists it); an adapter given by ``--lora-paths`` alone is loaded where the policy
@@ -63,6 +63,36 @@ def test_no_adapter_anywhere_reads_nothing():
     table = AdapterTable()
     table.set_models("http://a", _models())
     assert table.request_adapters({"lora_path": "x", "model": "x"}) == frozenset()
+
+
+def test_pd_pairs_prefer_holders_on_both_legs():
+    """Two prefill and two decode workers, round robin: a request for x pairs the prefill and the
+    decode worker holding x every time; one for the base alternates over both pairs."""
+    import random
+
+    from pdserve.router.config import WorkerSpec
+    from pdserve.router.errors import RouterError
+    from pdserve.router.simple_policies import RoundRobinPolicy
+    from pdserve.router.workers.pairing import Pairing
+    from pdserve.router.workers.worker_registry import WorkerRegistry
+
+    reg = WorkerRegistry()
+    table = AdapterTable()
+    for i, name in enumerate(("x", "y")):
+        for role, port in (("prefill", 30000), ("decode", 30001)):
+            url = f"http://198.51.100.{10 + i}:{port}"
+            w = reg.add(WorkerSpec(url, role, 8998 if role == "prefill" else None), healthy=True)
+            reg.set_server_info(w, 1)
+            table.set_models(url, _models((name, f"/p/{name}")))
+    pairing = Pairing(reg, RoundRobinPolicy(), RoundRobinPolicy(), random.Random(0), adapters=table)
+    for _ in range(3):
+        pair = pairing.choose({"text": "hi", "lora_path": "y"})
+        assert (pair.prefill.key, pair.decode.key) == ("http://198.51.100.11:30000", "http://198.51.100.11:30001")
+    hosts = {pairing.choose({"text": "hi"}).decode.key for _ in range(4)}
+    assert hosts == {"http://198.51.100.10:30001", "http://198.51.100.11:30001"}
+    with pytest.raises(RouterError) as e:
+        pairing.choose({"text": "hi", "model": f"{BASE}:nope"})
+    assert e.value.status == 400 and e.value.param == "model" and "'nope'" in e.value.message
 
 
 def test_kv_hashes_are_the_adapters_namespace():
