@@ -1,10 +1,11 @@
 """Adapter-aware routing. The adapter table, the PD pairing (both legs prefer holders) and the
 adapter's KV hashes alone (pure logic); then a real router in front of two real colocated servers
-on the default model (SmolLM2, fp32), each started with a different peft adapter: every request for an adapter lands on the worker holding it (round robin would spread
-them); the router's /v1/models lists the base and both adapters; after the holder is drained a
-request for its adapter is served by the other worker, which the router had load it (its own
-/v1/models then lists it); an adapter given by ``--lora-paths`` alone is loaded where the policy
-sends its first request; an unknown adapter is a 400 naming it."""
+on the default model (SmolLM2, fp32), each started with a different peft adapter: every request
+for an adapter lands on the worker holding it (round robin would spread them); the router's
+/v1/models lists the base and both adapters; after the holder is drained a request for its
+adapter is served by the other worker, which the router had load it (its own /v1/models then
+lists it); an adapter given by ``--lora-paths`` alone is loaded where the policy sends its first
+request; an unknown adapter is a 400 naming it."""
 
 from __future__ import annotations
 
