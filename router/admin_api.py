@@ -11,7 +11,8 @@ reads, and takes the inference key like the inference routes.
                                wait_secs passed, and says which ("drained")
     POST   /workers/undrain    {"url"}
     POST   /flush_cache, /update_weights_from_disk, /release_memory_occupation,
-           /resume_memory_occupation: the body to every worker (router/fanout.py)
+           /resume_memory_occupation, /load_lora_adapter, /unload_lora_adapter: the body to
+           every worker (router/fanout.py); the LoRA answers update the adapter table
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from aiohttp import web
 from pdserve.router.config import WorkerSpec
 from pdserve.router.workers.drain import drain_worker
 from pdserve.router.errors import RouterError, bad_request, error_response
-from pdserve.router.fanout import FANOUT_PATHS, fan_out
+from pdserve.router.fanout import FANOUT_PATHS, LORA_PATHS, fan_out
 from pdserve.router.http_io import json_response, read_body
+from pdserve.router.workers.adapters import loaded_adapters
 from pdserve.router.workers.worker_registry import Worker
 
 log = logging.getLogger("pdserve.router")
@@ -66,6 +68,11 @@ class AdminApi:
             return error_response(RouterError(503, "no worker registered", "service_unavailable"))
         status, answer = await fan_out(router.session, workers, request.path, body or b"{}",
                                        router.control_headers, router.config.max_response_bytes)
+        if request.path in LORA_PATHS:  # each worker answered with the adapters it now holds
+            for result in answer["workers"]:
+                loaded = loaded_adapters(result["body"])
+                if loaded is not None:
+                    router.adapters.set_loaded(result["url"], loaded)
         return json_response(answer, status)
 
     async def _list_workers(self, request: web.Request) -> web.Response:
@@ -153,6 +160,7 @@ class AdminApi:
         for policy in (router.prefill_policy, router.decode_policy):
             for ep in worker.endpoints:
                 policy.forget(ep.key)
+        router.adapters.forget(worker.url)
         log.info("removed %s worker %s (%d requests in flight finish there)", worker.role,
                  worker.url, worker.load)
         return json_response(worker.to_json())

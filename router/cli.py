@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help=TRACE_FLAG_HELP["otlp_traces_endpoint"])
     p.add_argument("--trace-sample-ratio", type=float, default=_D["trace_sample_ratio"],
                    help=TRACE_FLAG_HELP["trace_sample_ratio"])
+    p.add_argument("--lora-paths", nargs="+", default=list(_D["lora_paths"]), metavar="NAME=PATH",
+                   help="LoRA adapters the router may load on a worker that lacks one a request names "
+                        "(paths as the workers read them); the workers' /v1/models paths serve too")
+    p.add_argument("--lora-load-on-demand", action=argparse.BooleanOptionalAction,
+                   default=_D["lora_load_on_demand"],
+                   help="load a request's adapter on the chosen worker when no worker holds it")
     return p
 
 
@@ -129,6 +135,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     kwargs = {name: getattr(args, name) for name in names}
     if args.disable_retries:
         kwargs["retry_max_retries"] = 1
+    kwargs["lora_paths"] = tuple(args.lora_paths)
     kwargs["api_key"], kwargs["admin_api_key"] = keys_from_flags(
         args.api_key, args.api_key_file, args.admin_api_key, args.admin_api_key_file)
     return RouterConfig(prefill=tuple(parse_prefill(v) for v in args.prefill),

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
+from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.http_limits import (HTTP_HEADER_TIMEOUT, HTTP_READ_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES,
                                         HttpLimits)
 from pdserve.router.policy import POLICY_NAMES
@@ -120,6 +121,12 @@ class RouterConfig:
     enable_trace: bool = False
     otlp_traces_endpoint: str = DEFAULT_ENDPOINT
     trace_sample_ratio: float = 1.0
+    # LoRA adapters (router/workers/adapters.py): where each adapter is read from (SGLang's
+    # NAME=PATH entries), for loading one on a worker that lacks it when the workers' /v1/models
+    # do not list its path; lora_load_on_demand: a request whose adapter no worker holds has it
+    # loaded on the worker its policy chose (off: it goes there as it is)
+    lora_paths: tuple[str, ...] = ()
+    lora_load_on_demand: bool = True
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -176,6 +183,7 @@ class RouterConfig:
         self.trace  # raises on a bad --trace-sample-ratio or --otlp-traces-endpoint
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        parse_lora_paths(self.lora_paths)  # raises naming lora_paths
         for spec in self.prefill:
             if spec.role != "prefill":
                 raise ValueError(f"{spec.url} given as prefill has role {spec.role!r}")

@@ -1,7 +1,7 @@
 """Control operations the router sends to every worker: SGLang's cache and weight endpoints.
 
-``POST /flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``
-and ``/resume_memory_occupation`` on the router go, with the client's body, to
+``POST /flush_cache``, ``/update_weights_from_disk``, ``/release_memory_occupation``,
+``/resume_memory_occupation``, ``/load_lora_adapter`` and ``/unload_lora_adapter`` on the router go, with the client's body, to
 every registered worker of both roles at once (a weight update must reach the
 prefill and the decode side alike, or their KV would differ). The answer names
 each worker's result:
@@ -24,8 +24,11 @@ import msgspec
 from pdserve.router.errors import RouterError
 from pdserve.router.http_io import read_capped
 
+# SGLang's LoRA routes: an adapter loaded or unloaded on every worker (the router then loads one
+# on a single worker by itself, when a request needs it: router/workers/adapter_sync.py)
+LORA_PATHS = ("/load_lora_adapter", "/unload_lora_adapter")
 FANOUT_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation",
-                "/resume_memory_occupation")
+                "/resume_memory_occupation", *LORA_PATHS)
 
 
 @dataclass(frozen=True)

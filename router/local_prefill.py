@@ -1,7 +1,8 @@
 """Conditional disaggregation: does a request skip the prefill pool? Pure logic over numbers.
 
 Two reasons send a single (non-batch) request to a decode worker alone, which
-prefills it itself in its running batch:
+prefills it itself in its running batch (and a third any request: the worker is a colocated
+server, ``colocated``, which serves everything alone):
 
 - ``short``: the part of the prompt that the chosen decode worker must compute
   (``uncached_tokens``: the prompt less the leading blocks that worker's own KV
@@ -33,6 +34,7 @@ from collections.abc import Sequence
 class LocalReason(enum.Enum):
     SHORT = "short"  # its uncached part is within --local-prefill-max-tokens
     QUEUE = "queue"  # every prefill queue is above --prefill-queue-threshold
+    COLOCATED = "colocated"  # the decode worker is a colocated server: it serves every request alone
 
 
 def local_prefill_reason(uncached_tokens: int | None, max_tokens: int, prefill_loads: Sequence[int],

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -41,11 +42,12 @@ from pdserve.router.local_prefill import LocalReason, local_prefill_reason
 from pdserve.router.migration.migrating_relay import MigratingRelay
 from pdserve.router.migration.migration import error_event, migratable
 from pdserve.router.migration.openai_migration import openai_migratable, with_token_ids
-from pdserve.router.route import LocalRule
+from pdserve.router.route import LocalRule, RouteQuery
 from pdserve.router.trace_spans import child_span, end_leg, leg_span
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers.pairing import Pair, Pairing, batch_size
 from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
+from pdserve.router.workers.adapter_sync import AdapterSync
 from pdserve.router.workers.worker_registry import Endpoint
 
 log = logging.getLogger("pdserve.router")
@@ -74,8 +76,10 @@ def _consume(task: asyncio.Task) -> None:
 
 class PDProxy:
     def __init__(self, config: RouterConfig, pairing: Pairing, metrics: RouterMetrics,
-                 upstream: UpstreamPool, tracer: Tracer | None = None):
+                 upstream: UpstreamPool, tracer: Tracer | None = None, adapters: AdapterSync | None = None):
+        """``adapters``: loads a request's LoRA adapters where they are missing (None: never)."""
         self.config = config
+        self.adapters = adapters
         self.tracer = tracer  # --enable-trace: spans of routing and of each leg; None: off
         self.pairing = pairing
         self.metrics = metrics
@@ -92,19 +96,35 @@ class PDProxy:
         exclude: set[str] = set()
         last: LegFailure | None = None
         query = self.pairing.query(body)  # the request read (and tokenized) once
+        rules = self._local_rules(body)
         with child_span(self.tracer, "router.route", self._route_attributes(0)) as span:
-            route = self.pairing.route(query, local=self._local_rule if self._local_allowed(body) else None)
+            route = self.pairing.route(query, local=rules)
             _describe(span, route)
-        if route.local:
+        attempt = 0
+        while route.local:
             d_ep = route.decode
             self.metrics.local_reasons.inc(route.local_reason.value)
             log.debug("route: local prefill on decode %s (%s: %s uncached tokens)",
                       d_ep.key, route.local_reason.value, route.uncached_tokens)
             try:
+                await self._load_adapters(route, query)
                 return await self._attempt_local(request, path, body, stream, t0, d_ep)
             except LegFailure as failure:
-                # refused (too long for it, full) or failed: the prefill/decode path serves it
                 self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
+                if route.local_reason is LocalReason.COLOCATED:
+                    # a colocated worker failed: another one, as the prefill/decode path retries
+                    attempt += 1
+                    if not failure.retryable:
+                        return _passthrough_error(failure)
+                    if attempt >= attempts:
+                        raise upstream_failed(f"request failed after {attempts} attempt(s); last: "
+                                              f"{failure.describe()}") from None
+                    self.metrics.retries.inc()
+                    exclude.add(failure.endpoint.key)
+                    await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
+                    route = self.pairing.route(query, exclude, local=rules)
+                    continue
+                # refused (too long for it, full) or failed: the prefill/decode path serves it
                 self.metrics.prefills.inc("local_refused")
                 log.info("local prefill refused, via a prefill worker: %s", failure.describe())
                 route = self.pairing.route(query)
@@ -119,6 +139,7 @@ class PDProxy:
                     _describe(span, route)
             pair = Pair(route.prefill, route.decode, route.room)
             log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
+            await self._load_adapters(route, query)
             try:
                 if stream:
                     return await self._attempt_stream(request, path, body, pair, t0)
@@ -132,15 +153,37 @@ class PDProxy:
                 last = failure
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
 
+    # LoRA adapters ---------------------------------------------------------
+    async def _load_adapters(self, route, query: RouteQuery) -> None:
+        """Load the request's adapters on the workers of ``route`` that lack them
+        (``--lora-load-on-demand``); a failed load is the RouterError it raises."""
+        if self.adapters is None or not query.adapters or not self.config.lora_load_on_demand:
+            return
+        workers = [route.decode.worker] + ([] if route.prefill is None else [route.prefill.worker])
+        await self.adapters.ensure(workers, query.adapters)
+
     # a local prefill ------------------------------------------------------
     def _local_allowed(self, body: dict) -> bool:
         """Conditional disaggregation is on and ``body`` is a single request (a batch never goes local)."""
         c = self.config
         return bool(c.local_prefill_max_tokens or c.prefill_queue_threshold) and batch_size(body) is None
 
-    def _local_rule(self, d_ep: Endpoint) -> LocalRule | None:
+    def _local_rules(self, body: dict) -> Callable[[Endpoint], LocalRule | None] | None:
+        """What lets a decode endpoint serve ``body`` alone: a colocated worker always, a decode
+        worker under conditional disaggregation; None when neither can."""
+        single = self._local_allowed(body)
+        if not single and not self.pairing.registry.serves_alone:
+            return None
+        return lambda d_ep: self._local_rule(d_ep, single)
+
+    def _local_rule(self, d_ep: Endpoint, single: bool = True) -> LocalRule | None:
         """The rule that lets ``d_ep`` prefill a request itself; None when it accepts no local
-        prefill (it would refuse a request without bootstrap fields: warned at registration)."""
+        prefill (it would refuse a request without bootstrap fields: warned at registration).
+        ``single``: conditional disaggregation is on and the request is a single one."""
+        if d_ep.worker.colocated:
+            return _colocated
+        if not single:
+            return None
         accepts = d_ep.worker.max_local_prefill_tokens
         if not accepts:
             return None
@@ -419,6 +462,11 @@ class PDProxy:
             raise
         finally:
             end_leg(span, error="failed before its first bytes")
+
+
+def _colocated(uncached: int | None, whole: int | None) -> LocalReason:
+    """The local rule of a colocated worker: it serves every request alone."""
+    return LocalReason.COLOCATED
 
 
 def _describe(span, route) -> None:

@@ -27,6 +27,8 @@ class RouteQuery:
     body: dict
     text: str | None = None  # the prompt as text, when a policy reads text (cache-aware trees)
     ids: list[int] | None = None  # its token ids: None for a batch, or with no tokenizer loaded
+    adapters: frozenset[str] = frozenset()  # the LoRA adapters it names (router/workers/adapters.py)
+    lora_id: int = 0  # the prefix-cache namespace of its one adapter (0: the base model's, or several)
 
     @property
     def prompt_tokens(self) -> int | None:

@@ -35,6 +35,7 @@ from aiohttp import web
 
 from pdserve.engine.http_json_errors import json_error_middleware
 from pdserve.engine.http_site import serve_limited
+from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.router.admin_api import AdminApi
 from pdserve.engine.tracing import Tracer, make_tracer
 from pdserve.router.admission import Admission
@@ -55,6 +56,8 @@ from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.request_priority import request_priority
 from pdserve.router.workers.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
+from pdserve.router.workers.adapter_sync import AdapterSync
+from pdserve.router.workers.adapters import AdapterTable
 from pdserve.router.workers.worker_registry import WorkerRegistry
 
 log = logging.getLogger("pdserve.router")
@@ -84,8 +87,11 @@ class Router:
         # --local-prefill-max-tokens counts prompts: with the prefill policy's tokenizer if it has one
         self.prompt_tokenizer = (PromptTokenizer(config.tokenizer_path)
                                  if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
+        # the workers' LoRA adapters (router/workers/adapters.py), read by the health probes
+        self.adapters = AdapterTable(parse_lora_paths(config.lora_paths))
+        self.adapter_sync: AdapterSync | None = None
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy,
-                               prompt_tokenizer=self.prompt_tokenizer)
+                               prompt_tokenizer=self.prompt_tokenizer, adapters=self.adapters)
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
@@ -126,10 +132,14 @@ class Router:
         auth = {k: v for k, v in self.worker_headers.items() if k == "Authorization"}
         self.upstream = UpstreamPool(self.config.request_timeout_secs, extra_headers=auth,
                                      max_response_bytes=self.config.max_response_bytes)
-        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.tracer)
+        self.adapter_sync = AdapterSync(self.adapters, self.session, self.worker_headers, self.control_headers,
+                                        self.config.health_check_timeout_secs)
+        self.proxy = PDProxy(self.config, self.pairing, self.metrics, self.upstream, self.tracer,
+                             adapters=self.adapter_sync)
         if self.prompt_tokenizer is not None and self.config.tokenizer_path:
             self.prompt_tokenizer.start(None)
-        self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers)
+        self.health = HealthChecker(self.registry, self.session, self.config, self.worker_headers,
+                                    after_pass=self.adapter_sync.refresh)
         for spec in self.config.prefill + self.config.decode:
             self.registry.add(spec)
         workers = self.registry.workers()
@@ -190,7 +200,7 @@ class Router:
         r = app.router
         for path in INFERENCE_ROUTES:
             r.add_post(path, self._inference)
-        r.add_get("/v1/models", self._forward_one)
+        r.add_get("/v1/models", self._models)
         for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info"):
             r.add_get(path, self._forward_one)
         for path in ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"):
@@ -292,6 +302,27 @@ class Router:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        """A healthy worker's ``/v1/models`` with the adapters it lists replaced by the union of
+        every worker's (each a card whose parent is the base model)."""
+        resp = await self._forward_one(request)
+        if resp.status != 200 or not self.adapters.active:
+            return resp
+        try:
+            payload = _decode(resp.body)
+        except msgspec.DecodeError:
+            return resp
+        data = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(data, list):
+            return resp
+        bases = [c for c in data if isinstance(c, dict) and c.get("parent") is None]
+        if not bases:
+            return resp
+        base = bases[0]
+        adapters = [{**base, "id": name, "root": path, "parent": base.get("id")}
+                    for name, path in sorted(self.adapters.union().items())]
+        return json_response({**payload, "data": [*bases, *adapters]})
 
     async def _forward_one(self, request: web.Request) -> web.Response:
         """Model and server info, and (de)tokenization, come from a healthy worker (decode first: it

@@ -1,21 +1,24 @@
 #!/usr/bin/env python
-"""Decode-step time of the default model under LoRA against without, same run.
+"""Decode throughput of the default model under LoRA against without, same run.
 
-Three ModelRunner set-ups decode one step of ``--batch`` sequences at a context of
+ModelRunner set-ups decode one step of ``--batch`` sequences (default 32) at a context of
 ``--context`` tokens, in bf16 (the native kernels):
 
 - base: no ``--enable-lora`` (the fused decode step where the CPU allows it);
-- lora-off: ``--enable-lora`` with one adapter loaded, no row using it (the products
-  unfused, no delta);
-- lora-all: every row on that adapter (rank ``--rank`` on all seven projections);
-- lora-mixed (batches of 2+): half the rows on the adapter, half on none.
+- lora-off: ``--enable-lora`` with ``--adapters`` adapters loaded, no row using one (the
+  products unfused, no delta);
+- lora-one: every row on one adapter (rank ``--rank`` on all seven projections);
+- lora-mixed: the rows spread over all ``--adapters`` adapters (row i on adapter i mod N),
+  the mix a fleet serving many fine-tunes of one base sends a server (the dense product);
+- lora-one-per-slot, lora-mixed-per-slot: lora-one's and lora-mixed's rows, the product
+  looping over the slots and parts (``LoraHook.dense`` off) instead of the stacked forms.
 
-The adapter is random, made with peft on the default model. Rounds alternate the set-ups
+The adapters are random, made with peft on the default model. Rounds alternate the set-ups
 (``--rounds``; medians reported) so a change of load hits all alike. Ends with one JSON
-line: each set-up's ms per step and its rate relative to base.
+line: each set-up's ms per step, tokens per second and its rate relative to base.
 
     .venv/bin/python scripts/bench_lora.py
-    .venv/bin/python scripts/bench_lora.py --batch 1 8 32 --rounds 9
+    .venv/bin/python scripts/bench_lora.py --batch 1 8 32 --adapters 8 --rounds 9
 """
 
 from __future__ import annotations
@@ -31,13 +34,14 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.model_loader import load_model, save_hf_checkpoint
+from pdserve.engine.model_executor.layers.lora_product import LoraHook
 from pdserve.engine.model_executor.model_runner import ModelRunner
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(rank: int) -> str:
-    """A random rank-``rank`` PEFT adapter of the default model, in a temporary directory."""
+def make_adapters(rank: int, n: int) -> list[str]:
+    """``n`` random rank-``rank`` PEFT adapters of the default model, in a temporary directory."""
     import peft
     import transformers
 
@@ -45,10 +49,14 @@ def make_adapter(rank: int) -> str:
     arch, weights, _ = load_model(None)
     save_hf_checkpoint(arch, weights, d + "/base")
     del weights
-    model = transformers.LlamaForCausalLM.from_pretrained(d + "/base", dtype=torch.float32)
-    cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=MODULES, init_lora_weights=False)
-    peft.get_peft_model(model, cfg).save_pretrained(d + "/a")
-    return d + "/a"
+    paths = []
+    for i in range(n):
+        torch.manual_seed(i)
+        model = transformers.LlamaForCausalLM.from_pretrained(d + "/base", dtype=torch.float32)
+        cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=MODULES, init_lora_weights=False)
+        peft.get_peft_model(model, cfg).save_pretrained(f"{d}/a{i}")
+        paths.append(f"{d}/a{i}")
+    return paths
 
 
 def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, reps: int) -> float:
@@ -80,7 +88,8 @@ def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, rep
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[32])
+    ap.add_argument("--adapters", type=int, default=8, help="adapters loaded; lora-mixed spreads the rows over them")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=7)
@@ -89,25 +98,33 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
-    adapter = make_adapter(args.rank)
+    n = args.adapters
+    paths = make_adapters(args.rank, n)
     common = dict(dtype="bfloat16", max_total_tokens=max(args.batch) * (args.context + 32) + 64, page_size=16)
     base = ModelRunner(EngineConfig(**common))
-    lora = ModelRunner(EngineConfig(**common, lora_paths=(f"a={adapter}",)))
-    lora.load_lora([(0, "a")])
+    lora = ModelRunner(EngineConfig(**common, max_loras_per_batch=n,
+                                    lora_paths=tuple(f"a{i}={p}" for i, p in enumerate(paths))))
+    lora.load_lora([(i, f"a{i}") for i in range(n)])
     summary = {}
     for bs in args.batch:
-        setups = {"base": (base, None), "lora-off": (lora, None), "lora-all": (lora, [0] * bs)}
-        if bs > 1:
-            setups["lora-mixed"] = (lora, [0, -1] * (bs // 2) + [0] * (bs % 2))
+        setups = {"base": (base, None), "lora-off": (lora, None), "lora-one": (lora, [0] * bs),
+                  "lora-mixed": (lora, [i % n for i in range(bs)]),
+                  "lora-one-per-slot": (lora, [0] * bs),
+                  "lora-mixed-per-slot": (lora, [i % n for i in range(bs)])}
         times: dict[str, list[float]] = {k: [] for k in setups}
         for _ in range(args.rounds):
             for name, (runner, slots) in setups.items():
+                LoraHook.dense = not name.endswith("-per-slot")
                 times[name].append(step_ms(runner, bs, slots, args.context, args.reps))
+        LoraHook.dense = True
         med = {k: statistics.median(v) for k, v in times.items()}
         for name, ms in med.items():
-            print(f"batch {bs}: {name}: {ms:.1f} ms/step, {med['base'] / ms:.2f}x base's rate")
-        summary[f"batch_{bs}"] = {k: {"ms": round(v, 2), "vs_base": round(med["base"] / v, 3)} for k, v in med.items()}
-    print(json.dumps({"bench": "lora_decode_step", "context": args.context, "rank": args.rank, **summary}))
+            print(f"batch {bs}: {name}: {ms:.1f} ms/step, {bs / ms * 1000:.0f} tokens/s, "
+                  f"{med['base'] / ms:.2f}x base's rate")
+        summary[f"batch_{bs}"] = {k: {"ms": round(v, 2), "tokens_per_s": round(bs / v * 1000, 1),
+                                      "vs_base": round(med["base"] / v, 3)} for k, v in med.items()}
+    print(json.dumps({"bench": "lora_decode_step", "context": args.context, "rank": args.rank,
+                      "adapters": n, **summary}))
 
 
 if __name__ == "__main__":

@@ -80,12 +80,21 @@ def block_hash(parent: int | None, tokens: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "big") & _HASH_MASK
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of every full block of ``token_ids`` (the partial tail has none)."""
+#: an adapter's prefix-cache salt is ``ADAPTER_SALT_BASE - lora_id``, put before the tokens of
+#: its first block (mem_cache/radix_cache.py keys pages so): above every vocabulary, a uint32
+ADAPTER_SALT_BASE = 2**32
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, lora_id: int = 0) -> list[int]:
+    """The chained hashes of every full block of ``token_ids`` (the partial tail has none), as
+    a worker's radix cache hashes them under adapter ``lora_id`` (0: the base model)."""
     out: list[int] = []
     parent = None
     for i in range(len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
+        block = token_ids[i * block_size : (i + 1) * block_size]
+        if lora_id and i == 0:
+            block = (ADAPTER_SALT_BASE - lora_id, *block)
+        parent = block_hash(parent, block)
         out.append(parent)
     return out
 

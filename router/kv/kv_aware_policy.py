@@ -5,7 +5,9 @@ worker's ``/server_info``, ``kv_events_endpoints``), keeps one ``KVIndex`` of
 block hash -> endpoints per tier, tokenizes each prompt as the workers do (the
 same tokenizer and chat template, loaded from the model's files: the
 ``--tokenizer-path`` flag, else the workers' ``model_path``, else the default
-model) and hashes its full pages the way the workers' radix caches do.
+model) and hashes its full pages the way the workers' radix caches do (in the
+namespace of the request's LoRA adapter, ``RouteQuery.lora_id``, so a worker is
+credited only with the blocks computed under that adapter).
 
 Choice, after NVIDIA Dynamo's KV router cost (lower wins)::
 
@@ -134,7 +136,7 @@ class KVAwarePolicy(Policy):
         ids = query.ids
         if ids is None or self._page_size is None or endpoint.worker.url not in self._subscribed:
             return query.prompt_tokens
-        hashes = block_hashes(ids, self._page_size)
+        hashes = block_hashes(ids, self._page_size, query.lora_id)
         with self.lock:
             tiers = self.index.block_tiers(hashes, [endpoint.key], time.monotonic())[endpoint.key]
         held = next((i for i, t in enumerate(tiers) if t > Tier.HOST), len(tiers))
@@ -151,7 +153,7 @@ class KVAwarePolicy(Policy):
         if query.ids is None or self._page_size is None or endpoint.worker.url not in self._subscribed:
             return
         with self.lock:
-            self.index.predict(endpoint.key, block_hashes(query.ids, self._page_size),
+            self.index.predict(endpoint.key, block_hashes(query.ids, self._page_size, query.lora_id),
                                time.monotonic() + PREDICTION_TTL_S)
 
     def pick(self, endpoints, query: RouteQuery):
@@ -159,7 +161,7 @@ class KVAwarePolicy(Policy):
         ids, text = query.ids, query.text
         if ids is None or self._page_size is None or not any(e.worker.url in self._subscribed for e in endpoints):
             return self.select(endpoints, text)
-        hashes = block_hashes(ids, self._page_size)
+        hashes = block_hashes(ids, self._page_size, query.lora_id)
         keys = [e.key for e in endpoints]
         now = time.monotonic()
         with self.lock:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import aiohttp
 
@@ -55,8 +55,12 @@ def startup_probe_delays() -> Iterator[float]:
 
 class HealthChecker:
     def __init__(self, registry: WorkerRegistry, session: aiohttp.ClientSession,
-                 config: RouterConfig, headers: dict[str, str]):
+                 config: RouterConfig, headers: dict[str, str],
+                 after_pass: Callable[[Worker], Awaitable[None]] | None = None):
+        """``after_pass(worker)``: awaited after each probe the worker passes (the router reads
+        its LoRA adapters then: router/workers/adapter_sync.py)."""
         self.registry = registry
+        self.after_pass = after_pass
         self.session = session
         self.config = config
         self.headers = headers
@@ -118,6 +122,8 @@ class HealthChecker:
         ok = await self._get_ok(worker.url + "/health")
         if ok and not worker.info_known:
             ok = await self._fetch_info(worker)
+        if ok and self.after_pass is not None:
+            await self.after_pass(worker)
         cfg = self.config
         changed = self.registry.record_health(worker, ok, cfg.health_failure_threshold,
                                               1 if first else cfg.health_success_threshold)
@@ -174,6 +180,7 @@ class HealthChecker:
                               "out of rotation", worker.role, worker.url, dp_size, MAX_DP_SIZE)
                     return False
                 if worker.role == "decode":
+                    worker.colocated = info.get("disaggregation_mode") == "null"
                     self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
                 self.registry.set_server_info(worker, dp_size, model)
                 return True

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from pdserve.router.errors import no_workers
+from pdserve.router.errors import bad_request, no_workers
 from pdserve.router.policy import Policy
 from pdserve.router.route import LocalRule, Route, RouteQuery
+from pdserve.router.workers.adapters import AdapterError, AdapterTable
 from pdserve.router.workers.worker_registry import Endpoint, WorkerRegistry
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
@@ -77,10 +78,13 @@ class Pairing:
     ``route`` asks the decode policy for its endpoint and the prefill policy for the rest."""
 
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
-                 rng: random.Random | None = None, prompt_tokenizer=None):
+                 rng: random.Random | None = None, prompt_tokenizer=None,
+                 adapters: AdapterTable | None = None):
         """``prompt_tokenizer``: the router's own tokenizer (``PromptTokenizer``), used when no
-        policy tokenizes and --local-prefill-max-tokens needs the prompt's length."""
+        policy tokenizes and --local-prefill-max-tokens needs the prompt's length. ``adapters``:
+        the workers' LoRA adapters; both legs then prefer the workers holding a request's."""
         self.registry = registry
+        self.adapters = adapters
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.prompt_tokenizer = prompt_tokenizer
@@ -90,11 +94,19 @@ class Pairing:
     def query(self, body: dict) -> RouteQuery:
         """``body`` read once: its text if a policy reads text, its token ids if a tokenizer is
         loaded (the prefill policy's, else the decode policy's, else the router's own)."""
+        adapters = frozenset()
+        lora_id = 0
+        if self.adapters is not None:
+            try:
+                adapters = self.adapters.request_adapters(body)
+            except AdapterError as e:
+                raise bad_request(str(e), e.param) from None
+            lora_id = self.adapters.namespace(adapters)
         text = prompt_text(body) if self.needs_text else None
         encode = self.prefill_policy.encoder or self.decode_policy.encoder
         if encode is None and self.prompt_tokenizer is not None:
             encode = self.prompt_tokenizer.encoder
-        return RouteQuery(body, text, None if encode is None else encode(body))
+        return RouteQuery(body, text, None if encode is None else encode(body), adapters, lora_id)
 
     def route(self, query: RouteQuery, exclude: frozenset[str] | set[str] = frozenset(),
               local: Callable[[Endpoint], LocalRule | None] | None = None) -> Route:
@@ -105,8 +117,8 @@ class Pairing:
         prefills = self.registry.healthy_endpoints("prefill")
         if not prefills and local is None:
             raise no_workers("prefill")
-        decode = self.decode_policy.pick(self._candidates("decode", exclude), query)
-        route = self.prefill_policy.route(_kept(prefills, exclude), query, decode,
+        decode = self.decode_policy.pick(self._holders(self._candidates("decode", exclude), query), query)
+        route = self.prefill_policy.route(self._holders(_kept(prefills, exclude), query), query, decode,
                                           None if local is None else local(decode))
         if route.prefill is None and not route.local:
             raise no_workers("prefill")
@@ -124,6 +136,12 @@ class Pairing:
     def local_body(body: dict) -> bytes:
         """The JSON body of a local prefill: the client's, without any PD routing field."""
         return _encode({k: v for k, v in body.items() if k not in ROUTER_FIELDS})
+
+    def _holders(self, endpoints: list[Endpoint], query: RouteQuery) -> list[Endpoint]:
+        """``endpoints`` narrowed to those holding the request's LoRA adapters, when some do."""
+        if not query.adapters or self.adapters is None:
+            return endpoints
+        return list(self.adapters.prefer(endpoints, query.adapters))
 
     def _candidates(self, role: str, exclude) -> list[Endpoint]:
         endpoints = self.registry.healthy_endpoints(role)

@@ -1,7 +1,7 @@
 """Readiness: can the router serve, what is missing when it cannot, and the gate requests wait at.
 
 The router serves when at least one healthy prefill endpoint and one healthy
-decode endpoint exist (draining workers do not count): ``readiness()`` says so,
+decode endpoint exist, or one healthy colocated worker (draining workers do not count): ``readiness()`` says so,
 with the counts per role, for ``GET /readiness``. ``PairGate`` wakes the
 requests that arrived while no pair existed (``--request-queue-timeout-secs``),
 from the registry's change events rather than by polling.
@@ -23,7 +23,7 @@ def readiness(registry: WorkerRegistry) -> tuple[bool, dict]:
         healthy = len(registry.healthy_endpoints(role))
         roles[role] = {"registered": len(workers), "healthy_endpoints": healthy,
                        "draining": sum(w.draining for w in workers)}
-        if not healthy:
+        if not healthy and not (role == "prefill" and registry.serves_alone):
             missing.append(role)
     return not missing, {"missing": missing, "workers": roles}
 
@@ -39,7 +39,8 @@ def describe_missing(body: dict) -> str:
 
 
 class PairGate:
-    """Open while a healthy prefill+decode pair exists; ``wait`` blocks until it opens."""
+    """Open while a healthy prefill+decode pair (or a colocated worker) exists; ``wait`` blocks
+    until it opens."""
 
     def __init__(self, registry: WorkerRegistry):
         self.registry = registry
@@ -48,7 +49,7 @@ class PairGate:
         self._update()
 
     def _update(self) -> None:
-        if all(self.registry.healthy_endpoints(role) for role in ROLES):
+        if all(self.registry.healthy_endpoints(role) for role in ROLES) or self.registry.serves_alone:
             self._open.set()
         else:
             self._open.clear()

@@ -61,6 +61,9 @@ class Worker:
         # max_total_num_tokens) of its /server_info (None: not told); a migrated chat without
         # max_tokens continues with what is left of it (router/migration/openai_migration.py)
         self.token_room: int | None = None
+        # a colocated server (its /server_info disaggregation_mode "null") given as a decode
+        # worker: it prefills and decodes every request itself, no prefill leg
+        self.colocated = False
         self.consecutive_failures = 0
         self.consecutive_successes = 0
         self.draining = False
@@ -82,6 +85,7 @@ class Worker:
             "dp_size": self.dp_size,
             "model_id": self.model_id,
             "max_local_prefill_tokens": self.max_local_prefill_tokens if self.role == "decode" else None,
+            "colocated": self.colocated,
             "in_flight": self.load,
             "endpoints": {e.key: e.load for e in self.endpoints},
         }
@@ -124,6 +128,11 @@ class WorkerRegistry:
 
     def healthy_endpoints(self, role: str) -> list[Endpoint]:
         return self._healthy[role]
+
+    @property
+    def serves_alone(self) -> bool:
+        """A healthy colocated worker takes requests: no prefill worker is needed for them."""
+        return any(e.worker.colocated for e in self._healthy["decode"])
 
     # state changes -----------------------------------------------------
     def set_server_info(self, worker: Worker, dp_size: int, model_id: str | None = None) -> None:

@@ -30,7 +30,7 @@ _decode = msgspec.json.decode
 _JSON = "application/json"
 # SGLang's control endpoints a router fans out (recorded like inference requests)
 CONTROL_PATHS = ("/flush_cache", "/update_weights_from_disk", "/release_memory_occupation",
-                 "/resume_memory_occupation")
+                 "/resume_memory_occupation", "/load_lora_adapter", "/unload_lora_adapter")
 
 
 @dataclass
