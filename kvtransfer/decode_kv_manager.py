@@ -145,6 +145,7 @@ class DecodeKVManager(KVManager):
                 tp_rank=self.tp.rank,
                 tp_size=self.tp.size,
                 kv_heads=self.kv_heads,
+                aux_hidden_bytes=self.aux_pool.hidden_bytes,
             ),
         )
 

@@ -72,15 +72,15 @@ class DecodePeers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
         if reg.page_bytes != self.head_page_bytes * share:
             return f"page bytes mismatch: prefill {self.page_bytes} for {self.layout.num_kv_heads} heads vs decode {reg.page_bytes} for {share}"
-        if reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_slot_bytes < self.aux_slot_bytes - self.aux_hidden_bytes:
+        base = self.aux_slot_bytes - self.aux_hidden_bytes  # the slot before its hidden state, as this rank writes it
+        if (reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_hidden_bytes < 0
+                or reg.aux_slot_bytes - reg.aux_hidden_bytes != base):
             return f"bad decode pool: {reg.num_pages} pages, {reg.aux_num_slots} aux slots of {reg.aux_slot_bytes} bytes"
-        return self._check_hidden(reg.aux_slot_bytes)
+        return self._check_hidden(reg.aux_hidden_bytes)
 
-    def _check_hidden(self, their_slot_bytes: int) -> str | None:
+    def _check_hidden(self, wanted: int) -> str | None:
         """Aux slots with no hidden state, or the one this rank sends; a decode wanting one from a
         prefill that sends none is accepted (its rooms then fail there, naming the missing state)."""
-        base = self.aux_slot_bytes - self.aux_hidden_bytes
-        wanted = their_slot_bytes - base
         if wanted == 0 or wanted == self.aux_hidden_bytes or self.aux_hidden_bytes == 0:
             return None
         return (f"NEXTN hidden state mismatch: the decode's aux slots hold {wanted} bytes of it, this prefill "

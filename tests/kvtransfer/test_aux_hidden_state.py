@@ -56,8 +56,14 @@ def test_decode_pools_are_checked_against_the_hidden_state_sent():
 
     # a NEXTN prefill serves NEXTN decodes and plain ones; a plain prefill serves both too (a NEXTN
     # decode's rooms then fail there, naming the missing state)
+    def reg(wanted: int, slot: int | None = None):
+        return register_pool(aux_slot_bytes=base + wanted if slot is None else slot, aux_hidden_bytes=wanted)
+
     for sent, wanted in ((24, 24), (24, 0), (0, 24), (0, 0)):
-        assert peers(sent).check_pool(register_pool(aux_slot_bytes=base + wanted)) is None, (sent, wanted)
+        assert peers(sent).check_pool(reg(wanted)) is None, (sent, wanted)
     assert "hidden state mismatch: the decode's aux slots hold 48 bytes of it, this prefill sends 24" in \
-        peers(24).check_pool(register_pool(aux_slot_bytes=base + 48))
-    assert peers(24).check_pool(register_pool(aux_slot_bytes=base - 4)).startswith("bad decode pool")
+        peers(24).check_pool(reg(48))
+    # slots laid out otherwise before the hidden state (another top-logprobs count) are refused
+    for sent in (0, 24):
+        for bad in (reg(0, base - 4), reg(0, base + 8), reg(24, base + 8)):
+            assert peers(sent).check_pool(bad).startswith("bad decode pool"), (sent, bad.aux_slot_bytes)
