@@ -22,6 +22,9 @@ whatever ``max_local_prefill_tokens`` is.
    there like any colocated request (retraction and recompute included). A
    constrained request's matcher accepts that first token first, so its grammar
    continues from where prefill's left off.
+   Drafting with NEXTN, the aux data also carries the prompt's last hidden state, which the MTP
+   proposer starts from (``engine/speculative/nextn_handoff.py``); a room without it (a prefill
+   not started with NEXTN) ends the request with an error naming the flag.
    On Failed it ends with an error naming the cause. Its pages (and aux slot) are freed, or,
    when the prefill already had its destination, held in the ``Quarantine`` until the prefill
    closes the room (a write in flight there could still land) or ``quarantine_timeout`` passed.
@@ -42,7 +45,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.pd_rules import local_prefill_refusal
-from pdserve.engine.speculative_names import NEXTN, NEXTN_PD_REFUSAL
+from pdserve.engine.speculative.nextn_handoff import NO_HIDDEN_STATE, aux_hidden_bytes, hidden_row
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -73,12 +76,15 @@ class DecodeLoop(SchedulerLoop):
         """``kv``: this rank's started KV manager over the runner's page pool; the loop closes it.
         Timeouts run on ``kv.clock``, so a test can move time for both. ``max_local_prefill_tokens``:
         the longest prompt prefilled here when it comes without bootstrap fields (0: none)."""
-        if config.speculative_algorithm == NEXTN:
-            raise ValueError(NEXTN_PD_REFUSAL)
         super().__init__(local_prefill_config(config, max_local_prefill_tokens), dp_rank, runner)
         self.max_local_prefill_tokens = max_local_prefill_tokens
         if kv.pool is not self.pool:
             raise ValueError("the KV manager must serve this rank's page pool")
+        # NEXTN: the bytes of the hidden state each room's aux data brings (0: none wanted)
+        self.hidden_bytes = aux_hidden_bytes(config.speculative_algorithm, self.runner)
+        if kv.aux_pool.hidden_bytes != self.hidden_bytes:
+            raise ValueError(f"the KV manager's aux slots hold {kv.aux_pool.hidden_bytes} bytes of hidden state, "
+                             f"this rank's drafts need {self.hidden_bytes} (DecodeKVManager aux_hidden_bytes)")
         self.kv = kv
         self.dp_sizes = PrefillDPSizes(kv.config.bootstrap_timeout, clock=kv.clock)
         self.prealloc = PreallocQueue(kv, self.scheduler)
@@ -209,6 +215,9 @@ class DecodeLoop(SchedulerLoop):
         if aux is None:
             self.scheduler.finish(req, FinishReason("error", message="KV transfer failed: no first token in the aux data"))
             return
+        if self.hidden_bytes and not aux.hidden:
+            self.scheduler.finish(req, FinishReason("error", message=f"KV transfer failed: {NO_HIDDEN_STATE}"))
+            return
         req.kv_len = req.prompt_len
         req.admitted_once = True
         req.cached_tokens = aux.cached_tokens  # the prefill's cache hits: what this request did not compute
@@ -223,6 +232,10 @@ class DecodeLoop(SchedulerLoop):
         if reason is not None:
             self.scheduler.finish(req, reason)  # its output comes from the step's finished list
             return
+        if self.hidden_bytes:  # the MTP drafts from the prompt's last position on
+            arch = self.runner.arch
+            self.spec.observe_handed(req, req.prompt_len - 1,
+                                     hidden_row(aux.hidden, arch.hidden_size, self.runner.dtype, self.device))
         self.scheduler.add_prefilled(req)
         if req.stream:
             self._outbox.append(self._output(req))

@@ -24,7 +24,6 @@ from pdserve.engine.text.tool_parsers import TOOL_CALL_PARSERS
 from pdserve.engine.kv_events_config import KVEventsConfig
 from pdserve.engine.model_executor.sampling_defaults import SAMPLING_DEFAULTS
 from pdserve.engine.kv_transfer_config import KVTransferConfig
-from pdserve.engine.speculative_names import NEXTN, NEXTN_PD_REFUSAL
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # KVTransferConfig field -> its flag's name (``--disaggregation-...``, SGLang's); the other fields are not flags
@@ -161,6 +160,9 @@ class ServerConfig:
             )
         if self.engine.speculative_algorithm == NEXTN and self.disaggregation_mode == "decode":
             raise ValueError(NEXTN_PD_REFUSAL)
+        if self.engine.enable_lora and self.disaggregation_mode != "null":
+            raise ValueError(f"enable_lora serves colocated (disaggregation_mode null) only, got "
+                             f"disaggregation_mode {self.disaggregation_mode!r}")
         KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
         self.kv_transfer.check_exposure(self.disaggregation_mode, self.host)
         if not 0 < self.kv_transfer.bootstrap_port < 65536:

@@ -10,9 +10,6 @@ from pdserve.engine.quantization_names import QUANTIZATIONS
 
 NGRAM, STANDALONE, NEXTN = "NGRAM", "STANDALONE", "NEXTN"
 SPECULATIVE_ALGORITHMS = (NGRAM, STANDALONE, NEXTN)
-# the MTP drafts from the target's hidden state at every position; a PD prefill does not hand them over
-NEXTN_PD_REFUSAL = ("speculative_algorithm NEXTN serves colocated only (disaggregation_mode null): a decode "
-                    "server gets no hidden states of the prompt from the prefill")
 MAX_DRAFT_TOKENS = 16  # per sequence and step: the verify step's query rows grow with it
 MAX_NGRAM_BRANCHES = 8  # NGRAM's candidate continuations merged into a draft tree
 

@@ -141,8 +141,10 @@ _HELP = {
     "hicache_storage_backend_extra_config": 'JSON object of the storage backend\'s keys, e.g. {"path": DIR, '
                                             '"max_bytes": N} for file, {"master_server_address": "host:50051", "metadata_server": '
                                             '"http://host:8080/metadata"} for mooncake (docs/HICACHE.md)',
-    "speculative_algorithm": "speculative decoding on this server (decode side in PD): NGRAM (prompt lookup) or "
-                             "STANDALONE (a draft model); default: off (docs/SPECULATIVE.md)",
+    "speculative_algorithm": "speculative decoding on this server (decode side in PD): NGRAM (prompt lookup), "
+                             "STANDALONE (a draft model) or NEXTN (a DeepSeek checkpoint's MTP layer; in PD give it "
+                             "to the prefill too, which then sends the prompt's last hidden state); default: off "
+                             "(docs/SPECULATIVE.md)",
     "speculative_num_draft_tokens": "most draft tokens per sequence one verify step scores",
     "speculative_draft_model_path": "STANDALONE: the draft model (same tokenizer); default: the target itself, "
                                     "in --speculative-draft-quantization",

@@ -52,11 +52,14 @@ class DecodeKVManager(KVManager):
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
         tp: TPPlace = TPPlace(),
+        aux_hidden_bytes: int = 0,
     ):
+        """``aux_hidden_bytes``: room in each aux slot for the prompt's last hidden state, which a
+        NEXTN decode drafts from (``nextn_handoff``); 0: none."""
         super().__init__(config, pool, engine, clock)
         self.tp = tp = place_for(tp, self.layout.kind)
         self.kv_heads = tp.total_heads(self.layout.num_kv_heads)
-        self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs)
+        self.aux_pool = aux_pool or AuxPool(config.aux_num_slots, config.aux_max_top_logprobs, aux_hidden_bytes)
         self._register(self.aux_pool.base_addr, self.aux_pool.nbytes)
         self.rooms = ReceiverRooms(self.metrics, clock, self.id, self.endpoint, pool.num_pages, self.aux_pool.num_slots,
                                    self._tell)
@@ -145,6 +148,7 @@ class DecodeKVManager(KVManager):
                 tp_rank=self.tp.rank,
                 tp_size=self.tp.size,
                 kv_heads=self.kv_heads,
+                aux_hidden_bytes=self.aux_pool.hidden_bytes,
             ),
         )
 

@@ -36,16 +36,18 @@ class DecodePeer:
 
 class DecodePeers:
     def __init__(self, layout: m.LayoutInfo, kv_heads: int, backend: str, page_bytes: int, head_page_bytes: int,
-                 aux_slot_bytes: int):
+                 aux_slot_bytes: int, aux_hidden_bytes: int = 0):
         """This rank's side of every check: its pool's ``layout`` (its own share of the heads),
         ``kv_heads`` of the whole model, its engine's ``backend`` name, its ``page_bytes`` (every one of
-        its heads) and ``head_page_bytes`` (one head), and the ``aux_slot_bytes`` it writes."""
+        its heads) and ``head_page_bytes`` (one head), and the ``aux_slot_bytes`` it writes, of which
+        ``aux_hidden_bytes`` are the hidden state it sends a NEXTN decode (``aux_pool``)."""
         self.layout = layout
         self.kv_heads = kv_heads
         self.backend = backend
         self.page_bytes = page_bytes
         self.head_page_bytes = head_page_bytes
         self.aux_slot_bytes = aux_slot_bytes
+        self.aux_hidden_bytes = aux_hidden_bytes
         self.peers: dict[str, DecodePeer] = {}  # decode id -> its pool
 
     def get(self, decode_id: str) -> DecodePeer | None:
@@ -70,9 +72,19 @@ class DecodePeers:
             return f"decode registered {len(reg.k_addrs)}/{len(reg.v_addrs)} K/V buffers for {self.layout.num_layers} layers"
         if reg.page_bytes != self.head_page_bytes * share:
             return f"page bytes mismatch: prefill {self.page_bytes} for {self.layout.num_kv_heads} heads vs decode {reg.page_bytes} for {share}"
-        if reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_slot_bytes != self.aux_slot_bytes:
+        base = self.aux_slot_bytes - self.aux_hidden_bytes  # the slot before its hidden state, as this rank writes it
+        if (reg.num_pages < 2 or reg.aux_num_slots < 1 or reg.aux_hidden_bytes < 0
+                or reg.aux_slot_bytes - reg.aux_hidden_bytes != base):
             return f"bad decode pool: {reg.num_pages} pages, {reg.aux_num_slots} aux slots of {reg.aux_slot_bytes} bytes"
-        return None
+        return self._check_hidden(reg.aux_hidden_bytes)
+
+    def _check_hidden(self, wanted: int) -> str | None:
+        """Aux slots with no hidden state, or the one this rank sends; a decode wanting one from a
+        prefill that sends none is accepted (its rooms then fail there, naming the missing state)."""
+        if wanted == 0 or wanted == self.aux_hidden_bytes or self.aux_hidden_bytes == 0:
+            return None
+        return (f"NEXTN hidden state mismatch: the decode's aux slots hold {wanted} bytes of it, this prefill "
+                f"sends {self.aux_hidden_bytes} (a different model or dtype)")
 
     def add(self, reg: m.RegisterPool, engine_peer: str | None, reason: str | None) -> DecodePeer:
         """Record ``reg``'s pool: accepted (``engine_peer``) or rejected (``reason``)."""

@@ -108,10 +108,11 @@ class RoomOutcome(Protocol):
 class KVWriter:
     def __init__(self, engine: TransferEngine, src: SourcePool, num_threads: int, aux_max_top_logprobs: int,
                  tp_rank: int, metrics: RoomMetrics, outcome: RoomOutcome, ctx: zmq.Context,
-                 frame: Callable[[m.ControlMessage, str], bytes], stop: threading.Event):
+                 frame: Callable[[m.ControlMessage, str], bytes], stop: threading.Event, aux_hidden_bytes: int = 0):
         """``frame``: a control message as it goes on the wire (sealed); ``stop``: set when the manager
         closes (the threads end). The aux staging slots must be registered with ``engine`` by the
-        caller (``staging.base_addr``, ``staging.nbytes``)."""
+        caller (``staging.base_addr``, ``staging.nbytes``). ``aux_hidden_bytes``: the hidden state
+        a room's aux data carries for a NEXTN decode (0: none)."""
         self.engine = engine
         self.src = src
         self.tp_rank = tp_rank
@@ -121,7 +122,7 @@ class KVWriter:
         self._frame = frame
         self._stop = stop
         # one staging aux slot per transfer thread: a thread has one room's aux in flight at a time
-        self.staging = AuxPool(num_threads, aux_max_top_logprobs)
+        self.staging = AuxPool(num_threads, aux_max_top_logprobs, aux_hidden_bytes)
         self._queues: list[queue.SimpleQueue[Chunk]] = [queue.SimpleQueue() for _ in range(num_threads)]
         # layer-wise: what each transfer thread sleeps on while the forward of its chunk runs
         self._bells = [Doorbell() for _ in range(num_threads)]
@@ -189,7 +190,7 @@ class KVWriter:
                 if chunk.aux is not None and any(s.aux for s in dest.slices):
                     src.append(self.staging.slot_addr(idx))
                     dst.append(peer.reg.aux_addr + dest.request.aux_slot * peer.reg.aux_slot_bytes)
-                    lengths.append(self.staging.slot_bytes)
+                    lengths.append(self.aux_write_bytes(peer.reg.aux_slot_bytes, chunk.aux))
                 if self.engine.supports_notifications and src:
                     notify = room_notification(sender.room, self.tp_rank)
             try:
@@ -208,6 +209,14 @@ class KVWriter:
         for endpoint, notify in notified.items():
             self._push_status(idx, endpoint, m.RoomStatus(sender.room, True, notified=notify, tp_rank=self.tp_rank,
                                                           exposed_s=exposed))
+
+    def aux_write_bytes(self, dst_slot_bytes: int, aux: AuxData) -> int:
+        """How much of the staging slot goes into a decode slot of ``dst_slot_bytes``: all of it
+        where that slot holds the hidden state this one carries, else the part before it (a decode
+        that does not draft with NEXTN; ``DecodePeers.check_pool`` refused any other size)."""
+        if aux.hidden and dst_slot_bytes == self.staging.slot_bytes:
+            return self.staging.slot_bytes
+        return self.staging.base_bytes
 
     def _transfer_layers(self, idx: int, chunk: Chunk) -> None:
         """A chunk whose forward is running: write each layer's pages once the forward stored them,

@@ -76,6 +76,8 @@ class RegisterPool(msgspec.Struct, frozen=True, tag=True):
     tp_rank: int = 0
     tp_size: int = 1
     kv_heads: int = 0
+    # of aux_slot_bytes, the room a NEXTN decode keeps for the prompt's last hidden state (aux_pool.py)
+    aux_hidden_bytes: int = 0
 
 
 class RegisterAck(msgspec.Struct, frozen=True, tag=True):

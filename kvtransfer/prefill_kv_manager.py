@@ -57,7 +57,10 @@ class PrefillKVManager(KVManager):
         bootstrap_host: str | None = None,
         engine: TransferEngine | None = None,
         clock: Callable[[], float] = time.monotonic,
+        aux_hidden_bytes: int = 0,
     ):
+        """``aux_hidden_bytes``: the hidden state each room's aux data carries to a NEXTN decode
+        (``nextn_handoff``); 0: none."""
         super().__init__(config, pool, engine, clock)
         self.dp_rank = dp_rank
         self.tp = tp = place_for(tp, self.layout.kind)
@@ -69,10 +72,10 @@ class PrefillKVManager(KVManager):
         self.writer = KVWriter(self.engine, SourcePool(self.src_bases, self.head_page_bytes, self.plane_bytes,
                                                        self.layout.num_layers),
                                config.num_transfer_threads, config.aux_max_top_logprobs, tp.rank, self.metrics,
-                               self, self._ctx, self.frame, self._stop)
+                               self, self._ctx, self.frame, self._stop, aux_hidden_bytes)
         self._register(self.writer.staging.base_addr, self.writer.staging.nbytes)
         self.peers = DecodePeers(self.layout, self.kv_heads, self.engine.name, self.page_bytes, self.head_page_bytes,
-                                 self.writer.staging.slot_bytes)
+                                 self.writer.staging.slot_bytes, aux_hidden_bytes)
         self.rooms = SenderRooms(self.metrics, clock, self.peers, tp, self.kv_heads, self.endpoint, self._tell)
         self._heard: dict[str, float] = {}  # control endpoint -> when a frame from it last came (clock)
         self.expired_peers = 0  # decode ranks forgotten for silence (tests, logs)

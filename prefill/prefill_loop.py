@@ -16,6 +16,10 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 3 and 5):
 4. On Success its pages go to the prefix cache (or are freed) and it ends with
    its one token; on Failed it ends with an error naming the cause.
 
+Under ``--speculative-algorithm NEXTN`` the model keeps its hidden rows, and the aux data of
+step 3 also carries the last prompt position's hidden state, which the decode's MTP drafts from
+(``engine/speculative/nextn_handoff.py``).
+
 A ``/health_generate`` probe (``health_probe``) has no peer: it skips steps 1
 and 3, so its prefill runs on this rank and its pages are dropped at once.
 
@@ -36,6 +40,7 @@ from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler import ScheduledBatch
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
+from pdserve.engine.speculative.nextn_handoff import aux_hidden_bytes, last_prompt_rows
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
@@ -58,6 +63,11 @@ class PrefillLoop(SchedulerLoop):
         self.bootstrap_queue = BootstrapQueue(kv, self.pool)
         self.senders: dict[str, KVSender] = {}  # requests inside the scheduler (waiting or prefilling)
         self.inflight: RoomQueue[Req, KVSender] = RoomQueue()  # last chunk queued, pages held
+        # NEXTN: the hidden state of each prefilled request's last prompt position, until its aux data leaves
+        self.hidden: dict[str, bytes] | None = None
+        if aux_hidden_bytes(config.speculative_algorithm, self.runner):
+            self.runner.model.keep_hidden = True
+            self.hidden = {}
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -169,6 +179,13 @@ class PrefillLoop(SchedulerLoop):
             self._queue_pages(sender, req.pages, end, signal)
         return signal if signal.watched else contextlib.nullcontext()
 
+    def run_batch(self, batch: ScheduledBatch):
+        sampled = super().run_batch(batch)
+        if self.hidden is not None:
+            self.hidden.update(last_prompt_rows(batch.reqs, batch.extend_lens, batch.sample,
+                                                self.runner.model.last_hidden))
+        return sampled
+
     def step(self):
         outputs, events = self.step_events()
         for req in events.prefilled:
@@ -176,6 +193,8 @@ class PrefillLoop(SchedulerLoop):
                 self.scheduler.finish(req, FinishReason("length"))
             else:
                 self._send_last(req)
+        if self.hidden is not None:
+            self.hidden.clear()  # this step's rows were sent or are not wanted (a probe, a request that ended)
         # a request that ended without its last chunk sent (max_new_tokens 0, abort): close its room
         for req in events.finished:
             sender = self.senders.pop(req.rid, None)
@@ -189,11 +208,12 @@ class PrefillLoop(SchedulerLoop):
         """A request whose prefill completed: its last pages go out with the aux data."""
         sender = self.senders.pop(req.rid)
         top_n = self.kv.config.aux_max_top_logprobs
-        aux = AuxData(token_id=req.output_ids[0], cached_tokens=req.cached_tokens)
+        hidden = self.hidden.pop(req.rid, b"") if self.hidden is not None else b""
+        aux = AuxData(token_id=req.output_ids[0], cached_tokens=req.cached_tokens, hidden=hidden)
         if req.return_logprob and req.output_logprobs:
             top = req.output_top_logprobs[0][:top_n] if req.output_top_logprobs else []
             aux = AuxData(req.output_ids[0], req.output_logprobs[0], [t for t, _ in top], [lp for _, lp in top],
-                          req.cached_tokens)
+                          req.cached_tokens, hidden)
         self._send_pages(req, sender, is_last=True, aux=aux)
         self.inflight.add(req, sender)
 

@@ -52,6 +52,7 @@ from pdserve.engine.sched.speculation import Speculation
 from pdserve.engine.sched.stage_recorder import StageRecorder
 from pdserve.engine.speculative.proposer import chain_parents
 from pdserve.engine.speculative.spec_metrics import SpecStats
+from pdserve.engine.speculative_names import NEXTN
 from pdserve.engine.sched.stop_checker import StopChecker
 from pdserve.kernels.sampling import (
     SamplingTensors,
@@ -99,7 +100,7 @@ class SchedulerLoop:
         self._compiling: dict[str, tuple[Req, CompileJob]] = {}  # rid -> (req, its grammar's compilation)
         # speculative decoding (docs/SPECULATIVE.md): decode steps verify the proposer's drafts
         self.spec = Speculation(config, runner, self.grammars) if config.speculative_algorithm and decode else None
-        if config.speculative_algorithm and not decode:
+        if config.speculative_algorithm and not decode and config.speculative_algorithm != NEXTN:
             logger.warning("speculative_algorithm %s is ignored here: a prefill server computes the first token "
                            "only; speculation runs on the decode server", config.speculative_algorithm)
         self.rng = random.Random(config.random_seed)  # draws of requests without a seed

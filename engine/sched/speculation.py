@@ -123,6 +123,12 @@ class Speculation:
                 self.proposer.observe(req.rid, start, hidden[row : row + valid])
             row += n
 
+    def observe_handed(self, req: Req, start: int, hidden: torch.Tensor) -> None:
+        """A PD decode's request: the hidden states [n, hidden] the prefill handed over, at positions
+        ``start ..`` (NEXTN: the prompt's last), before its first decode step."""
+        if self.wants_hidden and can_speculate(req):
+            self.proposer.observe(req.rid, start, hidden)
+
     # ----------------------------------------------------------------- verify
     def verify(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],
                logits: list[torch.Tensor], rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:

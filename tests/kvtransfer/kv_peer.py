@@ -102,7 +102,12 @@ class Peer:
 
     def aux(self, room):
         aux = self.rooms[room].aux()
-        return None if aux is None else aux.__dict__
+        if aux is None:
+            return None
+        out = dict(aux.__dict__)
+        if not out.pop("hidden"):  # JSON has no bytes: hex, only where one was sent
+            return out
+        return {**out, "hidden": aux.hidden.hex()}
 
     def abort(self, mgr, room, reason):
         self.mgrs[mgr].abort(room, reason)

@@ -4,8 +4,8 @@
 - an MTP layer that copies a one-layer target's layer and head guesses its greedy tokens: most
   drafts are accepted (the spec metrics), and the output is plain decoding's too;
 - pages of the target's pool and of the MTP's own are checked after every step and all free at the end;
-- a checkpoint without MTP layers, a model that is not DeepSeek's, a draft model path and a PD
-  decode server are refused by name.
+- a checkpoint without MTP layers, a model that is not DeepSeek's and a draft model path are
+  refused by name; PD prefill and decode servers take NEXTN (``test_nextn_pd.py``).
 """
 
 from __future__ import annotations
@@ -107,5 +107,5 @@ def test_checkpoints_without_mtp_layers_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="NEXTN uses no draft model"):
         dataclasses.replace(_config(ds), speculative_algorithm="NEXTN", speculative_draft_model_path=llama)
     engine = dataclasses.replace(_config(ds), speculative_algorithm="NEXTN")
-    with pytest.raises(ValueError, match="NEXTN serves colocated only"):
-        ServerConfig(engine=engine, disaggregation_mode="decode")
+    for mode in ("prefill", "decode"):  # the prefill hands the hidden state over (test_nextn_pd.py)
+        assert ServerConfig(engine=engine, disaggregation_mode=mode).engine.speculative_algorithm == "NEXTN"

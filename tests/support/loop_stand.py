@@ -26,6 +26,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.messages import BootstrapInfo, TokenizedGenerateReq, TokenOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.speculative.nextn_handoff import aux_hidden_bytes
 from pdserve.kvtransfer.bootstrap_server import BootstrapServer
 from pdserve.engine.kv_transfer_config import KVTransferConfig
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -136,9 +137,10 @@ class PDPair:
 
     def __init__(self, p_pages: int = 64, d_pages: int = 64, p_engine: dict | None = None,
                  d_engine: dict | None = None, d_transfer_engine=None, d_max_local_prefill_tokens: int = 0,
-                 p_transfer_engine=None, **kv):
+                 p_transfer_engine=None, p_runner=None, d_runner=None, **kv):
         """``d_transfer_engine``, ``p_transfer_engine``: the decode's and the prefill's transfer engines
-        (default: one of ``kv``'s backend)."""
+        (default: one of ``kv``'s backend). ``p_runner``, ``d_runner``: real models instead of the
+        ``EchoRunner`` (their configs' page size must be ``PS``)."""
         self.clock = FakeClock()
         bootstrap_auth = KVTransferConfig(backend="local", auth_key_file=kv.get("auth_key_file", "")).frame_auth("bootstrap")
         self.bootstrap = BootstrapServer("127.0.0.1", 0, auth=bootstrap_auth).start_in_thread()
@@ -146,9 +148,11 @@ class PDPair:
         self.kv_config = cfg
         p_cfg = EngineConfig(page_size=PS, **(p_engine or {}))
         d_cfg = EngineConfig(page_size=PS, **(d_engine or {}))
-        p_runner, d_runner = EchoRunner(p_pages, p_cfg), EchoRunner(d_pages, d_cfg)
-        p_kv = PrefillKVManager(cfg, p_runner.page_pool, engine=p_transfer_engine, clock=self.clock).start()
-        d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock).start()
+        p_runner, d_runner = p_runner or EchoRunner(p_pages, p_cfg), d_runner or EchoRunner(d_pages, d_cfg)
+        p_kv = PrefillKVManager(cfg, p_runner.page_pool, engine=p_transfer_engine, clock=self.clock,
+                                aux_hidden_bytes=aux_hidden_bytes(p_cfg.speculative_algorithm, p_runner)).start()
+        d_kv = DecodeKVManager(cfg, d_runner.page_pool, engine=d_transfer_engine, clock=self.clock,
+                               aux_hidden_bytes=aux_hidden_bytes(d_cfg.speculative_algorithm, d_runner)).start()
         self.prefill = PrefillLoop(p_cfg, p_kv, runner=p_runner)
         self.decode = DecodeLoop(d_cfg, d_kv, runner=d_runner, max_local_prefill_tokens=d_max_local_prefill_tokens)
         assert p_kv.registered.wait(10) and p_kv.registration_error is None
