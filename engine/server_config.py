@@ -158,11 +158,6 @@ class ServerConfig:
             raise ValueError(
                 f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
             )
-        if self.engine.speculative_algorithm == NEXTN and self.disaggregation_mode == "decode":
-            raise ValueError(NEXTN_PD_REFUSAL)
-        if self.engine.enable_lora and self.disaggregation_mode != "null":
-            raise ValueError(f"enable_lora serves colocated (disaggregation_mode null) only, got "
-                             f"disaggregation_mode {self.disaggregation_mode!r}")
         KVEventsConfig.from_json(self.kv_events_config)  # a bad flag fails here, before any rank starts
         self.kv_transfer.check_exposure(self.disaggregation_mode, self.host)
         if not 0 < self.kv_transfer.bootstrap_port < 65536:
