@@ -181,13 +181,15 @@ def test_same_prompt_under_two_adapters_shares_no_page(stand, colocated):
 
 
 def test_decode_lacking_the_adapter_refuses_it(stand):
-    """Directly and through the router: a 400 naming the adapter; the prefill's room ends too."""
+    """Directly and through a router that does not load adapters on demand: a 400 naming the adapter;
+    the prefill's room ends too."""
     P, D2 = stand["P"], stand["D2"]
     p, d = pd_post(P, D2, "/generate", _body(_ids(10, seed=3), "b"))
     assert d.status_code == 400 and "'b'" in d.text and "lora_path" in d.text, d.text
     assert p.status_code != 200  # its room never got a destination
     router = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
-                                          decode=(WorkerSpec(D2.url, "decode"),), health_check_interval_secs=3600))
+                                          decode=(WorkerSpec(D2.url, "decode"),), health_check_interval_secs=3600,
+                                          lora_load_on_demand=False))  # else the router loads b onto D2
     try:
         router.wait_ready()
         r = requests.post(f"http://127.0.0.1:{router.port}/generate", json=_body(_ids(10, seed=3), "b"), timeout=120)
