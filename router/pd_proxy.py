@@ -119,9 +119,8 @@ class PDProxy:
                     if attempt >= attempts:
                         raise upstream_failed(f"request failed after {attempts} attempt(s); last: "
                                               f"{failure.describe()}") from None
-                    self.metrics.retries.inc()
                     exclude.add(failure.endpoint.key)
-                    await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
+                    await self._before_retry(attempt, failure)
                     route = self.pairing.route(query, exclude, local=rules)
                     continue
                 # refused (too long for it, full) or failed: the prefill/decode path serves it
@@ -130,10 +129,7 @@ class PDProxy:
                 route = self.pairing.route(query)
         for attempt in range(attempts):
             if attempt:
-                self.metrics.retries.inc()
-                self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
-                self.metrics.retries_by_cause.inc(last.leg, last.cause)
-                await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
+                await self._before_retry(attempt, last)
                 with child_span(self.tracer, "router.route", self._route_attributes(attempt, last.cause)) as span:
                     route = self.pairing.route(query, exclude)
                     _describe(span, route)
@@ -152,6 +148,13 @@ class PDProxy:
                 exclude.add(failure.endpoint.key)
                 last = failure
         raise upstream_failed(f"request failed after {attempts} attempt(s); last: {last.describe()}")
+
+    async def _before_retry(self, attempt: int, last: LegFailure) -> None:
+        """Count retry ``attempt`` after ``last`` failed, and wait its backoff."""
+        self.metrics.retries.inc()
+        self.metrics.leg_retries.inc(last.endpoint.worker.url, last.leg)
+        self.metrics.retries_by_cause.inc(last.leg, last.cause)
+        await asyncio.sleep(backoff_ms(self.config, attempt, self._rng.random()) / 1000.0)
 
     # LoRA adapters ---------------------------------------------------------
     async def _load_adapters(self, route, query: RouteQuery) -> None:

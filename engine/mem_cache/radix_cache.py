@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from typing import Sequence
 
 from pdserve.engine.mem_cache.kv_events import (
+    ADAPTER_SALT_BASE,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -38,8 +39,6 @@ from pdserve.engine.mem_cache.kv_events import (
 )
 from pdserve.engine.mem_cache.page_pool import PagePool
 
-
-_SALT_BASE = 2**32  # an adapter's salt is 2**32 - lora_id: above every vocabulary, a uint32
 
 
 class AdapterTokens(list):
@@ -211,7 +210,7 @@ class RadixCache(PrefixCache):
         lora_id = getattr(token_ids, "lora_id", 0)
         for i in range(num_pages):
             key = tuple(token_ids[i * ps : (i + 1) * ps])
-            yield (_SALT_BASE - lora_id,) + key if lora_id and i == 0 else key
+            yield (ADAPTER_SALT_BASE - lora_id,) + key if lora_id and i == 0 else key
 
     def match_prefix(self, token_ids):
         now = self._tick()
@@ -310,7 +309,7 @@ class RadixCache(PrefixCache):
         """The adapter whose namespace ``node`` is in (its first page's salt), None for the base's."""
         while node.parent is not None and node.parent is not self.root:
             node = node.parent
-        return _SALT_BASE - node.key[0] if len(node.key) > self.page_size else None
+        return ADAPTER_SALT_BASE - node.key[0] if len(node.key) > self.page_size else None
 
     def _record_removed(self, hashes: list[int], medium: str = MEDIUM_GPU) -> None:
         if hashes and self.record_events:
@@ -389,7 +388,7 @@ class RadixCache(PrefixCache):
                 raise AssertionError(f"radix page {n.page} held twice or is the scratch page")
             seen.add(n.page)
             # one page; an adapter's first page leads with its salt (``_keys``)
-            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and n.key[0] > _SALT_BASE // 2
+            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and n.key[0] > ADAPTER_SALT_BASE // 2
             if len(n.key) != self.page_size and not salted:
                 raise AssertionError("radix edge is not one page")
             if n.lock_ref < 0 or any(c.lock_ref > n.lock_ref for c in n.children.values()):

@@ -179,10 +179,10 @@ class HealthChecker:
                     log.error("%s worker %s reports dp_size %.40r, not an integer in 1..%d: it stays "
                               "out of rotation", worker.role, worker.url, dp_size, MAX_DP_SIZE)
                     return False
+                colocated = worker.role == "decode" and info.get("disaggregation_mode") == "null"
                 if worker.role == "decode":
-                    worker.colocated = info.get("disaggregation_mode") == "null"
                     self._local_prefill_limit(worker, info.get("max_local_prefill_tokens"))
-                self.registry.set_server_info(worker, dp_size, model)
+                self.registry.set_server_info(worker, dp_size, model, colocated)
                 return True
         log.warning("%s answers /health but neither /get_server_info nor /server_info", worker.url)
         # a server without server info still serves: assume one DP rank

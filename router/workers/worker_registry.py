@@ -96,6 +96,7 @@ class WorkerRegistry:
         self.dp_aware = dp_aware
         self._workers: dict[str, Worker] = {}
         self._healthy: dict[str, list[Endpoint]] = {role: [] for role in ROLES}
+        self._serves_alone = False  # a healthy colocated worker is among them (_rebuild)
         self._listeners: list[Callable[[], None]] = []
 
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -132,11 +133,16 @@ class WorkerRegistry:
     @property
     def serves_alone(self) -> bool:
         """A healthy colocated worker takes requests: no prefill worker is needed for them."""
-        return any(e.worker.colocated for e in self._healthy["decode"])
+        return self._serves_alone
 
     # state changes -----------------------------------------------------
-    def set_server_info(self, worker: Worker, dp_size: int, model_id: str | None = None) -> None:
+    def set_server_info(self, worker: Worker, dp_size: int, model_id: str | None = None,
+                        colocated: bool = False) -> None:
+        """What the worker's ``/server_info`` says; ``colocated``: a decode worker that is a
+        colocated server (it serves requests alone)."""
         worker.info_known = True
+        changed = worker.colocated != colocated
+        worker.colocated = colocated
         if model_id:
             worker.model_id = model_id
         if not 1 <= dp_size <= MAX_DP_SIZE:
@@ -146,6 +152,8 @@ class WorkerRegistry:
         if [e.dp_rank for e in worker.endpoints] != ranks:
             old = {e.dp_rank: e for e in worker.endpoints}  # keep load counts of kept ranks
             worker.endpoints = [old.get(r) or Endpoint(worker, r) for r in ranks]
+            changed = True
+        if changed:
             self._rebuild()
 
     def set_draining(self, worker: Worker, draining: bool) -> None:
@@ -178,5 +186,6 @@ class WorkerRegistry:
             if w.healthy and not w.draining:
                 healthy[w.role].extend(w.endpoints)
         self._healthy = healthy
+        self._serves_alone = any(e.worker.colocated for e in healthy["decode"])
         for listener in self._listeners:
             listener()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from support.otlp_receiver import OtlpReceiver
 from support.pd_stand import Server
 
 
@@ -31,3 +32,11 @@ def reference(colocated):
         return cache[key]
 
     return ref
+
+
+@pytest.fixture(scope="module")
+def otlp():
+    """An in-process OTLP/HTTP receiver, one per test module (the tracing servers export to it)."""
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.close()

@@ -5,7 +5,7 @@ side's pool unleaked after."""
 from __future__ import annotations
 
 import pytest
-from support.pd_stand import Server, greedy_body, pd_post, serving
+from support.pd_stand import Server, assert_pd_equals_colocated, serving
 
 from support.deepseek_util import make_deepseek_checkpoint
 
@@ -28,12 +28,4 @@ def ds_stand(tmp_path_factory):
 @pytest.mark.parametrize("pair", [("P", "D"), ("P2", "D"), ("P", "D2")])
 def test_deepseek_1p1d_greedy_equals_colocated(ds_stand, pair):
     c, p, d = ds_stand["C"], ds_stand[pair[0]], ds_stand[pair[1]]
-    for n, ids in enumerate([[5, 17, 99, 200, 311, 7] * 9, [3, 40, 41, 42], list(range(100, 230))]):
-        body = greedy_body(ids, 12)
-        ref = c.post("/generate", body)
-        assert ref.status_code == 200, ref.text
-        pr, dr = pd_post(p, d, "/generate", body)
-        assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
-        assert dr.json()["output_ids"] == ref.json()["output_ids"], n
-    p.wait_unleaked()
-    d.wait_unleaked()
+    assert_pd_equals_colocated(c, p, d, 12)

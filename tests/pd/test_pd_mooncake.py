@@ -17,7 +17,6 @@ import time
 
 import pytest
 import requests
-from support.otlp_receiver import OtlpReceiver
 from support.pd_stand import InProcessRouter, Proc, Server, greedy_body, new_room, pd_post, prompt_ids, serving, sglang_router
 
 from pdserve.entrypoints.procs import free_port, wait_healthy
@@ -28,13 +27,6 @@ pytestmark = pytest.mark.timeout(600)
 # prompts from 1 token to beyond two 64-token chunks; max_new keeps generations short
 LENGTHS = [1, 7, 64, 65, 150]
 MAX_NEW = 6
-
-
-@pytest.fixture(scope="module")
-def otlp():
-    receiver = OtlpReceiver()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import random
 
 import pytest
 import requests
-from support.otlp_receiver import OtlpReceiver
 from support.pd_stand import InProcessRouter, Server, greedy_body, prompt_ids, serving
 
 from pdserve.engine.sched.stage_recorder import DECODE_STEP_SAMPLE
@@ -27,13 +26,6 @@ PAGE_SIZE = 16
 PAGE_BYTES = 30 * 2 * 3 * 64 * 4 * PAGE_SIZE
 PROMPT = 150  # chunks of 64, 64, 22
 MAX_NEW = DECODE_STEP_SAMPLE + 4  # decode steps 0..18 after the prefill's token: 0, 16 and 18 kept
-
-
-@pytest.fixture(scope="module")
-def otlp():
-    receiver = OtlpReceiver()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture(scope="module")

@@ -163,6 +163,24 @@ def greedy_body(ids: list[int], max_new: int) -> dict:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True}}
 
 
+# the prompts a model's PD test compares: a repeated pattern, a short one, one of several pages
+PD_CHECK_PROMPTS = ([5, 17, 99, 200, 311, 7] * 9, [3, 40, 41, 42], list(range(100, 230)))
+
+
+def assert_pd_equals_colocated(colocated: Server, prefill: Server, decode: Server, max_new: int) -> None:
+    """Greedy output through ``prefill`` -> ``decode`` equals ``colocated``'s for each of
+    ``PD_CHECK_PROMPTS``, and both PD servers end with no page leaked."""
+    for n, ids in enumerate(PD_CHECK_PROMPTS):
+        body = greedy_body(ids, max_new)
+        ref = colocated.post("/generate", body)
+        assert ref.status_code == 200, ref.text
+        pr, dr = pd_post(prefill, decode, "/generate", body)
+        assert pr.status_code == 200 and dr.status_code == 200, (pr.text, dr.text)
+        assert dr.json()["output_ids"] == ref.json()["output_ids"], n
+    prefill.wait_unleaked()
+    decode.wait_unleaked()
+
+
 def events_flag() -> str:
     return (f'{{"publisher": "zmq", "endpoint": "tcp://127.0.0.1:{free_port()}",'
             f' "replay_endpoint": "tcp://127.0.0.1:{free_port()}", "topic": "kv"}}')

@@ -122,6 +122,7 @@ class LoraHook:
     def __init__(self, parts: list[tuple[slice, LoraStacks]], swiglu: bool):
         self.parts = parts
         self.swiglu = swiglu
+        self.out_features = max((cols.stop for cols, _ in parts), default=0)  # the columns the parts cover
         # the stacked copies: (slot versions, dtype, A, B, {slot: that slot's A and B})
         self._stacked: tuple[tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor, dict] | None = None
 
@@ -135,7 +136,7 @@ class LoraHook:
             first = self.parts[0][1]
             slots, r, in_f = first.a.shape
             k = slots * r
-            out = max(cols.stop for cols, _ in self.parts)
+            out = self.out_features
             a = torch.cat([st.a.reshape(k, in_f) for _, st in self.parts])
             b = torch.zeros(out, k * len(self.parts), dtype=first.b.dtype, device=first.b.device)
             for p, (cols, st) in enumerate(self.parts):
@@ -157,7 +158,7 @@ class LoraHook:
 
     def _covers(self, out: int) -> bool:
         """The parts cover all ``out`` columns (every layer LoraManager builds)."""
-        return max(cols.stop for cols, _ in self.parts) == out
+        return self.out_features == out
 
     def _dense_pays(self, in_f: int, out: int) -> bool:
         """The dense form's two products (P*S*r wide) cost at most the base product's flops."""
