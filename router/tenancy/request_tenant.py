@@ -6,6 +6,7 @@ at most ``MAX_TENANTS`` names not listed in the config, so a header cannot grow 
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Mapping
 
 from pdserve.router.errors import bad_request
@@ -38,3 +39,16 @@ class TenantNamer:
                                   "tenants not listed in --tenant-config", self.header)
             self._seen.add(name)
         return name
+
+
+def key_tenant(authorization: str, owners: Mapping[str, str]) -> str | None:
+    """The tenant whose API key ``authorization`` (``Bearer KEY``) carries, or None. Every key is
+    compared, in constant time, so the answer's timing does not tell how much of a key matched."""
+    if not owners or not authorization.startswith("Bearer "):
+        return None
+    given = authorization[7:].encode()
+    found = None
+    for key, tenant in owners.items():
+        if hmac.compare_digest(given, key.encode()):
+            found = tenant
+    return found
