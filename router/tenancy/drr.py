@@ -7,11 +7,18 @@ tokens in proportion to its weight, whatever the size of its requests and howeve
 Inside a flow, entries leave by rank (smaller first), arrival order among equals. A flow that
 empties leaves the ring with its deficit reset (classic DRR: an idle flow banks no credit).
 A flow the caller marks ineligible (at its concurrency cap) is passed over without credit.
+
+The quantum sets how fine the sharing is: a visit serves up to ``quantum * weight`` tokens, so a
+quantum far above the requests' cost lets a flooding flow send a run of them per visit. It is
+small, and a round in which no flow can pay for its head is not walked visit by visit: every
+eligible flow is credited at once with the rounds that would pass before the first can pay, so a
+pop costs O(flows) whatever the ratio of request cost to quantum.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -20,7 +27,7 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-DEFAULT_QUANTUM = 4096  # tokens credited per visit at weight 1: about one long prompt
+DEFAULT_QUANTUM = 1  # a token per visit at weight 1: tenants take turns request by request
 
 
 @dataclass(order=True)
@@ -79,12 +86,17 @@ class DeficitRoundRobin(Generic[T]):
         self._prune(alive)
         if not any(eligible(n) for n in self._ring):
             return None
+        passed = 0  # visits in a row that served nothing
         while True:
+            if passed >= len(self._ring):
+                self._skip_idle_rounds(eligible)
+                passed = 0
             name = self._ring[0]
             f = self._flows[name]
             if not eligible(name):
                 f.credited = False
                 self._ring.rotate(-1)
+                passed += 1
                 continue
             if not f.credited:
                 f.deficit += self.quantum * f.weight
@@ -97,6 +109,21 @@ class DeficitRoundRobin(Generic[T]):
                 return name, head.item
             f.credited = False
             self._ring.rotate(-1)
+            passed += 1
+
+    def _skip_idle_rounds(self, eligible: Callable[[str], bool]) -> None:
+        """After a whole round that served nothing: credit every eligible flow with the further
+        rounds in which none of them could pay for its head either (what walking them would do)."""
+        needs = []
+        for name in self._ring:
+            f = self._flows[name]
+            if eligible(name):
+                credit = self.quantum * f.weight
+                needs.append((f, credit, math.ceil((f.heap[0].cost - f.deficit) / credit)))
+        rounds = min(n for _, _, n in needs) - 1
+        if rounds > 0:
+            for f, credit, _ in needs:
+                f.deficit += rounds * credit
 
     def _prune(self, alive: Callable[[T], bool]) -> None:
         for name in list(self._ring):

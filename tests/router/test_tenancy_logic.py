@@ -75,3 +75,14 @@ def test_cost_and_config():
     assert request_cost({"messages": [{"role": "user", "content": "abcd"}]}).max_new_tokens == 128
     with pytest.raises(ValueError, match="tenants.x: weight"):
         parse_tenant_table({"tenants": {"x": {"weight": 0}}})
+
+
+def test_drr_with_a_quantum_far_below_the_cost_alternates_by_weight():
+    drr = DeficitRoundRobin(quantum=1)  # 100_000 rounds a request: skipped, not walked
+    for tenant, weight in (("a", 3), ("b", 1)):
+        for _ in range(8):
+            drr.push(tenant, weight, 0, 100_000, tenant)
+    order = []
+    while (popped := drr.pop(lambda _: True, lambda _: True)) is not None:
+        order.append(popped[1])
+    assert "".join(order) == "aaab" * 2 + "aab" + "bbbbb"
