@@ -11,13 +11,15 @@ TTFT is the time to the first streamed bytes at the client. Three phases, in one
   share b's own queue would be critically loaded whenever a keeps the other half busy), through
   the fair router;
 - ``fifo``: b as in solo and a at ``--flood`` times b's share, through the fifo router;
-- ``fair``: the same arrivals through the fair router.
+- ``fair``: the same arrivals through the fair router;
+- ``slo``: the same arrivals through a router with ``--slo-ttft-ms --slo-ms`` (reject, no tenants).
 
-Ends with one JSON line: b's p50 TTFT per phase, the ratios fair/solo and fifo/fair, and each
-tenant's answers by status.
+Ends with one JSON line: b's p50 TTFT per phase, the ratios fair/solo and fifo/fair, each
+tenant's answers by status, and goodput (answers whose TTFT met ``--slo-ms``, per second of
+arrivals) of the fifo and slo phases with their ratio.
 
     .venv/bin/python scripts/bench_tenants.py [--duration 10] [--slots 2] [--service-ms 200] [--flood 10]
-                                              [--b-load 0.5]
+                                              [--b-load 0.5] [--slo-ms 1000]
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ async def one(session: aiohttp.ClientSession, url: str, tenant: str, i: int) -> 
         return tenant, r.status, ttft
 
 
-async def phase(session, url: str, rates: dict[str, float], duration: float, seed: int) -> dict:
+async def phase(session, url: str, rates: dict[str, float], duration: float, seed: int, slo_ms: float) -> dict:
     """Poisson arrivals of each tenant at its rate for ``duration`` seconds; every answer awaited."""
     rng = random.Random(seed)
     arrivals = []
@@ -91,7 +93,9 @@ async def phase(session, url: str, rates: dict[str, float], duration: float, see
         mine = [r for r in results if r[0] == tenant]
         ttfts = [r[2] for r in mine if r[2] is not None]
         out[tenant] = {"sent": len(mine), "status": dict(Counter(str(r[1]) for r in mine)),
-                       "ttft_p50_ms": 1e3 * pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * pct(ttfts, 0.99)}
+                       "ttft_p50_ms": 1e3 * pct(ttfts, 0.5), "ttft_p99_ms": 1e3 * pct(ttfts, 0.99),
+                       "within_slo": sum(t * 1e3 <= slo_ms for t in ttfts)}
+    out["goodput_rps"] = sum(t["within_slo"] for t in out.values()) / duration
     return out
 
 
@@ -125,7 +129,8 @@ async def run(args) -> dict:
               "--max-concurrent-requests", str(args.slots), "--queue-size", str(args.queue_size),
               "--queue-timeout-secs", "120"]
     urls, procs = {}, []
-    for name, extra in (("fifo", []), ("fair", ["--tenant-header", HEADER, "--tenant-config", tenants])):
+    for name, extra in (("fifo", []), ("fair", ["--tenant-header", HEADER, "--tenant-config", tenants]),
+                        ("slo", ["--slo-ttft-ms", str(args.slo_ms), "--slo-miss-policy", "reject"])):
         port = free_port()
         procs.append(spawn([PY, *common, "--port", str(port), *extra], f"{logs}/{name}_router.log"))
         urls[name] = f"http://127.0.0.1:{port}"
@@ -138,18 +143,21 @@ async def run(args) -> dict:
             b_rate = share * args.b_load
             both = {"a": share * args.flood, "b": b_rate}
             results = {
-                "solo": await phase(s, urls["fair"], {"b": b_rate}, args.duration, seed=1),
-                "fifo": await phase(s, urls["fifo"], both, args.duration, seed=2),
-                "fair": await phase(s, urls["fair"], both, args.duration, seed=2),
+                "solo": await phase(s, urls["fair"], {"b": b_rate}, args.duration, 1, args.slo_ms),
+                "fifo": await phase(s, urls["fifo"], both, args.duration, 2, args.slo_ms),
+                "fair": await phase(s, urls["fair"], both, args.duration, 2, args.slo_ms),
+                "slo": await phase(s, urls["slo"], both, args.duration, 2, args.slo_ms),
             }
     finally:
         stop_groups(procs, grace=10.0)
         await prefill.close()
         await decode.close()
-    b = {name: r["b"]["ttft_p50_ms"] for name, r in results.items()}
+    b = {name: results[name]["b"]["ttft_p50_ms"] for name in ("solo", "fifo", "fair")}
     return {"bench": "tenants", "cpus": os.cpu_count(), "slots": args.slots, "service_ms": args.service_ms,
             "b_rate": b_rate, "a_rate": share * args.flood, "duration_s": args.duration,
             "b_p50_ttft_ms": b, "b_fair_over_solo": b["fair"] / b["solo"], "b_fifo_over_fair": b["fifo"] / b["fair"],
+            "goodput_rps": {name: r["goodput_rps"] for name, r in results.items()},
+            "goodput_slo_over_fifo": results["slo"]["goodput_rps"] / max(results["fifo"]["goodput_rps"], 1e-9),
             "phases": results}
 
 
@@ -161,12 +169,15 @@ def main() -> None:
     p.add_argument("--flood", type=float, default=10.0, help="tenant a's rate over b's share (half the capacity)")
     p.add_argument("--b-load", type=float, default=0.5, help="tenant b's rate over its share")
     p.add_argument("--queue-size", type=int, default=100)
+    p.add_argument("--slo-ms", type=float, default=1000.0, help="the TTFT target of the slo phase and of goodput")
     args = p.parse_args()
     summary = asyncio.run(run(args))
     for name, r in summary["phases"].items():
         for tenant, t in r.items():
+            if tenant == "goodput_rps":
+                continue
             print(f"{name:5} {tenant} sent {t['sent']:5d} status {t['status']} "
-                  f"ttft p50 {t['ttft_p50_ms']:8.1f} ms p99 {t['ttft_p99_ms']:8.1f} ms")
+                  f"ttft p50 {t['ttft_p50_ms']:8.1f} ms p99 {t['ttft_p99_ms']:8.1f} ms within slo {t['within_slo']}")
     print(json.dumps(summary))
 
 

@@ -165,6 +165,26 @@ async def test_slo_admission_rejects_what_cannot_make_its_target_and_serves_the_
     assert met == 1 + statuses.count(200)  # every served request counted, met or missed
 
 
+async def test_deprioritize_queues_a_request_that_misses_its_slo_after_the_others(cluster):
+    await cluster.start(slo_ttft_ms=60_000, slo_miss_policy="deprioritize", max_concurrent_requests=1,
+                        decode_behavior=Behavior(delay_s=0.1))
+    dec = cluster.decodes[0]
+    assert (await post(cluster, gen("warm")))[0] == 200  # a first byte: the rate is known
+    dec.behavior.hang = True
+    holder = asyncio.ensure_future(post(cluster, gen("hold")))
+    await until(lambda: len(served_tags(dec)) == 2, "the holder at the decode worker")
+    late = asyncio.ensure_future(post(cluster, gen("late"), headers={"x-pdserve-ttft-slo-ms": "1"}))
+    await until(lambda: cluster.router.admission.queued == 1, "the late request queued")
+    ok = asyncio.ensure_future(post(cluster, gen("ok")))
+    await until(lambda: cluster.router.admission.queued == 2, "the second request queued")
+    dec.behavior.hang = False
+    holder.cancel()
+    await asyncio.gather(holder, return_exceptions=True)
+    assert [(await late)[0], (await ok)[0]] == [200, 200]
+    assert served_tags(dec)[2:] == ["ok", "late"]  # it came first but could not make its target
+    assert 'pdserve_router_slo_requests_total{tenant="default",outcome="missed"} 1.0' in await metrics(cluster)
+
+
 async def test_the_slo_header_without_slo_admission_is_a_400(cluster):
     await cluster.start()
     status, body, _ = await post(cluster, gen("x"), headers={"x-pdserve-ttft-slo-ms": "100"})
