@@ -232,9 +232,7 @@ class Router:
         try:
             self.shutdown.enter()
             entered = True
-            key_tenant = self.tenants.key_tenant(request.headers) if self.tenants is not None else None
-            if key_tenant is None:  # a tenant's key is an inference key too
-                self.access.check_inference(request)
+            key_tenant = self._check_inference(request)
             priority = request_priority(request.headers, self.config.enable_priority_scheduling)
             if self.tenants is None:
                 if SLO_HEADER in request.headers:
@@ -277,6 +275,13 @@ class Router:
             self.metrics.requests.inc(route, str(status))
             self.metrics.e2e.observe(time.perf_counter() - t0)
 
+    def _check_inference(self, request: web.Request) -> str | None:
+        """Pass the inference key, or a tenant's key (then its tenant is returned); else a 401."""
+        key_tenant = self.tenants.key_tenant(request.headers) if self.tenants is not None else None
+        if key_tenant is None:
+            self.access.check_inference(request)
+        return key_tenant
+
     async def _read_json(self, request: web.Request) -> dict:
         raw = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout)
         try:
@@ -301,7 +306,7 @@ class Router:
     async def _health_generate(self, request: web.Request) -> web.Response:
         """200 when every worker that is not draining generated a token now; else 503 with each one's answer."""
         try:
-            self.access.check_inference(request)
+            self._check_inference(request)
         except RouterError as err:
             return error_response(err)
         status, body = await health_generate(self.session, self.registry.workers(), self.worker_headers)
@@ -332,7 +337,7 @@ class Router:
         serves the answers)."""
         admitted = False
         try:
-            self.access.check_inference(request)
+            self._check_inference(request)
             await self.admission.acquire(
                 request_priority(request.headers, self.config.enable_priority_scheduling))
             admitted = True

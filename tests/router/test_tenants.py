@@ -2,8 +2,9 @@
 bucket gets 429 with Retry-After while another is served; a saturated queue is shared by weight
 (deficit round-robin on tokens); a tenant's concurrency cap queues its requests (429 when the
 queue is full) while other tenants pass; SLO admission answers 503 with the reason for requests
-whose estimated TTFT misses their target and serves the others; the figures are on /metrics; a bad
-tenant file fails the start naming the field."""
+whose estimated TTFT misses their target and serves the others (or, deprioritized, last); the
+figures are on /metrics; a bad tenant file fails the start naming the field; a full queue sheds
+the flooding tenant's requests, not a newcomer of another tenant."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import json
 
 import pytest
 
+from pdserve.router.admission_fair import FairAdmission
 from pdserve.router.cli import main
 from pdserve.router.config import RouterConfig
+from pdserve.router.errors import RouterError
+from pdserve.router.tenancy.tenant_config import parse_tenant_table
 from support.standin_worker import Behavior
 
 pytestmark = pytest.mark.timeout(120)
@@ -73,6 +77,8 @@ async def test_a_tenant_over_its_bucket_gets_429_with_retry_after_while_another_
     status, body, headers = await post(cluster, gen("c-2", 30), "b", c_key)
     assert status == 429 and body["error"]["param"] == "tokens_per_second" and "Retry-After" in headers
     assert (await post(cluster, gen("x"), "a", {"Authorization": "Bearer wrong"}))[0] == 401
+    async with cluster.client.get(cluster.url + "/v1/models", headers=c_key) as r:
+        assert r.status == 200  # on every inference route
     text = await metrics(cluster)
     assert 'pdserve_router_rejections_total{tenant="a",reason="requests_per_second",code="429"} 2.0' in text
     assert 'pdserve_router_rejections_total{tenant="c",reason="tokens_per_second",code="429"} 1.0' in text
@@ -205,3 +211,30 @@ def test_a_bad_tenant_file_fails_the_start_naming_the_field(tmp_path, capsys):
         RouterConfig(slo_miss_policy="drop")
     with pytest.raises(ValueError, match="tenant_header"):
         RouterConfig(tenant_header="Authorization")
+
+
+async def test_a_full_queue_sheds_the_flooding_tenant_not_the_newcomer():
+    table = parse_tenant_table({"tenants": {"a": {"weight": 1}, "b": {"weight": 1}}})
+    adm = FairAdmission(1, 4, 60.0, False, table)
+    await adm.acquire(0, "h")
+    a = [asyncio.ensure_future(adm.acquire(0, "a", 10)) for _ in range(4)]
+    await until(lambda: adm.queued == 4, "a's four queued")
+    b = asyncio.ensure_future(adm.acquire(0, "b", 10))
+    await until(lambda: a[3].done(), "a's last shed")
+    with pytest.raises(RouterError) as e:
+        a[3].result()
+    assert e.value.status == 429 and e.value.param == "queue_size" and "'b'" in e.value.message
+    with pytest.raises(RouterError):  # a holds the most of the queue: its own newcomer is refused
+        await adm.acquire(0, "a", 10)
+    assert adm.queued_by_tenant_priority() == {("a", 0): 3, ("b", 0): 1} and adm.displaced == 1
+    pending = {**{f: "a" for f in a[:3]}, b: "b"}
+    served, last = [], "h"
+    while pending:  # each finished slot goes to the next by DRR: a and b take turns
+        adm.release(last)
+        await until(lambda: any(f.done() for f in pending), "a slot handed over")
+        (done,) = [f for f in pending if f.done()]
+        last = pending.pop(done)
+        served.append(last)
+    assert served == ["a", "b", "a", "a"]
+    adm.release(last)
+    assert adm.active == 0 and adm.queued == 0
