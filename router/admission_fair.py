@@ -55,7 +55,6 @@ class FairAdmission:
         self._bands: dict[tuple[int, int], DeficitRoundRobin[_Waiter]] = {}
         self._waiters: dict[str, list[_Waiter]] = {}  # tenant -> its live waiters, in arrival order
         self._seq = itertools.count()
-        self.queued_prompt_tokens = 0  # the prompt tokens of every waiting request (the TTFT estimate)
         self.displaced = 0
 
     # what /metrics and the TTFT estimate read ---------------------------------------------------
@@ -69,6 +68,23 @@ class FairAdmission:
             for w in ws:
                 out[w.priority] += 1
         return dict(out)
+
+    def prompt_tokens_ahead(self, tenant: str, priority: int, prompt_tokens: int) -> float:
+        """Prompt tokens that would leave the queue before a newcomer (the TTFT estimate's queue):
+        all of the bands before its own, and in its own band its tenant's and, from each other
+        tenant, at most its fair share against them (deficit round-robin serves them in turns)."""
+        band = self._band(priority, False)
+        before = 0
+        same: Counter[str] = Counter()
+        for t, ws in self._waiters.items():
+            for w in ws:
+                if w.band < band:
+                    before += w.prompt_tokens
+                elif w.band == band:
+                    same[t] += w.prompt_tokens
+        mine = same.pop(tenant, 0)
+        turns = (mine + prompt_tokens) / self.table.spec(tenant).weight
+        return before + mine + sum(min(n, turns * self.table.spec(t).weight) for t, n in same.items())
 
     def queued_by_tenant_priority(self) -> dict[tuple[str, int], int]:
         out: Counter[tuple[str, int]] = Counter()
@@ -110,7 +126,6 @@ class FairAdmission:
             drr = self._bands[band] = DeficitRoundRobin(self.quantum)
         drr.push(tenant, self.table.spec(tenant).weight, 0, cost, w)
         self._waiters.setdefault(tenant, []).append(w)
-        self.queued_prompt_tokens += prompt_tokens
         try:
             async with asyncio.timeout(self.queue_timeout):
                 await fut
@@ -153,7 +168,6 @@ class FairAdmission:
         if w.left:
             return
         w.left = True
-        self.queued_prompt_tokens -= w.prompt_tokens
         ws = self._waiters[w.tenant]
         ws.remove(w)
         if not ws:

@@ -65,7 +65,8 @@ class TenantGate:
             self.limits.check(tenant, cost.tokens, time.monotonic())
             last = False
             if slo_ms is not None:
-                estimate = self.estimator.estimate_s(self.admission.queued_prompt_tokens, cost.prompt_tokens)
+                ahead = self.admission.prompt_tokens_ahead(tenant, priority, cost.prompt_tokens)
+                estimate = self.estimator.estimate_s(ahead, cost.prompt_tokens)
                 decision = judge(slo_ms, estimate)
                 if decision.miss:
                     if self.config.slo_miss_policy == "reject":

@@ -52,7 +52,7 @@ class PrefillRateEstimator:
         ticket.done = True
         self.prefilling -= ticket.tokens
 
-    def estimate_s(self, queued_ahead: int, own: int) -> float | None:
+    def estimate_s(self, queued_ahead: float, own: int) -> float | None:
         """Seconds to the first byte of a request with ``own`` prompt tokens and ``queued_ahead``
         tokens queued before it; None while no rate is known."""
         if self.rate is None:

@@ -238,3 +238,20 @@ async def test_a_full_queue_sheds_the_flooding_tenant_not_the_newcomer():
     assert served == ["a", "b", "a", "a"]
     adm.release(last)
     assert adm.active == 0 and adm.queued == 0
+
+
+async def test_the_ttft_estimate_counts_a_flooding_tenant_only_up_to_its_turns():
+    table = parse_tenant_table({"tenants": {"a": {"weight": 1}, "b": {"weight": 2}}})
+    adm = FairAdmission(1, 100, 60.0, True, table)
+    await adm.acquire(0, "h")
+    flood = [asyncio.ensure_future(adm.acquire(5, "a", 110, 100)) for _ in range(10)]
+    urgent = asyncio.ensure_future(adm.acquire(1, "c", 60, 50))  # a band before a's (low values first)
+    await until(lambda: adm.queued == 11, "the flood queued")
+    assert adm.prompt_tokens_ahead("a", 5, 100) == 50 + 1000  # its own tenant's queue: all of it
+    # b, weight 2: a's 1000 tokens count up to half of b's (0 queued + 100 of its own)
+    assert adm.prompt_tokens_ahead("b", 5, 100) == 50 + 50
+    assert adm.prompt_tokens_ahead("b", 0, 100) == 0  # a band before every queued one
+    for f in [*flood, urgent]:
+        f.cancel()
+    await asyncio.gather(*flood, urgent, return_exceptions=True)
+    assert adm.queued == 0
