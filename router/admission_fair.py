@@ -130,6 +130,8 @@ class FairAdmission:
             async with asyncio.timeout(self.queue_timeout):
                 await fut
         except asyncio.TimeoutError:
+            if _handed_over(fut):  # the slot came as the timeout fired: pass it on
+                self.release(tenant)
             raise RouterError(429, f"request waited in the queue longer than --queue-timeout-secs "
                               f"({self.queue_timeout}s)", "rate_limit_error", "queue_timeout_secs") from None
         except asyncio.CancelledError:
