@@ -60,6 +60,8 @@ class Admission:
             async with asyncio.timeout(self.queue_timeout):  # wait_for (3.11) can swallow a cancel
                 await fut
         except asyncio.TimeoutError:
+            if _handed_over(fut):  # the slot came as the timeout fired: pass it on
+                self.release()
             raise too_many_requests(f"request waited in the queue longer than "
                                     f"{self.queue_timeout}s") from None
         except asyncio.CancelledError:

@@ -11,6 +11,7 @@ from pdserve.engine.tracing import TRACE_FLAG_HELP
 from pdserve.router.auth import keys_from_flags
 from pdserve.router.config import LOG_LEVELS, RouterConfig, WorkerSpec
 from pdserve.router.policy import POLICY_NAMES
+from pdserve.router.tenancy.slo import SLO_MISS_POLICIES
 
 _D = {f.name: f.default for f in fields(RouterConfig)}
 
@@ -118,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-load-on-demand", action=argparse.BooleanOptionalAction,
                    default=_D["lora_load_on_demand"],
                    help="load a request's adapter on the chosen worker when no worker holds it")
+    p.add_argument("--tenant-config", default=_D["tenant_config"], metavar="FILE",
+                   help="tenants' weights, rate limits (requests_per_second, tokens_per_second), "
+                        "max_concurrent and api_keys, JSON or YAML; the queue is shared fairly between them")
+    p.add_argument("--tenant-header", default=_D["tenant_header"], metavar="NAME",
+                   help="header naming a request's tenant when its API key names none (default: one tenant)")
+    p.add_argument("--slo-ttft-ms", type=float, default=_D["slo_ttft_ms"],
+                   help="default TTFT target in ms (x-pdserve-ttft-slo-ms sets one per request); a request "
+                        "whose estimated TTFT misses it gets --slo-miss-policy (0: off)")
+    p.add_argument("--slo-miss-policy", choices=SLO_MISS_POLICIES, default=_D["slo_miss_policy"],
+                   help="reject: 503 with the reason at once; deprioritize: queued after every other request")
     return p
 
 

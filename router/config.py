@@ -9,6 +9,7 @@ fails at start with a message naming the field.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 
 from pdserve.engine.tracing import DEFAULT_ENDPOINT, TraceConfig
@@ -16,8 +17,11 @@ from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.engine.http_limits import (HTTP_HEADER_TIMEOUT, HTTP_READ_TIMEOUT, MAX_CONNECTIONS, MAX_REQUEST_BYTES,
                                         HttpLimits)
 from pdserve.router.policy import POLICY_NAMES
+from pdserve.router.tenancy.slo import MAX_SLO_MS, SLO_MISS_POLICIES
+from pdserve.router.tenancy.tenant_config import TenantTable, load_tenant_table
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
+HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,14 @@ class RouterConfig:
     # loaded on the worker its policy chose (off: it goes there as it is)
     lora_paths: tuple[str, ...] = ()
     lora_load_on_demand: bool = True
+    # tenants (router/admission_fair.py, router/tenancy/): the file of weights, limits and keys, and
+    # the header naming a request's tenant (None: every request without a tenant key is 'default');
+    # SLO admission: the default TTFT target in ms (0: off; x-pdserve-ttft-slo-ms sets one per
+    # request) and what a request whose estimate misses it gets (503 at once, or the last place)
+    tenant_config: str | None = None
+    tenant_header: str | None = None
+    slo_ttft_ms: float = 0.0
+    slo_miss_policy: str = "reject"
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -184,12 +196,34 @@ class RouterConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         parse_lora_paths(self.lora_paths)  # raises naming lora_paths
+        self._check_tenancy()
         for spec in self.prefill:
             if spec.role != "prefill":
                 raise ValueError(f"{spec.url} given as prefill has role {spec.role!r}")
         for spec in self.decode:
             if spec.role != "decode":
                 raise ValueError(f"{spec.url} given as decode has role {spec.role!r}")
+
+    def _check_tenancy(self) -> None:
+        if self.slo_miss_policy not in SLO_MISS_POLICIES:
+            raise ValueError(f"slo_miss_policy must be one of {SLO_MISS_POLICIES}, got {self.slo_miss_policy!r}")
+        if not 0 <= self.slo_ttft_ms <= MAX_SLO_MS:  # also refuses nan
+            raise ValueError(f"slo_ttft_ms must be in [0, {MAX_SLO_MS:.0f}], got {self.slo_ttft_ms}")
+        if self.tenant_header is not None and (not HEADER_NAME.fullmatch(self.tenant_header)
+                                               or self.tenant_header.lower() == "authorization"):
+            raise ValueError(f"tenant_header must be an HTTP header name other than Authorization, "
+                             f"got {self.tenant_header!r}")
+        self.tenant_table  # raises naming the file, the tenant and the field
+
+    @property
+    def tenant_table(self) -> TenantTable:
+        """The tenants of ``--tenant-config`` (every tenant alike without one)."""
+        return load_tenant_table(self.tenant_config)
+
+    @property
+    def tenancy(self) -> bool:
+        """Whether requests queue by tenant (router/admission_fair.py) rather than in one queue."""
+        return bool(self.tenant_config or self.tenant_header or self.slo_ttft_ms)
 
     @property
     def effective_prefill_policy(self) -> str:

@@ -2,7 +2,9 @@
 
 An inference request passes the inference key (router/auth.py), takes an admission slot
 (``--max-concurrent-requests``, router/admission.py) and only then has its body read, within
-``--max-payload-size`` (router/http_io.py). The routes that change the router or its workers
+``--max-payload-size`` (router/http_io.py); with tenants (``--tenant-config``, ``--tenant-header``,
+``--slo-ttft-ms``) the body is read first, for its tokens, and the slot comes from
+router/admission_tenants.py. The routes that change the router or its workers
 live in router/admin_api.py.
 
 ``Router(config)`` owns the worker registry, the policies, the health checker
@@ -39,6 +41,7 @@ from pdserve.engine.lora_names import parse_lora_paths
 from pdserve.router.admin_api import AdminApi
 from pdserve.engine.tracing import Tracer, make_tracer
 from pdserve.router.admission import Admission
+from pdserve.router.admission_tenants import Admitted, TenantGate
 from pdserve.router.trace_spans import child_span, request_span
 from pdserve.router.admission_metrics import AdmissionGauges
 from pdserve.router.auth import Access
@@ -54,6 +57,7 @@ from pdserve.router.pd_proxy import PDProxy
 from pdserve.router.policy import make_policy
 from pdserve.router.prompt_tokenizer import PromptTokenizer
 from pdserve.router.request_priority import request_priority
+from pdserve.router.tenancy.slo import SLO_HEADER
 from pdserve.router.workers.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
 from pdserve.router.workers.adapter_sync import AdapterSync
@@ -68,6 +72,7 @@ INFERENCE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 # collection every ~60 requests, and every hundredth of them walks the whole start-up heap (8 us
 # per request, measured); frozen start-up objects and a larger first generation take that to ~0
 GC_GEN0_THRESHOLD = 20_000
+ADMITTED_KEY = web.RequestKey("pdserve.admitted", Admitted)  # the request's tenant-admission slot
 
 
 def _render_error(status: int, message: str) -> web.Response:
@@ -94,8 +99,11 @@ class Router:
                                prompt_tokenizer=self.prompt_tokenizer, adapters=self.adapters)
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
-        self.admission = Admission(config.max_concurrent_requests, config.queue_size,
-                                   config.queue_timeout_secs, config.schedule_low_priority_values_first)
+        # with tenants the queue is shared fairly between them (router/admission_tenants.py)
+        self.tenants = TenantGate(config, self.metrics.registry) if config.tenancy else None
+        self.admission = (self.tenants.admission if self.tenants is not None else
+                          Admission(config.max_concurrent_requests, config.queue_size,
+                                    config.queue_timeout_secs, config.schedule_low_priority_values_first))
         self.metrics.registry.register(AdmissionGauges(self.admission))
         self.gate = PairGate(self.registry)
         self.registry.on_change(self._prepare_routing)
@@ -212,6 +220,7 @@ class Router:
         r.add_get("/readiness", self._readiness)
         r.add_get("/metrics", self._metrics)
         app.on_response_prepare.append(remember_response)
+        app.on_response_prepare.append(self._first_byte)
         app.on_cleanup.append(lambda _app: self.close())
         return app
 
@@ -228,23 +237,28 @@ class Router:
         t0 = time.perf_counter()
         route = request.path
         admitted = entered = False
+        held: Admitted | None = None
         status = 500
         try:
             self.shutdown.enter()
             entered = True
-            self.access.check_inference(request)
+            key_tenant = self._check_inference(request)
             priority = request_priority(request.headers, self.config.enable_priority_scheduling)
-            # the slot before the body: concurrent uploads wait in the queue, not in memory
-            with child_span(self.tracer, "router.queue"):
-                await self.admission.acquire(priority)
-            admitted = True
-            raw = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout)
-            try:
-                body = _decode(raw)
-            except msgspec.DecodeError as e:
-                raise bad_request(f"invalid JSON body: {e}") from None
-            if not isinstance(body, dict):
-                raise bad_request("the JSON body must be an object")
+            if self.tenants is None:
+                if SLO_HEADER in request.headers:
+                    raise bad_request(f"header {SLO_HEADER} needs a router started with --slo-ttft-ms "
+                                      "(or --tenant-config, --tenant-header)", SLO_HEADER)
+                # the slot before the body: concurrent uploads wait in the queue, not in memory
+                with child_span(self.tracer, "router.queue"):
+                    await self.admission.acquire(priority)
+                admitted = True
+                body = await self._read_json(request)
+            else:  # the body first: its tokens are the tenant's fair-share charge
+                tenant = self.tenants.namer.tenant(request.headers, key_tenant)
+                body = await self._read_json(request)
+                with child_span(self.tracer, "router.queue"):
+                    held = await self.tenants.admit(tenant, request.headers, body, priority, t0)
+                request[ADMITTED_KEY] = held
             if not self.gate.is_open:  # workers starting or restarting: wait for a pair
                 await self.gate.wait(self.config.request_queue_timeout_secs)
             resp = await self.proxy.handle(request, route, body, t0)
@@ -266,8 +280,33 @@ class Router:
                 self.shutdown.leave()
             if admitted:
                 self.admission.release()
+            if held is not None:
+                self.tenants.release(held, failed=status >= 400)
             self.metrics.requests.inc(route, str(status))
             self.metrics.e2e.observe(time.perf_counter() - t0)
+
+    def _check_inference(self, request: web.Request) -> str | None:
+        """Pass the inference key, or a tenant's key (then its tenant is returned); else a 401."""
+        key_tenant = self.tenants.key_tenant(request.headers) if self.tenants is not None else None
+        if key_tenant is None:
+            self.access.check_inference(request)
+        return key_tenant
+
+    async def _read_json(self, request: web.Request) -> dict:
+        raw = await read_body(request, self.config.max_payload_size, self.config.http_read_timeout)
+        try:
+            body = _decode(raw)
+        except msgspec.DecodeError as e:
+            raise bad_request(f"invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise bad_request("the JSON body must be an object")
+        return body
+
+    async def _first_byte(self, request: web.Request, response: web.StreamResponse) -> None:
+        """The answer's head leaves: with tenants, the TTFT sample and the SLO outcome."""
+        held = request.get(ADMITTED_KEY)
+        if held is not None:
+            self.tenants.first_byte(held, response.status)
 
     # other endpoints --------------------------------------------------------
     async def _health(self, request: web.Request) -> web.Response:
@@ -277,7 +316,7 @@ class Router:
     async def _health_generate(self, request: web.Request) -> web.Response:
         """200 when every worker that is not draining generated a token now; else 503 with each one's answer."""
         try:
-            self.access.check_inference(request)
+            self._check_inference(request)
         except RouterError as err:
             return error_response(err)
         status, body = await health_generate(self.session, self.registry.workers(), self.worker_headers)
@@ -329,7 +368,7 @@ class Router:
         serves the answers)."""
         admitted = False
         try:
-            self.access.check_inference(request)
+            self._check_inference(request)
             await self.admission.acquire(
                 request_priority(request.headers, self.config.enable_priority_scheduling))
             admitted = True
