@@ -56,6 +56,7 @@ from pdserve.router.request_priority import request_priority
 from pdserve.router.workers.readiness import PairGate, describe_missing, readiness
 from pdserve.router.upstream import UpstreamPool
 from pdserve.router.workers.worker_registry import WorkerRegistry
+from pdserve.router.workers.dp_rank_choice import DpRankChoice
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode
@@ -85,7 +86,8 @@ class Router:
         self.prompt_tokenizer = (PromptTokenizer(config.tokenizer_path)
                                  if config.local_prefill_max_tokens and not self.prefill_policy.tokenizes else None)
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy,
-                               prompt_tokenizer=self.prompt_tokenizer)
+                               prompt_tokenizer=self.prompt_tokenizer,
+                               dp_ranks=DpRankChoice(config.dp_rank_policy))
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
         self.admission = Admission(config.max_concurrent_requests, config.queue_size,
