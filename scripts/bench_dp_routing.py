@@ -1,7 +1,7 @@
 """Router DP-rank balance under a skewed workload: ``--dp-rank-policy least_tokens`` against ``round_robin``.
 
     .venv/bin/python scripts/bench_dp_routing.py                  # about a minute
-    .venv/bin/python scripts/bench_dp_routing.py --requests 400 --rate 30 --rounds 3
+    .venv/bin/python scripts/bench_dp_routing.py --rate 20 --rounds 3
 
 One stand-in prefill and one stand-in decode worker (``tests/support/standin_worker.py``), each
 reporting 2 DP ranks, and one pdserve router per rule in front of them, all in this process's
@@ -12,11 +12,11 @@ that does not fit waits (first come, first served) before its first byte, and to
 long requests (``--long-prompt``/``--long-output`` tokens) among short ones, streamed ``/generate``.
 The same arrivals go through each router in turn (``--rounds`` alternations; medians over rounds).
 
-Reported per rule: mean, p50 and p99 TTFT at the client, and the decode ranks' balance: the busier rank's
-share of the tokens (held plus waiting, as the stand-in counts them), sampled every 20 ms while any
-are held: its median (0.5: even), and the fraction of samples where one rank has over 1.5x the
-other's (share > 0.6). Ratios are round_robin over least_tokens. ONE JSON line at the end. The workers are stand-ins: the figures measure the
-routing rule, not the engine.
+Reported per rule: mean, p50 and p99 TTFT at the client, and the decode ranks' balance: the busier
+rank's share of the tokens (held plus waiting, as the stand-in counts them), sampled every 20 ms
+while any are held: its median (0.5: even), and the fraction of samples where one rank has over
+1.5x the other's (share > 0.6). Ratios are round_robin over least_tokens. ONE JSON line at the
+end. The workers are stand-ins: the figures measure the routing rule, not the engine.
 """
 
 from __future__ import annotations
