@@ -9,7 +9,7 @@ from dataclasses import fields
 
 from pdserve.engine.tracing import TRACE_FLAG_HELP
 from pdserve.router.auth import keys_from_flags
-from pdserve.router.config import LOG_LEVELS, RouterConfig, WorkerSpec
+from pdserve.router.config import DP_RANK_POLICIES, LOG_LEVELS, RouterConfig, WorkerSpec
 from pdserve.router.policy import POLICY_NAMES
 from pdserve.router.tenancy.slo import SLO_MISS_POLICIES
 
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-rel-threshold", type=float, default=_D["balance_rel_threshold"])
     p.add_argument("--max-tree-size", type=int, default=_D["max_tree_size"])
     p.add_argument("--dp-aware", action="store_true", default=_D["dp_aware"])
+    p.add_argument("--dp-rank-policy", choices=DP_RANK_POLICIES, default=_D["dp_rank_policy"],
+                   help="which DP rank of a worker gets a request: the fewest tokens in flight, or each in turn")
+    p.add_argument("--dp-minimum-tokens-scheduler", action="store_true",
+                   help="accepted for sglang-router compatibility: --dp-rank-policy least_tokens (the default)")
     p.add_argument("--kv-overlap-score-weight", type=float, default=_D["kv_overlap_score_weight"])
     p.add_argument("--kv-events-timeout-secs", type=float, default=_D["kv_events_timeout_secs"])
     p.add_argument("--kv-host-cache-hit-weight", type=float, default=_D["kv_host_cache_hit_weight"],
@@ -147,6 +151,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.disable_retries:
         kwargs["retry_max_retries"] = 1
     kwargs["lora_paths"] = tuple(args.lora_paths)
+    if args.dp_minimum_tokens_scheduler and args.dp_rank_policy != "least_tokens":
+        raise ValueError("--dp-minimum-tokens-scheduler is --dp-rank-policy least_tokens; "
+                         f"it contradicts --dp-rank-policy {args.dp_rank_policy}")
     kwargs["api_key"], kwargs["admin_api_key"] = keys_from_flags(
         args.api_key, args.api_key_file, args.admin_api_key, args.admin_api_key_file)
     return RouterConfig(prefill=tuple(parse_prefill(v) for v in args.prefill),

@@ -22,6 +22,8 @@ from pdserve.router.tenancy.tenant_config import TenantTable, load_tenant_table
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,64}")
+# --dp-rank-policy: how a worker's DP rank is chosen (router/workers/dp_rank_choice.py)
+DP_RANK_POLICIES = ("least_tokens", "round_robin")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26  # characters per worker in the approximate prefix tree
     dp_aware: bool = False
+    # which DP rank of a worker gets a request (router/workers/dp_rank_choice.py): the fewest
+    # tokens in flight, or each in turn
+    dp_rank_policy: str = "least_tokens"
     # kv_aware (router/kv/kv_aware_policy.py): Dynamo's --kv-overlap-score-weight; seconds without
     # events (and no replay answer) before a worker's blocks leave the index; tokenizer of the
     # workers' model (None: their /server_info model_path, else the default model)
@@ -203,6 +208,8 @@ class RouterConfig:
         for spec in self.decode:
             if spec.role != "decode":
                 raise ValueError(f"{spec.url} given as decode has role {spec.role!r}")
+        if self.dp_rank_policy not in DP_RANK_POLICIES:
+            raise ValueError(f"dp_rank_policy must be one of {DP_RANK_POLICIES}, got {self.dp_rank_policy!r}")
 
     def _check_tenancy(self) -> None:
         if self.slo_miss_policy not in SLO_MISS_POLICIES:

@@ -46,6 +46,7 @@ from pdserve.router.route import LocalRule, RouteQuery
 from pdserve.router.trace_spans import child_span, end_leg, leg_span
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.workers.pairing import Pair, Pairing, batch_size
+from pdserve.router.workers.request_tokens import request_tokens
 from pdserve.router.upstream import TOO_LARGE, UpstreamError, UpstreamPool, UpstreamResponse, drain_response
 from pdserve.router.workers.adapter_sync import AdapterSync
 from pdserve.router.workers.worker_registry import Endpoint
@@ -97,6 +98,7 @@ class PDProxy:
         last: LegFailure | None = None
         query = self.pairing.query(body)  # the request read (and tokenized) once
         rules = self._local_rules(body)
+        cost = request_tokens(body, query.prompt_tokens)  # what it holds on each leg's DP rank
         with child_span(self.tracer, "router.route", self._route_attributes(0)) as span:
             route = self.pairing.route(query, local=rules)
             _describe(span, route)
@@ -108,7 +110,7 @@ class PDProxy:
                       d_ep.key, route.local_reason.value, route.uncached_tokens)
             try:
                 await self._load_adapters(route, query)
-                return await self._attempt_local(request, path, body, stream, t0, d_ep)
+                return await self._attempt_local(request, path, body, stream, t0, d_ep, cost.decode)
             except LegFailure as failure:
                 self.metrics.leg_errors.inc(failure.endpoint.worker.url, failure.leg)
                 if route.local_reason is LocalReason.COLOCATED:
@@ -133,7 +135,7 @@ class PDProxy:
                 with child_span(self.tracer, "router.route", self._route_attributes(attempt, last.cause)) as span:
                     route = self.pairing.route(query, exclude)
                     _describe(span, route)
-            pair = Pair(route.prefill, route.decode, route.room)
+            pair = Pair(route.prefill, route.decode, route.room, cost.prefill, cost.decode)
             log.debug("route: prefill %s, decode %s", pair.prefill.key, pair.decode.key)
             await self._load_adapters(route, query)
             try:
@@ -202,9 +204,10 @@ class PDProxy:
         return rule
 
     async def _attempt_local(self, request: web.Request, path: str, body: dict, stream: bool,
-                             t0: float, d_ep: Endpoint) -> web.StreamResponse:
-        """The request on ``d_ep``, prefilled there; raises LegFailure. Until its first byte it
-        counts as a local prefill in flight on ``d_ep`` (the queue rule's measure of room)."""
+                             t0: float, d_ep: Endpoint, tokens: int) -> web.StreamResponse:
+        """The request on ``d_ep`` (``tokens`` in flight there), prefilled there; raises LegFailure.
+        Until its first byte it counts as a local prefill in flight on ``d_ep`` (the queue rule's
+        measure of room)."""
         data = Pairing.local_body(body)
         headers = route_headers(None, d_ep)
         key = d_ep.key
@@ -221,7 +224,7 @@ class PDProxy:
 
         try:
             if stream:
-                d_ep.load += 1
+                d_ep.begin(tokens)
                 resp = None
                 try:
                     resp, chunk = await self.open_stream(d_ep, path, data)
@@ -236,8 +239,8 @@ class PDProxy:
                         resp.close()
                     raise
                 finally:
-                    d_ep.load -= 1
-            status, ctype, payload = await self.leg("decode", d_ep, path, data)
+                    d_ep.end(tokens)
+            status, ctype, payload = await self.leg("decode", d_ep, path, data, tokens)
         finally:
             prefilled()
         if _has_error(payload):
@@ -262,7 +265,7 @@ class PDProxy:
         # the prefill leg in a task of its own, the decode leg awaited here (one task per request
         # fewer than a task per leg, on the router's busiest path); a prefill failure while the
         # decode leg is out cancels this task, which then raises that failure
-        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
+        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body, pair.prefill_tokens))
         me = asyncio.current_task()
         decode_out = True
         interrupted = False
@@ -276,7 +279,7 @@ class PDProxy:
         p_task.add_done_callback(prefill_done)
         try:
             try:
-                status, ctype, d_data = await self.leg("decode", pair.decode, path, d_body)
+                status, ctype, d_data = await self.leg("decode", pair.decode, path, d_body, pair.decode_tokens)
                 decode_out = False
                 _, _, p_data = await p_task
             except asyncio.CancelledError:
@@ -296,13 +299,14 @@ class PDProxy:
         return web.Response(body=d_data, status=status, content_type=ctype or "application/json",
                             headers=route_headers(pair))
 
-    async def leg(self, leg: str, ep: Endpoint, path: str, data: bytes) -> tuple[int, str, bytes]:
-        """POST one leg and read its whole answer; raises LegFailure."""
+    async def leg(self, leg: str, ep: Endpoint, path: str, data: bytes, tokens: int = 0) -> tuple[int, str, bytes]:
+        """POST one leg (``tokens`` in flight on ``ep`` meanwhile) and read its whole answer;
+        raises LegFailure."""
         url = ep.worker.url
         self.metrics.leg_requests.inc(url, leg)
         t0 = time.perf_counter()
         span, trace_headers = leg_span(self.tracer, leg, ep.key)
-        ep.load += 1
+        ep.begin(tokens)
         resp = None
         try:
             resp = await self.upstream.post(url, path, data, trace_headers)
@@ -313,7 +317,7 @@ class PDProxy:
             _refuse_too_large(leg, ep, e)
             raise LegFailure(leg, ep, str(e), cause=e.cause) from None
         finally:
-            ep.load -= 1
+            ep.end(tokens)
             if resp is not None:
                 resp.close()  # no-op when read; aborts the connection when cancelled
             end_leg(span, resp.status if resp is not None else None)
@@ -333,10 +337,10 @@ class PDProxy:
         leg_body = with_token_ids(body) if migrating and path != "/generate" else body
         p_body, d_body = Pairing.leg_bodies(leg_body, pair)
         d_ep = pair.decode
-        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body))
+        p_task = asyncio.ensure_future(self.leg("prefill", pair.prefill, path, p_body, pair.prefill_tokens))
         d_task = asyncio.ensure_future(self.open_stream(d_ep, path, d_body))
         d_start = time.perf_counter()
-        d_ep.load += 1
+        d_ep.begin(pair.decode_tokens)
         resp: UpstreamResponse | None = None
         finished = draining = False
         try:
@@ -350,7 +354,7 @@ class PDProxy:
             self.metrics.leg_latency["decode"].observe(time.perf_counter() - d_start)  # to the stream's end
             return out
         finally:
-            d_ep.load -= 1
+            d_ep.end(pair.decode_tokens)
             if resp is None and d_task.done() and not d_task.cancelled() and d_task.exception() is None:
                 resp = d_task.result()[0]
             if resp is not None and not draining:

@@ -34,6 +34,9 @@ class Policy(ABC):
     needs_text: bool = False
     #: True when the policy tokenizes prompts (its ``encoder`` answers once its tokenizer is loaded)
     tokenizes: bool = False
+    #: True when the policy weighs each DP rank of a worker itself (kv_aware: by the blocks each rank
+    #: holds); otherwise the router offers it one rank per worker (router/workers/dp_rank_choice.py)
+    scores_dp_ranks: bool = False
 
     @classmethod
     def from_config(cls, config) -> Policy:

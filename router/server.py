@@ -63,6 +63,7 @@ from pdserve.router.upstream import UpstreamPool
 from pdserve.router.workers.adapter_sync import AdapterSync
 from pdserve.router.workers.adapters import AdapterTable
 from pdserve.router.workers.worker_registry import WorkerRegistry
+from pdserve.router.workers.dp_rank_choice import DpRankChoice
 
 log = logging.getLogger("pdserve.router")
 _decode = msgspec.json.decode
@@ -96,7 +97,8 @@ class Router:
         self.adapters = AdapterTable(parse_lora_paths(config.lora_paths))
         self.adapter_sync: AdapterSync | None = None
         self.pairing = Pairing(self.registry, self.prefill_policy, self.decode_policy,
-                               prompt_tokenizer=self.prompt_tokenizer, adapters=self.adapters)
+                               prompt_tokenizer=self.prompt_tokenizer, adapters=self.adapters,
+                               dp_ranks=DpRankChoice(config.dp_rank_policy))
         self.metrics = RouterMetrics(self.registry, {"prefill": self.prefill_policy, "decode": self.decode_policy},
                                      INFERENCE_ROUTES)
         # with tenants the queue is shared fairly between them (router/admission_tenants.py)

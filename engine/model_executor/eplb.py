@@ -11,6 +11,12 @@ an expert a rank now holds and did not hold before comes from a rank that held i
 point-to-point (each (expert, destination) a tagged send and receive, all posted before any
 wait); the rank with the same ``moe_tp_rank`` sends, so a split expert's rows move as slices.
 No request is dropped: the step that follows runs on the new placement.
+
+``families`` exports what the balancer did on ``/metrics``: its rebalances and the expert copies
+moved (counters), and per MoE layer the load it balanced at the last rebalance: the largest
+expert's count over the mean (how skewed the experts are) and the busiest EP rank's over the mean
+under the placement it chose (what is left of the skew after balancing). Every TP rank computes
+them from the same all-reduced counts.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from pdserve.engine.messages import MetricFamily, MetricSample
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement
 from pdserve.engine.model_executor.layers.ep_rebalance import rank_imbalance, rebalance_layer
 from pdserve.engine.model_executor.layers.moe import FusedMoE
@@ -36,6 +43,9 @@ class ExpertBalancer:
             raise ValueError("enable_eplb needs unquantized expert weights (it moves them as loaded)")
         self.layers, self.every = layers, every
         self.steps = self.rebalances = self.moved = 0
+        # per layer at the last rebalance: max / mean of the experts' counts, and of the EP ranks'
+        self.expert_imbalance: dict[int, float] = {}
+        self.rank_imbalance: dict[int, float] = {}
         num_experts = next(iter(layers.values())).num_experts if layers else 0
         self.load = torch.zeros(num_layers, num_experts, dtype=torch.int64, device=device)
         for i, layer in layers.items():
@@ -60,11 +70,42 @@ class ExpertBalancer:
                 before = rank_imbalance(layer.placement, total[i])
                 moved += move_experts(layer, new)
                 logger.debug("EPLB layer %d: rank imbalance %.3f -> %.3f", i, before, rank_imbalance(new, total[i]))
+            self.expert_imbalance[i] = expert_imbalance(total[i])
+            self.rank_imbalance[i] = rank_imbalance(layer.placement, total[i])
         self.load.zero_()
         self.rebalances += 1
         self.moved += moved
         logger.info("EPLB rebalance %d at step %d: %d expert copies moved between ranks", self.rebalances,
                     self.steps, moved)
+
+
+    def families(self) -> list[MetricFamily]:
+        """``pdserve_eplb_rebalances_total``, ``pdserve_eplb_moved_experts_total`` and, once a
+        rebalance ran, ``pdserve_eplb_expert_load_imbalance`` and ``pdserve_eplb_rank_load_imbalance``
+        per MoE layer (1.0: even)."""
+        def counter(name: str, doc: str, value: int) -> MetricFamily:
+            return MetricFamily(name, "counter", doc, [MetricSample(name + "_total", {}, float(value))])
+
+        def per_layer(name: str, doc: str, values: dict[int, float]) -> MetricFamily:
+            return MetricFamily(name, "gauge", doc, [MetricSample(name, {"layer": str(i)}, round(v, 6))
+                                                     for i, v in sorted(values.items())])
+
+        out = [counter("pdserve_eplb_rebalances", "EPLB rebalances run.", self.rebalances),
+               counter("pdserve_eplb_moved_experts", "Expert copies EPLB moved between ranks.", self.moved)]
+        if self.expert_imbalance:
+            out += [per_layer("pdserve_eplb_expert_load_imbalance",
+                              "Largest expert token count over the mean, per MoE layer, at the last rebalance.",
+                              self.expert_imbalance),
+                    per_layer("pdserve_eplb_rank_load_imbalance",
+                              "Busiest EP rank's token count over the mean under the placement chosen, per MoE "
+                              "layer, at the last rebalance.", self.rank_imbalance)]
+        return out
+
+
+def expert_imbalance(load: list[int]) -> float:
+    """max / mean of the experts' token counts (1.0: even, or no load)."""
+    mean = sum(load) / len(load) if load else 0.0
+    return max(load) / mean if mean > 0 else 1.0
 
 
 def transfers(old: ExpertPlacement, new: ExpertPlacement) -> list[tuple[int, int, int]]:

@@ -253,11 +253,13 @@ class ModelRunner:
         logger.info("weights updated from %s", source.path)
 
     def model_families(self) -> list:
-        """The model's own Prometheus families for ``RankMetrics``: the MoE all-to-all counters and,
-        while recording, the expert load (``expert_recorder.py``); none for a dense model."""
+        """The model's own Prometheus families for ``RankMetrics``: the MoE all-to-all counters,
+        while recording the expert load (``expert_recorder.py``), and with --enable-eplb what the
+        balancer did (``eplb.py``); none for a dense model."""
         if self.model is None or not self.expert_recorder.has_experts:
             return []
-        return a2a_families(self.expert_recorder.layers.values()) + self.expert_recorder.families()
+        eplb = self.eplb.families() if self.eplb is not None else []
+        return a2a_families(self.expert_recorder.layers.values()) + self.expert_recorder.families() + eplb
 
     def release_weights(self) -> None:
         """Free the weights (``resume_weights`` reloads them from ``model_path``)."""

@@ -86,6 +86,7 @@ def choose_by_overlap(endpoints: Sequence[C], overlaps: dict[str, float], num_bl
 class KVAwarePolicy(Policy):
     needs_text = True  # for the cache_aware fallback
     tokenizes = True
+    scores_dp_ranks = True  # each DP rank's own blocks (its KV events carry the rank)
 
     def __init__(self, config: RouterConfig = _DEFAULTS):
         self.config = config

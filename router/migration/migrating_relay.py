@@ -101,12 +101,12 @@ class MigratingRelay:
                         await out.write_eof(self.transcript.tail() + _DONE)
                         return out, False
                     if d_ep is not self.pair.decode:
-                        d_ep.load -= 1
+                        d_ep.end(self.pair.decode_tokens)
                     d_ep, resp, chunk = nxt
-                    d_ep.load += 1  # the proxy counts the first leg's decode endpoint
+                    d_ep.begin(self.pair.decode_tokens)  # the proxy counts the first leg's decode endpoint
         finally:
             if d_ep is not self.pair.decode:
-                d_ep.load -= 1
+                d_ep.end(self.pair.decode_tokens)
             for r in self._open:
                 r.close()  # no-op when read to its end; otherwise aborts (the server aborts the room)
 
@@ -207,7 +207,7 @@ class MigratingRelay:
         else:
             path, body = self.path, continuation_body(self.body, prompt, self.transcript.ids)
         p_body, d_body = Pairing.leg_bodies(body, pair)
-        p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, path, p_body))
+        p_task = asyncio.ensure_future(proxy.leg("prefill", pair.prefill, path, p_body, self.pair.prefill_tokens))
         d_task = asyncio.ensure_future(proxy.open_stream(pair.decode, path, d_body))
         try:
             resp, chunk = await proxy.first_bytes(p_task, d_task)

@@ -5,7 +5,10 @@ Pure logic. The bodies follow SGLang's PD protocol: the client's JSON with
 prefill's bootstrap port, or null), ``bootstrap_room`` (random, below 2^63)
 added, and, for DP ranks, ``disagg_prefill_dp_rank`` (which prefill rank holds
 the KV; both legs need it) plus ``routed_dp_rank`` (the rank of that leg's own
-server). A client's own values of these fields are replaced.
+server). The DP rank of a worker is chosen by ``dp_rank_choice.py`` (the
+fewest tokens in flight by default); a client that names its ranks
+(``routed_dp_rank`` / ``data_parallel_rank``, ``disagg_prefill_dp_rank``) keeps
+them, and the bodies carry the chosen ranks in place of the client's values.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from pdserve.router.errors import bad_request, no_workers
 from pdserve.router.policy import Policy
 from pdserve.router.route import LocalRule, Route, RouteQuery
 from pdserve.router.workers.adapters import AdapterError, AdapterTable
+from pdserve.router.workers.dp_rank_choice import DpRankChoice, named_rank
 from pdserve.router.workers.worker_registry import Endpoint, WorkerRegistry
 
 ROUTER_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank",
-                 "disagg_prefill_dp_rank")
+                 "disagg_prefill_dp_rank", "data_parallel_rank")
 _encode = msgspec.json.encode
 
 
@@ -32,6 +36,9 @@ class Pair:
     prefill: Endpoint
     decode: Endpoint
     room: int | list[int]
+    # the tokens the request holds on each endpoint while its leg runs (request_tokens.py)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
 
 
 def new_room(rng: random.Random) -> int:
@@ -79,12 +86,14 @@ class Pairing:
 
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
                  rng: random.Random | None = None, prompt_tokenizer=None,
-                 adapters: AdapterTable | None = None):
+                 adapters: AdapterTable | None = None, dp_ranks: DpRankChoice | None = None):
         """``prompt_tokenizer``: the router's own tokenizer (``PromptTokenizer``), used when no
         policy tokenizes and --local-prefill-max-tokens needs the prompt's length. ``adapters``:
-        the workers' LoRA adapters; both legs then prefer the workers holding a request's."""
+        the workers' LoRA adapters; both legs then prefer the workers holding a request's.
+        ``dp_ranks``: the rule that picks a worker's DP rank (default: the fewest tokens in flight)."""
         self.registry = registry
         self.adapters = adapters
+        self.dp_ranks = dp_ranks or DpRankChoice()
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.prompt_tokenizer = prompt_tokenizer
@@ -117,11 +126,17 @@ class Pairing:
         prefills = self.registry.healthy_endpoints("prefill")
         if not prefills and local is None:
             raise no_workers("prefill")
-        decode = self.decode_policy.pick(self._holders(self._candidates("decode", exclude), query), query)
-        route = self.prefill_policy.route(self._holders(_kept(prefills, exclude), query), query, decode,
-                                          None if local is None else local(decode))
+        decodes = self.registry.healthy_endpoints("decode")
+        if not decodes:
+            raise no_workers("decode")
+        decode = self.decode_policy.pick(self._holders(self._offered("decode", decodes, exclude, query.body),
+                                                       query), query)
+        self.dp_ranks.chosen(decode)
+        offered = self._holders(self._offered("prefill", prefills, exclude, query.body), query) if prefills else []
+        route = self.prefill_policy.route(offered, query, decode, None if local is None else local(decode))
         if route.prefill is None and not route.local:
             raise no_workers("prefill")
+        self.dp_ranks.chosen(route.prefill)
         if not route.local:
             n = batch_size(query.body)
             route.room = new_room(self._rng) if n is None else [new_room(self._rng) for _ in range(n)]
@@ -143,11 +158,15 @@ class Pairing:
             return endpoints
         return list(self.adapters.prefer(endpoints, query.adapters))
 
-    def _candidates(self, role: str, exclude) -> list[Endpoint]:
-        endpoints = self.registry.healthy_endpoints(role)
-        if not endpoints:
-            raise no_workers(role)
-        return _kept(endpoints, exclude)
+    def _offered(self, role: str, endpoints: list[Endpoint], exclude, body: dict) -> list[Endpoint]:
+        """The endpoints of ``role`` its policy chooses from: the rank the client named, else one
+        rank per worker by the DP-rank rule (every rank to a policy that scores them itself)."""
+        named = named_rank(endpoints, body, role)
+        if named is not None:
+            return _kept(named, exclude)
+        kept = _kept(endpoints, exclude)
+        policy = self.prefill_policy if role == "prefill" else self.decode_policy
+        return kept if policy.scores_dp_ranks else self.dp_ranks.offer(kept)
 
     @staticmethod
     def leg_bodies(body: dict, pair: Pair) -> tuple[bytes, bytes]:

@@ -24,19 +24,33 @@ class Endpoint:
     """One schedulable target: a worker, or one DP rank of a DP-aware worker.
 
     Policies choose among endpoints; ``load`` is the number of requests in
-    flight on it, counted by the router.
+    flight on it and ``tokens`` the tokens they hold there (a prefill leg its
+    prompt; a decode leg its prompt plus the most it may generate), both counted
+    by the router from what it dispatched (``begin`` / ``end``). The DP rank of
+    a worker is chosen by ``tokens`` (``dp_rank_choice.py``).
     """
 
-    __slots__ = ("worker", "dp_rank", "key", "load")
+    __slots__ = ("worker", "dp_rank", "key", "load", "tokens")
 
     def __init__(self, worker: "Worker", dp_rank: int | None):
         self.worker = worker
         self.dp_rank = dp_rank
         self.key = worker.url if dp_rank is None else f"{worker.url}@{dp_rank}"
         self.load = 0
+        self.tokens = 0
+
+    def begin(self, tokens: int = 0) -> None:
+        """A leg of ``tokens`` tokens starts on this endpoint."""
+        self.load += 1
+        self.tokens += tokens
+
+    def end(self, tokens: int = 0) -> None:
+        """The leg ``begin`` counted ended (answered, failed or cancelled)."""
+        self.load -= 1
+        self.tokens -= tokens
 
     def __repr__(self) -> str:
-        return f"Endpoint({self.key}, load={self.load})"
+        return f"Endpoint({self.key}, load={self.load}, tokens={self.tokens})"
 
 
 class Worker:
@@ -88,6 +102,7 @@ class Worker:
             "colocated": self.colocated,
             "in_flight": self.load,
             "endpoints": {e.key: e.load for e in self.endpoints},
+            "endpoint_tokens": {e.key: e.tokens for e in self.endpoints},
         }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import time
 from dataclasses import dataclass, field, fields
 
@@ -50,6 +51,10 @@ class Behavior:
     # a decode stand-in's /server_info max_local_prefill_tokens (pdserve's flag; 0: refuses local prefills)
     max_local_prefill_tokens: int = 1 << 20
     pad_bytes: int = 0  # JSON answers carry a "pad" string of this many bytes (large answers)
+    # a decode stand-in's room per DP rank (its ``routed_dp_rank``), as a KV pool bounds a rank: the
+    # tokens (prompt + max new tokens) its requests hold at once; one that does not fit waits,
+    # first come first served, before its first byte (0: no bound)
+    rank_token_budget: int = 0
 
 
 @dataclass
@@ -72,6 +77,8 @@ class StandinWorker:
         self.health_checks = 0
         self.last_answer = b""  # the body of the last JSON inference answer
         self.in_flight = 0
+        self.rank_tokens: dict[int, int] = {}  # DP rank -> tokens its admitted requests hold (rank_token_budget)
+        self._rank_queue: dict[int, collections.deque] = {}
         self._runner: web.AppRunner | None = None
 
     @property
@@ -178,20 +185,68 @@ class StandinWorker:
             if b.delay_s:
                 await asyncio.sleep(b.delay_s)
             n = 1 if self.role == "prefill" else max(1, _max_tokens(body, b.num_tokens))
+            if self.role == "decode" and b.rank_token_budget:
+                rank, need = body.get("routed_dp_rank") or 0, _prompt_len(body) + n
+                await self._admit(rank, need)
+                try:
+                    if body.get("stream"):
+                        return await self._stream(request, rec, body, n)
+                    return self._json_answer(request.path, body, n)
+                finally:
+                    self._release(rank, need)
             if body.get("stream"):
                 return await self._stream(request, rec, body, n)
-            answer = _final(request.path, body, n, b.model, self.role)
-            if b.pad_bytes:
-                answer["pad"] = "".join(chr(97 + i % 26) for i in range(b.pad_bytes))
-            self.last_answer = _encode(answer)
-            resp = web.Response(body=self.last_answer, content_type=_JSON)
-            self.completed += 1
-            return resp
+            return self._json_answer(request.path, body, n)
         except (asyncio.CancelledError, ConnectionResetError):
             self.cancelled.append(rec)
             raise
         finally:
             self.in_flight -= 1
+
+    def _json_answer(self, path: str, body: dict, n: int) -> web.Response:
+        b = self.behavior
+        answer = _final(path, body, n, b.model, self.role)
+        if b.pad_bytes:
+            answer["pad"] = "".join(chr(97 + i % 26) for i in range(b.pad_bytes))
+        self.last_answer = _encode(answer)
+        self.completed += 1
+        return web.Response(body=self.last_answer, content_type=_JSON)
+
+    async def _admit(self, rank: int, need: int) -> None:
+        """Wait until DP rank ``rank`` has room for ``need`` tokens (those before it first); the
+        caller releases them with ``_release`` once admitted."""
+        fut = asyncio.get_running_loop().create_future()
+        self._rank_queue.setdefault(rank, collections.deque()).append((need, fut))
+        self._admit_heads(rank)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release(rank, need)  # admitted as the client left
+            raise
+
+    def rank_load(self, rank: int) -> int:
+        """Tokens DP rank ``rank`` holds plus those waiting for room on it (rank_token_budget)."""
+        waiting = sum(need for need, fut in self._rank_queue.get(rank, ()) if not fut.done())
+        return self.rank_tokens.get(rank, 0) + waiting
+
+    def _admit_heads(self, rank: int) -> None:
+        queue, budget = self._rank_queue[rank], self.behavior.rank_token_budget
+        while queue:
+            need, fut = queue[0]
+            used = self.rank_tokens.get(rank, 0)
+            if fut.done():  # its client left while it waited
+                queue.popleft()
+                continue
+            if used and used + need > budget:
+                return
+            queue.popleft()
+            self.rank_tokens[rank] = used + need
+            fut.set_result(None)
+
+    def _release(self, rank: int, need: int) -> None:
+        self.rank_tokens[rank] -= need
+        self._admit_heads(rank)
 
     async def _stream(self, request, rec, body, n):
         b = self.behavior

@@ -2,18 +2,22 @@
 decode D both ``--tp-size 2 --dp-size 2 --enable-dp-attention``, and decode D2 a plain
 ``--tp-size 2`` (its ranks split the heads each prefill group holds whole). Each of the four
 (prefill group, decode group) pairs, and each prefill group into D2, gives the colocated TP 1
-output; the named decode group is the one that ran it; every pool ends unleaked.
+output; the named decode group is the one that ran it; every pool ends unleaked. Behind the
+router, a request naming its groups runs there, and short requests go to the decode group beside a
+long one (the fewest tokens in flight), as the server's per-group counts show.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import requests
-from support.pd_stand import Server, greedy_body, pd_post
+from support.pd_stand import InProcessRouter, Server, greedy_body, pd_post, wait_for
 
 from pdserve.entrypoints.engine import Engine
+from pdserve.router.config import RouterConfig, WorkerSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,3 +80,46 @@ def test_each_prefill_group_into_a_tp2_decode(stand, reference):
         generate(stand, p_rank, "D2", None, reference)
     stand["P"].wait_unleaked()
     stand["D2"].wait_unleaked()
+
+
+def test_router_pairs_groups_by_tokens_and_keeps_named_ones(stand, reference):
+    P, D = stand["P"], stand["D"]
+    router = InProcessRouter(RouterConfig(prefill=(WorkerSpec(P.url, "prefill", P.bootstrap_port),),
+                                          decode=(WorkerSpec(D.url, "decode"),), health_check_interval_secs=3600))
+    url = f"http://127.0.0.1:{router.port}"
+
+    def decode_tokens() -> dict[str, int]:
+        (worker,) = requests.get(url + "/workers", timeout=10).json()["decode"]
+        return worker["endpoint_tokens"]
+
+    try:
+        router.wait_ready()
+        before = dispatched(D)
+        r = requests.post(url + "/generate", json={**greedy_body(PROMPTS[0], MAX_NEW), "routed_dp_rank": 1,
+                                                   "disagg_prefill_dp_rank": 0}, timeout=120)
+        assert r.status_code == 200 and r.json()["output_ids"] == reference[0], r.text
+        after = dispatched(D)
+        assert after["1"] - before.get("1", 0) == 1 and after.get("0", 0) == before.get("0", 0)
+
+        # a long request on group 0 (the first of two idle groups), then short ones while it runs
+        before = after
+        out = {}
+        long = threading.Thread(target=lambda: out.setdefault("long", requests.post(
+            url + "/generate", json=greedy_body(PROMPTS[1], 400), timeout=300)))
+        long.start()
+        wait_for(lambda: decode_tokens()[D.url + "@0"] > 0, 60, "the long request on decode group 0")
+        shorts = [threading.Thread(target=lambda i=i: out.setdefault(i, requests.post(
+            url + "/generate", json=greedy_body(PROMPTS[0], MAX_NEW), timeout=120))) for i in range(3)]
+        for t in shorts:
+            t.start()
+        for t in shorts + [long]:
+            t.join(300)
+        assert [out[i].json()["output_ids"] for i in range(3)] == [reference[0]] * 3
+        assert out["long"].status_code == 200, out["long"].text
+        after = dispatched(D)
+        assert (after["0"] - before["0"], after["1"] - before["1"]) == (1, 3)  # round robin: (2, 2)
+        assert set(decode_tokens().values()) == {0}
+    finally:
+        router.close()
+    P.wait_unleaked()
+    D.wait_unleaked()

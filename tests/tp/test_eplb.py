@@ -10,12 +10,15 @@ Each run starts real processes joined by gloo (``tp_harness``); transformers run
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 from support.model_util import hf_greedy, hf_model
 from tp_harness import run_tp
 
+from pdserve.engine.frontend.metrics import ServerMetrics
+from pdserve.engine.messages import RankMetrics
 from pdserve.engine.model_executor.layers.ep_placement import trivial_placement
 
 pytestmark = pytest.mark.timeout(600)
@@ -50,11 +53,32 @@ def test_redundant_experts_greedy_identical_across_rebalances(tiny_checkpoints, 
     _check(got, got_logits, ranks, hf_reference)
     rebalances, moved = ranks[0][2]["eplb"]
     assert rebalances == (NEW_TOKENS - 1) // EVERY and moved > 0 and ranks[1][2]["eplb"] == [rebalances, moved]
+    _check_eplb_metrics(ranks, rebalances, moved)
     trivial = list(trivial_placement(EXPERTS, REDUNDANT, 2).physical_to_logical)
     placements = ranks[0][2]["placement"]
     assert len(placements) == LAYERS and any(p != trivial for p in placements.values())
     for p in placements.values():
         assert len(p) == EXPERTS + REDUNDANT and set(p) == set(range(EXPERTS))
+
+
+def _check_eplb_metrics(ranks, rebalances: int, moved: int) -> None:
+    """/metrics of the two ranks: the counters say what the balancer did, and each MoE layer's
+    imbalance at the last rebalance is the same on both (one all-reduced count) and in range."""
+    for r in (0, 1):
+        m = ranks[r][2]["metrics"]
+        assert m["pdserve_eplb_rebalances_total"] == rebalances and m["pdserve_eplb_moved_experts_total"] == moved
+    text = ServerMetrics(1, "m").render([None], [0], {(0, r): RankMetrics(0, r, ranks[r][2]["families"])
+                                                        for r in (0, 1)})
+    assert f'pdserve_eplb_rebalances_total{{model_name="m",dp_rank="0",tp_rank="1"}} {float(rebalances)}' in text
+    for name, most in (("pdserve_eplb_expert_load_imbalance", EXPERTS), ("pdserve_eplb_rank_load_imbalance", 2)):
+        values = {}
+        for r in (0, 1):
+            for layer in range(LAYERS):
+                found = re.search(rf'{name}{{model_name="m",dp_rank="0",tp_rank="{r}",layer="{layer}"}} (\S+)', text)
+                assert found, (name, r, layer, text)
+                values[(r, layer)] = float(found.group(1))
+        assert all(1.0 <= v <= most for v in values.values()), values
+        assert [values[(0, i)] for i in range(LAYERS)] == [values[(1, i)] for i in range(LAYERS)]
 
 
 def test_placement_file_greedy_identical(tiny_checkpoints, hf_reference, tmp_path):

@@ -25,12 +25,14 @@ def _expert_record(runner, run) -> dict:
     runner.expert_recorder.start()
     result = run()
     own = runner.expert_recorder.counts.tolist()
-    families = {s.name: s.value for f in runner.model_families() for s in f.samples if not s.labels}
+    every = runner.model_families()
+    families = {s.name: s.value for f in every for s in f.samples if not s.labels}
     runner.expert_recorder.stop()
     layers = runner.expert_recorder.layers
     eplb = None if runner.eplb is None else [runner.eplb.rebalances, runner.eplb.moved]
     return {"result": result, "own": own, "dump": runner.expert_recorder.dump().tolist(), "metrics": families,
-            "placement": {i: list(layer.placement.physical_to_logical) for i, layer in layers.items()}, "eplb": eplb}
+            "placement": {i: list(layer.placement.physical_to_logical) for i, layer in layers.items()}, "eplb": eplb,
+            "families": every}
 
 
 def _rank_main(rank: int, tp: int, addr: str, model_path: str | None, prompts, max_new: int, out,
@@ -66,7 +68,8 @@ def run_tp(model_path: str | None, tp: int, prompts: list[list[int]], max_new: i
     ``engine_kw``: more ``EngineConfig`` fields (e.g. ``ep_size``). ``record_experts``: the run is
     recorded (``expert_recorder``) and each rank's entry gains a third item, ``{"own": its counts,
     "dump": the group's, "metrics": its MoE counters by sample name, "placement": each MoE layer's
-    physical -> logical map at the end, "eplb": [rebalances, expert copies moved] or None}``."""
+    physical -> logical map at the end, "eplb": [rebalances, expert copies moved] or None,
+    "families": its MoE metric families as ``RankMetrics`` carries them}``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = f"127.0.0.1:{free_port()}"
