@@ -10,12 +10,12 @@
    tile sits in cache: (1) the scores of every head of the block against the tile, (2) one online
    softmax step per head and tile (float32 running max and sum; the accumulator is rescaled once
    per tile, not per token), (3) the probabilities times the tile's c part, MLA_REG_HEADS heads x
-   MLA_REG_COLS columns at a time in registers, so each latent value is loaded and widened once per
-   register block and no accumulator is stored per token. The torch twin gathers the pages into a
+   MLA_REG_COLS columns at a time in registers, so each latent value is loaded once per register
+   block and no accumulator is stored per token. The torch twin gathers the pages into a
    padded copy and runs two batched products.
    bf16 runs on AVX-512 BF16 (scores with vdpbf16ps: exact products, float32 sums; the weighted
-   sum in float32 FMA) where compiled with it and not ``portable``; otherwise, and for float32,
-   plain loops of the same tiles that the compiler vectorizes. Jobs (rows x head blocks) run in
+   sum with vdpbf16ps over token pairs, the probabilities rounded to bf16 as the torch twin's are)
+   where compiled with it and not ``portable``; otherwise, and for float32, plain loops of the same tiles that the compiler vectorizes. Jobs (rows x head blocks) run in
    parallel; a block is narrowed until there are jobs for every thread. Returns 0, or -1 when a
    page id is out of range. */
 #include <math.h>
@@ -90,41 +90,61 @@ static inline float dot_bf16_avx512(const uint16_t* a, const uint16_t* b, int64_
     return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
 }
 
-/* 16 bf16 values (masked) widened to float32 */
-static inline __m512 load16_bf16(const uint16_t* x, __mmask16 m) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, x)), 16));
-}
-
-/* weighted_sum_portable for bf16 latents: a block of MLA_REG_HEADS heads x MLA_REG_COLS columns
-   accumulates in 16 registers over the tile's tokens */
+/* weighted_sum_portable for bf16 latents, two tokens per vdpbf16ps: the probabilities of a token
+   pair are rounded to bf16 (as the torch twin's bf16 product rounds them) and broadcast as one
+   dword, the pair's latent rows interleaved column by column (vpermt2w), so each instruction adds
+   both tokens' products to 16 float32 columns. A block of MLA_REG_HEADS heads x MLA_REG_COLS
+   columns accumulates in 16 registers over the tile's token pairs. */
 static void weighted_sum_bf16_avx512(float* acc, const float* p, const char* const* lat, int64_t nh, int64_t nt,
                                      int64_t R) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t np = (nt + 1) / 2;
     for (int64_t h0 = 0; h0 < nh; h0 += MLA_REG_HEADS) {
         const int64_t bh = nh - h0 < MLA_REG_HEADS ? nh - h0 : MLA_REG_HEADS;
+        uint32_t w[MLA_REG_HEADS][MLA_TILE / 2];  /* each token pair's probabilities, bf16 x 2 */
+        for (int64_t h = 0; h < MLA_REG_HEADS; h++)
+            for (int64_t k = 0; k < np; k++) {
+                const float* ph = p + (h0 + h) * MLA_TILE;
+                const float a = h < bh ? ph[2 * k] : 0.f, b = h < bh && 2 * k + 1 < nt ? ph[2 * k + 1] : 0.f;
+                w[h][k] = (uint32_t)f32_to_bf16(a) | ((uint32_t)f32_to_bf16(b) << 16);
+            }
         for (int64_t r0 = 0; r0 < R; r0 += MLA_REG_COLS) {
-            __mmask16 m[4];
+            __mmask32 lm[2];
+            __mmask16 sm[4];
+            for (int j = 0; j < 2; j++) {
+                const int64_t left = R - r0 - 32 * j;
+                lm[j] = left >= 32 ? (__mmask32)0xffffffffu : left <= 0 ? (__mmask32)0 : (__mmask32)((1u << left) - 1);
+            }
             for (int j = 0; j < 4; j++) {
                 const int64_t left = R - r0 - 16 * j;
-                m[j] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+                sm[j] = left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
             }
             __m512 a[MLA_REG_HEADS][4];
             for (int64_t h = 0; h < MLA_REG_HEADS; h++)
                 for (int j = 0; j < 4; j++)
-                    a[h][j] = h < bh ? _mm512_maskz_loadu_ps(m[j], acc + (h0 + h) * R + r0 + 16 * j) : _mm512_setzero_ps();
-            for (int64_t t = 0; t < nt; t++) {
-                const uint16_t* x = (const uint16_t*)lat[t] + r0;
-                const __m512 v0 = load16_bf16(x, m[0]), v1 = load16_bf16(x + 16, m[1]),
-                             v2 = load16_bf16(x + 32, m[2]), v3 = load16_bf16(x + 48, m[3]);
+                    a[h][j] = h < bh ? _mm512_maskz_loadu_ps(sm[j], acc + (h0 + h) * R + r0 + 16 * j) : _mm512_setzero_ps();
+            for (int64_t k = 0; k < np; k++) {
+                /* an odd tile's last pair repeats its token, with probability 0 */
+                const uint16_t* x = (const uint16_t*)lat[2 * k] + r0;
+                const uint16_t* y = (const uint16_t*)lat[2 * k + 1 < nt ? 2 * k + 1 : 2 * k] + r0;
+                const __m512i x0 = _mm512_maskz_loadu_epi16(lm[0], x), y0 = _mm512_maskz_loadu_epi16(lm[0], y);
+                const __m512i x1 = _mm512_maskz_loadu_epi16(lm[1], x + 32), y1 = _mm512_maskz_loadu_epi16(lm[1], y + 32);
+                const __m512bh v0 = (__m512bh)_mm512_permutex2var_epi16(x0, lo, y0);
+                const __m512bh v1 = (__m512bh)_mm512_permutex2var_epi16(x0, hi, y0);
+                const __m512bh v2 = (__m512bh)_mm512_permutex2var_epi16(x1, lo, y1);
+                const __m512bh v3 = (__m512bh)_mm512_permutex2var_epi16(x1, hi, y1);
                 for (int64_t h = 0; h < MLA_REG_HEADS; h++) {
-                    const __m512 w = _mm512_set1_ps(h < bh ? p[(h0 + h) * MLA_TILE + t] : 0.f);
-                    a[h][0] = _mm512_fmadd_ps(w, v0, a[h][0]);
-                    a[h][1] = _mm512_fmadd_ps(w, v1, a[h][1]);
-                    a[h][2] = _mm512_fmadd_ps(w, v2, a[h][2]);
-                    a[h][3] = _mm512_fmadd_ps(w, v3, a[h][3]);
+                    const __m512bh pw = (__m512bh)_mm512_set1_epi32((int)w[h][k]);
+                    a[h][0] = _mm512_dpbf16_ps(a[h][0], v0, pw);
+                    a[h][1] = _mm512_dpbf16_ps(a[h][1], v1, pw);
+                    a[h][2] = _mm512_dpbf16_ps(a[h][2], v2, pw);
+                    a[h][3] = _mm512_dpbf16_ps(a[h][3], v3, pw);
                 }
             }
             for (int64_t h = 0; h < bh; h++)
-                for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + (h0 + h) * R + r0 + 16 * j, m[j], a[h][j]);
+                for (int j = 0; j < 4; j++) _mm512_mask_storeu_ps(acc + (h0 + h) * R + r0 + 16 * j, sm[j], a[h][j]);
         }
     }
 }

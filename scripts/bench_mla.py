@@ -5,15 +5,18 @@ expanded form (decompress every cached latent into per-head K and V, then attend
 size. Each case times the attention from the query projections' output to the o_proj input (W_UK
 and W_UV products included in the absorbed forms). Best of ``--repeats``. The expanded form at
 batch 64 runs ``--expanded-rows`` rows and scales linearly (it is one independent pass per row).
+``--kernel-only``: the decode attention alone (the kernel against its twin on the same query,
+taking turns each repeat; the median of the repeats' ratios), the figure a kernel change moves.
 Ends with one JSON line.
 
-    .venv/bin/python scripts/bench_mla.py [--threads 2] [--repeats 3] [--shapes v2-lite,v3]
+    .venv/bin/python scripts/bench_mla.py [--threads 2] [--repeats 3] [--shapes v2-lite,v3] [--kernel-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -40,7 +43,20 @@ def best(fn, repeats: int) -> float:
     return min(times)
 
 
-def run_case(s: dict, bs: int, ctx: int, repeats: int, expanded_rows: int, native) -> dict:
+def turns(fn_a, fn_b, repeats: int) -> tuple[float, float, float]:
+    """Best times of ``fn_a`` and ``fn_b`` run in turns, and the median of the repeats' b / a."""
+    fn_a(), fn_b()  # warm
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((fn_a, ta), (fn_b, tb)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return min(ta), min(tb), statistics.median(b / a for a, b in zip(ta, tb))
+
+
+def run_case(s: dict, bs: int, ctx: int, repeats: int, expanded_rows: int, native,
+             kernel_only: bool = False) -> dict:
     H, r, dr, dn, dv = s["heads"], s["r"], s["dr"], s["dn"], s["dv"]
     dt = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
@@ -71,6 +87,12 @@ def run_case(s: dict, bs: int, ctx: int, repeats: int, expanded_rows: int, nativ
 
     row = {"batch": bs, "context": ctx}
     kernel = MLADecodeKernel(native)
+    if kernel_only:
+        q = torch.cat([torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe], dim=-1).contiguous()
+        a, b, ratio = turns(lambda: kernel(q, cache, table, lens, r, scale),
+                            lambda: mla_decode_torch(q, cache, table, lens, r, scale), repeats)
+        return {**row, "native_ms": a * 1e3, "torch_twin_ms": b * 1e3, "twin_over_native": ratio,
+                "kernel_isa": kernel.isa}
     row["native_ms"] = best(lambda: absorbed(kernel), repeats) * 1e3
     row["torch_twin_ms"] = best(lambda: absorbed(mla_decode_torch), repeats) * 1e3
     row["expanded_ms"] = best(expanded, repeats) * 1e3 * bs / min(bs, expanded_rows)
@@ -97,6 +119,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--contexts", default="1024,8192")
     ap.add_argument("--expanded-rows", type=int, default=2)
+    ap.add_argument("--kernel-only", action="store_true", help="the decode attention alone, kernel vs twin")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     native = native_kernels()
@@ -105,9 +128,14 @@ def main() -> None:
     summary = {}
     for name in args.shapes.split(","):
         s = SHAPES[name]
-        rows = [run_case(s, int(bs), int(ctx), args.repeats, args.expanded_rows, native)
+        rows = [run_case(s, int(bs), int(ctx), args.repeats, args.expanded_rows, native, args.kernel_only)
                 for bs in args.batches.split(",") for ctx in args.contexts.split(",")]
         for row in rows:
+            if args.kernel_only:
+                print(f"{name:8s} bs {row['batch']:3d} ctx {row['context']:5d}: native {row['native_ms']:9.2f} ms  "
+                      f"twin {row['torch_twin_ms']:9.2f} ms (median twin / native {row['twin_over_native']:.2f})",
+                      flush=True)
+                continue
             print(f"{name:8s} bs {row['batch']:3d} ctx {row['context']:5d}: native {row['native_ms']:9.2f} ms  "
                   f"twin {row['torch_twin_ms']:9.2f} ms ({row['twin_over_native']:.2f}x)  expanded "
                   f"{row['expanded_ms']:10.2f} ms ({row['expanded_over_native']:.1f}x)", flush=True)

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.skipif(native is None, reason="no C compiler: the nativ
 R, DR, PAGE, PAGES = 64, 16, 4, 40
 
 
-def case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0):
+def case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0, rank: int = R):
     gen = torch.Generator().manual_seed(seed)
-    cache = torch.randn(1, PAGES, PAGE, R + DR, generator=gen).to(dtype)
+    cache = torch.randn(1, PAGES, PAGE, rank + DR, generator=gen).to(dtype)
     n = len(lens)
     width = -(-max(lens) // PAGE)
     # each row's pages: a shuffled distinct set, padded with the scratch page 0
@@ -28,7 +28,7 @@ def case(dtype: torch.dtype, heads: int, lens: list[int], seed: int = 0):
         k = -(-length // PAGE)
         table[i, :k] = perm[at : at + k] if at + k <= PAGES - 1 else perm[:k]
         at += k
-    q = torch.randn(n, heads, R + DR, generator=gen).to(dtype)
+    q = torch.randn(n, heads, rank + DR, generator=gen).to(dtype)
     return q, cache, table, torch.tensor(lens, dtype=torch.int32)
 
 
@@ -45,6 +45,18 @@ def test_native_matches_torch_twin(portable, dtype, atol, heads):
     want = mla_decode_torch(q.float(), cache.float(), table, lens, R, scale)
     assert got.shape == (4, heads, R) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("rank", [40, 100])
+def test_ranks_off_the_register_block(rank):
+    """A latent rank that is not a multiple of the weighted sum's 64 columns (masked tails), odd
+    tiles (token pairs with a lone last token) and a head count off the 4-head block."""
+    kernel = MLADecodeKernel(native)
+    q, cache, table, lens = case(torch.bfloat16, 7, [1, 31, 33, 70], rank=rank)
+    scale = (rank + DR) ** -0.5
+    got = kernel(q, cache, table, lens, rank, scale)
+    want = mla_decode_torch(q.float(), cache.float(), table, lens, rank, scale)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=0)
 
 
 def test_rows_attend_only_their_own_tokens():
