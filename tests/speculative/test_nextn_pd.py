@@ -204,3 +204,35 @@ def test_a_prefill_without_nextn_is_refused_naming_both_layer_counts(copy_mtp):
         assert pair.decode.spec.stats.proposed == 0
     finally:
         pair.close()
+
+
+def test_a_prompt_partly_in_the_decodes_cache_drafts_from_the_hidden_state(copy_mtp):
+    """Pages the decode's prefix cache stood in for were not sent, so their MTP rows are unknown:
+    that request's MTP starts from the handed-over hidden state alone; output unchanged."""
+    first = random_prompts([14], seed=5)[0]
+    prompts = {"a": first, "b": first[:12] + random_prompts([5], seed=6)[0]}
+    want, _ = colocated(copy_mtp, prompts)
+    pair = nextn_pair(copy_mtp, "mooncake")
+    handed: dict[str, tuple[int, object, int]] = {}
+    observe_handed = pair.decode.spec.observe_handed
+
+    def record(req, start, hidden, prompt_kv):
+        handed[req.rid] = (start, prompt_kv, req.num_cache_pages)
+        observe_handed(req, start, hidden, prompt_kv)
+
+    pair.decode.spec.observe_handed = record
+    try:
+        pair.submit("a", prompts["a"], max_new=NEW, stream=True)
+        pair.run(pair.done("a", sides="PD"), timeout=300)  # its pages stay in both caches (no settle)
+        pair.submit("b", prompts["b"], max_new=NEW, stream=True)
+        run_checked(pair, ["a", "b"])
+        for rid in prompts:
+            assert pair.final("D", rid).finish_reason != "error", pair.final("D", rid).error
+            assert pair.tokens(rid) == want[rid], rid
+        start, prompt_kv, cached = handed["a"]
+        assert cached == 0 and prompt_kv is not None and prompt_kv.count == start == 13
+        start, prompt_kv, cached = handed["b"]
+        assert cached == 3 and prompt_kv is None and start == 16  # 12 tokens from the decode's cache
+        assert pair.outputs["D:b"][1].spec_verify_ct == 1  # it still drafts from its first step
+    finally:
+        pair.close()
