@@ -29,7 +29,6 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.engine.speculative.adaptive import AdaptiveRule
 from pdserve.engine.speculative.nextn_handoff import last_prompt_rows, mtp_kv_layers
-from pdserve.engine.speculative.nextn_prompt import prompt_rows
 from pdserve.kvtransfer.engines.transfer_engine import create_transfer_engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -132,14 +131,6 @@ def run_checked(pair: PDPair, rids: list[str]) -> None:
     pair.run(until, timeout=300)
     pair.settle()
     assert proposer.num_requests == 0 and proposer.pool.num_used == 0
-
-
-def test_prompt_rows_are_those_whose_next_token_is_in_the_prompt():
-    # prompts of 9, 14 and 5 tokens; the second's first chunk of 8, the third's last of its one token
-    rows = prompt_rows([9, 14, 5], [0, 0, 4], [9, 8, 1])
-    assert [(r.index, r.row, r.start, r.count) for r in rows] == [(0, 0, 0, 8), (1, 9, 0, 8)]
-    assert [(r.row, r.start, r.count) for r in prompt_rows([14], [8], [6])] == [(0, 8, 5)]
-    assert prompt_rows([1], [0], [1]) == []  # a one-token prompt: its one row needs the first token
 
 
 @pytest.mark.parametrize("backend,layerwise", [("mooncake", False), ("nixl", False), ("mooncake", True)],
