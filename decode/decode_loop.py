@@ -45,7 +45,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.messages import RankMetrics, SchedulerStats
 from pdserve.engine.pd_rules import local_prefill_refusal
-from pdserve.engine.speculative.nextn_handoff import NO_HIDDEN_STATE, aux_hidden_bytes, hidden_row
+from pdserve.engine.speculative.nextn_handoff import NO_HIDDEN_STATE, PromptKV, aux_hidden_bytes, hidden_row
 from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.kvtransfer.decode_kv_manager import DecodeKVManager
@@ -235,10 +235,20 @@ class DecodeLoop(SchedulerLoop):
         if self.hidden_bytes:  # the MTP drafts from the prompt's last position on
             arch = self.runner.arch
             self.spec.observe_handed(req, req.prompt_len - 1,
-                                     hidden_row(aux.hidden, arch.hidden_size, self.runner.dtype, self.device))
+                                     hidden_row(aux.hidden, arch.hidden_size, self.runner.dtype, self.device),
+                                     self._prompt_mtp_kv(req))
         self.scheduler.add_prefilled(req)
         if req.stream:
             self._outbox.append(self._output(req))
+
+    def _prompt_mtp_kv(self, req: Req) -> PromptKV | None:
+        """Where the prefill's MTP KV of ``req``'s prompt arrived: the pool's layer past the model's
+        (``nextn_handoff.mtp_kv_layers``). None when the pool has no such layer, or when pages of this
+        rank's prefix cache stood in for some (their MTP rows were never sent): the MTP then starts
+        at the prompt's last position."""
+        if self.pool.num_layers <= self.runner.arch.num_layers or req.num_cache_pages:
+            return None
+        return PromptKV(self.pool, self.runner.arch.num_layers, list(req.pages), req.prompt_len - 1)
 
     def step(self):
         outputs = super().step()

@@ -121,6 +121,11 @@ def layout_mismatch(prefill, prefill_heads: int, decode, decode_heads: int) -> s
         reasons.append(f"model mismatch: prefill {prefill.model or 'unknown'}, decode {decode.model or 'unknown'}")
     if prefill.quantization != decode.quantization:
         reasons.append(f"weights quantization: prefill {prefill.quantization}, decode {decode.quantization}")
+    if prefill.num_layers != decode.num_layers:
+        # a NEXTN rank's pool holds the MTP layer's KV as one layer past the model's
+        reasons.append(f"layer count mismatch: prefill {prefill.num_layers} layers, decode {decode.num_layers} "
+                       f"(a --speculative-algorithm NEXTN server's pool has its MTP layer as one more: start "
+                       f"both servers with it, or neither)")
     diff = msgspec.structs.replace(prefill, num_kv_heads=prefill_heads, quantization=decode.quantization,
                                    model=decode.model).mismatch(
         msgspec.structs.replace(decode, num_kv_heads=decode_heads)

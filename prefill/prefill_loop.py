@@ -18,7 +18,9 @@ A request's path (docs/ARCHITECTURE.md, request flow steps 3 and 5):
 
 Under ``--speculative-algorithm NEXTN`` the model keeps its hidden rows, and the aux data of
 step 3 also carries the last prompt position's hidden state, which the decode's MTP drafts from
-(``engine/speculative/nextn_handoff.py``).
+(``engine/speculative/nextn_handoff.py``). After each forward the MTP layer runs over the step's
+prompt rows into the pool's last layer (``engine/speculative/nextn_prompt.py``), so the pages of
+step 2 carry its KV too (layer-wise: that layer last).
 
 A ``/health_generate`` probe (``health_probe``) has no peer: it skips steps 1
 and 3, so its prefill runs on this rank and its pages are dropped at once.
@@ -41,6 +43,7 @@ from pdserve.engine.sched.request import FinishReason, Req
 from pdserve.engine.sched.scheduler import ScheduledBatch
 from pdserve.engine.sched.scheduler_loop import SchedulerLoop
 from pdserve.engine.speculative.nextn_handoff import aux_hidden_bytes, last_prompt_rows
+from pdserve.engine.speculative.nextn_prompt import PromptMTP, then_mtp
 from pdserve.kvtransfer.aux_pool import AuxData
 from pdserve.kvtransfer.kv_poll import KVPoll
 from pdserve.kvtransfer.kv_sender import KVSender
@@ -65,9 +68,11 @@ class PrefillLoop(SchedulerLoop):
         self.inflight: RoomQueue[Req, KVSender] = RoomQueue()  # last chunk queued, pages held
         # NEXTN: the hidden state of each prefilled request's last prompt position, until its aux data leaves
         self.hidden: dict[str, bytes] | None = None
+        self.prompt_mtp: PromptMTP | None = None  # NEXTN: the MTP layer's KV of the prompts
         if aux_hidden_bytes(config.speculative_algorithm, self.runner):
             self.runner.model.keep_hidden = True
             self.hidden = {}
+            self.prompt_mtp = PromptMTP(self.runner)
 
     # ------------------------------------------------------------------ inputs
     def validate(self, req: Req) -> str | None:
@@ -166,7 +171,16 @@ class PrefillLoop(SchedulerLoop):
 
     def layer_hook(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager:
         """Layer-wise send: the pages this forward completes go to their senders now, tied to the
-        forward's ``LayerSignal``; the transfer threads write each layer once it is stored."""
+        forward's ``LayerSignal``; the transfer threads write each layer once it is stored. Under
+        NEXTN the MTP layer runs over the step's prompt rows once the forward returned, its pool
+        layer marked done last."""
+        hook = self._send_hook(batch)
+        mtp = self.prompt_mtp
+        if mtp is None:
+            return hook
+        return then_mtp(hook, lambda: mtp.run(batch.reqs, batch.prefix_lens, batch.extend_lens), mtp.layer)
+
+    def _send_hook(self, batch: ScheduledBatch) -> contextlib.AbstractContextManager:
         if not self.kv.config.layerwise:
             return contextlib.nullcontext()
         signal = self.kv.layer_signal()

@@ -83,17 +83,17 @@ def pool_num_pages(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, de
 
 def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: torch.device,
                    num_kv_heads: int | None = None, free_at_start: int | None = None,
-                   weights_bytes: int = 0, ranks: int = 1) -> PoolSize:
+                   weights_bytes: int = 0, ranks: int = 1, extra_kv_layers: int = 0) -> PoolSize:
     """This rank's pool (``pool_sizing.size_pool``). ``num_kv_heads``: the heads this pool holds (a
     TP rank's share; default all of the model's); ``weights_bytes``: what this rank's weights
     allocated; ``ranks``: the server's scheduler ranks on this host; ``free_at_start``: CUDA's free
-    memory before the weights loaded."""
+    memory before the weights loaded; ``extra_kv_layers``: layers the pool holds past the model's."""
     kv_heads = arch.num_kv_heads if num_kv_heads is None else num_kv_heads
     cuda = device.type == "cuda" and config.max_total_tokens is None
     size = size_pool(
         max_total_tokens=config.max_total_tokens, mem_fraction_static=config.mem_fraction_static,
-        device_type=device.type, per_token_bytes=PagePool.bytes_per_token(arch.num_layers, kv_heads, arch.head_dim, dtype,
-                                                                             arch.kv_kind),
+        device_type=device.type, per_token_bytes=PagePool.bytes_per_token(arch.num_layers + extra_kv_layers, kv_heads,
+                                                                             arch.head_dim, dtype, arch.kv_kind),
         weights_bytes=weights_bytes, max_context_len=arch.max_context_len,
         max_running_requests=config.max_running_requests, page_size=config.page_size, ranks=ranks,
         host_bytes=host_memory_bytes() if device.type == "cpu" else None,
@@ -106,11 +106,13 @@ def rank_pool_size(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, de
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, ranks: int = 1, page_pool: PagePool | None = None):
+    def __init__(self, config: EngineConfig, ranks: int = 1, page_pool: PagePool | None = None,
+                 extra_kv_layers: int = 0):
         """``ranks``: the scheduler ranks of this server on this host, which share one memory budget
         on CPU (``pool_sizing``). ``page_pool``: another runner's pool to attend over and write
         into, of this model's KV layout (a self-draft sharing the target's KV), instead of a pool
-        of its own."""
+        of its own. ``extra_kv_layers``: layers its own pool holds past the model's, which the
+        model never writes (a PD NEXTN rank's MTP layer, ``nextn_handoff.mtp_kv_layers``)."""
         self.config = config
         threads = config.num_threads or env.PDSERVE_NUM_THREADS
         if threads:
@@ -140,9 +142,9 @@ class ModelRunner:
         weights_bytes = tensor_bytes(self.model)
         if page_pool is None:
             size = rank_pool_size(config, arch, self.dtype, self.device, tp.num_kv_heads, free_at_start,
-                                  weights_bytes, ranks)
+                                  weights_bytes, ranks, extra_kv_layers)
             num_pages = all_reduce_min(size.num_pages(config.page_size))
-            self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers, tp.num_kv_heads,
+            self.page_pool = PagePool(num_pages, config.page_size, arch.num_layers + extra_kv_layers, tp.num_kv_heads,
                                       arch.head_dim, self.dtype, self.device, config.quantization, arch.kv_kind)
             self.page_pool.model = self._identity(source)
             rule = size.rule
@@ -160,7 +162,7 @@ class ModelRunner:
         )
         # the KV pages' bytes over the TP ranks of this DP rank (each holds its heads' share)
         self.kv_pool_bytes = self.page_pool.max_total_tokens * tp.size * PagePool.bytes_per_token(
-            arch.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype, arch.kv_kind)
+            self.page_pool.num_layers, tp.num_kv_heads, arch.head_dim, self.dtype, arch.kv_kind)
         logger.info("loaded %s (%s) as %s, weights %s (%.2f GiB on this rank), in %.1fs (TP rank %d of %d: %d heads, "
                     "%d KV heads); decode steps of <= %d tokens through native gemv", source.path, arch.arch,
                     self.dtype, config.quantization, weights_bytes / 2**30, time.perf_counter() - t0, tp.rank,

@@ -25,6 +25,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sched.request import Req
 from pdserve.engine.sched.scheduler import ForwardMode, ScheduledBatch, Scheduler
 from pdserve.engine.speculative.adaptive import AdaptiveRule
+from pdserve.engine.speculative.nextn_handoff import PromptKV
 from pdserve.engine.speculative.proposer import DraftInput, chain_parents, is_chain, tree_children, tree_depths
 from pdserve.engine.speculative.registry import create_proposer
 from pdserve.engine.speculative.spec_metrics import SpecStats
@@ -123,11 +124,16 @@ class Speculation:
                 self.proposer.observe(req.rid, start, hidden[row : row + valid])
             row += n
 
-    def observe_handed(self, req: Req, start: int, hidden: torch.Tensor) -> None:
+    def observe_handed(self, req: Req, start: int, hidden: torch.Tensor, prompt_kv: PromptKV | None = None) -> None:
         """A PD decode's request: the hidden states [n, hidden] the prefill handed over, at positions
-        ``start ..`` (NEXTN: the prompt's last), before its first decode step."""
-        if self.wants_hidden and can_speculate(req):
+        ``start ..`` (NEXTN: the prompt's last), before its first decode step; ``prompt_kv``: where
+        the MTP layer's KV of the positions before ``start`` came."""
+        if not (self.wants_hidden and can_speculate(req)):
+            return
+        if prompt_kv is None:
             self.proposer.observe(req.rid, start, hidden)
+        else:
+            self.proposer.observe_prompt(req.rid, prompt_kv, hidden)
 
     # ----------------------------------------------------------------- verify
     def verify(self, reqs: list[Req], drafts: list[list[int]], parents: list[list[int]],

@@ -22,6 +22,10 @@ pool is a 1/num_layers share of the target's, mirrors only speculating requests,
 go back with the request (``release``). When it cannot hold a request's slots, that request
 drafts nothing and drops its MTP state (which restarts at the next position observed).
 
+On a PD decode the prompt's MTP rows come from the prefill, in the last layer of the target's
+pages (``nextn_prompt.py``); ``observe_prompt`` copies them into this pool with the last prompt
+position's hidden state pending, the state a colocated MTP has before its prompt's catch-up ends.
+
 Under tensor parallelism every rank runs the same MTP steps on its shard in lockstep, as the target.
 """
 
@@ -42,6 +46,7 @@ from pdserve.engine.model_executor.models.deepseek_mtp import DeepseekMTP
 from pdserve.engine.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pdserve.engine.model_executor.parallel import all_reduce_min
 from pdserve.engine.speculative.draft_model import COST_PAIRS, ScratchDecode, draft_pool_tokens
+from pdserve.engine.speculative.nextn_handoff import PromptKV
 from pdserve.engine.speculative.proposer import Draft, DraftInput, chains_at
 from pdserve.engine.speculative_names import NEXTN
 
@@ -117,6 +122,27 @@ class NextNProposer:
         seq.done = keep_done
         rows = hidden.detach().clone()
         seq.pending = rows if kept is None or kept.shape[0] == 0 else torch.cat([kept, rows])
+
+    def observe_prompt(self, rid: str, prompt: PromptKV, hidden: torch.Tensor) -> None:
+        """A PD decode's request: the MTP's KV of positions ``0 .. prompt.count - 1`` as the prefill
+        computed it (``nextn_prompt.py``), and the target's hidden state [1, hidden] at
+        ``prompt.count`` (the prompt's last position). Its pages are copied into this pool, so the MTP
+        goes on as a colocated one after its prompt's catch-up; when they do not fit, it starts
+        from the hidden state alone (``observe``)."""
+        if prompt.pool.page_size != self.page_size:
+            raise ValueError(f"prompt KV in pages of {prompt.pool.page_size} tokens, the MTP's are {self.page_size}")
+        self.release(rid)
+        n = self.pool.pages_for(prompt.count)
+        if n > self.pool.num_free:
+            self.observe(rid, prompt.count, hidden)
+            return
+        seq = self._seqs[rid] = _MTPSeq(0, done=prompt.count, pages=self.pool.alloc(n))
+        if n:
+            dst = torch.tensor(seq.pages, dtype=torch.int64, device=self.device)
+            src = torch.tensor(prompt.pages[:n], dtype=torch.int64, device=self.device)
+            # [heads, pages, page_size, width]: whole pages (slots past count are rewritten before read)
+            self.pool.k[0].index_copy_(1, dst, prompt.pool.k[prompt.layer].index_select(1, src))
+        seq.pending = hidden.detach().clone()
 
     # ------------------------------------------------------------- proposer
     def propose(self, inputs: Sequence[DraftInput]) -> list[Draft]:

@@ -5,13 +5,16 @@ never runs the prompt. So a prefill started with ``--speculative-algorithm NEXTN
 target's hidden rows (``keep_hidden``) and sends h_{P-1}, the state at the last of the P prompt
 positions, with the first token in the room's aux slot (``kvtransfer/aux_pool.py``), as SGLang's
 prefill servers of an EAGLE/MTP deployment send their hidden states: ``hidden_size`` values in the
-model's dtype, as raw bytes. The decode's proposer starts from it (``observe`` at position P - 1),
-so its first step already drafts. A decode whose room came without it (a prefill not started with
-NEXTN) fails the request naming the flag, rather than drafting from zeros.
+model's dtype, as raw bytes. The decode's proposer starts from it at position P - 1, so its
+first step already drafts. A decode whose room came without it fails the request naming the flag,
+rather than drafting from zeros.
 
-The MTP's own KV on the decode then starts at position P - 1 (the prompt's MTP rows are not
-computed there): its first drafts attend to fewer positions than colocated ones, which can lower
-their acceptance, never the output (every draft is verified by the target).
+The MTP's own KV for the prompt comes too: both sides' pools hold one layer more than the model
+(``mtp_kv_layers``), the prefill's MTP writes its prompt rows there (``nextn_prompt.py``), and the
+pages carry them as any layer's. The decode's MTP copies them into its own pool (``PromptKV``,
+``NextNProposer.observe_prompt``) and starts with the prompt's KV, as colocated. A prefill not
+started with NEXTN has one layer less, so the decode's pool is refused at registration, naming
+both layer counts.
 
 Hidden states are the same on every TP rank (the final norm follows the all-reduce), so the one
 prefill rank that writes a room's aux data sends it, whatever the two sides' TP sizes.
@@ -19,12 +22,32 @@ prefill rank that writes a room's aux data sends it, whatever the two sides' TP 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.engine.speculative_names import NEXTN
 
 NO_HIDDEN_STATE = (f"the prefill sent no hidden state of the prompt's last token, which speculative_algorithm "
                    f"{NEXTN} drafts from: start the prefill server with --speculative-algorithm {NEXTN} too")
+
+
+def mtp_kv_layers(speculative_algorithm: str | None) -> int:
+    """Layers a PD rank's page pool holds past the model's: the MTP layer's, under NEXTN. Both
+    sides of a pair need the same (the transfer refuses other layer counts at registration)."""
+    return 1 if speculative_algorithm == NEXTN else 0
+
+
+@dataclass(frozen=True)
+class PromptKV:
+    """Where a decode's request holds the MTP layer's KV of its prompt positions ``0 .. count - 1``
+    as the prefill sent it: layer ``layer`` of ``pool``, the request's ``pages`` (token t in slot
+    ``pages[t // page_size] * page_size + t % page_size``)."""
+
+    pool: object  # PagePool
+    layer: int
+    pages: list[int]
+    count: int
 
 
 def check_target(model, arch_name: str) -> None:

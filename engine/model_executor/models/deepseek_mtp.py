@@ -47,15 +47,16 @@ class MTPLayer:
     """One MTP layer, its tensors named as the checkpoint names them below ``model.layers.{n}.``."""
 
     def __init__(self, cfg: dict, plan: KernelPlan, tp, layer_index: int, rope: LatentRope, scale: float,
-                 target: DeepseekV2ForCausalLM, own_embed: bool, own_head: bool):
+                 target: DeepseekV2ForCausalLM, own_embed: bool, own_head: bool, kv_layer: int = 0):
         hidden, eps = cfg["hidden_size"], float(cfg.get("rms_norm_eps", 1e-6))
         self.enorm = RMSNorm(plan, hidden, eps)
         self.hnorm = RMSNorm(plan, hidden, eps)
         self.eh_proj = ReplicatedLinear(plan, 2 * hidden, hidden)
         gate, gate_bias = target.gate_config(cfg)
         dense = layer_index < int(cfg.get("first_k_dense_replace", 0))
-        # layer id 0: the MTP's own one-layer pool
-        block = DeepseekDecoderLayer(cfg, plan, tp, 0, rope, scale, None if dense else gate, gate_bias)
+        # its KV goes to layer ``kv_layer`` of the pool it runs over: 0 of the MTP's own one-layer
+        # pool, or the last layer of a PD prefill's pool, whose pages carry it to the decode
+        block = DeepseekDecoderLayer(cfg, plan, tp, kv_layer, rope, scale, None if dense else gate, gate_bias)
         self.input_layernorm, self.self_attn = block.input_layernorm, block.self_attn
         self.post_attention_layernorm, self.mlp = block.post_attention_layernorm, block.mlp
         self._block = block
@@ -68,12 +69,14 @@ class MTPLayer:
 
 class DeepseekMTP:
     """The checkpoint's first MTP layer over a one-layer latent pool, built beside ``target`` (the
-    loaded DeepSeek model, whose kernel plan, TP shard, embedding and head it shares)."""
+    loaded DeepSeek model, whose kernel plan, TP shard, embedding and head it shares). ``kv_layer``:
+    the pool layer its KV goes to (0 of its own pool; a PD prefill's MTP writes the target pool's
+    last layer, ``speculative/nextn_prompt.py``)."""
 
     packed_modules_mapping = DeepseekV2ForCausalLM.packed_modules_mapping
     tied_weights: dict[str, str] = {}
 
-    def __init__(self, target: DeepseekV2ForCausalLM, model_path: str):
+    def __init__(self, target: DeepseekV2ForCausalLM, model_path: str, kv_layer: int = 0):
         cfg = target.cfg
         if num_nextn_layers(cfg) < 1:
             raise ValueError(f"speculative_algorithm NEXTN needs a checkpoint with MTP layers "
@@ -95,7 +98,7 @@ class DeepseekMTP:
         self.rope = LatentRope(rope, shape.qk_rope_head_dim, arch.max_context_len, target.rope_interleaved(cfg),
                                plan.dtype, plan.device)
         self.layers = [MTPLayer(cfg, plan, tp, first, self.rope, softmax_scale(rope, shape.qk_head_dim), target,
-                                own_embed, own_head)]
+                                own_embed, own_head, kv_layer)]
         load_weights(self, {f"layers.0.{k}": v for k, v in weights.items()})
         self.layers[0].self_attn.absorb()
         self.hidden_size = arch.hidden_size
@@ -103,10 +106,12 @@ class DeepseekMTP:
     def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
         return expert_weight_name(name)
 
-    def forward(self, batch: ForwardBatch, pool, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One step over ``pool`` (one layer, latent): row r feeds token ``batch.input_ids[r]`` with
-        the hidden state ``hidden[r]`` of the position before it. Returns the logits of
-        ``batch.logits_indices`` (float32 [n, vocab]) and every row's output hidden state [T, hidden]."""
+    def forward(self, batch: ForwardBatch, pool, hidden: torch.Tensor, logits: bool = True
+                ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One step over ``pool`` (latent; its KV into layer ``kv_layer``): row r feeds token
+        ``batch.input_ids[r]`` with the hidden state ``hidden[r]`` of the position before it. Returns
+        the logits of ``batch.logits_indices`` (float32 [n, vocab]; None without ``logits``: only the
+        KV was wanted) and every row's output hidden state [T, hidden]."""
         layer = self.layers[0]
         meta = MLAStep(batch, pool.page_size)
         step = Step(batch.input_ids.shape[0], batch.is_decode)
@@ -114,6 +119,8 @@ class DeepseekMTP:
         e = layer.enorm.forward(layer._embed.forward(batch.input_ids))
         x = layer.eh_proj.forward(torch.cat([e, layer.hnorm.forward(hidden.to(e.dtype))], dim=-1), step)
         h = layer.shared_head.norm.forward(layer._block.forward(x, step, pool, meta))
+        if not logits:
+            return None, h
         rows = h.index_select(0, batch.logits_indices)
         return layer._head.forward(rows, Step(rows.shape[0], batch.is_decode)), h
 
