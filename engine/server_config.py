@@ -194,14 +194,10 @@ class ServerConfig:
 
     def _check_dp_attention(self) -> None:
         """What DP attention serves: attention groups of tp_size / dp_size processes on one node, no
-        speculation, no DeepEP, no EPLB, and PD with groups of one process only (the model's own
-        check refuses architectures without an idle forward)."""
+        speculation, no DeepEP, no EPLB (the model's own check refuses architectures without an
+        idle forward)."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
-                             f"tp_size {self.tp_size}")
-        if self.dp_size != self.tp_size and self.disaggregation_mode != "null":
-            raise ValueError(f"enable_dp_attention in disaggregation_mode {self.disaggregation_mode!r} needs "
-                             f"attention groups of one rank (dp_size equal to tp_size), got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
         refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
                    (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
