@@ -7,17 +7,21 @@ routed experts), and for the tiny Qwen3-MoE with whole experts exchanged by all-
 of a group sends its share of the group's rows).
 
 One four-rank server per model: on a shared 2-core machine each stand is slow, so each test
-asks everything of its one stand.
+asks everything of its one stand; the Llama one ends by killing a follower rank of the idle
+group, which takes the server down.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 
 import pytest
 from server_helpers import ServerProcess
 from support.deepseek_util import make_deepseek_checkpoint
+from support.pd_stand import wait_for
 from test_tp_server import PROMPTS, rank_pids
 
 from pdserve.entrypoints.engine import Engine
@@ -41,9 +45,10 @@ def dispatched(server) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r'pdserve_requests_total\{[^}]*dp_rank="(\d)"[^}]*\} (\S+)', text)}
 
 
-def check_groups_equal_tp1(path: str, *flags: str) -> None:
+def check_groups_equal_tp1(path: str, *flags: str, kill_follower: bool = False) -> None:
     """A server of two two-rank groups on ``path``: a batch over both groups, then each group alone
-    (the other idling through every MLP's collectives), greedy equal to TP 1; pools unleaked."""
+    (the other idling through every MLP's collectives), greedy equal to TP 1; pools unleaked. With
+    ``kill_follower``: then group 1's rank 1 is killed while group 0 decodes, which ends the server."""
     want = tp1_outputs(path)
     server = ServerProcess("--model-path", path, *GROUPS, *flags)
     try:
@@ -73,12 +78,37 @@ def check_groups_equal_tp1(path: str, *flags: str) -> None:
             assert after[str(rank)] == before.get(str(rank), 0) + 1
             assert after.get(str(1 - rank), 0) == before.get(str(1 - rank), 0)
         server.wait_idle_and_unleaked()
+        if kill_follower:
+            kill_idle_follower(server)
     finally:
         server.stop()
 
 
+def kill_idle_follower(server) -> None:
+    """Kill group 1's rank 1 while group 0 runs a long request: the request ends 503 naming the dead
+    rank, and the server exits 1."""
+    pids = rank_pids(server.proc.pid)
+    result = {}
+
+    def long_request() -> None:
+        result["r"] = server.post("/generate", {
+            "input_ids": PROMPTS[0], "routed_dp_rank": 0,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    wait_for(lambda: server.server_info()["internal_states"][0]["num_running_tokens"] > 0, 60,
+             "the request to start")
+    os.kill(pids["pdserve-dp1-tp1"], signal.SIGKILL)
+    t.join(120)
+    r = result["r"]
+    assert r.status_code == 503
+    assert "DP rank 1 TP rank 1 exited with code -9" in r.json()["error"]["message"], r.text
+    assert server.proc.wait(60) == 1
+
+
 def test_llama_groups_of_two_equal_tp1(tiny_checkpoints):
-    check_groups_equal_tp1(tiny_checkpoints["llama"], "--chunked-prefill-size", "16")
+    check_groups_equal_tp1(tiny_checkpoints["llama"], "--chunked-prefill-size", "16", kill_follower=True)
 
 
 def test_deepseek_v3_groups_of_two_equal_tp1(tmp_path):
