@@ -54,7 +54,7 @@ class ServerConfig:
     tp_size: int = 1
     # SGLang's --enable-dp-attention: the dp_size DP ranks are attention groups of one server of
     # tp_size ranks (dp_attention.py): each its own scheduler, KV pool and batch, the dense and MoE
-    # layers split over all of them; attention groups of one process each (dp_size == tp_size)
+    # layers split over all of them; attention groups of tp_size / dp_size processes each
     enable_dp_attention: bool = False
     # host:port where DP rank r's TP group meets (port + r); None: a free local port per DP rank
     # (one node). Needed when one DP rank spans nodes (nnodes > 1): the address of node 0.
@@ -193,14 +193,12 @@ class ServerConfig:
                 )
 
     def _check_dp_attention(self) -> None:
-        """What DP attention serves: attention groups of one process on one node, no speculation,
-        no DeepEP, no EPLB (the model's own check refuses architectures without an idle forward)."""
+        """What DP attention serves: attention groups of tp_size / dp_size processes on one node, no
+        speculation, no DeepEP, no EPLB (the model's own check refuses architectures without an
+        idle forward)."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
-        if self.dp_size != self.tp_size:
-            raise ValueError(f"enable_dp_attention runs attention groups of one rank only (dp_size equal to "
-                             f"tp_size), got dp_size {self.dp_size}, tp_size {self.tp_size}")
         refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
                    (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
                    # the groups run different numbers of forwards: no step boundary is common to all

@@ -64,7 +64,8 @@ _HELP = {
     "tp_size": "tensor-parallel processes per DP rank (heads, MLP and LM head split between them)",
     "enable_dp_attention": "data-parallel attention: the dp_size DP ranks are attention groups of one tp_size "
                            "server, each with its own scheduler, KV pool and batch, the dense layers split over "
-                           "all of them (needs dp_size = tp_size; Llama family, Qwen3-MoE, DeepSeek)",
+                           "all of them (dp_size divides tp_size: groups of tp_size / dp_size ranks; Llama "
+                           "family, Qwen3-MoE, DeepSeek)",
     "dist_init_addr": "host:port where DP rank r's TP group meets (port + r; under --enable-dp-attention one "
                       "group of every DP rank at port); default: a free local port",
     "nnodes": "nodes one DP rank's TP processes span (then dp_size must be 1)",

@@ -1,19 +1,23 @@
 """Data-parallel attention (SGLang's ``--enable-dp-attention``): the dense layers over every
 attention group, and the forward rounds that keep the groups' collectives in step.
 
-Each attention group (one process, ``parallel.init_dp_attention``) runs attention on its own batch
-with its own KV pool; the MLP's weights are split over all groups like TP's. Before an MLP a
-group's rows join the other groups' (``dp_gather``: padded to the largest of the counts its round
-announced), every group multiplies all rows by its slice, the partial sums are all-reduced, and
-each group keeps its own rows (``dp_scatter``), so a token's MLP is the same sum TP computes.
+Each attention group (``tp_size / dp_size`` processes, ``parallel.init_dp_attention``) runs
+attention on its own batch with its own KV pool, its heads split over its ranks as TP splits
+them (MLA's latent KV whole on each); the MLP's weights are split over all the world's ranks like
+TP's. Before an MLP a group's rows (the same on each of its ranks) join the other groups'
+(``dp_gather``: padded to the largest of the counts its round announced), every rank multiplies
+all rows by its slice, the partial sums are all-reduced over the world, and each group keeps its
+own rows (``dp_scatter``), so a token's MLP is the same sum TP computes.
 
 The groups schedule independently, so a group may run a forward while another has none, or run
 more forwards in one iteration. Every forward opens a round (``join_forward``); a group done with
 its iteration calls ``finish_iteration``, which answers rounds with an idle forward (zero rows
-through every MLP's collectives) until every group is done. A round is one all-gather of each
-group's (running a forward, rows, sampled rows), so the groups agree on the collectives' order
-without agreeing on a schedule, and every MLP of the forward knows each group's row count
+through every MLP's collectives) until every group is done. A round is one all-gather over the world
+of each rank's (running a forward, rows, sampled rows), so the groups agree on the collectives'
+order without agreeing on a schedule, and every MLP of the forward knows each group's row count
 without asking (``round_counts``: the step's rows, or the sampled rows past the last attention).
+A group's ranks step in lockstep (its leader broadcasts the inputs), so they announce the same
+triple and run the same forwards, idle ones included; a round in which they differ fails.
 """
 
 from __future__ import annotations
@@ -32,11 +36,18 @@ def enabled() -> bool:
 
 def mlp_shard(attn: HeadShard) -> HeadShard:
     """The slice of the dense layers this process holds: ``attn`` (its attention heads) without DP
-    attention; under it, group ``rank`` of ``size`` (the heads stay the group's own)."""
+    attention; under it, world rank ``r`` of ``tp_size`` (the heads stay its attention group's
+    share)."""
     dp = dp_attention()
     if dp is None:
         return attn
-    return HeadShard(dp.rank, dp.size, attn.num_heads, attn.num_kv_heads, attn.q_start, attn.kv_start)
+    return HeadShard(dp.world_rank, dp.world_size, attn.num_heads, attn.num_kv_heads, attn.q_start, attn.kv_start)
+
+
+def mlp_reduces() -> bool:
+    """Whether a dense layer's row-parallel product all-reduces its partial sums itself: not under
+    DP attention, where ``dp_scatter`` sums them over the world."""
+    return not enabled()
 
 
 _COUNTS: tuple[list[int], list[int]] = ([], [])  # this round's rows and sampled rows, per group
@@ -44,11 +55,15 @@ _COUNTS: tuple[list[int], list[int]] = ([], [])  # this round's rows and sampled
 
 def _round(active: bool, rows: int = 0, sampled: int = 0) -> bool:
     global _COUNTS
-    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(dp_attention().size)]
+    dp = dp_attention()
+    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(dp.world_size)]
     dist.all_gather(parts, torch.tensor([int(active), rows, sampled], dtype=torch.int64))
-    table = torch.stack(parts).tolist()
-    _COUNTS = ([r[1] for r in table], [r[2] for r in table])
-    return any(r[0] for r in table)
+    table = torch.stack(parts).view(dp.size, dp.attn_size, 3)  # [group, attention rank, 3]
+    if not bool((table == table[:, :1]).all()):  # a group's ranks must run the same forward
+        raise RuntimeError(f"DP attention: the ranks of an attention group disagree on a round: {table.tolist()}")
+    leaders = table[:, 0].tolist()
+    _COUNTS = ([r[1] for r in leaders], [r[2] for r in leaders])
+    return any(r[0] for r in leaders)
 
 
 def join_forward(rows: int, sampled: int) -> None:
@@ -77,8 +92,10 @@ def finish_iteration(idle_forward: Callable[[], None]) -> int:
 
 
 def dp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Every group's rows of ``x`` [n, hidden] in group order, given each group's row ``counts``."""
-    mine = counts[dp_attention().rank]
+    """Every group's rows of ``x`` [n, hidden] in group order, given each group's row ``counts``
+    (one all-gather over the world; each group's rows are read from its rank 0's part)."""
+    dp = dp_attention()
+    mine = counts[dp.rank]
     if x.shape[0] != mine:  # a wrong count would misplace every group's rows: fail instead
         raise RuntimeError(f"DP attention: this group has {x.shape[0]} rows, its round said {mine}")
     width = max(counts)
@@ -86,9 +103,10 @@ def dp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return x
     padded = x.new_zeros((width,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in counts]
+    parts = [torch.empty_like(padded) for _ in range(dp.world_size)]
     dist.all_gather(parts, padded)
-    return torch.cat([part[:c] for part, c in zip(parts, counts)])
+    leaders = parts[:: dp.attn_size]  # [group] -> its rows, padded
+    return torch.cat([part[:c] for part, c in zip(leaders, counts)])
 
 
 def dp_scatter(y: torch.Tensor, counts: list[int]) -> torch.Tensor:

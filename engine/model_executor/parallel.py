@@ -2,9 +2,10 @@
 the sharded model and the scheduler need.
 
 Each DP rank is its own ``torch.distributed`` world of ``tp_size`` processes (so the default
-group IS the TP group; there is no other group). The one state of our own is the expert-parallel
-layout (``init_ep``): how the group's ranks split the MoE layers' experts, set once per process
-before the model is built, so that every ``FusedMoE`` of any model reads the same layout.
+group IS the TP group; there is no other group), except under DP attention (below). The one
+state of our own is the expert-parallel layout (``init_ep``): how the group's ranks split the MoE
+layers' experts, set once per process before the model is built, so that every ``FusedMoE`` of
+any model reads the same layout.
 Gloo on CPU; on CUDA one group with two backends, NCCL for CUDA tensors and gloo for the
 scheduler's CPU-side broadcast of each step's inputs. Every collective waits at most the
 group's timeout, so a rank whose peer died raises instead of hanging.
@@ -12,9 +13,12 @@ group's timeout, so a rank whose peer died raises instead of hanging.
 With TP 1 nothing is initialised and every helper returns its input: zero collectives.
 
 Data-parallel attention (``init_dp_attention``, SGLang's ``--enable-dp-attention``): the world is
-the server's ``dp_size`` processes, one attention group each (attention TP 1), so the TP helpers
-below see a TP group of one and the dense layers' collectives over the world live in
-``dp_attention.py``.
+the server's ``tp_size`` processes, ``dp_size`` attention groups of ``tp_size / dp_size`` ranks
+each (consecutive world ranks). The TP helpers below then work inside this process's attention
+group (its own process group; with groups of one rank they see a TP group of one), and the dense
+layers' collectives over the world live in ``dp_attention.py``. The expert-parallel all-to-all
+(``all_to_all_rows``, ``exchange_counts``, ``all_gather_rows``) always spans the default group:
+the TP group, or under DP attention the world.
 
 Head split (as SGLang's): rank ``r`` of ``tp`` holds query heads ``[r * H/tp, (r + 1) * H/tp)``;
 KV heads are split the same way when ``kv_heads % tp == 0``, and replicated when ``tp % kv_heads
@@ -77,22 +81,42 @@ def _join_world(rank: int, size: int, init_addr: str, timeout_s: float, device: 
 
 @dataclass(frozen=True)
 class DpAttention:
-    """This process's place under data-parallel attention: attention group ``rank`` of ``size``,
-    the world's rank ``rank`` too (each group is one process)."""
+    """This process's place under data-parallel attention: attention group ``rank`` of ``size``, and
+    rank ``attn_rank`` of that group's ``attn_size`` (its attention tensor-parallel rank). Groups
+    hold consecutive world ranks: this process is world rank ``rank * attn_size + attn_rank``."""
 
     rank: int
     size: int
+    attn_rank: int = 0
+    attn_size: int = 1
+
+    @property
+    def world_rank(self) -> int:
+        return self.rank * self.attn_size + self.attn_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.size * self.attn_size
 
 
 _DP_ATTENTION: DpAttention | None = None
+_ATTN_GROUP = None  # under DP attention with groups of > 1 rank: this process's attention group
 
 
-def init_dp_attention(dp_rank: int, dp_size: int, init_addr: str, timeout_s: float, device: torch.device) -> None:
-    """Join the world of the server's ``dp_size`` attention groups at ``init_addr`` (DP rank 0
-    listens there); from now on the TP helpers answer for this group alone (TP 1)."""
-    global _DP_ATTENTION
-    _join_world(dp_rank, dp_size, init_addr, timeout_s, device)
-    _DP_ATTENTION = DpAttention(dp_rank, dp_size)
+def init_dp_attention(dp_rank: int, dp_size: int, init_addr: str, timeout_s: float, device: torch.device,
+                      attn_rank: int = 0, attn_size: int = 1) -> None:
+    """Join the world of the server's ``dp_size`` attention groups of ``attn_size`` ranks each at
+    ``init_addr`` (world rank 0 listens there), as rank ``attn_rank`` of group ``dp_rank``; from now
+    on the TP helpers answer for this process's attention group. Every process creates every
+    group's process group, in group order (``new_group`` is a collective of the whole world)."""
+    global _DP_ATTENTION, _ATTN_GROUP
+    dp = DpAttention(dp_rank, dp_size, attn_rank, attn_size)
+    _join_world(dp.world_rank, dp.world_size, init_addr, timeout_s, device)
+    if attn_size > 1:
+        groups = [dist.new_group(list(range(g * attn_size, (g + 1) * attn_size)),
+                                 timeout=datetime.timedelta(seconds=timeout_s)) for g in range(dp_size)]
+        _ATTN_GROUP = groups[dp_rank]
+    _DP_ATTENTION = dp
 
 
 def dp_attention() -> DpAttention | None:
@@ -132,11 +156,12 @@ def moe_parallel_for(rank: int, size: int, ep_size: int, a2a_backend: str) -> Mo
 
 
 def init_ep(ep_size: int, a2a_backend: str) -> MoeParallel:
-    """Fix this process's expert-parallel layout over its TP group, or under DP attention over every
-    attention group (before the model is built)."""
+    """Fix this process's expert-parallel layout over its TP group, or under DP attention over the
+    whole world of every attention group's ranks (before the model is built)."""
     global _MOE
     dp = _DP_ATTENTION
-    _MOE = moe_parallel_for(dp.rank if dp else tp_rank(), dp.size if dp else tp_size(), ep_size, a2a_backend)
+    _MOE = moe_parallel_for(dp.world_rank if dp else tp_rank(), dp.world_size if dp else tp_size(), ep_size,
+                            a2a_backend)
     return _MOE
 
 
@@ -151,17 +176,23 @@ def close_tp() -> None:
 
 
 def tp_rank() -> int:
-    return dist.get_rank() if dist.is_initialized() and _DP_ATTENTION is None else 0
+    """This process's rank in its TP group (under DP attention: in its attention group)."""
+    if _DP_ATTENTION is not None:
+        return _DP_ATTENTION.attn_rank
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def tp_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() and _DP_ATTENTION is None else 1
+    """The ranks of this process's TP group (under DP attention: of its attention group)."""
+    if _DP_ATTENTION is not None:
+        return _DP_ATTENTION.attn_size
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the TP ranks in place (every rank gets the same bits); returns it."""
     if tp_size() > 1:
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_ATTN_GROUP)
     return x
 
 
@@ -172,7 +203,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x, group=_ATTN_GROUP)
     return torch.cat(parts, dim=-1)
 
 
@@ -181,7 +212,7 @@ def all_reduce_min(value: int) -> int:
     if tp_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_ATTN_GROUP)
     return int(t.item())
 
 
@@ -190,7 +221,7 @@ def all_reduce_min_list(values: list[int]) -> list[int]:
     if tp_size() == 1 or not values:
         return list(values)
     t = torch.tensor(values, dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_ATTN_GROUP)
     return t.tolist()
 
 
@@ -200,22 +231,22 @@ def all_gather_bytes(data: bytes) -> list[bytes]:
     if size == 1:
         return [data]
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64))
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=_ATTN_GROUP)
     width = max(1, max(int(n) for n in lengths))
     mine = torch.zeros(width, dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(parts, mine)
+    dist.all_gather(parts, mine, group=_ATTN_GROUP)
     return [part[: int(n)].numpy().tobytes() for part, n in zip(parts, lengths)]
 
 
 def broadcast_objects(objs: list | None) -> list:
-    """Rank 0's picklable ``objs`` on every rank (CPU, over gloo). Others pass None."""
+    """TP rank 0's picklable ``objs`` on every rank (CPU, over gloo). Others pass None."""
     if tp_size() == 1:
         return objs or []
     box = [objs]
-    dist.broadcast_object_list(box, src=0, device=torch.device("cpu"))
+    dist.broadcast_object_list(box, group=_ATTN_GROUP, group_src=0, device=torch.device("cpu"))
     return box[0]
 
 
@@ -234,11 +265,12 @@ def exchange_counts(send_counts: torch.Tensor) -> torch.Tensor:
     return recv
 
 
-def all_gather_rows(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rank r's ``counts[r]`` rows of ``x``, concatenated in rank order on every rank."""
+def all_gather_rows(x: torch.Tensor, counts: list[int], tp_group: bool = False) -> torch.Tensor:
+    """Rank r's ``counts[r]`` rows of ``x``, concatenated in rank order on every rank of the default
+    group (with ``tp_group``: of this process's TP group, under DP attention its attention group)."""
     width = max(counts)
     padded = torch.zeros((width,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     padded[: x.shape[0]] = x
     parts = [torch.empty_like(padded) for _ in counts]
-    dist.all_gather(parts, padded)
+    dist.all_gather(parts, padded, group=_ATTN_GROUP if tp_group else None)
     return torch.cat([part[:n] for part, n in zip(parts, counts)])

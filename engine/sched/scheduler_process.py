@@ -48,7 +48,7 @@ class RankSpec:
     num_threads: int = 1
     cpus: tuple[int, ...] | None = None  # CPU affinity of this process; None: inherit the server's
     # host:port of this DP rank's TP group (TP rank 0 listens), or under DP attention the world of
-    # every DP rank (DP rank 0 listens); unused at TP 1
+    # every DP rank's attention group (DP rank 0's TP rank 0 listens); unused at TP 1
     dist_init_addr: str = ""
     device: str = "cpu"  # this rank's device (cuda:N on CUDA)
 
@@ -100,7 +100,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     try:
         if config.enable_dp_attention:
             parallel.init_dp_attention(dp_rank, config.dp_size, rank.dist_init_addr, config.dist_timeout,
-                                       torch.device(rank.device))
+                                       torch.device(rank.device), rank.tp_rank, config.attn_tp_size)
         else:
             parallel.init_tp(rank.tp_rank, config.tp_size, rank.dist_init_addr, config.dist_timeout,
                              torch.device(rank.device))

@@ -102,8 +102,8 @@ def test_per_group_load_on_metrics(dp_server):
 
 
 def test_refused_shapes_are_named():
-    with pytest.raises(ValueError, match="dp_size equal to tp_size"):
-        ServerConfig(tp_size=4, dp_size=2, enable_dp_attention=True)
+    for mode in ("null", "prefill", "decode"):  # groups of two ranks, colocated or PD
+        assert ServerConfig(tp_size=4, dp_size=2, enable_dp_attention=True, disaggregation_mode=mode).attn_tp_size == 2
     with pytest.raises(ValueError, match="dp_size dividing tp_size"):
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NGRAM'"):

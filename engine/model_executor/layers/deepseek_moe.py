@@ -20,7 +20,8 @@ class DeepseekMLP:
         if intermediate % tp.size:
             raise ValueError(f"tp_size {tp.size} does not divide the MLP's intermediate size {intermediate}")
         self.gate_up_proj = MergedColumnParallelLinear(plan, hidden, intermediate, tp, ("gate", "up"), swiglu=True)
-        self.down_proj = RowParallelLinear(plan, intermediate, hidden, tp)
+        # under DP attention dense_mlp sums the partial products over the world
+        self.down_proj = RowParallelLinear(plan, intermediate, hidden, tp, reduce=dp_attention.mlp_reduces())
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor | None = None) -> torch.Tensor:
         """[T, hidden] -> residual + down(SiLU(gate(x)) * up(x)); under DP attention (a dense layer)

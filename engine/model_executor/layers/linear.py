@@ -173,22 +173,25 @@ class ReplicatedLinear(LinearBase):
 class RowParallelLinear(LinearBase):
     """y = x @ W.T with W's columns split evenly over the TP ranks (the column-parallel layer
     before it split its output rows so): each rank's partial sums are all-reduced, and the
-    residual added (fused into the product at TP 1, where no collective sits between them)."""
+    residual added (fused into the product at TP 1, where no collective sits between them).
+    ``reduce`` False: the caller sums the partial sums itself (DP attention's dense layers, whose
+    split spans more ranks than the TP group)."""
 
-    def __init__(self, plan: KernelPlan, in_cols: int, out_rows: int, tp: HeadShard):
-        self.tp_size = tp.size
+    def __init__(self, plan: KernelPlan, in_cols: int, out_rows: int, tp: HeadShard, reduce: bool = True):
+        self.reduces = reduce and tp.size > 1  # an all-reduce follows the product
         n = in_cols // tp.size
         cols = slice(tp.rank * n, (tp.rank + 1) * n)
         super().__init__(plan, out_rows, n, {None: (slice(0, out_rows), _ALL, cols)})
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """residual + all_reduce(x @ W.T) (without ``residual``: the all-reduced product)."""
+        """residual + all_reduce(x @ W.T) (without ``residual``: the all-reduced product; without
+        ``reduces``, this rank's partial product)."""
         if self.lora is not None:  # this rank's partial delta joins its partial sums before the reduce
             y = self.lora.apply(self.method.apply(x, step), x, step.lora)
-            if self.tp_size > 1:
+            if self.reduces:
                 y = all_reduce(y)
             return y if residual is None else residual + y
-        if self.tp_size == 1:
+        if not self.reduces:
             return self.method.apply(x, step, residual=residual)
         y = all_reduce(self.method.apply(x, step))
         return y if residual is None else residual + y

@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import torch
 
-from pdserve.engine.model_executor.dp_attention import dense_mlp
+from pdserve.engine.model_executor.dp_attention import dense_mlp, mlp_reduces
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear_method import LinearMethod, linear_method
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement, contiguous_placement
-from pdserve.engine.model_executor.layers.moe_a2a import AllToAllExchange, ReplicatedExchange
-from pdserve.engine.model_executor.parallel import HeadShard, moe_parallel
+from pdserve.engine.model_executor.layers.moe_a2a import AllToAllExchange, ReplicatedExchange, row_share
+from pdserve.engine.model_executor.parallel import HeadShard, all_gather_rows, moe_parallel, tp_rank, tp_size
 
 
 _EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
@@ -160,7 +160,7 @@ class FusedMoE:
 
             self.exchange = DeepEPExchange(placement, ep.ep_rank, self.hidden, self.plan.dtype)
         else:
-            self.exchange = ReplicatedExchange(local_of)
+            self.exchange = ReplicatedExchange(local_of, reduce=mlp_reduces())
         if stats is not None:  # the all-to-all counters run on across a new placement
             self.exchange.stats = stats
         # routing: token t's slot for expert e is replicas[e, t % num_replicas[e]]
@@ -237,21 +237,28 @@ class FusedMoE:
         """Under DP attention: this group's rows x [T, hidden] through every group's experts ->
         residual + the weighted sum (+ ``shared(rows, step)``, shared experts split like a dense MLP,
         unreduced). ``route(rows, step)``: (topk_weights, topk_ids) of rows. The all-to-all sends
-        this group's own rows to their experts' ranks (the shared experts gathered apart);
-        otherwise the groups' rows are gathered and each rank runs its experts on all of them
-        (``dp_attention.dense_mlp``)."""
+        this group's own rows to their experts' ranks (the shared experts gathered apart; in a
+        group of several ranks, which all hold the group's rows, each sends its share and the
+        group gathers the sums); otherwise the groups' rows are gathered and each rank runs its
+        experts on all of them (``dp_attention.dense_mlp``)."""
         if isinstance(self.exchange, AllToAllExchange):
             if shared is not None:
                 residual = dense_mlp(lambda rows: shared(rows, Step(rows.shape[0], step.decode)), x, residual)
-            # an idle group routes no rows (a 0-row step would take the gemv path, which a plan may lack)
-            if x.shape[0]:
-                weights, ids = route(x, step)
+            shares = [row_share(x.shape[0], tp_size(), r) for r in range(tp_size())]
+            start, end = shares[tp_rank()]
+            mine = x[start:end]  # [t, hidden]
+            # an idle rank routes no rows (a 0-row step would take the gemv path, which a plan may lack)
+            if mine.shape[0]:
+                weights, ids = route(mine, Step(mine.shape[0], step.decode))
             else:
                 weights = x.new_empty(0, self.top_k, dtype=torch.float32)
                 ids = torch.empty(0, self.top_k, dtype=torch.int64, device=x.device)
-            # this group's rows alone reach this rank: it counts all of them, whoever holds the slot
+            # this rank's share alone reaches it: it counts all of it, whoever holds the slot
             physical = self._physical(ids, own_rows=True)
-            return residual + self.exchange.exchange(x, weights, physical, step, self.method.apply)
+            y = self.exchange.exchange(mine, weights, physical, step, self.method.apply)
+            if len(shares) > 1 and x.shape[0]:  # (the group's ranks agree: their rows are the same)
+                y = all_gather_rows(y, [b - a for a, b in shares], tp_group=True)  # [T, hidden], the group's
+            return residual + y
 
         def partial(rows: torch.Tensor) -> torch.Tensor:
             gathered = Step(rows.shape[0], step.decode)

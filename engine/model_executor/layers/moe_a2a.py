@@ -39,19 +39,21 @@ class ExchangeStats:
 
 
 class ReplicatedExchange:
-    """Every rank runs its experts on every token; one all-reduce (when the group has > 1 rank)."""
+    """Every rank runs its experts on every token; one all-reduce (when the group has > 1 rank),
+    unless ``reduce`` is False: the caller sums the ranks' parts (DP attention's ``dense_mlp``)."""
 
-    def __init__(self, local_of: torch.Tensor):
+    def __init__(self, local_of: torch.Tensor, reduce: bool = True):
         self.local_of = local_of  # [E] int64: local index, or -1 where held elsewhere
+        self.reduce = reduce
         self.stats = ExchangeStats()
 
     def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
             experts: Experts) -> torch.Tensor:
         y = experts(x, topk_weights, self.local_of[topk_ids], step)  # [T, K]: this rank's experts' part
-        return all_reduce(y) if tp_size() > 1 else y
+        return all_reduce(y) if self.reduce and tp_size() > 1 else y
 
 
-def _share(total: int, ranks: int, rank: int) -> tuple[int, int]:
+def row_share(total: int, ranks: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s [start, end) of ``total`` rows split as evenly as can be (lower ranks first)."""
     base, extra = divmod(total, ranks)
     start = rank * base + min(rank, extra)
@@ -70,9 +72,9 @@ class AllToAllExchange:
     def run(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,
             experts: Experts) -> torch.Tensor:
         T, K = topk_ids.shape
-        start, end = _share(T, self.size, self.rank)
+        start, end = row_share(T, self.size, self.rank)
         mine = self.exchange(x[start:end], topk_weights[start:end], topk_ids[start:end], step, experts)
-        counts = [b - a for a, b in (_share(T, self.size, r) for r in range(self.size))]
+        counts = [b - a for a, b in (row_share(T, self.size, r) for r in range(self.size))]
         return all_gather_rows(mine, counts)  # [T, H], every rank
 
     def exchange(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, step: Step,

@@ -50,7 +50,9 @@ class LlamaMLP:
     def __init__(self, arch: ModelArch, plan: KernelPlan, tp: HeadShard):
         self.gate_up_proj = MergedColumnParallelLinear(plan, arch.hidden_size, arch.intermediate_size, tp,
                                                        ("gate", "up"), swiglu=True)
-        self.down_proj = RowParallelLinear(plan, arch.intermediate_size, arch.hidden_size, tp)
+        # under DP attention dense_mlp sums the partial products over the world
+        self.down_proj = RowParallelLinear(plan, arch.intermediate_size, arch.hidden_size, tp,
+                                           reduce=dp_attention.mlp_reduces())
 
     def forward(self, x: torch.Tensor, step: Step, residual: torch.Tensor, last: bool = False) -> torch.Tensor:
         """residual + down(SiLU(gate(x)) * up(x)), [T, hidden]; under DP attention over every
