@@ -5,13 +5,13 @@ ModelRunner set-ups decode one step of ``--batch`` sequences (default 32) at a c
 ``--context`` tokens, in bf16 (the native kernels):
 
 - base: no ``--enable-lora`` (the fused decode step where the CPU allows it);
-- lora-off: ``--enable-lora`` with ``--adapters`` adapters loaded, no row using one (the
-  products unfused, no delta);
+- lora-off: ``--enable-lora`` with ``--adapters`` adapters loaded, no row using one;
 - lora-one: every row on one adapter (rank ``--rank`` on all seven projections);
 - lora-mixed: the rows spread over all ``--adapters`` adapters (row i on adapter i mod N),
-  the mix a fleet serving many fine-tunes of one base sends a server (the dense product);
-- lora-one-per-slot, lora-mixed-per-slot: lora-one's and lora-mixed's rows, the product
-  looping over the slots and parts (``LoraHook.dense`` off) instead of the stacked forms.
+  the mix a fleet serving many fine-tunes of one base sends a server;
+- lora-one-torch, lora-mixed-torch: lora-one's and lora-mixed's rows through the torch forms
+  of the product (``LoraHook.native`` off: the stacked dense products, each linear called from
+  Python) instead of the native segmented kernel inside the fused decode step.
 
 The adapters are random, made with peft on the default model. Rounds alternate the set-ups
 (``--rounds``; medians reported) so a change of load hits all alike. Ends with one JSON
@@ -109,14 +109,14 @@ def main() -> None:
     for bs in args.batch:
         setups = {"base": (base, None), "lora-off": (lora, None), "lora-one": (lora, [0] * bs),
                   "lora-mixed": (lora, [i % n for i in range(bs)]),
-                  "lora-one-per-slot": (lora, [0] * bs),
-                  "lora-mixed-per-slot": (lora, [i % n for i in range(bs)])}
+                  "lora-one-torch": (lora, [0] * bs),
+                  "lora-mixed-torch": (lora, [i % n for i in range(bs)])}
         times: dict[str, list[float]] = {k: [] for k in setups}
         for _ in range(args.rounds):
             for name, (runner, slots) in setups.items():
-                LoraHook.dense = not name.endswith("-per-slot")
+                LoraHook.native = not name.endswith("-torch")
                 times[name].append(step_ms(runner, bs, slots, args.context, args.reps))
-        LoraHook.dense = True
+        LoraHook.native = True
         med = {k: statistics.median(v) for k, v in times.items()}
         for name, ms in med.items():
             print(f"batch {bs}: {name}: {ms:.1f} ms/step, {bs / ms * 1000:.0f} tokens/s, "
