@@ -8,10 +8,10 @@ of the rows that use an adapter, whatever the mix; the delta is added into the
 base product's output in place.
 
 On the CPU in bf16 the product is the native segmented kernel (``kernels/cpu_lora.c``): rows
-sorted by slot, one shrink over every part of the layer and one expand per row, the work of the
-rows that use an adapter alone (``LoraHook.apply``; the fused decode step calls the same kernel
-inside its one call). Elsewhere (CUDA, float32), the torch forms below, which are also the
-kernel's reference.
+sorted by slot, one shrink over every part of the layer and one expand per group of a slot's
+rows, the work of the rows that use an adapter alone (``LoraHook.apply``; the fused decode step
+calls the same kernel inside its one call). Elsewhere (CUDA, float32), the torch forms below,
+which are also the kernel's reference.
 
 A step that mixes adapters takes the dense form, where it costs less than the base
 product (``LoraHook.apply``): each layer's parts and slots stacked into one A [P*S*r, in] and
