@@ -21,11 +21,18 @@
    holds its bf16 weights in panels (cpu_gemm.c): each product then goes through gemm_bf16, as
    the per-op path's do, q|k|v's bias fused into its rounding, the LM head writing float32
    logits. At 64 sequences the per-op path spent ~3.5 ms of a 57 ms step in its ~300 calls from
-   Python (norms, rope, K/V store and attention wrappers, fresh tensors). */
+   Python (norms, rope, K/V store and attention wrappers, fresh tensors).
+
+   Under LoRA (--enable-lora) the same call adds each row's adapter delta (cpu_lora.c's segmented
+   product) to each of the four products that has adapters, where the step names the rows' slots:
+   into q|k|v after its bias, into the residual stream after o and after down (h + o Wo, then the
+   delta), and into gate|up before SiLU: a LoRA model keeps gate|up unpacked (``gate_up_plain``),
+   so that product writes gate | up and SwiGLU follows here, as torch's per-op path takes it. */
 #include <stdint.h>
 #include <string.h>
 
 #include "cpu_common.h"
+#include "cpu_lora.h"
 
 /* the kernels this file calls, defined in cpu_gemv.c and cpu_norm_rope.c */
 int gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* W, uint16_t* out, int64_t out_stride,
@@ -70,6 +77,8 @@ typedef struct {
     uint16_t* v_cache;
     /* the same four packed in panels (gemm_layout.py), or all NULL: the steps past gemv_rows */
     const uint16_t *qkv_p, *o_p, *gate_up_p, *down_p;
+    /* the LoRA adapters of q|k|v, o, gate|up and down (cpu_lora.h), or NULL where none */
+    const lora_weights *lora_qkv, *lora_o, *lora_gate_up, *lora_down;
 } decode_layer_desc;
 
 /* The model and its scratch (mirrored by cpu_native.DecodeModelDesc). Scratch buffers hold
@@ -91,6 +100,9 @@ typedef struct {
     int64_t gemv_rows;          /* steps of more rows take the panels */
     int64_t blocked, head_blocked;  /* int8 scales per 32-column chunk (Q8_0): the layers', the LM head's */
     float eps, scale;
+    int64_t gate_up_plain;  /* gate_up packed plain (not as SwiGLU): its product writes gu, SwiGLU follows */
+    uint16_t* gu;           /* [max_rows, 2 inter] where gate_up_plain */
+    int32_t* sel_slot;      /* [max_rows]: the sampled rows' LoRA slots past the last attention */
 } decode_model_desc;
 
 /* out = x @ W^T through the epilogue ``mode``: gemm over the panels P where the step (``big``)
@@ -111,10 +123,11 @@ static int linear(const decode_model_desc* m, int big, const uint16_t* x, int64_
    positions and slots; page_table: [M, pt_stride] int32; seq_lens: [M] int32. Where the range
    ends at the last layer, the rows ``sel`` [nsel] of its attention output and residual go on
    (the sampled rows), then the final norm and the LM head write ``logits`` [nsel, vocab]: bf16,
-   float32 in a step past gemv's rows. Returns 0, or the first failing kernel's code. */
+   float32 in a step past gemv's rows. row_slot [M]: each row's LoRA slot (-1: none), or NULL
+   where no row uses an adapter. Returns 0, or the first failing kernel's code. */
 int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int64_t* pos, const int64_t* loc,
                        const int32_t* page_table, int64_t pt_stride, const int32_t* seq_lens, int first, int last,
-                       const int64_t* sel, int nsel, void* logits) {
+                       const int64_t* sel, int nsel, void* logits, const int32_t* row_slot) {
     if (M < 1 || M > m->max_rows || nsel < 0 || nsel > m->max_rows || first < 0 || last > m->num_layers)
         return -10;
     /* the step's size picks the products for all its layers, as the per-op path's does */
@@ -135,6 +148,8 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
             for (int64_t t = 0; t < M; t++)
                 for (int64_t n = 0; n < qkv_n; n++)
                     m->qkv[t * qkv_n + n] = f32_to_bf16(bf16_to_f32(m->qkv[t * qkv_n + n]) + bf16_to_f32(l->qkv_bias[n]));
+        if (row_slot && l->lora_qkv && (rc = lora_add_bf16(l->lora_qkv, m->x, hidden, m->qkv, qkv_n, row_slot, M)))
+            return rc;
         rope_bf16(m->qkv, qkv_n, m->cos, m->sin, pos, m->qk, M, (int)(H + KVH), (int)D);
         {  /* the new K (rope'd, in qk) and V (in qkv) of every row at its slot */
             const int64_t e = sizeof(uint16_t);
@@ -155,16 +170,39 @@ int decode_layers_bf16(const decode_model_desc* m, uint16_t* h, int M, const int
             }
             o = m->attn_sel;
             h = m->h_sel;
+            if (row_slot) {
+                for (int j = 0; j < nsel; j++) m->sel_slot[j] = row_slot[sel[j]];
+                row_slot = m->sel_slot;
+            }
             M = nsel;
             if (M == 0) return 0;
         }
         rc = linear(m, big, o, hd, l->o_w, l->o_scale, l->o_p, 0, h, hidden, h, hidden, M, (int)hidden, (int)hd, 1, 0,
                     (int)m->blocked);
+        if (!rc && row_slot && l->lora_o) rc = lora_add_bf16(l->lora_o, o, hd, h, hidden, row_slot, M);
         if (!rc) rc = rms_norm_bf16(h, hidden, l->post_norm, m->x, hidden, M, (int)hidden, m->eps);
-        if (!rc) rc = linear(m, big, m->x, hidden, l->gate_up_w, l->gate_up_scale, l->gate_up_p, 0, m->act, inter, 0, 0,
-                             M, (int)(2 * inter), (int)hidden, 2, 0, (int)m->blocked);
+        if (rc) return rc;
+        if (m->gate_up_plain) {  /* gate | up, its delta, then SwiGLU rounded as torch's silu and product */
+            rc = linear(m, big, m->x, hidden, l->gate_up_w, l->gate_up_scale, l->gate_up_p, 0, m->gu, 2 * inter, 0, 0,
+                        M, (int)(2 * inter), (int)hidden, 0, 0, (int)m->blocked);
+            if (!rc && row_slot && l->lora_gate_up)
+                rc = lora_add_bf16(l->lora_gate_up, m->x, hidden, m->gu, 2 * inter, row_slot, M);
+            if (rc) return rc;
+            for (int64_t t = 0; t < M; t++) {
+                const uint16_t* g = m->gu + t * 2 * inter;
+                uint16_t* a = m->act + t * inter;
+                for (int64_t i = 0; i < inter; i++) {
+                    const float s = bf16_to_f32(f32_to_bf16(silu_nonpos_exp(bf16_to_f32(g[i]))));
+                    a[i] = f32_to_bf16(s * bf16_to_f32(g[inter + i]));
+                }
+            }
+        } else {
+            rc = linear(m, big, m->x, hidden, l->gate_up_w, l->gate_up_scale, l->gate_up_p, 0, m->act, inter, 0, 0,
+                        M, (int)(2 * inter), (int)hidden, 2, 0, (int)m->blocked);
+        }
         if (!rc) rc = linear(m, big, m->act, inter, l->down_w, l->down_scale, l->down_p, 0, h, hidden, h, hidden, M,
                              (int)hidden, (int)inter, 1, 0, (int)m->blocked);
+        if (!rc && row_slot && l->lora_down) rc = lora_add_bf16(l->lora_down, m->act, inter, h, hidden, row_slot, M);
         if (rc) return rc;
     }
     if (last == m->num_layers && logits) {

@@ -17,7 +17,9 @@ int8 products, and ``cpu_amx_int8.c``, those products and their scaling in one c
 over weights packed as ``amx_layout.AmxInt8Weight`` (both bound in ``cpu_int8_act.py``);
 ``cpu_argmax.c``, the greedy pick over float32 logits; ``cpu_moe.c``, a mixture-of-experts
 layer's routed experts in one call (bound in ``cpu_moe.py``); ``cpu_mla_decode.c``, multi-head latent
-attention's absorbed decode over latent pages (bound in ``mla_decode.py``);
+attention's absorbed decode over latent pages (bound in ``mla_decode.py``); ``cpu_lora.c``, the
+segmented LoRA product of rows on different adapters (bound in ``cpu_lora.py``; also called
+inside the fused decode step);
 ``cpu_common.h``, their bf16 conversions, exp and silu; ``cpu_amx.h``, the AMX tiles' permission and
 configuration;
 and ``cpu_bf16_avx512.h`` the same conversions and silu on AVX-512 vectors.
@@ -95,7 +97,7 @@ class NativeKernels:
         self._argmax = self._bind("argmax_rows_f32", [_P, _I64, _I32, _I32, _P])
         # it runs the gemv kernels, so it is there where they are
         self.decode_layers = self._bind("decode_layers_bf16", [_P, _P, _I32, _P, _P, _P, _I64, _P, _I32, _I32, _P,
-                                                                _I32, _P])
+                                                                _I32, _P, _P])
 
     def _bind(self, name: str, argtypes: list) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, name)

@@ -5,17 +5,20 @@ ModelRunner set-ups decode one step of ``--batch`` sequences (default 32) at a c
 ``--context`` tokens, in bf16 (the native kernels):
 
 - base: no ``--enable-lora`` (the fused decode step where the CPU allows it);
-- lora-off: ``--enable-lora`` with ``--adapters`` adapters loaded, no row using one (the
-  products unfused, no delta);
+- lora-off: ``--enable-lora`` with ``--adapters`` adapters loaded, no row using one;
 - lora-one: every row on one adapter (rank ``--rank`` on all seven projections);
 - lora-mixed: the rows spread over all ``--adapters`` adapters (row i on adapter i mod N),
-  the mix a fleet serving many fine-tunes of one base sends a server (the dense product);
-- lora-one-per-slot, lora-mixed-per-slot: lora-one's and lora-mixed's rows, the product
-  looping over the slots and parts (``LoraHook.dense`` off) instead of the stacked forms.
+  the mix a fleet serving many fine-tunes of one base sends a server;
+- lora-one-torch, lora-mixed-torch: lora-one's and lora-mixed's rows through the torch forms
+  of the product (``LoraHook.native`` off: the stacked dense products, each linear called from
+  Python) instead of the native segmented kernel inside the fused decode step.
 
 The adapters are random, made with peft on the default model. Rounds alternate the set-ups
-(``--rounds``; medians reported) so a change of load hits all alike. Ends with one JSON
-line: each set-up's ms per step, tokens per second and its rate relative to base.
+(``--rounds``; medians reported) so a change of load hits all alike. Each step is timed twice:
+wall clock, and the CPU time of the thread that runs it (at ``--threads 1`` the whole step runs
+in that thread, and its CPU time moves far less with other jobs on a shared machine). Ends with
+one JSON line: each set-up's ms per step (wall and CPU), tokens per second and its rates
+relative to base.
 
     .venv/bin/python scripts/bench_lora.py
     .venv/bin/python scripts/bench_lora.py --batch 1 8 32 --adapters 8 --rounds 9
@@ -59,8 +62,9 @@ def make_adapters(rank: int, n: int) -> list[str]:
     return paths
 
 
-def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, reps: int) -> float:
-    """Mean ms of one decode step of ``bs`` sequences at ``ctx`` tokens, rows on ``slots``."""
+def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, reps: int) -> tuple[float, float]:
+    """Mean ms of one decode step of ``bs`` sequences at ``ctx`` tokens, rows on ``slots``: wall
+    clock, and the CPU time of this thread."""
     pool = runner.page_pool
     ps = pool.page_size
     pages = [pool.alloc(pool.pages_for(ctx + 1)) for _ in range(bs)]
@@ -76,10 +80,10 @@ def step_ms(runner: ModelRunner, bs: int, slots: list[int] | None, ctx: int, rep
             lora_slots=None if slots is None else torch.tensor(slots),
         )
         runner.forward(batch)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for _ in range(reps):
             runner.forward(batch)
-        return (time.perf_counter() - t0) / reps * 1000
+        return (time.perf_counter() - t0) / reps * 1000, (time.thread_time() - c0) / reps * 1000
     finally:
         for p in pages:
             pool.free(p)
@@ -109,20 +113,23 @@ def main() -> None:
     for bs in args.batch:
         setups = {"base": (base, None), "lora-off": (lora, None), "lora-one": (lora, [0] * bs),
                   "lora-mixed": (lora, [i % n for i in range(bs)]),
-                  "lora-one-per-slot": (lora, [0] * bs),
-                  "lora-mixed-per-slot": (lora, [i % n for i in range(bs)])}
-        times: dict[str, list[float]] = {k: [] for k in setups}
+                  "lora-one-torch": (lora, [0] * bs),
+                  "lora-mixed-torch": (lora, [i % n for i in range(bs)])}
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in setups}
         for _ in range(args.rounds):
             for name, (runner, slots) in setups.items():
-                LoraHook.dense = not name.endswith("-per-slot")
+                LoraHook.native = not name.endswith("-torch")
                 times[name].append(step_ms(runner, bs, slots, args.context, args.reps))
-        LoraHook.dense = True
-        med = {k: statistics.median(v) for k, v in times.items()}
+        LoraHook.native = True
+        med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+        cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
         for name, ms in med.items():
             print(f"batch {bs}: {name}: {ms:.1f} ms/step, {bs / ms * 1000:.0f} tokens/s, "
-                  f"{med['base'] / ms:.2f}x base's rate")
+                  f"{med['base'] / ms:.2f}x base's rate; CPU {cpu[name]:.1f} ms/step, "
+                  f"{cpu['base'] / cpu[name]:.2f}x base's")
         summary[f"batch_{bs}"] = {k: {"ms": round(v, 2), "tokens_per_s": round(bs / v * 1000, 1),
-                                      "vs_base": round(med["base"] / v, 3)} for k, v in med.items()}
+                                      "vs_base": round(med["base"] / v, 3), "cpu_ms": round(cpu[k], 2),
+                                      "cpu_vs_base": round(cpu["base"] / cpu[k], 3)} for k, v in med.items()}
     print(json.dumps({"bench": "lora_decode_step", "context": args.context, "rank": args.rank,
                       "adapters": n, **summary}))
 

@@ -27,6 +27,7 @@ from pdserve.engine.model_executor.layers.linear import LinearBase
 from pdserve.engine.model_executor.layers.lora_adapter import (LORA_MODULES, LoraAdapter, LoraAdapterError,
                                                                load_lora_adapter)
 from pdserve.engine.model_executor.layers.lora_product import LoraHook, LoraStacks
+from pdserve.kernels.cpu_lora import LoraKernels
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class LoraManager:
         if layers is None or not all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers):
             raise ValueError(f"LoRA serves the Llama family; {type(model).__name__} is not supported")
         dtype, device = torch.float32, model.plan.device
+        # the native segmented product where the model runs bf16 on the CPU (its kernels built)
+        native = model.plan.native
+        kernels = LoraKernels(native) if native is not None and model.plan.dtype == torch.bfloat16 else None
         for i, layer in enumerate(layers):
             hooks: dict[int, tuple[LinearBase, list[tuple[slice, LoraStacks]]]] = {}
             for module in LORA_MODULES:
@@ -85,7 +89,7 @@ class LoraManager:
                 self.shards[(i, module)] = (src_rows, src_cols)
                 hooks.setdefault(id(linear), (linear, []))[1].append((cols, stacks))
             for linear, parts in hooks.values():
-                linear.lora = LoraHook(parts, swiglu=linear.swiglu)
+                linear.lora = LoraHook(parts, swiglu=linear.swiglu, kernels=kernels)
         for slot, name in self.resident.items():
             self.load(slot, name)
 

@@ -3,7 +3,9 @@ layer's norms and linears, read through their methods' prepared forms (gemv's pa
 with the native panel products, the panels), never through a model's internals.
 
 A model offers it by returning ``DenseLayerParts`` per layer from ``fused_decode_parts()``;
-``FusedDecode`` builds the stack for the attention backend's page pool and runs a step.
+``FusedDecode`` builds the stack for the attention backend's page pool and runs a step. Under
+LoRA a step whose rows use adapters runs there too, the linears' ``LoraHook``s handing their
+native weights to the stack (``DecodeStack.set_lora``), where every hook runs the native kernel.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan
 from pdserve.engine.model_executor.layers.linear import (LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
                                                          RowParallelLinear)
+from pdserve.engine.model_executor.layers.lora_product import LoraHook, LoraRows
 from pdserve.engine.model_executor.layers.norm import RMSNorm
 from pdserve.engine.model_executor.layers.rotary import RotaryEmbedding
 from pdserve.engine.model_executor.layers.vocab import ParallelLMHead
@@ -59,7 +62,24 @@ class FusedDecode:
         self._pool_key: tuple[int, int] | None = None
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.input_ids.shape[0] <= self.max_rows and 0 < batch.logits_indices.numel() <= self.max_rows
+        """The step fits, and any LoRA rows can take their deltas inside the call."""
+        return (batch.input_ids.shape[0] <= self.max_rows and 0 < batch.logits_indices.numel() <= self.max_rows
+                and (batch.lora_slots is None or self._lora_native()))
+
+    def _hooks(self, lp: DenseLayerParts) -> tuple[LoraHook | None, ...]:
+        return tuple(lin.lora if lin.lora is not None and lin.lora.parts else None
+                     for lin in (lp.qkv, lp.o, lp.gate_up, lp.down))
+
+    def _lora_native(self) -> bool:
+        """Every adapter hook of the model runs the native kernel (bf16 on the CPU, not switched off)."""
+        return LoraHook.native and all(hook.kernels is not None for lp in self.parts.layers
+                                       for hook in self._hooks(lp) if hook is not None)
+
+    def _set_lora(self, stack: DecodeStack) -> None:
+        """Point each layer of ``stack`` at its hooks' native weights (rebuilt where a slot changed)."""
+        for i, lp in enumerate(self.parts.layers):
+            stack.set_lora(i, tuple(None if hook is None else hook.native_weights().address
+                                    for hook in self._hooks(lp)))
 
     def forward(self, h: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend,
                 pages: tuple[torch.Tensor, torch.Tensor], after_layer: Callable[[int], None] | None) -> torch.Tensor:
@@ -67,15 +87,20 @@ class FusedDecode:
         ``after_layer``: one call per layer, each once the layer (its K/V store included) is done."""
         stack = self._stack(attn)
         page_table, seq_lens = pages
+        lora = LoraRows.of(batch.lora_slots)
+        row_slots = None
+        if lora is not None:
+            self._set_lora(stack)
+            row_slots = lora.slots32()
         sel = batch.logits_indices.contiguous()
         logits = torch.empty(sel.numel(), stack.vocab, dtype=stack.logits_dtype(h.shape[0]))
         step = (h, batch.positions.contiguous(), batch.out_cache_loc.contiguous(), page_table, seq_lens)
         last = len(self.parts.layers)
         if after_layer is None:
-            stack.run(*step, 0, last, sel, logits)
+            stack.run(*step, 0, last, sel, logits, row_slots)
         else:
             for i in range(last):
-                stack.run(*step, i, i + 1, sel, logits if i == last - 1 else None)
+                stack.run(*step, i, i + 1, sel, logits if i == last - 1 else None, row_slots)
                 after_layer(i)
         return logits
 

@@ -101,8 +101,9 @@ class KernelPlan:
     def fused_rows(self, enabled: bool, tp_size: int, qk_norm: bool) -> int:
         """Decode steps of at most this many rows run as one ``DecodeStack`` call (0: never): with
         gemv, at TP 1 (an all-reduce sits in each layer otherwise), without q/k norm (torch's float32
-        mean is not the C kernel's sum order); any size where the layers hold panels too."""
-        if not (enabled and self.gemv_rows > 0 and tp_size == 1 and not qk_norm and not self.lora):
+        mean is not the C kernel's sum order); any size where the layers hold panels too. Under LoRA
+        too: the call adds the adapters' deltas (``cpu_lora.c``)."""
+        if not (enabled and self.gemv_rows > 0 and tp_size == 1 and not qk_norm):
             return 0
         return sys.maxsize if self.gemm else self.gemv_rows
 

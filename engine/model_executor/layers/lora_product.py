@@ -7,7 +7,13 @@ rows of one slot are gathered and take two small products, so the cost is that
 of the rows that use an adapter, whatever the mix; the delta is added into the
 base product's output in place.
 
-A step that mixes adapters takes the dense form instead, where it costs less than the base
+On the CPU in bf16 the product is the native segmented kernel (``kernels/cpu_lora.c``): rows
+sorted by slot, one shrink over every part of the layer and one expand per group of a slot's
+rows, the work of the rows that use an adapter alone (``LoraHook.apply``; the fused decode step
+calls the same kernel inside its one call). Elsewhere (CUDA, float32), the torch forms below,
+which are also the kernel's reference.
+
+A step that mixes adapters takes the dense form, where it costs less than the base
 product (``LoraHook.apply``): each layer's parts and slots stacked into one A [P*S*r, in] and
 one B [out, P*S*r] (scaling folded into B), so the whole delta is two products whatever the mix,
 the shrunk rows masked to their own slot's columns. Per-slot loops cost two small products per
@@ -19,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from pdserve.kernels.cpu_lora import LoraKernels, LoraWeights
 
 
 class LoraStacks:
@@ -80,6 +88,8 @@ class LoraRows:
     segments: list[tuple[int, torch.Tensor]]
     # the dense form's masks, made once a step for all layers: (parts, slots, rank) -> [T, P*S*r]
     masks: dict = field(default_factory=dict, compare=False, repr=False)
+    # row_slots as the native kernel reads them ([T] int32 on the CPU), made once a step
+    native_slots: list = field(default_factory=list, compare=False, repr=False)
 
     @property
     def mixed(self) -> bool:
@@ -96,6 +106,12 @@ class LoraRows:
             m = onehot.repeat_interleave(rank, dim=1).repeat(1, parts)
             self.masks[key] = m
         return m
+
+    def slots32(self) -> torch.Tensor:
+        """``row_slots`` [T] as contiguous int32 on the CPU (the native kernel's operand)."""
+        if not self.native_slots:
+            self.native_slots.append(self.row_slots.to("cpu", torch.int32).contiguous())
+        return self.native_slots[0]
 
     @classmethod
     def of(cls, row_slots: torch.Tensor | None) -> "LoraRows | None":
@@ -118,10 +134,15 @@ class LoraHook:
     #: the stacked forms (below) where they apply (False: the per-slot loop always; the
     #: benchmark compares the two in one run)
     dense = True
+    #: the native segmented kernel where it applies (False: the torch forms; the benchmark
+    #: compares the two in one run)
+    native = True
 
-    def __init__(self, parts: list[tuple[slice, LoraStacks]], swiglu: bool):
+    def __init__(self, parts: list[tuple[slice, LoraStacks]], swiglu: bool, kernels: LoraKernels | None = None):
         self.parts = parts
         self.swiglu = swiglu
+        self.kernels = kernels  # the native product (a bf16 model on the CPU), or None
+        self._native: tuple[tuple[int, ...], LoraWeights] | None = None
         self.out_features = max((cols.stop for cols, _ in parts), default=0)  # the columns the parts cover
         # the stacked copies: (slot versions, dtype, A, B, {slot: that slot's A and B})
         self._stacked: tuple[tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor, dict] | None = None
@@ -156,6 +177,30 @@ class LoraHook:
                              b.view(b.shape[0], parts, slots, r)[:, :, slot].reshape(b.shape[0], parts * r))
         return by_slot[slot]
 
+    def native_weights(self) -> LoraWeights:
+        """Every part and slot as the native kernel reads them, bf16: A [S, P*r, in] (a slot's
+        parts stacked, so one shrink serves q, k and v) and B transposed [S, r, out], each slot's
+        scaling folded in; rebuilt when a slot changed."""
+        versions = tuple(st.version for _, st in self.parts)
+        if self._native is None or self._native[0] != versions:
+            stacks = [st for _, st in self.parts]
+            slots, r, in_f = stacks[0].a.shape
+            a = torch.stack([st.a for st in stacks], dim=1).reshape(slots, len(stacks) * r, in_f)
+            bt = torch.cat([(st.b * torch.tensor(st.scaling, dtype=st.b.dtype).view(-1, 1, 1)).transpose(1, 2)
+                            for st in stacks], dim=2)  # [S, r, out]
+            ends = []
+            for cols, _ in self.parts:
+                assert cols.start == (ends[-1] if ends else 0), "the parts cover the columns in order"
+                ends.append(cols.stop)
+            weights = LoraWeights(a.to(torch.bfloat16).contiguous(), bt.to(torch.bfloat16).contiguous(), ends)
+            self._native = (versions, weights)
+        return self._native[1]
+
+    def runs_native(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """The native kernel takes this product: bf16 on the CPU, the parts covering y's columns."""
+        return (self.native and self.kernels is not None and x.dtype == y.dtype == torch.bfloat16
+                and x.device.type == "cpu" and x.stride(1) == 1 and y.stride(1) == 1 and self._covers(y.shape[1]))
+
     def _covers(self, out: int) -> bool:
         """The parts cover all ``out`` columns (every layer LoraManager builds)."""
         return self.out_features == out
@@ -169,13 +214,15 @@ class LoraHook:
     def apply(self, y: torch.Tensor, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
         """y [T, out] (the base product of x [T, in]) plus each row's delta; SwiGLU after, if set.
 
-        Every row on one adapter: two products over that slot's parts stacked (P*r wide). Rows
+        bf16 on the CPU: the native segmented kernel (``runs_native``). Otherwise, every row on one adapter: two products over that slot's parts stacked (P*r wide). Rows
         mixing adapters (or some on none): the dense form where it pays, two products over every
         part and slot stacked, each row's shrunk values masked to its own slot. Otherwise a loop
         over the slots and parts (``LoraStacks.add_delta``)."""
         if lora is not None and self.parts:
             stacked = self.dense and self._covers(y.shape[1])
-            if stacked and not lora.mixed:
+            if self.runs_native(x, y):
+                self.kernels.add(y, x, lora.slots32(), self.native_weights())
+            elif stacked and not lora.mixed:
                 a, b = self._slot_stacks(lora.segments[0][0], x.dtype)
                 y.add_(((x @ a.T) @ b.T).to(y.dtype))
             elif stacked and self._dense_pays(x.shape[1], y.shape[1]):
