@@ -93,6 +93,8 @@ class SchedulerLoop:
         # --enable-lora: which adapters sit in the model's slots, and each adapter's cache namespace
         lora_slots = LoraSlots(config.max_loras_per_batch) if config.enable_lora else None
         self.lora_ids = {name: lora_id_of(name, path) for name, path in parse_lora_paths(config.lora_paths).items()}
+        for name, path in parse_lora_paths(config.lora_paths).items():
+            self.cache.name_adapter(self.lora_ids[name], path)
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode,
                                    lora_slots=lora_slots)
         # structured output: xgrammar is loaded on the first request that names a grammar
@@ -166,7 +168,7 @@ class SchedulerLoop:
         """Admit a validated request (its grammar attached), or end it with ``error``."""
         if error is None:
             self.request_log.mark(req.rid, "queued")
-            self.cache.start_prefetch(req.rid, req.fill_ids)  # storage tier: fetch while it waits
+            self.cache.start_prefetch(req.rid, req.cache_key(len(req.fill_ids)))  # storage tier: fetch while it waits
         reason = FinishReason("error", message=error, status=status) if error else self.admit(req)
         if reason is not None:
             self.cache.cancel_prefetch(req.rid)
