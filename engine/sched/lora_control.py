@@ -35,6 +35,7 @@ def load_adapter(loop, name: str, path: str) -> str:
     lora.add(name, path)  # LoraAdapterError (a ValueError): already loaded, or what does not fit
     loop.lora_ids[name] = lora_id_of(name, path)
     loop.cache.name_adapter(loop.lora_ids[name], path)
+    loop.num_lora_host_loads += 1
     return f"LoRA adapter {name!r} loaded from {path}"
 
 
