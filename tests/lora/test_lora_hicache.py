@@ -1,20 +1,24 @@
 """LoRA with the hierarchical cache on the default model, fp32: the same prompt under two adapters
 and the base shares no cached page through the host tier or through a real Mooncake Store
 (``mooncake_master`` and a ``mooncake_client`` holding the objects); the same adapter again gets
-its whole prefix from the tier, with the output it got computed cold. ``/metrics`` counts the
-adapter loads."""
+its whole prefix from the tier, with the output it got computed cold; through PD, the decode's
+write-back is keyed by adapter too. ``/metrics`` counts the adapter loads."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
 
 from pdserve.engine import Engine
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.model_loader import load_arch
 from pdserve.entrypoints.mooncake_service import MooncakeService
+from support.loop_stand import PS, EchoRunner, PDPair, reference
+from support.pd_stand import wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -130,3 +134,53 @@ def test_store_shares_an_adapters_pages_between_servers_and_never_across(adapter
                                        for s in f.samples if f.name == "pdserve_lora_adapter_loads"})
         assert metrics == {("pdserve_lora_adapter_loads_total", "host"): 2.0,
                            ("pdserve_lora_adapter_loads_total", "slot"): 2.0}
+
+
+class LoraEchoRunner(EchoRunner):
+    """The loop stand's echo model, serving adapters: their weights have no slot to fill (its KV
+    is the same under any adapter, so only the cache's keys can tell adapters apart)."""
+
+    lora = None
+
+    def load_lora(self, loads) -> None:
+        pass
+
+
+def test_decode_write_back_is_keyed_by_adapter(tmp_path):
+    """Through PD (the in-process loop stand, a file store): the decode writes a finished turn
+    under adapter a back to the store; the next turn under b, and under the base, finds none of
+    it, under a the prefill loads the previous answer's pages from the store."""
+    adapter_dir = tmp_path / "a"
+    adapter_dir.mkdir()
+    lora = {"lora_paths": (f"a={adapter_dir}", f"b={adapter_dir}")}
+    tiers = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file",
+             "hicache_storage_prefetch_policy": "wait_complete",
+             "hicache_storage_backend_extra_config": json.dumps({"path": str(tmp_path / "store")})}
+    cfg = EngineConfig(page_size=PS, **lora, **tiers)
+    pair = PDPair(p_engine={**lora, **tiers}, d_engine={**lora, **tiers},
+                  p_runner=LoraEchoRunner(64, cfg), d_runner=LoraEchoRunner(64, cfg))
+    try:
+        turn1 = list(range(1, 11))  # 10 tokens
+        pair.submit("t1", turn1, max_new=8, lora_path="a")
+        pair.run(pair.done("t1"))
+        answer = pair.tokens("t1")
+        d_cache = pair.decode.cache
+        wait_for(d_cache.storage.idle, 10, "the decode's puts")
+        assert d_cache.storage.stats.put_pages == 4  # (10 + 8 - 1) // 4 full pages, under a
+        assert all("_lora-" in name for name in os.listdir(tmp_path / "store"))
+        turn2 = turn1 + answer + [7, 7, 7]  # 5 full pages, the last computed anyway
+        p_cache = pair.prefill.cache
+        for i, adapter in enumerate(("b", None)):
+            pair.submit(f"other{i}", turn2, max_new=4, lora_path=adapter)
+            pair.run(pair.done(f"other{i}"))
+            assert pair.final("P", f"other{i}").cached_tokens == 0, adapter
+        assert p_cache.stats.store_hit_pages == 0
+        pair.submit("t2", turn2, max_new=4, lora_path="a")
+        pair.run(pair.done("t2"))
+        assert pair.tokens("t2") == reference(turn2, 4)
+        # pages 1-2 were the prefill's own (turn 1's prompt); 3-4 hold the answer: from the store
+        assert p_cache.stats.store_hit_pages == 2
+        assert pair.final("D", "t2").cached_tokens == 4 * PS
+        pair.settle()
+    finally:
+        pair.close()
