@@ -119,7 +119,9 @@ class StoreHiRadixCache(HiRadixCache):
         tokens = cache_key(list(token_ids[: len(token_ids) - 1]), lora_id)  # the last token is always computed
         num_pages = len(tokens) // self.page_size
         held = self._held_prefix(tokens, num_pages)
-        if held >= num_pages or not self.storage.available or self._page_key(lora_id, 0) is None:
+        if held >= num_pages or not self.storage.available:
+            return
+        if lora_id and lora_id not in self._adapters:  # an adapter never named: nothing of it is stored
             return
         hashes = block_hashes(tokens, self.page_size, lora_id)[held:num_pages]
         now = time.monotonic()
