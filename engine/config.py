@@ -175,7 +175,7 @@ class EngineConfig:
                           self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size,
                           self.speculative_ngram_branches)
         check_lora(self.enable_lora, self.lora_paths, self.max_loras_per_batch, self.max_lora_rank,
-                   self.quantization, self.speculative_algorithm, self.enable_hierarchical_cache)
+                   self.quantization, self.speculative_algorithm)
 
     @classmethod
     def field_names(cls) -> set[str]:

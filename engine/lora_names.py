@@ -45,8 +45,7 @@ def lora_id_of(name: str, path: str) -> int:
 
 
 def check_lora(enable_lora: bool, lora_paths: tuple[str, ...], max_loras_per_batch: int,
-               max_lora_rank: int | None, quantization: str, speculative_algorithm: str | None,
-               enable_hierarchical_cache: bool) -> None:
+               max_lora_rank: int | None, quantization: str, speculative_algorithm: str | None) -> None:
     """Raise ValueError naming the field that is out of range or cannot combine with LoRA."""
     parse_lora_paths(lora_paths)
     if max_loras_per_batch < 1:
@@ -60,6 +59,3 @@ def check_lora(enable_lora: bool, lora_paths: tuple[str, ...], max_loras_per_bat
                          f"{quantization!r} is not supported with LoRA")
     if speculative_algorithm is not None:
         raise ValueError(f"enable_lora cannot combine with speculative_algorithm {speculative_algorithm!r}")
-    if enable_hierarchical_cache:
-        raise ValueError("enable_lora cannot combine with enable_hierarchical_cache: the host and storage tiers "
-                         "do not key pages by adapter")

@@ -26,6 +26,11 @@ Rules (the invariants ``check_integrity`` proves):
   returns the L1 part only. The load keeps the host copy (the node is then in
   both tiers, and a later L1 eviction costs no copy).
 
+LoRA: a request under an adapter asks with its salted key (``radix_cache.cache_key``), so the
+first page of its prefix, and with it the whole path, lives in that adapter's subtree in both
+tiers: a page written back to host memory under one adapter is loaded again only for it, never for
+another adapter or the base model. Each node knows its adapter (``lora_id``) for the store's keys.
+
 KV events name the tier in vLLM's ``medium``: a page adopted or loaded back into
 the pool is ``BlockStored`` "GPU", one evicted from it ``BlockRemoved`` "GPU"; a
 host copy made is ``BlockStored`` "CPU", one dropped ``BlockRemoved`` "CPU". A
@@ -43,7 +48,7 @@ from pdserve.engine.mem_cache.hicache_names import WRITE_POLICIES
 from pdserve.engine.mem_cache.host_pool import HostKVPool
 from pdserve.engine.mem_cache.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, AllBlocksCleared
 from pdserve.engine.mem_cache.page_pool import PagePool
-from pdserve.engine.mem_cache.radix_cache import RadixCache, TreeNode
+from pdserve.engine.mem_cache.radix_cache import RadixCache, TreeNode, key_lora_id
 
 # hits before write_through_selective backs a page up (SGLang's write_through_threshold)
 SELECTIVE_THRESHOLD = 2
@@ -63,10 +68,13 @@ class TierStats:
 
 
 class HiTreeNode(TreeNode):
-    __slots__ = ("host", "hits", "from_store")
+    __slots__ = ("host", "hits", "from_store", "lora_id")
 
     def __init__(self, key, page, parent):
         super().__init__(key, page, parent)
+        # the adapter whose namespace the page is in (0: the base model's): named by the salt of
+        # its path's first page, which a storage tier needs for the page's key
+        self.lora_id = 0 if parent is None else parent.lora_id if parent.parent is not None else key_lora_id(key)
         self.host: int | None = None
         self.hits = 0
         self.from_store = False  # its host copy was fetched from the storage tier and not yet used
@@ -292,8 +300,12 @@ class HiRadixCache(RadixCache):
         stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
-            if len(n.key) != self.page_size:
+            # one page; an adapter's first page leads with its salt (``RadixCache._keys``)
+            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and n.lora_id > 0
+            if len(n.key) != self.page_size and not salted:
                 raise AssertionError("radix edge is not one page")
+            if n.lora_id != (n.parent.lora_id if n.parent is not self.root else key_lora_id(n.key)):
+                raise AssertionError("radix node's adapter differs from its path's")
             if n.page is None and n.host is None:
                 raise AssertionError("radix node lives in no tier")
             if n.page is not None:

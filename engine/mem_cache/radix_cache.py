@@ -56,6 +56,12 @@ def cache_key(token_ids: list[int], lora_id: int) -> list[int]:
     return AdapterTokens(token_ids, lora_id) if lora_id else token_ids
 
 
+def key_lora_id(key: tuple[int, ...]) -> int:
+    """The adapter whose salt leads a page's ``key`` (the first page of an adapter's prefix:
+    ``ADAPTER_SALT_BASE - lora_id``, above every token id since ``lora_id`` < 2**31); 0 for none."""
+    return ADAPTER_SALT_BASE - key[0] if key and key[0] > ADAPTER_SALT_BASE // 2 else 0
+
+
 class PrefixCache(ABC):
     """What the scheduler needs from a prefix cache."""
 
@@ -138,6 +144,10 @@ class PrefixCache(ABC):
 
     def observe_compute(self, seconds: float, tokens: int) -> None:
         """A prefill step computed ``tokens`` tokens in ``seconds`` (what a fetch is weighed against)."""
+
+    def name_adapter(self, lora_id: int, path: str) -> None:
+        """LoRA adapter ``lora_id`` is served from ``path`` (at start, and at each run-time load): a
+        storage tier keys its pages under the adapter's namespace (``storage_key``)."""
 
     def close(self) -> None:
         """Stop background work (a storage tier's thread)."""
@@ -388,7 +398,7 @@ class RadixCache(PrefixCache):
                 raise AssertionError(f"radix page {n.page} held twice or is the scratch page")
             seen.add(n.page)
             # one page; an adapter's first page leads with its salt (``_keys``)
-            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and n.key[0] > ADAPTER_SALT_BASE // 2
+            salted = n.parent is self.root and len(n.key) == self.page_size + 1 and key_lora_id(n.key) > 0
             if len(n.key) != self.page_size and not salted:
                 raise AssertionError("radix edge is not one page")
             if n.lock_ref < 0 or any(c.lock_ref > n.lock_ref for c in n.children.values()):

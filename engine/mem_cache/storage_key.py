@@ -8,6 +8,13 @@ sizes hold different ranges). All of that is hashed into the namespace, so an
 incompatible server never reads another's pages: it simply misses. A latent pool
 (MLA: one vector per token, the same on every TP rank) is named by its kind and
 width instead of a head range, so every TP rank of every TP size shares its pages.
+
+A page computed under a LoRA adapter is keyed in that adapter's namespace too: its identity
+(the ``lora_id`` its name and path give, the path's files' sizes and mtimes: an adapter retrained
+in place gets a new one) under the model's. Its chained hash is already salted by the adapter
+(``radix_cache.cache_key``); the extra path part makes an adapter's pages in a shared store
+visible by key and keeps a retrained adapter from reading its old pages. Base pages keep the key
+they had without LoRA.
 """
 
 from __future__ import annotations
@@ -51,5 +58,15 @@ def _heads_part(layout: KVLayout, kv_start: int) -> str:
     return f"heads {kv_start}..{kv_start + layout.num_kv_heads}"
 
 
-def page_key(namespace: str, block_hash: int) -> str:
-    return f"pdserve-kv/{namespace}/{block_hash:016x}"
+def adapter_namespace(lora_id: int, path: str) -> str:
+    """16 hex digits naming the KV bytes adapter ``lora_id`` (read from ``path``) adds (see above)."""
+    parts = [str(lora_id), os.path.realpath(path), weights_identity(path)]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=8).hexdigest()
+
+
+def page_key(namespace: str, block_hash: int, adapter: str | None = None) -> str:
+    """The store key of a page: under the model's ``namespace``, and the ``adapter_namespace``
+    of the adapter it was computed under (None: the base model)."""
+    if adapter is None:
+        return f"pdserve-kv/{namespace}/{block_hash:016x}"
+    return f"pdserve-kv/{namespace}/lora-{adapter}/{block_hash:016x}"

@@ -23,6 +23,11 @@
   result, if it comes, is dropped without taking host slots.
 - A fetched chain attaches only where the tree still holds its ancestors: if
   they were evicted meanwhile, the pages are dropped (the match recomputes).
+- LoRA: a page computed under an adapter is put and fetched under its adapter's namespace too
+  (``storage_key.adapter_namespace``, known once ``name_adapter`` named the adapter: at start
+  for ``--lora-paths``, at ``/load_lora_adapter`` for the others), with its chain hashed under
+  the adapter's salt; a prefetch for a request under an adapter asks for that adapter's pages
+  only. A page of an adapter never named is neither put nor fetched.
 - KV events: a page the worker took to put is ``BlockStored`` "STORAGE" (once per
   page per process; the store's own evictions are not seen, so none is removed);
   a fetched page that became a host node is ``BlockStored`` "CPU".
@@ -38,7 +43,8 @@ import torch
 from pdserve.engine.mem_cache.hiradix_cache import HiRadixCache, HiTreeNode
 from pdserve.engine.mem_cache.host_pool import HostKVPool
 from pdserve.engine.mem_cache.prefetch_rule import TierCosts
-from pdserve.engine.mem_cache.storage_key import page_key
+from pdserve.engine.mem_cache.radix_cache import cache_key
+from pdserve.engine.mem_cache.storage_key import adapter_namespace, page_key
 from pdserve.engine.mem_cache.storage_worker import FetchResult, StorageWorker
 from pdserve.engine.mem_cache.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, block_hashes
 from pdserve.engine.mem_cache.page_pool import PagePool
@@ -68,6 +74,7 @@ class StoreHiRadixCache(HiRadixCache):
         self.timeout_per_ki_token = float(extra.get("prefetch_timeout_per_ki_token", 0.25))
         self.costs = TierCosts()
         self._put: set[int] = set()
+        self._adapters: dict[int, str] = {}  # lora_id -> its adapter_namespace
         self._prefetches: dict[str, _Prefetch] = {}
         self.prefetch_outcomes = {"complete": 0, "timeout": 0, "best_effort": 0, "cancelled": 0}
 
@@ -77,32 +84,53 @@ class StoreHiRadixCache(HiRadixCache):
         sent = []  # for the KV events: the puts the worker took (not dropped by its breaker or queue)
         for n in nodes:
             if n.host is not None and n.hash not in self._put:
+                key = self._page_key(n.lora_id, n.hash)
+                if key is None:
+                    continue
                 if len(self._put) >= MAX_REMEMBERED_PUTS:
                     self._put.clear()
                 self._put.add(n.hash)
                 # a copy: the slot may be reused before the worker sends it
                 data = self.host.slot_bytes_view(n.host).numpy().tobytes()
                 dropped = self.storage.stats.dropped_puts
-                self.storage.submit_put(page_key(self.namespace, n.hash), n.hash, data)
+                self.storage.submit_put(key, n.hash, data)
                 if self.storage.stats.dropped_puts == dropped:
                     sent.append(n)
         self._record_stored(sent, MEDIUM_STORAGE)
 
+    def name_adapter(self, lora_id: int, path: str) -> None:
+        """Adapter ``lora_id`` is read from ``path``: its pages' keys take its namespace."""
+        ns = adapter_namespace(lora_id, path)
+        if self._adapters.get(lora_id, ns) != ns:
+            self._put.clear()  # retrained in place: its pages are not known stored under the new name
+        self._adapters[lora_id] = ns
+
+    def _page_key(self, lora_id: int, block_hash: int) -> str | None:
+        """The store key of a page computed under ``lora_id`` (0: the base); None for an adapter
+        never named (its pages stay out of the store)."""
+        if not lora_id:
+            return page_key(self.namespace, block_hash)
+        adapter = self._adapters.get(lora_id)
+        return None if adapter is None else page_key(self.namespace, block_hash, adapter)
+
     # --------------------------------------------------------------- prefetch
     def start_prefetch(self, rid, token_ids):
-        tokens = list(token_ids[: len(token_ids) - 1])  # the last token is always computed
+        lora_id = getattr(token_ids, "lora_id", 0)  # cache_key's: the request's adapter
+        tokens = cache_key(list(token_ids[: len(token_ids) - 1]), lora_id)  # the last token is always computed
         num_pages = len(tokens) // self.page_size
         held = self._held_prefix(tokens, num_pages)
         if held >= num_pages or not self.storage.available:
             return
-        hashes = block_hashes(tokens, self.page_size)[held:num_pages]
+        if lora_id and lora_id not in self._adapters:  # an adapter never named: nothing of it is stored
+            return
+        hashes = block_hashes(tokens, self.page_size, lora_id)[held:num_pages]
         now = time.monotonic()
         if self.fixed_timeout:
             timeout = self.timeout_base + self.timeout_per_ki_token * len(tokens) / 1024
         else:
             timeout = self.costs.wait_s(len(hashes), self.page_size)
         self._prefetches[rid] = _Prefetch(tokens, now, now + timeout)
-        self.storage.submit_fetch(rid, held, [page_key(self.namespace, h) for h in hashes], hashes)
+        self.storage.submit_fetch(rid, held, [self._page_key(lora_id, h) for h in hashes], hashes)
 
     def _held_prefix(self, tokens, num_pages: int) -> int:
         """Pages of ``tokens`` the tree holds in any tier."""

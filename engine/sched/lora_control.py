@@ -34,6 +34,8 @@ def load_adapter(loop, name: str, path: str) -> str:
         raise LoraControlError(str(e).replace("lora_paths", "lora_name", 1)) from None
     lora.add(name, path)  # LoraAdapterError (a ValueError): already loaded, or what does not fit
     loop.lora_ids[name] = lora_id_of(name, path)
+    loop.cache.name_adapter(loop.lora_ids[name], path)
+    loop.num_lora_host_loads += 1
     return f"LoRA adapter {name!r} loaded from {path}"
 
 

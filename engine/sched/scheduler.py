@@ -165,6 +165,7 @@ class Scheduler:
         self.num_draft_slots = config.speculative_num_draft_tokens if config.speculative_algorithm else 0
         self.lora_slots = lora_slots
         self.lora_loads: list[tuple[int, str]] = []  # (slot, adapter) placed since the loop last loaded
+        self.num_lora_slot_loads = 0  # adapters placed in a slot since start (pdserve_lora_adapter_loads_total)
 
     # ------------------------------------------------------------- requests
     def add(self, req: Req) -> FinishReason | None:
@@ -238,6 +239,7 @@ class Scheduler:
             return False
         if not placed:
             self.lora_loads.append((slot, req.lora_name))
+            self.num_lora_slot_loads += 1
         req.lora_slot = slot
         return True
 

@@ -45,7 +45,7 @@ from pdserve.engine.model_executor import parallel
 from pdserve.engine.sched.cache_factory import make_cache
 from pdserve.engine.mem_cache.tier_metrics import hicache_families
 from pdserve.engine.sched.request_log import RequestLog
-from pdserve.engine.sched.sched_metrics import scheduler_families
+from pdserve.engine.sched.sched_metrics import lora_families, scheduler_families
 from pdserve.engine.sched.request import FinishReason, Req, ReqStatus
 from pdserve.engine.sched.scheduler import ForwardMode, SampleOutput, ScheduledBatch, Scheduler, StepEvents
 from pdserve.engine.sched.speculation import Speculation
@@ -93,6 +93,9 @@ class SchedulerLoop:
         # --enable-lora: which adapters sit in the model's slots, and each adapter's cache namespace
         lora_slots = LoraSlots(config.max_loras_per_batch) if config.enable_lora else None
         self.lora_ids = {name: lora_id_of(name, path) for name, path in parse_lora_paths(config.lora_paths).items()}
+        for name, path in parse_lora_paths(config.lora_paths).items():
+            self.cache.name_adapter(self.lora_ids[name], path)
+        self.num_lora_host_loads = len(self.lora_ids)  # read at start; /load_lora_adapter adds
         self.scheduler = Scheduler(config, self.pool, self.cache, self.stop_checker, decode=decode,
                                    lora_slots=lora_slots)
         # structured output: xgrammar is loaded on the first request that names a grammar
@@ -166,7 +169,7 @@ class SchedulerLoop:
         """Admit a validated request (its grammar attached), or end it with ``error``."""
         if error is None:
             self.request_log.mark(req.rid, "queued")
-            self.cache.start_prefetch(req.rid, req.fill_ids)  # storage tier: fetch while it waits
+            self.cache.start_prefetch(req.rid, req.cache_key(len(req.fill_ids)))  # storage tier: fetch while it waits
         reason = FinishReason("error", message=error, status=status) if error else self.admit(req)
         if reason is not None:
             self.cache.cancel_prefetch(req.rid)
@@ -518,8 +521,9 @@ class SchedulerLoop:
         return (self.spec.stats if self.spec is not None else SpecStats()).families()
 
     def sched_families(self) -> list:
-        """The scheduler's families (``sched_metrics``): its preemptions by reason."""
-        return scheduler_families(self.scheduler.num_retractions, self.scheduler.num_preemptions)
+        """The scheduler's families (``sched_metrics``): its preemptions by reason, its LoRA adapter loads."""
+        return (scheduler_families(self.scheduler.num_retractions, self.scheduler.num_preemptions)
+                + lora_families(self.num_lora_host_loads, self.scheduler.num_lora_slot_loads))
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
