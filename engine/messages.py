@@ -142,6 +142,10 @@ class StageTimeline(msgspec.Struct):
     num_steps: int = 0  # decode forwards the request took part in (sampled into ``steps``)
     num_retractions: int = 0
     finished: float | None = None
+    # prompt tokens this rank's prefix cache served, by the tier they came from (the KV pool's are the
+    # request's cached_tokens less these): the server span's attributes (request_trace.py)
+    cached_host_tokens: int = 0
+    cached_storage_tokens: int = 0
 
 
 class TokenOutput(msgspec.Struct, tag=True):

@@ -112,6 +112,14 @@ class Tracer:
         self._propagate.inject(out, context=ctx)
         return out
 
+    def add_counts(self, ctx: Any, counts: Mapping[str, int]) -> None:
+        """Add ``counts`` to the integer attributes of the span current in ``ctx`` (a request's
+        sequences each add theirs to its one server span); nothing when that span does not record."""
+        span = self._trace.get_current_span(ctx)
+        if span.is_recording():
+            have = getattr(span, "attributes", None) or {}
+            span.set_attributes({k: have.get(k, 0) + v for k, v in counts.items()})
+
     def record(self, name: str, parent: Any, start_ns: int, end_ns: int, attributes: dict | None = None) -> None:
         """A finished span from two times already measured."""
         self.tracer.start_span(name, context=parent, start_time=start_ns,

@@ -484,6 +484,12 @@ def _describe(span, route) -> None:
     span.set_attribute("pdserve.prefill", LOCAL if route.local else route.prefill.key)
     if route.room is not None:
         span.set_attribute("pdserve.bootstrap_room", str(route.room))
+    # the router's own count of the prompt and, where it asked (local prefill), what the decode
+    # worker would compute of it; the servers' spans carry the measured split by cache tier
+    if route.prompt_tokens is not None:
+        span.set_attribute("pdserve.prompt_tokens", route.prompt_tokens)
+    if route.uncached_tokens is not None:
+        span.set_attribute("pdserve.decode_uncached_tokens", route.uncached_tokens)
 
 
 def merge_input_logprobs(prefill: bytes, decode: bytes) -> bytes:

@@ -42,6 +42,7 @@ from pdserve.router.admin_api import AdminApi
 from pdserve.engine.tracing import Tracer, make_tracer
 from pdserve.router.admission import Admission
 from pdserve.router.admission_tenants import Admitted, TenantGate
+from pdserve.router.admission_fair_metrics import TenancyFamiliesOff
 from pdserve.router.trace_spans import child_span, request_span
 from pdserve.router.admission_metrics import AdmissionGauges
 from pdserve.router.auth import Access
@@ -107,6 +108,8 @@ class Router:
                           Admission(config.max_concurrent_requests, config.queue_size,
                                     config.queue_timeout_secs, config.schedule_low_priority_values_first))
         self.metrics.registry.register(AdmissionGauges(self.admission))
+        if self.tenants is None:  # the tenant families, all requests the default tenant's
+            self.metrics.registry.register(TenancyFamiliesOff(self.admission))
         self.gate = PairGate(self.registry)
         self.registry.on_change(self._prepare_routing)
         self.shutdown = Shutdown(config.graceful_shutdown_timeout)

@@ -40,6 +40,14 @@ prompt tokens computed, p50 TTFT by turn, and from each ``--metrics-url`` server
 cached tokens per tier (``pdserve_cached_tokens_total``, ``pdserve_hicache_hit_tokens_total``)
 and the KV bytes sent to decode. ``run_multi_turn(args, convs=None) -> dict``.
 
+Shared fleets: ``--tenants N`` spreads the requests over tenants ``tenant-0`` .. ``tenant-{N-1}``
+named by the header ``--tenant-header-name`` (default ``x-tenant``: start the router with
+``--tenant-header x-tenant``), in proportion to ``--tenant-weights`` (equal by default);
+``--priority-mix 10:0.2,0:0.8`` sends 20 % of them at priority 10 (header ``x-pdserve-priority``
+and body ``priority``: the router and the servers need ``--enable-priority-scheduling``). The
+table, the JSON line (``by_tenant``, ``by_priority``) and a summary line per group give TTFT, TPOT
+and goodput per tenant and per priority (``benchlib/traffic_mix.py``).
+
 Importable: ``parse_args(argv)``, ``run_benchmark(args, rows=None) -> dict``,
 ``benchmark(...)`` (async, the load generator) and ``build_rows(args, tokenizer)``.
 """
@@ -63,6 +71,8 @@ from benchlib import datasets  # noqa: E402
 from benchlib.client import BACKENDS, Backend, send_request  # noqa: E402
 from benchlib.datasets import DatasetRow  # noqa: E402
 from benchlib.metrics import RequestOutput, calculate_metrics, error_counts, format_table  # noqa: E402
+from benchlib.traffic_mix import (DEFAULT_TENANT_HEADER, RequestTag, assign_tags, format_groups,  # noqa: E402
+                                  group_metrics, parse_priority_mix, parse_tenant_weights)
 
 DETAIL_KEYS = (
     "input_lens", "output_lens", "expected_output_lens", "ttfts", "tpots", "itls",
@@ -138,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-requests", type=int, default=1,
                    help=f"requests sent (and not measured) before the run, at most {WARMUP_MAX_TOKENS} tokens each")
 
+    g = p.add_argument_group("shared fleet")
+    g.add_argument("--tenants", type=int, default=0,
+                   help="spread the requests over N tenants (tenant-0 ..), named by --tenant-header-name")
+    g.add_argument("--tenant-header-name", default=DEFAULT_TENANT_HEADER,
+                   help="the header naming a request's tenant (the router's --tenant-header)")
+    g.add_argument("--tenant-weights", default=None,
+                   help="comma-separated share of the requests per tenant, e.g. 8,1,1 (default: equal)")
+    g.add_argument("--priority-mix", default=None, metavar="P1:F1,P2:F2",
+                   help="fraction of the requests per priority (header x-pdserve-priority and body priority)")
+
     g = p.add_argument_group("output")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
     g.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT at most this")
@@ -195,6 +215,20 @@ def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         for u in args.metrics_url:
             if not u.startswith(("http://", "https://")):
                 p.error(f"--metrics-url must start with http:// or https://, got {u!r}")
+    if args.tenants < 0:
+        p.error(f"--tenants must be >= 0, got {args.tenants}")
+    if args.tenant_weights is not None and not args.tenants:
+        p.error("--tenant-weights needs --tenants N")
+    if not args.tenant_header_name or any(c in args.tenant_header_name for c in " :\r\n"):
+        p.error(f"--tenant-header-name must be an HTTP header name, got {args.tenant_header_name!r}")
+    try:
+        args.tenant_weight_list = (parse_tenant_weights(args.tenant_weights, args.tenants)
+                                   if args.tenant_weights is not None else None)
+        args.priority_mix_list = parse_priority_mix(args.priority_mix) if args.priority_mix else None
+    except ValueError as exc:
+        p.error(str(exc))
+    if (args.tenants or args.priority_mix) and args.dataset_name == "multi-turn":
+        p.error("--tenants and --priority-mix apply to --dataset random, sharegpt and shared-prefix")
     if args.dataset_name == "shared-prefix":
         for name in ("sp_num_groups", "sp_prompts_per_group", "sp_system_prompt_len", "sp_question_len",
                      "sp_output_len"):
@@ -271,11 +305,14 @@ async def benchmark(
     headers: dict | None = None,
     request_timeout: float = 3600.0,
     disable_tqdm: bool = True,
+    tags: list[RequestTag] | None = None,
+    tenant_header: str = DEFAULT_TENANT_HEADER,
 ) -> tuple[list[RequestOutput], float]:
     """Send ``rows[i]`` at ``offsets[i]`` seconds after the start (later if
     ``max_concurrency`` requests are in flight); returns the outputs in row order
     and the run's duration (start to last completion). Warmup requests go first,
-    are not measured, and must not all fail."""
+    are not measured, and must not all fail. ``tags[i]``: the tenant and priority
+    ``rows[i]`` is sent with (warmup requests go untagged)."""
     from tqdm import tqdm
 
     timeout = aiohttp.ClientTimeout(total=request_timeout)
@@ -297,20 +334,24 @@ async def benchmark(
         bar = tqdm(total=len(rows), disable=disable_tqdm, desc="requests", file=sys.stderr)
         start = time.perf_counter()
 
-        async def one(row: DatasetRow, at: float) -> RequestOutput:
+        async def one(row: DatasetRow, at: float, tag: RequestTag) -> RequestOutput:
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
+            h = {**(headers or {}), **tag.headers(tenant_header)} or None
             if sem is None:
-                out = await send_request(session, base_url, backend, row, model, start, headers=headers)
+                out = await send_request(session, base_url, backend, row, model, start, headers=h,
+                                         extra_body=tag.body())
             else:
                 async with sem:
-                    out = await send_request(session, base_url, backend, row, model, start, headers=headers)
+                    out = await send_request(session, base_url, backend, row, model, start, headers=h,
+                                             extra_body=tag.body())
             bar.update(1)
             return out
 
+        tags = tags or [RequestTag()] * len(rows)
         try:
-            outputs = await asyncio.gather(*(one(r, t) for r, t in zip(rows, offsets)))
+            outputs = await asyncio.gather(*(one(r, t, g) for r, t, g in zip(rows, offsets, tags)))
         finally:
             bar.close()
         duration = time.perf_counter() - start
@@ -353,6 +394,17 @@ def summary_line(r: dict) -> str:
             f"tpot_ms p50={ms('median_tpot_ms')} p99={ms('p99_tpot_ms')} goodput={r['goodput']:.2f} req/s")
 
 
+def group_lines(groups: dict) -> list[str]:
+    """One summary line per tenant and per priority."""
+    def ms(v):
+        return "n/a" if v is None else f"{v:.1f}"
+
+    return [f"bench_serving {key.removeprefix('by_')}={name}: completed={g['completed']} failed={g['failed']} "
+            f"ttft_ms p50={ms(g['median_ttft_ms'])} p99={ms(g['p99_ttft_ms'])} tpot_ms p50={ms(g['median_tpot_ms'])} "
+            f"goodput={g['goodput']:.2f} req/s"
+            for key in ("by_tenant", "by_priority") for name, g in groups.get(key, {}).items()]
+
+
 def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None, tokenizer=None) -> dict:
     """Run one benchmark as the arguments say; return the arguments and every metric
     in one dict, plus the per-request arrays (``DETAIL_KEYS``) and ``error_counts``.
@@ -369,6 +421,7 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     base_url = args.base_url.rstrip("/")
     offsets = arrival_offsets(len(rows), args.request_rate, args.seed)
+    tags = assign_tags(len(rows), args.tenants, args.tenant_weight_list, args.priority_mix_list, args.seed)
     try:
         import uvloop
 
@@ -378,10 +431,11 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
     outputs, duration = runner(benchmark(
         base_url, backend, rows, offsets, model=args.model, max_concurrency=args.max_concurrency,
         warmup_requests=args.warmup_requests, headers=headers, request_timeout=args.request_timeout,
-        disable_tqdm=args.disable_tqdm,
+        disable_tqdm=args.disable_tqdm, tags=tags, tenant_header=args.tenant_header_name,
     ))
     metrics = calculate_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
-    result = {**vars(args), "num_requests": len(rows), **metrics}
+    groups = group_metrics(outputs, tags, duration, args.slo_ttft_ms, args.slo_tpot_ms)
+    result = {**vars(args), "num_requests": len(rows), **metrics, **groups}
     if args.api_key:
         result["api_key"] = "***"  # results get shared; the key must not travel with them
     result["output_len_mismatches"] = sum(o.success and o.output_len != o.expected_output_len for o in outputs)
@@ -394,6 +448,8 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
         ("Traffic request rate:", args.request_rate),
         ("Max request concurrency:", args.max_concurrency or "not set"),
     ]))
+    if groups:
+        print(format_groups(groups))
     if result["error_counts"]:
         print(f"{result['failed']} request(s) failed:")
         for msg, n in list(result["error_counts"].items())[:10]:
@@ -415,6 +471,8 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
         paths = plot_run(result, args.plot, label=f"{args.backend} {args.dataset_name}")
         print("plots: " + ", ".join(paths))
     print(summary_line(_jsonable(result)))
+    for line in group_lines(groups):
+        print(line)
     return result
 
 

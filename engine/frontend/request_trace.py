@@ -7,7 +7,8 @@ front end already keeps: tokenization; then, by role, the wait for the first tok
 prefill, KV transfer on a prefill server; KV transfer on a decode server), decoding and streaming
 until finish; and, as children of the same server span, the stages the scheduler rank recorded
 (``StageTimeline``, ``engine/sched/stage_recorder.py``): queue waits, each prefill chunk, the KV
-transfer with its bytes, the decode's preallocation and its sampled steps.
+transfer with its bytes, the decode's preallocation and its sampled steps. The server span itself
+gets the prompt's tokens by the cache tier that served them (``prompt_tier_counts``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,23 @@ def record_sequence(tracer: Tracer, st: SeqState, trace: SeqTrace, mode: str) ->
                        "pdserve.detokenize_ms": round(trace.detokenize_s * 1e3, 3)})
     if trace.stages is not None:
         record_stages(tracer, trace.parent, trace.stages, mode, attrs.get("pdserve.bootstrap_room"))
+    tracer.add_counts(trace.parent, prompt_tier_counts(st, trace.stages, mode))
+
+
+def prompt_tier_counts(st: SeqState, stages: StageTimeline | None, mode: str) -> dict[str, int]:
+    """The server span's account of the sequence's prompt tokens: served from the KV pool's radix
+    cache (``device``), loaded from the host tier or from what the storage tier fetched, and
+    computed. A PD decode server computes none and knows only the total its prefill server
+    reported as cached (``pdserve.cached_tokens``); its own local prefills are split like any."""
+    prompt, cached = st.prompt_tokens, st.cached_tokens
+    counts = {"pdserve.prompt_tokens": prompt, "pdserve.cached_tokens": cached}
+    if mode == "decode" and st.spec.bootstrap is not None:
+        return counts
+    host = stages.cached_host_tokens if stages is not None else 0
+    storage = stages.cached_storage_tokens if stages is not None else 0
+    counts |= {"pdserve.cached_tokens.device": cached - host - storage, "pdserve.cached_tokens.host": host,
+               "pdserve.cached_tokens.storage": storage, "pdserve.computed_prompt_tokens": prompt - cached}
+    return counts
 
 
 def stage_spans(tl: StageTimeline, mode: str) -> list[tuple[str, float, float, dict]]:

@@ -67,6 +67,9 @@ class Req:
     cache_node: Any = None
     # tokens of the prompt served from the prefix cache at first admission (reported)
     cached_tokens: int = 0
+    # of those, the tokens loaded from the host tier, and from what the storage tier fetched
+    host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     admitted_once: bool = False
     # output bookkeeping
     finish_reason: FinishReason | None = None

@@ -349,7 +349,10 @@ class Scheduler:
             match_len = req.seq_len - 1
             if req.wants_input_logprobs:  # positions whose logits are wanted must be computed
                 match_len = min(match_len, max(req.logprob_start_len + len(req.input_logprobs) - 1, 0))
+            loads = self._tier_loads() if not req.admitted_once else None
             cached_pages, node = self.cache.match_prefix(req.cache_key(match_len))
+            if loads is not None:
+                self._note_tier_loads(req, loads)
             self.cache.lock(node)
             need = self.pool.pages_for(req.seq_len) - len(cached_pages)
             # req holds no pages yet: its reserve is what it needs past its prompt's pages
@@ -376,6 +379,8 @@ class Scheduler:
             req.kv_len = len(cached_pages) * self.page_size
             if not req.admitted_once:
                 req.cached_tokens = req.kv_len
+                req.host_hit_tokens = min(req.host_hit_tokens, req.cached_tokens)
+                req.storage_hit_tokens = min(req.storage_hit_tokens, req.cached_tokens - req.host_hit_tokens)
                 req.admitted_once = True
             req.status = ReqStatus.RUNNING
             promised += reserve
@@ -385,6 +390,19 @@ class Scheduler:
         if mixed:
             self._add_decodes(batch)
         return batch
+
+    def _tier_loads(self) -> tuple[int, int]:
+        """Pages the hierarchical cache has loaded into the pool so far, from its host tier and from
+        what its storage tier fetched (its ``TierStats``, as /metrics reads them); (0, 0) without one."""
+        stats = getattr(self.cache, "stats", None)
+        return (stats.host_hit_pages, stats.store_hit_pages) if stats is not None else (0, 0)
+
+    def _note_tier_loads(self, req: Req, before: tuple[int, int]) -> None:
+        """Credit ``req`` with the lower-tier pages its match just loaded (every match before its
+        first admission counts: an earlier one's loads are in the pool when a later one admits it)."""
+        host, storage = self._tier_loads()
+        req.host_hit_tokens += (host - before[0]) * self.page_size
+        req.storage_hit_tokens += (storage - before[1]) * self.page_size
 
     def _add_decodes(self, batch: ScheduledBatch) -> None:
         """Mixed step: every running request adds its next token, if their pages can be had."""

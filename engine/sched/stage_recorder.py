@@ -72,4 +72,5 @@ class StageRecorder:
         self.live -= 1
         tl.finished = time.monotonic()
         tl.num_retractions = req.num_retractions
+        tl.cached_host_tokens, tl.cached_storage_tokens = req.host_hit_tokens, req.storage_hit_tokens
         return tl

@@ -209,17 +209,20 @@ async def send_request(
     bench_start: float,
     output_len: int | None = None,
     headers: dict | None = None,
+    extra_body: dict | None = None,
 ) -> RequestOutput:
-    """Send one streamed request and time it; failures come back as ``success=False``."""
+    """Send one streamed request and time it; failures come back as ``success=False``.
+    ``extra_body``: fields added to the backend's body (a request's ``priority``)."""
     output_len = row.output_len if output_len is None else output_len
     out = RequestOutput(prompt_len=row.prompt_len, expected_output_len=output_len)
     parser = backend.parser()
     st = time.perf_counter()
     out.start_time = st - bench_start
     try:
-        async with session.post(
-            base_url + backend.path, json=backend.body(row, output_len, model), headers=headers
-        ) as resp:
+        body = backend.body(row, output_len, model)
+        if extra_body:
+            body.update(extra_body)
+        async with session.post(base_url + backend.path, json=body, headers=headers) as resp:
             if resp.status != 200:
                 text = await resp.text()
                 out.error = f"HTTP {resp.status}: {text.strip()[:500]}"
