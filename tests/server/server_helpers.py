@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,6 +126,23 @@ class ServerProcess:
                 self.proc.wait(5)
         self._log.close()
         return self.proc.returncode
+
+
+def post_to_groups(server: "ServerProcess", prompts: list[list[int]], sampling: dict) -> list:
+    """Each prompt posted to ``/generate`` at once from its own thread, prompt i to DP-attention
+    group ``i % 2`` (``routed_dp_rank``), so both groups run together; the responses in order."""
+    results: list = [None] * len(prompts)
+
+    def ask(i: int) -> None:
+        results[i] = server.post("/generate", {"input_ids": prompts[i], "sampling_params": sampling,
+                                               "routed_dp_rank": i % 2})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def greedy_ref(engine, input_ids: list[int], max_new_tokens: int) -> dict:

@@ -19,7 +19,7 @@ import signal
 import threading
 
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, post_to_groups
 from support.deepseek_util import make_deepseek_checkpoint
 from support.pd_stand import wait_for
 from test_tp_server import PROMPTS, rank_pids
@@ -57,17 +57,7 @@ def check_groups_equal_tp1(path: str, *flags: str, kill_follower: bool = False) 
         assert info["dp_size"] == 2 and info["enable_dp_attention"] is True
         assert len(info["internal_states"]) == 2  # one scheduler per group
         assert sorted(rank_pids(server.proc.pid)) == RANKS
-        results: list = [None] * len(PROMPTS)
-
-        def ask(i: int) -> None:
-            results[i] = server.post("/generate", {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
-                                                   "routed_dp_rank": i % 2})
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]  # both groups at once
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_to_groups(server, PROMPTS, GREEDY)  # both groups at once
         assert [r.json().get("output_ids") for r in results] == want, (results[0].text, server.log())
         for rank in (0, 1):  # one group works, the other idles
             before = dispatched(server)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from support.deepseek_util import make_deepseek_checkpoint
 from support.pd_stand import Server, greedy_body, pd_post
-from test_dp_attention_pd import MAX_NEW, PROMPTS, dispatched, generate, reference  # noqa: F401 - a fixture
+from test_dp_attention_pd import MAX_NEW, PROMPTS, dispatched, dp_stand, generate, reference  # noqa: F401 - a fixture
 
 from pdserve.entrypoints.engine import Engine
 
@@ -23,20 +23,7 @@ GROUPS = ("--tp-size", "4", "--dp-size", "2", "--enable-dp-attention")
 
 @pytest.fixture(scope="module", params=["mooncake", "nixl"])
 def stand(request, tiny_checkpoints):
-    backend = request.param
-    if backend == "nixl":
-        pytest.importorskip("nixl")
-    model = ["--model-path", tiny_checkpoints["llama"], "--max-total-tokens", "2048"]
-    servers = {"P": Server(f"dpgroups-P-{backend}", "prefill", *model, *GROUPS, backend=backend),
-               "D": Server(f"dpgroups-D-{backend}", "decode", *model, *GROUPS, backend=backend),
-               "D2": Server(f"dpgroups-D2-{backend}", "decode", *model, "--tp-size", "2", backend=backend)}
-    try:
-        for s in servers.values():
-            s.wait_ready()
-        yield servers
-    finally:
-        for s in servers.values():
-            s.stop()
+    yield from dp_stand(request.param, tiny_checkpoints["llama"], "dpgroups", GROUPS)
 
 
 def test_groups_of_two_pair_and_feed_a_tp2_decode(stand, reference):

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 
 import pytest
-from server_helpers import ServerProcess
+from server_helpers import ServerProcess, post_to_groups
 from support.deepseek_util import make_deepseek_checkpoint
 from test_tp_server import PROMPTS
 
@@ -62,17 +61,7 @@ def test_moe_groups_equal_tp1(moe_models, model, experts, tmp_path):
                            "--enable-dp-attention", "--max-total-tokens", "2048", *EXPERTS[experts], *placed)
     try:
         server.wait_ready()
-        results: list = [None] * len(PROMPTS)
-
-        def ask(i: int) -> None:
-            results[i] = server.post("/generate", {"input_ids": PROMPTS[i], "sampling_params": GREEDY,
-                                                   "routed_dp_rank": i % 2})
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]  # both groups at once
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        results = post_to_groups(server, PROMPTS, GREEDY)  # both groups at once
         assert [r.json().get("output_ids") for r in results] == tp1_outputs, (results[0].text, server.log())
         # group 1 alone: group 0 idles through the experts' collectives
         r = server.post("/generate", {"input_ids": PROMPTS[2], "sampling_params": GREEDY, "routed_dp_rank": 1})

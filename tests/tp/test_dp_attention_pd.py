@@ -26,15 +26,15 @@ MAX_NEW = 6
 DP_ATTENTION = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
 
 
-@pytest.fixture(scope="module", params=["mooncake", "nixl"])
-def stand(request, tiny_checkpoints):
-    backend = request.param
+def dp_stand(backend: str, checkpoint: str, name: str, dp_flags: tuple[str, ...]):
+    """A prefill and a decode server with ``dp_flags``, and a plain TP-2 decode ("D2"), over
+    ``backend``: yields them ready, stops them after."""
     if backend == "nixl":
         pytest.importorskip("nixl")
-    model = ["--model-path", tiny_checkpoints["llama"], "--max-total-tokens", "2048"]
-    servers = {"P": Server(f"dpattn-P-{backend}", "prefill", *model, *DP_ATTENTION, backend=backend),
-               "D": Server(f"dpattn-D-{backend}", "decode", *model, *DP_ATTENTION, backend=backend),
-               "D2": Server(f"dpattn-D2-{backend}", "decode", *model, "--tp-size", "2", backend=backend)}
+    model = ["--model-path", checkpoint, "--max-total-tokens", "2048"]
+    servers = {"P": Server(f"{name}-P-{backend}", "prefill", *model, *dp_flags, backend=backend),
+               "D": Server(f"{name}-D-{backend}", "decode", *model, *dp_flags, backend=backend),
+               "D2": Server(f"{name}-D2-{backend}", "decode", *model, "--tp-size", "2", backend=backend)}
     try:
         for s in servers.values():
             s.wait_ready()
@@ -42,6 +42,11 @@ def stand(request, tiny_checkpoints):
     finally:
         for s in servers.values():
             s.stop()
+
+
+@pytest.fixture(scope="module", params=["mooncake", "nixl"])
+def stand(request, tiny_checkpoints):
+    yield from dp_stand(request.param, tiny_checkpoints["llama"], "dpattn", DP_ATTENTION)
 
 
 @pytest.fixture(scope="module")
