@@ -49,8 +49,9 @@ LOW, HIGH = 0.3, 3.0  # req/s
 CHECK_ISL, CHECK_RHO, CHECK_REQUESTS = 192, 0.3, 10
 CHECK_PLAN = ProfilePlan(input_lens=(64, 256), repeats=3, contexts=(256,), batches=(1, 2), tokens=TOKENS)
 TTFT_BOUND, ITL_BOUND = 0.35, 0.35
-# the machine's speed must hold still for the check: the prefill points measured again after the
-# run within this of the profile's (a machine shared with other work moves 2x in seconds)
+# the machine's speed must hold still for the check: the prefill points and the single-sequence
+# ITL measured again after the run within this of the profile's (a machine shared with other work
+# moves 2x in seconds)
 STEADY = 0.25
 
 
@@ -91,6 +92,11 @@ def _served(url: str) -> float:
         return parse_worker(r.read().decode(), "decode").finished
 
 
+def _itl(times: list[float]) -> float:
+    """The mean time between a stream's tokens."""
+    return (times[-1] - times[0]) / (len(times) - 1)
+
+
 async def _plan_vs_real(url: str) -> dict:
     """Profile the cluster through its router, predict one configuration, run it, compare."""
     server, prefill, decode = await measure(url, CHECK_PLAN, seed=1, log=lambda _m: None)
@@ -105,7 +111,7 @@ async def _plan_vs_real(url: str) -> dict:
     async def one(session, ids):
         t0 = time.perf_counter()
         times = await stream_times(session, url, ids, TOKENS)
-        out.append((times[0] - t0, (times[-1] - times[0]) / (len(times) - 1)))
+        out.append((times[0] - t0, _itl(times)))
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         tasks = []
@@ -116,13 +122,17 @@ async def _plan_vs_real(url: str) -> dict:
         await asyncio.gather(*tasks)
         again = [statistics.median([await measure_ttft(session, url, n, rng) for _ in range(CHECK_PLAN.repeats)])
                  for n in CHECK_PLAN.input_lens]
+        itl_again = statistics.median([_itl(await stream_times(session, url, ids, TOKENS))
+                                       for ids in [[rng.randrange(*TOKEN_ID_RANGE) for _ in range(CHECK_ISL)]
+                                                   for _ in range(CHECK_PLAN.repeats)]])
     measured = {"ttft_p50": statistics.median(o[0] for o in out), "itl_mean": statistics.mean(o[1] for o in out)}
     error = {k: predicted[k] / measured[k] - 1 for k in predicted}
-    drift = max(abs(a / p.ttft_s - 1) for a, p in zip(again, prefill))
+    solo = min((d for d in decode if d.batch_size == 1), key=lambda d: abs(d.context_len - CHECK_ISL))
+    drift = max([abs(a / p.ttft_s - 1) for a, p in zip(again, prefill)] + [abs(itl_again / solo.itl_s - 1)])
     line = {"requests": len(out), "rate": rate, "load_avg_1m": os.getloadavg()[0], "prefill": [(p.input_len, round(p.ttft_s, 4))
             for p in prefill], "decode": [(d.batch_size, round(d.itl_s, 4)) for d in decode],
             "predicted": predicted, "measured": measured, "error": error,
-            "prefill_after": again, "drift": drift}
+            "prefill_after": again, "itl_after": itl_again, "drift": drift}
     print("plan_vs_real", json.dumps(line))
     return line
 
