@@ -157,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated share of the requests per tenant, e.g. 8,1,1 (default: equal)")
     g.add_argument("--priority-mix", default=None, metavar="P1:F1,P2:F2",
                    help="fraction of the requests per priority (header x-pdserve-priority and body priority)")
+    g.add_argument("--priority-header", action=argparse.BooleanOptionalAction, default=True,
+                   help="send x-pdserve-priority (off: the body's priority only, for a router without "
+                        "--enable-priority-scheduling, which refuses the header)")
 
     g = p.add_argument_group("output")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
@@ -307,6 +310,7 @@ async def benchmark(
     disable_tqdm: bool = True,
     tags: list[RequestTag] | None = None,
     tenant_header: str = DEFAULT_TENANT_HEADER,
+    priority_header: bool = True,
 ) -> tuple[list[RequestOutput], float]:
     """Send ``rows[i]`` at ``offsets[i]`` seconds after the start (later if
     ``max_concurrency`` requests are in flight); returns the outputs in row order
@@ -338,7 +342,7 @@ async def benchmark(
             delay = start + at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            h = {**(headers or {}), **tag.headers(tenant_header)} or None
+            h = {**(headers or {}), **tag.headers(tenant_header, priority_header)} or None
             if sem is None:
                 out = await send_request(session, base_url, backend, row, model, start, headers=h,
                                          extra_body=tag.body())
@@ -432,6 +436,7 @@ def run_benchmark(args: argparse.Namespace, rows: list[DatasetRow] | None = None
         base_url, backend, rows, offsets, model=args.model, max_concurrency=args.max_concurrency,
         warmup_requests=args.warmup_requests, headers=headers, request_timeout=args.request_timeout,
         disable_tqdm=args.disable_tqdm, tags=tags, tenant_header=args.tenant_header_name,
+        priority_header=args.priority_header,
     ))
     metrics = calculate_metrics(outputs, duration, args.slo_ttft_ms, args.slo_tpot_ms)
     groups = group_metrics(outputs, tags, duration, args.slo_ttft_ms, args.slo_tpot_ms)

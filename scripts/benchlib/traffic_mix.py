@@ -29,11 +29,12 @@ class RequestTag:
     tenant: str | None = None
     priority: int | None = None
 
-    def headers(self, tenant_header: str) -> dict[str, str]:
+    def headers(self, tenant_header: str, priority_header: bool = True) -> dict[str, str]:
+        """The tenant's header, and the priority's unless ``priority_header`` is off."""
         out = {}
         if self.tenant is not None:
             out[tenant_header] = self.tenant
-        if self.priority is not None:
+        if self.priority is not None and priority_header:
             out[PRIORITY_HEADER] = str(self.priority)
         return out
 
