@@ -1,16 +1,21 @@
 """FlashInfer's MLA decode plan (``attention/mla_plan.py``) on CPU, against a hand-made batch:
 ragged lengths, partial last pages, padded tables, the latent pool split into ckv and kpe views,
-and the plan read back the way FlashInfer reads it giving the torch twin's attention. The last
-test runs FlashInfer itself against the twin where CUDA and flashinfer are present."""
+and the plan read back the way FlashInfer reads it giving the torch twin's attention. A tiny
+DeepSeek runs its layers' FlashInfer wiring over a host stand-in for the wrapper; one test runs
+FlashInfer itself against the twin where CUDA and flashinfer are present."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 import pytest
 import torch
+from support.deepseek_util import make_deepseek_checkpoint
+from support.model_util import greedy_generate
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.model_executor.attention.mla_plan import (
     flashinfer_mla_fits,
@@ -19,6 +24,7 @@ from pdserve.engine.model_executor.attention.mla_plan import (
     use_flashinfer_mla,
 )
 from pdserve.engine.model_executor.layers.mla_attention import MLAShape, MLAStep
+from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.kernels.mla_decode import mla_decode_torch
 
 PAGE = 4
@@ -186,3 +192,71 @@ def test_flashinfer_mla_matches_the_torch_twin(page_size):
     want = mla_decode_torch(q.float(), cache.float(), meta.dec_pages, meta.dec_lens, r, scale)
     assert got.shape == (len(lens), heads, r) and got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=0)
+
+
+class FakeMLAWrapper:
+    """BatchMLAPagedAttentionWrapper's documented plan/run, in torch on the host: how the layers'
+    wiring is checked where no GPU is (argument order, one plan per step, the views it is given)."""
+
+    plans: list[dict] = []
+    runs = 0
+
+    def __init__(self, float_workspace_buffer, backend="auto"):
+        self.workspace = float_workspace_buffer
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_len_arr, num_heads, head_dim_ckv, head_dim_kpe, page_size,
+             causal, sm_scale, q_data_type, kv_data_type):
+        self.args = dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_len_arr=kv_len_arr,
+                         num_heads=num_heads, head_dim_ckv=head_dim_ckv, head_dim_kpe=head_dim_kpe,
+                         page_size=page_size, causal=causal, sm_scale=sm_scale)
+        FakeMLAWrapper.plans.append(self.args)
+
+    def run(self, q_nope, q_pe, ckv_cache, kpe_cache, return_lse=False):
+        a = self.args
+        n = len(a["kv_len_arr"])
+        assert q_nope.shape == (n, a["num_heads"], a["head_dim_ckv"]) and q_pe.shape[2] == a["head_dim_kpe"]
+        assert ckv_cache.shape[1:] == (a["page_size"], a["head_dim_ckv"]) and kpe_cache.shape[2] == a["head_dim_kpe"]
+        assert a["qo_indptr"].tolist() == list(range(n + 1)) and not return_lse
+        FakeMLAWrapper.runs += 1
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = read_as_flashinfer(q.double(), ckv_cache.double(), kpe_cache.double(), PlanView(a), a["sm_scale"])
+        return out.to(q_nope.dtype)
+
+
+class PlanView:
+    def __init__(self, args: dict):
+        self.kv_indptr, self.kv_indices, self.kv_len_arr = args["kv_indptr"], args["kv_indices"], args["kv_len_arr"]
+
+
+def test_layers_run_flashinfer_wiring_like_the_twin(monkeypatch, tmp_path):
+    """A tiny DeepSeek-V3 with every MLA layer switched to the FlashInfer path over a host stand-in
+    for the wrapper: the same logits as the twin on every step (a mixed first step, then decode),
+    one plan per step, every layer running it."""
+    fake = types.ModuleType("flashinfer")
+    fake.mla = types.ModuleType("flashinfer.mla")
+    fake.mla.BatchMLAPagedAttentionWrapper = FakeMLAWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setitem(sys.modules, "flashinfer.mla", fake.mla)
+    monkeypatch.setattr(FakeMLAWrapper, "plans", [])
+    monkeypatch.setattr(FakeMLAWrapper, "runs", 0)
+
+    make_deepseek_checkpoint("v3", str(tmp_path))
+    runner = ModelRunner(EngineConfig(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024, page_size=4))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (7, 23, 1)]
+    steps = 5
+    want_tokens, want = greedy_generate(runner, prompts, steps)
+    layers = [layer.self_attn for layer in runner.model.model.layers]
+    for attn in layers:
+        attn.flashinfer = True
+    got_tokens, got = greedy_generate(runner, prompts, steps, forced=want_tokens)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert got_tokens == want_tokens
+    assert len(FakeMLAWrapper.plans) == steps  # the first step's one decode row, then every step's three
+    assert FakeMLAWrapper.runs == steps * len(layers)
+    first, last = FakeMLAWrapper.plans[0], FakeMLAWrapper.plans[-1]
+    assert first["kv_len_arr"].tolist() == [1]
+    assert last["kv_len_arr"].tolist() == [7 + steps - 1, 23 + steps - 1, 1 + steps - 1]
+    assert first["page_size"] == 4 and first["sm_scale"] == layers[0].scale and first["causal"] is False
+    runner.page_pool.check_integrity()

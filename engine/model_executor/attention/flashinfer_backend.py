@@ -128,8 +128,6 @@ class FlashInferMLADecode:
 
     def __init__(self, plan: MLADecodePlan, num_heads: int, kv_lora_rank: int, rope_dim: int, page_size: int,
                  scale: float, q_dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device):
-        if device.type != "cuda":
-            raise ValueError(f"FlashInfer's MLA decode needs device cuda, got {device}")
         import flashinfer.mla  # noqa: PLC0415  (optional dependency, imported only on the CUDA path)
 
         self.kv_lora_rank = kv_lora_rank

@@ -192,7 +192,7 @@ class MLAAttention:
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, H, r]
         q_full = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [n, H, r + dr]
         # a CUDA graph being captured keeps the twin: FlashInfer plans on the host, which a capture cannot hold
-        if self.flashinfer and not torch.cuda.is_current_stream_capturing():
+        if self.flashinfer and not (q_full.is_cuda and torch.cuda.is_current_stream_capturing()):
             fi = meta.flashinfer_decode(self.heads, self.shape, self.scale, q_full.dtype, cache)
             o_lat = fi(q_full, cache)  # [n, H, r]
         else:
