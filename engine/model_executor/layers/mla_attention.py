@@ -9,7 +9,9 @@ Per token the layer caches one vector per layer, shared by every head: the compr
 - absorbed (decode): W_UK is folded into the query (``q_nope W_UK``, latent-wide) and W_UV into
   the output, so the attention reads the latent pages directly: one key of width
   ``kv_lora_rank + rope_dim`` for every head (``kernels/mla_decode.py``: the native CPU kernel,
-  its torch twin elsewhere).
+  its torch twin elsewhere; on CUDA with flashinfer installed, FlashInfer's MLA decode,
+  ``attention/flashinfer_backend.py``'s ``FlashInferMLADecode``, planned once per step by
+  ``MLAStep``).
 
 The query is low-rank when ``q_lora_rank`` is set (``q_a_proj``, ``q_a_layernorm``,
 ``q_b_proj``), one ``q_proj`` otherwise. Under TP each rank holds its heads' rows of the
@@ -20,12 +22,14 @@ every rank caches the same latent.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.page_pool import PagePool
+from pdserve.engine.model_executor.attention.mla_plan import mla_decode_plan, use_flashinfer_mla
 from pdserve.engine.model_executor.layers.kernel_plan import KernelPlan, Step
 from pdserve.engine.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.engine.model_executor.layers.norm import RMSNorm
@@ -33,6 +37,9 @@ from pdserve.engine.model_executor.layers.yarn_rope import LatentRope
 from pdserve.engine.model_executor.parallel import HeadShard
 from pdserve.kernels.kv_ops import gather_slots, slots_of, store_kv
 from pdserve.kernels.mla_decode import mla_decode_fn
+
+if TYPE_CHECKING:
+    from pdserve.engine.model_executor.attention.flashinfer_backend import FlashInferMLADecode
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class MLAStep:
     ``absorbed_prefill`` sends every row through the absorbed form (the two forms' equality test)."""
 
     def __init__(self, batch: ForwardBatch, page_size: int, absorbed_prefill: bool = False):
+        self.page_size = page_size
         if batch.tree_parents is not None and any(p is not None for p in batch.tree_parents):
             raise ValueError("multi-head latent attention does not take draft trees")
         self.loc = batch.out_cache_loc
@@ -90,11 +98,27 @@ class MLAStep:
             start += ext
         self.all_decode = len(dec_rows) == batch.num_tokens
         self.dec_rows = torch.tensor(dec_rows, dtype=torch.int64, device=device)
+        self.dec_lens_host = dec_lens
         self.dec_lens = torch.tensor(dec_lens, dtype=torch.int32, device=device)
         self.dec_pages = None
         if dec_rows:
             width = -(-max(dec_lens) // page_size)
             self.dec_pages = batch.page_table[torch.tensor(dec_seqs, device=device)][:, :width].to(torch.int32)
+        self._flashinfer: FlashInferMLADecode | None = None
+
+    def flashinfer_decode(self, num_heads: int, shape: MLAShape, scale: float, q_dtype: torch.dtype,
+                          cache: torch.Tensor) -> FlashInferMLADecode:
+        """The step's FlashInfer MLA decode of its decode rows, planned when the first layer asks:
+        every layer has the same heads, widths, scale and dtypes, so one plan serves them all."""
+        if self._flashinfer is None:
+            from pdserve.engine.model_executor.attention.flashinfer_backend import (  # noqa: PLC0415
+                FlashInferMLADecode,  # the CUDA path only: CPU never loads it
+            )
+
+            plan = mla_decode_plan(self.dec_pages, self.dec_lens_host, self.page_size)
+            self._flashinfer = FlashInferMLADecode(plan, num_heads, shape.kv_lora_rank, shape.qk_rope_head_dim,
+                                                   self.page_size, scale, q_dtype, cache.dtype, cache.device)
+        return self._flashinfer
 
 
 class MLAAttention:
@@ -123,8 +147,10 @@ class MLAAttention:
         self.w_uk: torch.Tensor | None = None  # [H, nope, r]: folds into the query
         self.w_uv: torch.Tensor | None = None  # [H, v, r]: folds into the output
         self.plan = plan
-        # native kernel on CPU where built, torch twin elsewhere (shared by every layer: one binding)
+        # native kernel on CPU where built, torch twin elsewhere (shared by every layer: one binding);
+        # FlashInfer's MLA where it applies (CUDA, flashinfer installed, DeepSeek's widths)
         self.decode = mla_decode_fn(torch.device(plan.device))
+        self.flashinfer = use_flashinfer_mla(torch.device(plan.device), s.kv_lora_rank, s.qk_rope_head_dim, plan.dtype)
 
     def absorb(self) -> None:
         """Split kv_b_proj's dense rows into W_UK and W_UV (after load: the absorbed form's weights)."""
@@ -149,23 +175,29 @@ class MLAAttention:
         cache = pool.k[self.layer_id]
         store_kv(cache, None, meta.loc, latent[:, None], None)
         if meta.all_decode:
-            o = self._absorbed(q_nope, q_pe, cache, meta.dec_pages, meta.dec_lens)
+            o = self._absorbed(q_nope, q_pe, cache, meta)
         else:
             o = x.new_empty(T, H * s.v_head_dim)
             if meta.dec_rows.numel():
                 r = meta.dec_rows
-                o[r] = self._absorbed(q_nope[r], q_pe[r], cache, meta.dec_pages, meta.dec_lens)
+                o[r] = self._absorbed(q_nope[r], q_pe[r], cache, meta)
             for p in meta.prefills:
                 o[p.start : p.end] = self._expanded(q_nope[p.start : p.end], q_pe[p.start : p.end],
                                                     latent[p.start : p.end], cache, p, step)
         return self.o_proj.forward(o, step, residual=h)
 
-    def _absorbed(self, q_nope, q_pe, cache, pages, lens) -> torch.Tensor:
-        """q_nope [n, H, nope], q_pe [n, H, dr] -> [n, H * v] over the latent pages."""
+    def _absorbed(self, q_nope, q_pe, cache, meta: MLAStep) -> torch.Tensor:
+        """The step's decode rows: q_nope [n, H, nope], q_pe [n, H, dr] -> [n, H * v] over the latent pages."""
         n = q_nope.shape[0]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)  # [n, H, r]
         q_full = torch.cat([q_lat, q_pe], dim=-1).contiguous()  # [n, H, r + dr]
-        o_lat = self.decode(q_full, cache, pages, lens, self.shape.kv_lora_rank, self.scale)  # [n, H, r]
+        # a CUDA graph being captured keeps the twin: FlashInfer plans on the host, which a capture cannot hold
+        if self.flashinfer and not (q_full.is_cuda and torch.cuda.is_current_stream_capturing()):
+            fi = meta.flashinfer_decode(self.heads, self.shape, self.scale, q_full.dtype, cache)
+            o_lat = fi(q_full, cache)  # [n, H, r]
+        else:
+            o_lat = self.decode(q_full, cache, meta.dec_pages, meta.dec_lens, self.shape.kv_lora_rank,
+                                self.scale)  # [n, H, r]
         o = torch.bmm(o_lat.transpose(0, 1), self.w_uv.transpose(1, 2))  # [H, n, v]
         return o.transpose(0, 1).reshape(n, -1)
 
