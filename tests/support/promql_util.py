@@ -13,16 +13,28 @@ _KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bo
              "offset", "inf", "nan"}
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+# What the dashboard's "Data-parallel attention and experts" row reads that a server exports only
+# with an MoE model: the all-to-all counters (any MoE model), the expert load imbalance (while the
+# expert distribution is recorded) and EPLB's families (with --enable-eplb). The stands that check
+# every dashboard metric is exported run the dense default model, so ``dashboard_exprs`` leaves
+# the expressions reading them out unless asked; tests/metrics/test_dashboard.py checks an MoE
+# rank exports them.
+MOE_ONLY_METRICS = frozenset({
+    "pdserve_moe_a2a_bytes_total", "pdserve_moe_a2a_seconds_total", "pdserve_expert_load_imbalance",
+    "pdserve_eplb_rebalances_total", "pdserve_eplb_moved_experts_total", "pdserve_eplb_expert_load_imbalance",
+    "pdserve_eplb_rank_load_imbalance"})
 
 
-def dashboard_exprs(path: Path = DASHBOARD) -> list[str]:
-    """Every target's ``expr`` in a Grafana dashboard (rows' nested panels too)."""
+def dashboard_exprs(path: Path = DASHBOARD, include_moe_only: bool = False) -> list[str]:
+    """Every target's ``expr`` in a Grafana dashboard (rows' nested panels too), but those reading
+    a ``MOE_ONLY_METRICS`` name unless ``include_moe_only``: what a server of a dense model must export."""
     def panels(items):
         for p in items:
             yield p
             yield from panels(p.get("panels", []))
 
-    return [t["expr"] for p in panels(json.loads(path.read_text())["panels"]) for t in p.get("targets", [])]
+    exprs = [t["expr"] for p in panels(json.loads(path.read_text())["panels"]) for t in p.get("targets", [])]
+    return exprs if include_moe_only else [e for e in exprs if not metric_names(e) & MOE_ONLY_METRICS]
 
 
 def metric_names(expr: str) -> set[str]:
