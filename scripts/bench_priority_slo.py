@@ -9,9 +9,10 @@ Starts one prefill and one decode server (the default model, bf16, Mooncake TCP,
 - ``priority+slo``: ``--enable-priority-scheduling --slo-ttft-ms S --slo-miss-policy deprioritize``:
   the queue by priority, and a request whose estimated TTFT misses S sent after every other.
 
-First the cluster's capacity is measured (requests per second with the cap's worth in flight,
-through the FIFO router). Then each round sends the same Poisson workload at ``--load`` x that
-capacity through one router, then the other (the order swapped every round), with
+Each round first measures the cluster's capacity (requests per second with the cap's worth in
+flight, through the FIFO router: a shared machine's speed moves between rounds), then sends the
+same Poisson workload at ``--load`` x that capacity through one router, then the other (the order
+swapped every round), with
 ``scripts/bench_serving.py``: ``--priority-mix`` of interactive requests (priority 10) among batch
 requests (priority 0), the same lengths. Reported per router: the interactive requests' goodput
 (TTFT within ``--slo-ttft-ms`` and TPOT within ``--slo-tpot-ms``, per second) and p50 TTFT, and
@@ -105,14 +106,14 @@ def main() -> None:
               logs, urls["priority+slo"], procs)
 
         out = f"{logs}/bench.jsonl"
-        cap = bench(urls["fifo"], args, out, "inf", 2 * args.max_concurrent_requests, mix=False)
-        capacity = cap["request_throughput"]
-        rate = args.load * capacity
-        print(f"capacity {capacity:.3f} req/s (the cap's worth in flight); offered {rate:.3f} req/s", flush=True)
-
         rows: dict[str, list[dict]] = {name: [] for name in urls}
-        ratios = []
+        ratios, rates = [], []
         for r in range(args.rounds):
+            cap = bench(urls["fifo"], args, out, "inf", 4 * args.max_concurrent_requests, mix=False)
+            rate = args.load * cap["request_throughput"]
+            rates.append(rate)
+            print(f"round {r}: capacity {cap['request_throughput']:.3f} req/s (the cap's worth in flight); "
+                  f"offered {rate:.3f} req/s", flush=True)
             order = list(urls) if r % 2 == 0 else list(reversed(urls))
             got = {}
             for name in order:
@@ -133,7 +134,7 @@ def main() -> None:
         ratio = statistics.median(ratios)
         print(f"interactive goodput priority+slo / fifo: median {ratio:.2f} over {args.rounds} rounds "
               f"({', '.join(f'{x:.2f}' for x in ratios)}); aim >= 2", flush=True)
-        print(json.dumps({"capacity_rps": capacity, "offered_rps": rate, "rounds": rows, "ratios": ratios,
+        print(json.dumps({"offered_rps": rates, "rounds": rows, "ratios": ratios,
                           "ratio": ratio, "args": vars(args)}))
     finally:
         for proc in reversed(procs):
