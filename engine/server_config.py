@@ -194,15 +194,13 @@ class ServerConfig:
 
     def _check_dp_attention(self) -> None:
         """What DP attention serves: attention groups of tp_size / dp_size processes on one node, no
-        speculation, no DeepEP, no EPLB (the model's own check refuses architectures without an
+        speculation, no DeepEP, no LoRA (the model's own check refuses architectures without an
         idle forward)."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
         refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
                    (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
-                   # the groups run different numbers of forwards: no step boundary is common to all
-                   (self.engine.enable_eplb, "enable_eplb"),
                    (self.engine.speculative_algorithm is not None,
                     f"speculative_algorithm {self.engine.speculative_algorithm!r}"),
                    # the MLP gathers every group's rows, whose LoRA slots are each group's own

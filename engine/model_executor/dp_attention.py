@@ -18,6 +18,9 @@ order without agreeing on a schedule, and every MLP of the forward knows each gr
 without asking (``round_counts``: the step's rows, or the sampled rows past the last attention).
 A group's ranks step in lockstep (its leader broadcasts the inputs), so they announce the same
 triple and run the same forwards, idle ones included; a round in which they differ fails.
+The rounds are thus the one sequence of steps common to every rank: what runs collectives of its
+own between forwards runs per round, once the round is open (EPLB's balancer steps there in a
+forward and in an idle forward alike, ``ModelRunner._balance_experts``).
 """
 
 from __future__ import annotations

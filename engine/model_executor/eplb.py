@@ -4,8 +4,14 @@ moved to the ranks that now hold them.
 
 Each ``FusedMoE`` adds the (token, slot) pairs routed to the replicas this rank holds to its row
 of ``load`` (as the expert recorder counts, independently of it: the recorder keeps its own
-counts, by logical expert, across a rebalance). At the step boundary every TP rank runs the same
-``step`` in lockstep (identical scheduling on every rank): one all-reduce sums the group's load,
+counts, by logical expert, across a rebalance). The ranks' rows sum to tokens x top_k per layer:
+a rank that sees every row counts the slots it holds (one rank per EP rank counts), and under DP
+attention's all-to-all each rank counts every slot of its own share of its group's rows (the ranks
+of a group split its rows, so none is counted twice). At the step boundary every rank runs the same
+``step`` in lockstep (identical scheduling on every TP rank; under DP attention a step is a forward
+round, which every rank answers with a forward or an idle one, ``ModelRunner._balance_experts``):
+one all-reduce over the ranks the MoE layers span (the TP group; under DP attention the world of
+every attention group) sums the load,
 ``ep_rebalance.rebalance_layer`` (pure, so identical on every rank) gives the new placement, and
 an expert a rank now holds and did not hold before comes from a rank that held it, by gloo
 point-to-point (each (expert, destination) a tagged send and receive, all posted before any
@@ -30,7 +36,6 @@ from pdserve.engine.messages import MetricFamily, MetricSample
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement
 from pdserve.engine.model_executor.layers.ep_rebalance import rank_imbalance, rebalance_layer
 from pdserve.engine.model_executor.layers.moe import FusedMoE
-from pdserve.engine.model_executor.parallel import all_reduce, tp_size
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +63,8 @@ class ExpertBalancer:
         self.steps += 1
 
     def rebalance(self) -> None:
-        """New placements from the group's load; every TP rank calls it at the same step."""
-        total = self.load.clone()
-        if tp_size() > 1:
-            total = all_reduce(total)
-        total = total.tolist()
+        """New placements from the load of every rank the MoE layers span; each calls it at the same step."""
+        total = sum_over_moe_ranks(self.load.clone()).tolist()
         moved = 0
         for i, layer in self.layers.items():
             new = rebalance_layer(total[i], layer.placement)
@@ -100,6 +102,15 @@ class ExpertBalancer:
                               "Busiest EP rank's token count over the mean under the placement chosen, per MoE "
                               "layer, at the last rebalance.", self.rank_imbalance)]
         return out
+
+
+def sum_over_moe_ranks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed in place over the ranks the MoE layers span: the default group, which is the TP
+    group, or under DP attention the world (not the attention group ``parallel.all_reduce`` sums
+    over, which holds only its own rows' counts)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
 
 
 def expert_imbalance(load: list[int]) -> float:

@@ -288,8 +288,6 @@ class ModelRunner:
         if self.model is None:
             raise RuntimeError("the weights are released (resume_memory_occupation restores them)")
         batch = self._to_device(batch)
-        if self.eplb is not None:  # a rebalance, when due, runs at this step boundary on every rank
-            self.eplb.step()
         graphs = self.graph_runner
         # a captured graph holds no expert counting or balancing and keeps no hidden states: such
         # steps run eagerly
@@ -299,12 +297,23 @@ class ModelRunner:
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
         dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel())
+        self._balance_experts()
         return self.model.forward(batch, self.attn_backend, after_layer)
 
     @torch.inference_mode()
     def idle_forward(self) -> None:
         """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``)."""
+        self._balance_experts()
         self.model.idle_forward()
+
+    def _balance_experts(self) -> None:
+        """``--enable-eplb``: count one forward and rebalance when due. Called once the forward's
+        round is open and before the model's first collective, from ``forward`` and from
+        ``idle_forward`` alike: under DP attention the groups run different numbers of forwards but
+        every rank answers every round (its own forward or an idle one), so every rank counts the
+        same rounds and reaches a rebalance's collectives at the same round."""
+        if self.eplb is not None:
+            self.eplb.step()
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         if batch.input_ids.device == self.device and batch.out_cache_loc.dtype == torch.int64:

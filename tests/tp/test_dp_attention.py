@@ -108,9 +108,9 @@ def test_refused_shapes_are_named():
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NGRAM'"):
         ServerConfig(EngineConfig(speculative_algorithm="NGRAM"), tp_size=2, dp_size=2, enable_dp_attention=True)
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_eplb"):
-        ServerConfig(EngineConfig(ep_size=2, moe_a2a_backend="gloo", enable_eplb=True), tp_size=2, dp_size=2,
-                     enable_dp_attention=True)
+    # EPLB is served (it steps per forward round: tests/tp/test_dp_attention_eplb.py)
+    assert ServerConfig(EngineConfig(ep_size=2, moe_a2a_backend="gloo", enable_eplb=True), tp_size=2, dp_size=2,
+                        enable_dp_attention=True).engine.enable_eplb
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with moe_a2a_backend 'deepep'"):
         ServerConfig(EngineConfig(device="cuda", ep_size=2, moe_a2a_backend="deepep"), tp_size=2, dp_size=2,
                      enable_dp_attention=True)
