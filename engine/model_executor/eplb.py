@@ -36,6 +36,7 @@ from pdserve.engine.messages import MetricFamily, MetricSample
 from pdserve.engine.model_executor.layers.ep_placement import ExpertPlacement
 from pdserve.engine.model_executor.layers.ep_rebalance import rank_imbalance, rebalance_layer
 from pdserve.engine.model_executor.layers.moe import FusedMoE
+from pdserve.engine.model_executor.parallel import all_reduce_world
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ExpertBalancer:
 
     def rebalance(self) -> None:
         """New placements from the load of every rank the MoE layers span; each calls it at the same step."""
-        total = sum_over_moe_ranks(self.load.clone()).tolist()
+        total = all_reduce_world(self.load.clone()).tolist()
         moved = 0
         for i, layer in self.layers.items():
             new = rebalance_layer(total[i], layer.placement)
@@ -102,15 +103,6 @@ class ExpertBalancer:
                               "Busiest EP rank's token count over the mean under the placement chosen, per MoE "
                               "layer, at the last rebalance.", self.rank_imbalance)]
         return out
-
-
-def sum_over_moe_ranks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` summed in place over the ranks the MoE layers span: the default group, which is the TP
-    group, or under DP attention the world (not the attention group ``parallel.all_reduce`` sums
-    over, which holds only its own rows' counts)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(x)
-    return x
 
 
 def expert_imbalance(load: list[int]) -> float:

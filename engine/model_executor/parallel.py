@@ -196,6 +196,15 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_reduce_world(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` in place over every rank of the server's world: the ranks the MoE layers span (the
+    TP group, or under DP attention every attention group, where ``all_reduce`` sums over one
+    group); returns it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     """[..., n] on each rank -> [..., tp * n], rank 0's columns first."""
     size = tp_size()
