@@ -102,7 +102,8 @@ class PlannerProcess:
                         max_utilization=c.max_utilization)
         self.planner = SlaPlanner(self.profiles["prefill"], self.profiles["decode"],
                                   Slo(c.ttft_slo, c.itl_slo, c.slo_quantile), limits, self.connector.current(),
-                                  predictor=c.predictor, window=c.predictor_window, now=time.monotonic())
+                                  predictor=c.predictor, window=c.predictor_window, now=time.monotonic(),
+                                  correct=not c.no_correction)
         self.target = self.connector.current()
 
     def decide(self, obs) -> Step:

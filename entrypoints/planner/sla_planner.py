@@ -77,7 +77,7 @@ def check_observation(obs: Observation | None) -> str:
 class SlaPlanner:
     def __init__(self, prefill_profile: Profile, decode_profile: Profile, slo: Slo, limits: Limits,
                  initial: Counts, predictor: str = "peak", window: int = 4, smoothing: float = 0.5,
-                 now: float = 0.0):
+                 now: float = 0.0, correct: bool = True):
         self.prefill_model = PrefillModel(prefill_profile)
         self.decode_model = DecodeModel(decode_profile)
         self.slo, self.limits = slo, limits
@@ -87,6 +87,7 @@ class SlaPlanner:
         # length is biased short exactly when the pool must grow
         self.lengths: deque[tuple[float, float, float]] = deque(maxlen=LENGTH_WINDOW)
         self.prefill_corr, self.decode_corr = Correction(smoothing), Correction(smoothing)
+        self.correct = correct  # off: the factors stay 1, the profiles alone decide
         self.counts = initial
         self.last_change = [now, now]
         self.failures = 0
@@ -96,13 +97,13 @@ class SlaPlanner:
         # corrections compare what was seen with what the profile predicts for the same conditions
         load = Load(obs.rate, obs.input_len or 0.0, obs.output_len or 0.0)
         served_p = obs.prefill_servers if obs.prefill_servers is not None else self.counts.prefill
-        if obs.rate > 0 and obs.input_len and served_p > 0:
+        if self.correct and obs.rate > 0 and obs.input_len and served_p > 0:
             # only a pool below its planned utilisation: above it, the queue's transients (a
             # backlog from a burst) would be read as slow servers
             s = self.prefill_model.ttft(load.input_len) * self.prefill_corr.factor
             if load.rate * s / served_p <= self.limits.max_utilization:
                 self.prefill_corr.observe(obs.ttft_s, mean_ttft_lower(self.prefill_model, load, served_p))
-        if obs.itl_s and obs.decode_batch and obs.input_len and obs.output_len:
+        if self.correct and obs.itl_s and obs.decode_batch and obs.input_len and obs.output_len:
             # at the batch the servers ran: their speed, whatever the load did in between
             ctx = decode_context(load)
             self.decode_corr.observe(obs.itl_s, self.decode_model.itl(token_batch(obs.decode_batch), ctx))

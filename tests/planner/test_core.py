@@ -110,6 +110,17 @@ def test_planner_corrects_by_what_it_sees():
     assert s.corrections[0] == pytest.approx(math.sqrt(2), rel=0.01)
 
 
+def test_no_correction_plans_by_the_profile_alone():
+    pl = SlaPlanner(synthetic_profile(), synthetic_profile(), Slo(2.0, 0.1),
+                    Limits(max_prefill=16, max_decode=16, cooldown_s=30), Counts(1, 1), predictor="constant",
+                    correct=False)
+    pl.step(10, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200))
+    s = pl.step(20, Observation(interval_s=10, rate=2.0, input_len=1000, output_len=200, itl_s=3 * itl(7, 1100),
+                                decode_batch=6, decode_servers=12, ttft_s=60.0, prefill_servers=4))
+    assert s.corrections == (1.0, 1.0)
+    assert s.decision.counts == Counts(4, 9)  # the uncorrected plan of the same load
+
+
 def test_prefill_backlog_adds_to_the_load():
     pl = _planner()
     quiet = pl.step(10, Observation(interval_s=10, rate=0.2, input_len=1000, output_len=200))

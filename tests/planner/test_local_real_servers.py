@@ -11,7 +11,9 @@
 
 One launch: every server start here is a model load. The planner's profile is a synthetic one
 with round numbers (low rate: one decode server, high rate: two), so its decisions do not depend
-on this machine's speed; hence ``--skip-profile-check``.
+on this machine's speed; hence ``--skip-profile-check``, and ``--no-correction``: corrected by the
+servers' latencies, the synthetic profile would plan for this machine's real speed (one decode
+server at the high rate on a fast one).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ async def test_launch_planner_plan_error_and_scaling(tmp_path):
     url, planner = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{planner_port}"
     argv = [sys.executable, "-m", "pdserve.entrypoints.cli", "launch", "--prefill", "1", "--decode", "1",
             "--port", str(port), "--log-dir", str(tmp_path), "--cpu-split", "auto", *SERVE, "--planner", "--planner-port", str(planner_port),
-            f"--planner-arg=--profile={path}", "--planner-arg=--skip-profile-check",
+            f"--planner-arg=--profile={path}", "--planner-arg=--skip-profile-check", "--planner-arg=--no-correction",
             f"--planner-arg=--ttft-slo={SLO.ttft_s}", f"--planner-arg=--itl-slo={SLO.itl_s}",
             "--planner-arg=--adjustment-interval=2", "--planner-arg=--predictor=constant",
             "--planner-arg=--max-prefill=1", "--planner-arg=--max-decode=2", "--planner-arg=--cooldown=3",
