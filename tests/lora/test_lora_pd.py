@@ -97,13 +97,31 @@ def colocated(stand):
     return ref
 
 
-def _received_bytes(server: Server) -> float:
-    """The decode's KV bytes received so far, over its ranks (/metrics)."""
-    total = 0.0
+def _received(server: Server, side: str = "decode") -> tuple[float, float]:
+    """A server's rooms that succeeded and (a decode's) KV bytes received so far, over its ranks
+    (/metrics)."""
+    rooms = total = 0.0
     for line in requests.get(server.url + "/metrics", timeout=10).text.splitlines():
         if line.startswith("pdserve_kv_transfer_received_bytes_total"):
             total += float(line.rpartition(" ")[2])
-    return total
+        elif line.startswith("pdserve_kv_rooms_total") and f'side="{side}"' in line and 'state="success"' in line:
+            rooms += float(line.rpartition(" ")[2])
+    return rooms, total
+
+
+def _received_once(server: Server, rooms: float) -> float:
+    """The KV bytes received once exactly ``rooms`` rooms succeeded, read twice alike: a rank's
+    counters reach /metrics with its stats, which may come after the answer."""
+    last = [None]
+
+    def settled() -> bool:
+        now = _received(server)
+        done = now[0] == rooms and now == last[0]
+        last[0] = now
+        return done
+
+    wait_for(settled, what=f"{rooms:.0f} rooms on the decode's /metrics")
+    return last[0][1]
 
 
 def _mixed_equals_colocated(P: Server, D: Server, colocated) -> None:
@@ -159,15 +177,15 @@ def test_same_prompt_under_two_adapters_shares_no_page(stand, colocated):
     P.wait_unleaked()
     D.wait_unleaked()  # flushed: nothing cached
     ids = _ids(6 * PAGE, seed=11)  # 6 pages
+    # every room P sent to D so far counted on D's /metrics (the earlier tests' last ones may lag)
+    wait_for(lambda: _received(D)[0] == _received(P, "prefill")[0], what="the decode's rooms equal the prefill's")
 
     def run(adapter):
-        before = _received_bytes(D)
+        rooms, before = _received(D)
         p, d = pd_post(P, D, "/generate", _body(ids, adapter))
         assert p.status_code == 200 and d.status_code == 200, (p.text, d.text)
         assert d.json()["output_ids"] == colocated(ids, adapter)
-        # the rank's counters reach /metrics with its next stats, after the answer
-        wait_for(lambda: _received_bytes(D) > before, what="the room's KV bytes on the decode's /metrics")
-        return d.json()["meta_info"]["cached_tokens"], _received_bytes(D) - before
+        return d.json()["meta_info"]["cached_tokens"], _received_once(D, rooms + 1) - before
 
     first_a = run("a")
     assert first_a[0] == 0 and first_a[1] > 0
@@ -204,12 +222,12 @@ def test_decode_running_another_adapter_under_the_name_refuses_the_room(stand):
     """D2's "a" is b's weights: the room's request names another lora id than the prefill's, and
     both legs fail naming the adapter; no KV is written, every page comes back."""
     P, D2 = stand["P"], stand["D2"]
-    before = _received_bytes(D2)
+    before = _received(D2)[1]
     p, d = pd_post(P, D2, "/generate", _body(_ids(10, seed=4), "a"))
     for leg in (p, d):
         assert leg.status_code >= 400, leg.text
         assert "LoRA adapter mismatch" in leg.text and "'a'" in leg.text, leg.text
-    assert _received_bytes(D2) == before
+    assert _received(D2)[1] == before
     P.wait_unleaked()
     D2.wait_unleaked()
 
