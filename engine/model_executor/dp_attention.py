@@ -5,7 +5,8 @@ Each attention group (``tp_size / dp_size`` processes, ``parallel.init_dp_attent
 attention on its own batch with its own KV pool, its heads split over its ranks as TP splits
 them (MLA's latent KV whole on each); the MLP's weights are split over all the world's ranks like
 TP's. Before an MLP a group's rows (the same on each of its ranks) join the other groups'
-(``dp_gather``: padded to the largest of the counts its round announced), every rank multiplies
+(``dp_gather``: padded to the largest of the counts its round announced, each of the group's
+ranks sending its share, so one rank sends each row), every rank multiplies
 all rows by its slice, the partial sums are all-reduced over the world, and each group keeps its
 own rows (``dp_scatter``), so a token's MLP is the same sum TP computes.
 
@@ -96,20 +97,23 @@ def finish_iteration(idle_forward: Callable[[], None]) -> int:
 
 def dp_gather(x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Every group's rows of ``x`` [n, hidden] in group order, given each group's row ``counts``
-    (one all-gather over the world; each group's rows are read from its rank 0's part)."""
+    (one all-gather over the world). A group's ranks hold the same rows, so each sends only its
+    share: the rows padded to the largest count (rounded up to a multiple of the group's ranks),
+    attention rank ``a`` sending the ``a``-th slice; a group's slices, in rank order, are its rows."""
     dp = dp_attention()
     mine = counts[dp.rank]
     if x.shape[0] != mine:  # a wrong count would misplace every group's rows: fail instead
         raise RuntimeError(f"DP attention: this group has {x.shape[0]} rows, its round said {mine}")
-    width = max(counts)
-    if width == 0:
+    if max(counts) == 0:
         return x
-    padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+    share = -(-max(counts) // dp.attn_size)  # rows each rank sends
+    padded = x.new_zeros((share * dp.attn_size,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = [torch.empty_like(padded) for _ in range(dp.world_size)]
-    dist.all_gather(parts, padded)
-    leaders = parts[:: dp.attn_size]  # [group] -> its rows, padded
-    return torch.cat([part[:c] for part, c in zip(leaders, counts)])
+    start = dp.attn_rank * share
+    parts = [torch.empty_like(padded[:share]) for _ in range(dp.world_size)]
+    dist.all_gather(parts, padded[start: start + share].contiguous())
+    groups = [torch.cat(parts[g * dp.attn_size: (g + 1) * dp.attn_size]) for g in range(dp.size)]
+    return torch.cat([rows[:c] for rows, c in zip(groups, counts)])
 
 
 def dp_scatter(y: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -4,7 +4,7 @@ latent KV whole on each), the dense MLPs and the experts split over all four. Gr
 (fp32) equals TP 1 with a batch spread over both groups and with one group idle, for the tiny
 Llama and the tiny DeepSeek-V3 (multi-head latent attention, a dense first layer, shared and
 routed experts), and for the tiny Qwen3-MoE with whole experts exchanged by all-to-all (each rank
-of a group sends its share of the group's rows).
+of a group sends its share of the group's rows), whose recorded expert counts cover both groups.
 
 One four-rank server per model: on a shared 2-core machine each stand is slow, so each test
 asks everything of its one stand; the Llama one ends by killing a follower rank of the idle
@@ -45,10 +45,18 @@ def dispatched(server) -> dict[str, float]:
     return {m[0]: float(m[1]) for m in re.findall(r'pdserve_requests_total\{[^}]*dp_rank="(\d)"[^}]*\} (\S+)', text)}
 
 
-def check_groups_equal_tp1(path: str, *flags: str, kill_follower: bool = False) -> None:
+def ran(out: dict) -> int:
+    """Tokens the model ran for one request: the uncached prompt, then each output token but the last."""
+    meta = out["meta_info"]
+    return meta["prompt_tokens"] - meta["cached_tokens"] + meta["completion_tokens"] - 1
+
+
+def check_groups_equal_tp1(path: str, *flags: str, kill_follower: bool = False, top_k: int = 0) -> None:
     """A server of two two-rank groups on ``path``: a batch over both groups, then each group alone
     (the other idling through every MLP's collectives), greedy equal to TP 1; pools unleaked. With
-    ``kill_follower``: then group 1's rank 1 is killed while group 0 decodes, which ends the server."""
+    ``kill_follower``: then group 1's rank 1 is killed while group 0 decodes, which ends the server.
+    With ``top_k`` (a MoE model) the batch is recorded: the dump, summed over both groups, counts
+    each token the groups ran ``top_k`` times per layer, whichever group's ranks hold its experts."""
     want = tp1_outputs(path)
     server = ServerProcess("--model-path", path, *GROUPS, *flags)
     try:
@@ -57,8 +65,13 @@ def check_groups_equal_tp1(path: str, *flags: str, kill_follower: bool = False) 
         assert info["dp_size"] == 2 and info["enable_dp_attention"] is True
         assert len(info["internal_states"]) == 2  # one scheduler per group
         assert sorted(rank_pids(server.proc.pid)) == RANKS
+        if top_k:
+            assert server.post("/start_expert_distribution_record", {}).status_code == 200
         results = post_to_groups(server, PROMPTS, GREEDY)  # both groups at once
         assert [r.json().get("output_ids") for r in results] == want, (results[0].text, server.log())
+        if top_k:
+            counts = server.post("/dump_expert_distribution_record", {}).json()["logical_count"]
+            assert [sum(row) for row in counts] == [top_k * sum(ran(r.json()) for r in results)] * len(counts)
         for rank in (0, 1):  # one group works, the other idles
             before = dispatched(server)
             r = server.post("/generate", {"input_ids": PROMPTS[1], "sampling_params": GREEDY,
@@ -107,4 +120,4 @@ def test_deepseek_v3_groups_of_two_equal_tp1(tmp_path):
 
 
 def test_qwen3_moe_groups_of_two_all_to_all_equal_tp1(tiny_checkpoints):
-    check_groups_equal_tp1(tiny_checkpoints["qwen3_moe"], "--ep-size", "4", "--moe-a2a-backend", "gloo")
+    check_groups_equal_tp1(tiny_checkpoints["qwen3_moe"], "--ep-size", "4", "--moe-a2a-backend", "gloo", top_k=3)
