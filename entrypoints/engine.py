@@ -183,7 +183,7 @@ class Engine:
         return self.rank_on_thread
 
     async def _open(self, server_config: ServerConfig) -> TokenizerManager:
-        metrics = ServerMetrics(server_config.dp_size, server_config.model_name)
+        metrics = ServerMetrics(server_config.dp_size, server_config.model_name, server_config.enable_dp_attention)
         self._bootstrap = await start_bootstrap_server(server_config, metrics)
         if self.in_process:
             tm = TokenizerManager(server_config, self.tokenizer, metrics, self._rank)

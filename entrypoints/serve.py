@@ -196,7 +196,7 @@ async def serve(config: ServerConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
 
-    metrics = ServerMetrics(config.dp_size, config.model_name)
+    metrics = ServerMetrics(config.dp_size, config.model_name, config.enable_dp_attention)
     tm = None
     bootstrap = None
     procs: dict[tuple[int, int], mp.Process] = {}

@@ -27,7 +27,8 @@ E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 
 
 class ServerMetrics:
-    def __init__(self, dp_size: int, model_name: str):
+    def __init__(self, dp_size: int, model_name: str, experts_span_dp: bool = False):
+        """``experts_span_dp``: the MoE experts are spread over every DP rank (DP attention)."""
         self.dp_size = dp_size
         self.model_name = model_name
         self.registry = CollectorRegistry()
@@ -59,7 +60,7 @@ class ServerMetrics:
         self._by_rank = [self.requests.labels(model_name, str(r)) for r in range(dp_size)]
         self._gauges = _RankGauges(model_name, dp_size)
         reg.register(self._gauges)
-        self._rank_families = _RankFamilies(model_name)
+        self._rank_families = _RankFamilies(model_name, experts_span_dp)
         reg.register(self._rank_families)
 
     def on_dispatch(self, dp_rank: int) -> None:
@@ -145,8 +146,9 @@ class _RankFamilies:
     """A collector of the scheduler processes' own families (``RankMetrics``), merged by name,
     each sample labelled with the model and the (DP, TP) rank it came from."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, experts_span_dp: bool = False):
         self.model_name = model_name
+        self.experts_span_dp = experts_span_dp
         self.latest: dict[tuple[int, int], RankMetrics] = {}
 
     def collect(self):
@@ -160,6 +162,6 @@ class _RankFamilies:
                 for s in f.samples:
                     family.add_sample(s.name, {**rank, **s.labels}, s.value)
         yield from merged.values()
-        imbalance = imbalance_family(self.model_name, self.latest)
+        imbalance = imbalance_family(self.model_name, self.latest, self.experts_span_dp)
         if imbalance is not None:
             yield imbalance

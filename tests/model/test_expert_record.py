@@ -73,3 +73,20 @@ def test_imbalance_is_the_groups_max_over_its_mean():
     assert [(s.labels["dp_rank"], s.labels["layer"], s.value) for s in g.samples] == [("0", "1", 2.0)]
     text = ServerMetrics(1, "m").render([None], [0], {(0, 0): _shares(0, 10.0, 3.0), (0, 1): _shares(1, 6.0, 2.0)})
     assert 'pdserve_expert_load_imbalance{model_name="m",dp_rank="0",layer="1"} 2.0' in text
+
+
+def _rank(dp: int, peak: float, mean: float) -> RankMetrics:
+    return RankMetrics(dp, 0, _shares(0, peak, mean).families)
+
+
+def test_imbalance_under_dp_attention_spans_every_dp_rank():
+    """Two DP ranks of one process each, each holding half the experts: per DP rank the ratio
+    would be 10/3 and 6/2; the experts span both, so each DP rank reports 10 / (3 + 2)."""
+    latest = {(0, 0): _rank(0, 10.0, 3.0), (1, 0): _rank(1, 6.0, 2.0)}
+    per_dp = imbalance_family("m", latest)
+    assert [(s.labels["dp_rank"], s.value) for s in per_dp.samples] == [("0", round(10 / 3, 6)), ("1", 3.0)]
+    spanning = imbalance_family("m", latest, experts_span_dp=True)
+    assert [(s.labels["dp_rank"], s.labels["layer"], s.value) for s in spanning.samples] == [
+        ("0", "1", 2.0), ("1", "1", 2.0)]
+    text = ServerMetrics(2, "m", experts_span_dp=True).render([None, None], [0, 0], latest)
+    assert 'pdserve_expert_load_imbalance{model_name="m",dp_rank="1",layer="1"} 2.0' in text
