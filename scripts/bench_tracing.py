@@ -2,7 +2,8 @@
 
 Starts two pairs of real servers (prefill + decode over Mooncake TCP, bf16, the default model):
 one plain, one with ``--enable-trace`` at ``--trace-sample-ratio`` 1.0 exporting to an OTLP/HTTP
-receiver in this process (``tests/support/otlp_receiver.py``). Each round sends the same batch of
+receiver in a process of its own (``tests/support/otlp_receiver.py``; a collector never shares
+the client's interpreter, whose threads it would slow on the traced side only). Each round sends the same batch of
 requests (fresh random prompts, ``--concurrency`` in flight, direct pairing with
 ``bootstrap_host/port/room`` as a router does) through one pair, then through the other, the order
 swapped every round (``benchlib/ab_rounds.py``). Throughput: output tokens per second of a round.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import multiprocessing as mp
 import os
 import random
 import sys
@@ -56,7 +58,7 @@ class Server:
             cmd += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         cmd += extra
         self.log_path = f"/tmp/bench-tracing-{name}-{os.getpid()}.log"
-        self.proc = spawn(cmd, self.log_path, cwd=REPO, env={**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "200"})
+        self.proc = spawn(cmd, self.log_path, cwd=REPO)  # the span exporter's defaults, as a user gets them
 
     def wait_ready(self, timeout: float = 600) -> None:
         wait_healthy(self.url, self.proc, timeout, name="server", log=lambda: f"see {self.log_path}", period=0.5)
@@ -76,6 +78,34 @@ class Server:
                 if int(fields[2]) == pgid:  # fields after the name: state, ppid, pgrp, ...
                     total += int(fields[11]) + int(fields[12])  # utime, stime
         return total / os.sysconf("SC_CLK_TCK")
+
+
+def _receive(conn) -> None:
+    """The receiver process: sends its endpoint, then, when told to close, the span names it got."""
+    receiver = OtlpReceiver()
+    conn.send(receiver.endpoint)
+    conn.recv()
+    names = [s.name for s in receiver.spans]
+    receiver.close()
+    conn.send(names)
+
+
+class ReceiverProcess:
+    """An OTLP/HTTP receiver in a spawned process (the servers export to it as to a collector)."""
+
+    def __init__(self):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_receive, args=(child,), daemon=True)
+        self.proc.start()
+        self.endpoint = self.conn.recv()
+
+    def close(self) -> list[str]:
+        """The names of every span received, once the receiver has stopped."""
+        self.conn.send("close")
+        names = self.conn.recv()
+        self.proc.join(30)
+        return names
 
 
 def one_request(session: requests.Session, P: Server, D: Server, ids: list[int], output_len: int) -> int:
@@ -123,7 +153,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     rng = random.Random(args.seed)
-    receiver = OtlpReceiver()
+    receiver = ReceiverProcess()
     trace = ("--enable-trace", "--otlp-traces-endpoint", receiver.endpoint, "--trace-sample-ratio", "1.0")
     servers = {"plain": (Server("P-plain", "prefill", args.threads), Server("D-plain", "decode", args.threads)),
                "traced": (Server("P-traced", "prefill", args.threads, *trace),
@@ -148,13 +178,11 @@ def main() -> None:
                 tokens[name] += n
                 times[name].append(secs)
                 print(f"round {r} {name}: {n / secs:.1f} tok/s ({secs:.2f} s, {cpu[name][-1]:.2f} CPU s)", flush=True)
-        time.sleep(1.0)  # the exporters' last batches
     finally:
         for pair in servers.values():
             for s in pair:
-                s.stop()
-    names = [s.name for s in receiver.spans]
-    receiver.close()
+                s.stop()  # a server exports the spans it still holds as it stops
+    names = receiver.close()
     ratio = round_ratios(times["traced"], times["plain"])
     cpu_ratio = round_ratios(cpu["plain"], cpu["traced"])["median"]  # traced CPU s / plain CPU s
     tput = {name: tokens[name] / sum(times[name]) for name in servers}
