@@ -28,6 +28,9 @@ import zmq.asyncio
 from pdserve.engine.messages import RankMetrics, SchedulerError, SchedulerInput, SchedulerOutput, SchedulerReady
 
 OnMessages = Callable[[list[SchedulerOutput]], None]
+# the largest frame the rank channel takes (a batch of outputs with prompt logprobs fits well
+# within it); a peer sending a larger one is disconnected by ZMQ before it is buffered whole
+MAX_CHANNEL_FRAME = 256 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,7 @@ class RemoteRanks:
     def bind(self, ctx: zmq.asyncio.Context) -> None:
         s = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.MAXMSGSIZE, MAX_CHANNEL_FRAME)
         if self.addr.startswith("tcp://["):
             s.setsockopt(zmq.IPV6, 1)
         s.bind(bind_addr(self.addr))

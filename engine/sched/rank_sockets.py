@@ -5,6 +5,9 @@ Tensor parallel (SGLang's design): TP rank 0 alone reads the HTTP process's mess
 iteration it broadcasts the raw messages it received (and whether to stop) to the other TP ranks,
 which apply them in the same order, so every rank makes the same scheduling decisions, page
 allocations and samples, and only rank 0 sends outputs (the others send their own ``RankMetrics``).
+
+Under DP attention across nodes a rank off node 0 has one DEALER to node 0's rank channel
+(``dealer``) for both ways, its frames sealed with the shared key when one is configured.
 """
 
 from __future__ import annotations
