@@ -132,6 +132,10 @@ def test_layouts_across_nodes():
     assert c.local_ranks() == [(0, 2), (0, 3)] and c.node_of(0, 0) == 0 and c.node_of(1, 0) == 2
     assert c.rank_channel_addr == "tcp://10.0.0.1:5001"  # the world meets at 5000
     assert config(8, 2, 4, 3).host_ranks == 2
+    # CUDA: a node's ranks take its devices from --base-gpu-id in rank order
+    on_gpus = ServerConfig(EngineConfig(device="cuda"), tp_size=16, dp_size=16, enable_dp_attention=True, nnodes=2,
+                           node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert [on_gpus.rank_device(g, 0) for g in (8, 15)] == ["cuda:0", "cuda:7"]
     for tp, dp, nnodes in ((6, 2, 3), (12, 4, 3), (4, 4, 3)):  # groups of 3 over shares of 2, 4; T % N
         with pytest.raises(ValueError, match="--tp-size .* --dp-size .* --nnodes"):
             config(tp, dp, nnodes)
