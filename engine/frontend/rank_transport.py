@@ -123,8 +123,8 @@ class RemoteRanks:
     becomes group ``g``'s leader by its first ``SchedulerReady`` of a remote group ``g`` (with a
     key: sealed by ``dp{g}-tp0``); the group's inputs go to it alone, and only it may send the
     group's outputs, stats and control results. ``RankMetrics`` are taken for a rank off node 0
-    and ``SchedulerError`` (another node's rank that died) for any DP rank; anything else from
-    an unknown peer is dropped. So nothing a peer sends reaches the tokenizer manager outside
+    and ``SchedulerError`` (another node's rank that died) for a DP rank with a rank off node 0;
+    anything else from an unknown peer is dropped. So nothing a peer sends reaches the tokenizer manager outside
     these rules, and no frame can end the receive loop.
     """
 
