@@ -142,6 +142,11 @@ class RemoteRanks:
         s = ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.MAXMSGSIZE, MAX_CHANNEL_FRAME)
+        # a ROUTER drops what a full or unknown peer cannot take; here nothing is dropped unseen:
+        # no send limit (the front end's admission bounds what is in flight, as over ipc), and a
+        # leader that is gone fails the send, which is logged (``_sent``)
+        s.setsockopt(zmq.SNDHWM, 0)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.addr.startswith("tcp://["):
             s.setsockopt(zmq.IPV6, 1)
         s.bind(bind_addr(self.addr))
@@ -156,7 +161,8 @@ class RemoteRanks:
             return
         if self.auth is not None:
             payload = self.auth.seal(payload, self.addr, f"dp{rank}-tp0")
-        self._router.send_multipart([leader, payload], copy=False)
+        sent = self._router.send_multipart([leader, payload], copy=False)
+        sent.add_done_callback(lambda f: _sent(f, rank))
 
     async def recv_loop(self, on_messages: OnMessages) -> None:
         while True:
@@ -209,6 +215,11 @@ class RemoteRanks:
     def close(self) -> None:
         if self._router is not None:
             self._router.close(linger=0)
+
+
+def _sent(f: asyncio.Future, rank: int) -> None:
+    if not f.cancelled() and f.exception() is not None:
+        logger.error("rank channel: a message to DP rank %d was not sent (%s)", rank, f.exception())
 
 
 def bind_addr(addr: str) -> str:

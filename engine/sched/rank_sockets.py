@@ -52,6 +52,7 @@ def dealer(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.ROUTING_ID, os.urandom(16))
     sock.setsockopt(zmq.LINGER, 2000)
+    sock.setsockopt(zmq.RCVHWM, 0)  # what node 0 sends waits here, never dropped (its ROUTER's SNDHWM too)
     if addr.startswith("tcp://["):
         sock.setsockopt(zmq.IPV6, 1)
     sock.connect(addr)
