@@ -181,26 +181,30 @@ class ServerConfig:
             raise ValueError(f"base_gpu_id must be >= 0, got {self.base_gpu_id}")
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) + self.dp_size <= 65536:
+            # DP rank r's group meets at port + r; under DP attention across nodes port + 1 is the
+            # front end's rank channel (rank_channel_addr)
+            ports = 2 if self.enable_dp_attention and self.nnodes > 1 else self.dp_size
+            if not host or not port.isdigit() or not 0 < int(port) + ports <= 65536:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
         if self.nnodes > 1:
             if self.dist_init_addr is None:
                 raise ValueError("nnodes > 1 needs dist_init_addr (node 0's host:port)")
-            if self.dp_size != 1 or self.tp_size % self.nnodes:
+            if self.enable_dp_attention:
+                self._check_dp_attention_nodes()
+            elif self.dp_size != 1 or self.tp_size % self.nnodes:
                 raise ValueError(
                     f"nnodes > 1 spans one DP rank over the nodes: needs dp_size 1 and tp_size divisible by "
                     f"nnodes, got dp_size {self.dp_size}, tp_size {self.tp_size}, nnodes {self.nnodes}"
                 )
 
     def _check_dp_attention(self) -> None:
-        """What DP attention serves: attention groups of tp_size / dp_size processes on one node, no
+        """What DP attention serves: attention groups of tp_size / dp_size processes, no
         speculation, no DeepEP, no LoRA (the model's own check refuses architectures without an
-        idle forward)."""
+        idle forward). Across nodes, ``_check_dp_attention_nodes``."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
-        refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
-                   (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
+        refused = [(self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
                    (self.engine.speculative_algorithm is not None,
                     f"speculative_algorithm {self.engine.speculative_algorithm!r}"),
                    # the MLP gathers every group's rows, whose LoRA slots are each group's own
@@ -209,26 +213,70 @@ class ServerConfig:
             if bad:
                 raise ValueError(f"enable_dp_attention is not supported with {what}")
 
+    def _check_dp_attention_nodes(self) -> None:
+        """DP attention over ``nnodes``: node n holds world ranks [n * tp_size / nnodes, (n + 1) *
+        tp_size / nnodes), so every node holds whole attention groups (the group size divides a
+        node's share) or every group spans whole nodes (a node's share divides the group size);
+        a group cut anywhere else would straddle a node partly."""
+        per_node, attn = self.tp_size // self.nnodes, self.attn_tp_size
+        if self.tp_size % self.nnodes or (per_node % attn and attn % per_node):
+            raise ValueError(
+                f"--enable-dp-attention with --nnodes {self.nnodes}: every node must hold whole attention groups "
+                f"or every group whole nodes (--tp-size divisible by --nnodes, and the group size --tp-size / "
+                f"--dp-size dividing or divided by --tp-size / --nnodes), got --tp-size {self.tp_size}, "
+                f"--dp-size {self.dp_size}, --nnodes {self.nnodes}")
+
     @property
     def attn_tp_size(self) -> int:
         """The processes of one DP rank: tp_size, or under DP attention its attention group's."""
         return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
 
     def rank_device(self, dp_rank: int, tp_rank: int) -> str:
-        """The device of one scheduler process: one CUDA device per TP rank, counted from base_gpu_id."""
+        """The device of one scheduler process: one CUDA device per scheduler process of this node,
+        counted from base_gpu_id in world-rank order."""
         if self.engine.device.startswith("cuda"):
-            return f"cuda:{self.base_gpu_id + dp_rank * self.attn_tp_size + tp_rank}"
+            first = self.node_rank * self.world_ranks_per_node
+            return f"cuda:{self.base_gpu_id + dp_rank * self.attn_tp_size + tp_rank - first}"
         return self.engine.device
 
-    def local_tp_ranks(self) -> range:
-        """The TP ranks of every DP rank that run on this node (all of them on one node)."""
-        per_node = self.attn_tp_size // self.nnodes
-        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+    @property
+    def world_ranks_per_node(self) -> int:
+        """Scheduler processes per node: every DP rank's TP ranks on one node; across nodes a
+        node's share of the one world (multi-node TP's, or DP attention's)."""
+        return self.dp_size * self.attn_tp_size // self.nnodes
+
+    def node_of(self, dp_rank: int, tp_rank: int) -> int:
+        """The node that runs DP rank ``dp_rank``'s TP rank ``tp_rank``: world rank ``dp_rank *
+        attn_tp_size + tp_rank`` over consecutive shares of ``world_ranks_per_node``."""
+        return (dp_rank * self.attn_tp_size + tp_rank) // self.world_ranks_per_node
+
+    def local_ranks(self) -> list[tuple[int, int]]:
+        """The (DP rank, TP rank) pairs that run on this node, in world-rank order (all of them on
+        one node)."""
+        per, attn = self.world_ranks_per_node, self.attn_tp_size
+        return [(w // attn, w % attn) for w in range(self.node_rank * per, (self.node_rank + 1) * per)]
 
     @property
     def host_ranks(self) -> int:
         """The scheduler ranks of this server on this node: they share one CPU memory budget."""
-        return self.dp_size * len(self.local_tp_ranks())
+        return self.world_ranks_per_node
+
+    @property
+    def rank_channel_addr(self) -> str | None:
+        """Where ranks off node 0 reach node 0's front end under DP attention across nodes: a
+        ZMQ ROUTER at ``--dist-init-addr``'s host, port + 1 (the world meets at port itself), so
+        no node needs another flag to find it (``rank_transport.ZmqTransport``); None otherwise
+        (every rank reaches it over ipc)."""
+        if not (self.enable_dp_attention and self.nnodes > 1):
+            return None
+        host, _, port = self.dist_init_addr.rpartition(":")
+        return f"tcp://{host}:{int(port) + 1}"
+
+    def rank_channel_auth(self):
+        """The ``FrameAuth`` that seals every frame of the rank channel, from
+        ``--disaggregation-auth-key-file``; None without a key (the channel is then as open as
+        the torch rendezvous and gloo ports beside it)."""
+        return self.kv_transfer.frame_auth("ranks")
 
     @property
     def kv_events(self) -> KVEventsConfig:

@@ -67,11 +67,14 @@ _HELP = {
                            "all of them (dp_size divides tp_size: groups of tp_size / dp_size ranks; Llama "
                            "family, Qwen3-MoE, DeepSeek)",
     "dist_init_addr": "host:port where DP rank r's TP group meets (port + r; under --enable-dp-attention one "
-                      "group of every DP rank at port); default: a free local port",
-    "nnodes": "nodes one DP rank's TP processes span (then dp_size must be 1)",
+                      "group of every DP rank at port, and with --nnodes > 1 node 0's rank channel at port + 1); "
+                      "default: a free local port",
+    "nnodes": "nodes the TP processes span: one DP rank's (then dp_size must be 1), or under "
+              "--enable-dp-attention the world of every attention group (each node whole groups, or each "
+              "group whole nodes)",
     "node_rank": "this node's index among nnodes; node 0 serves HTTP",
     "dist_timeout": "seconds a TP collective may wait before the rank fails",
-    "base_gpu_id": "CUDA: first device; DP rank r, TP rank t uses base_gpu_id + r * tp_size + t",
+    "base_gpu_id": "CUDA: first device of each node; a node's ranks take the next devices in rank order",
     "ep_size": "expert-parallel ranks of each TP group: MoE experts placed whole, E/ep_size per rank (divides "
                "tp_size; the rest of tp_size splits each expert's rows)",
     "moe_a2a_backend": "how tokens reach their experts under EP: none (every rank runs its experts on every "

@@ -11,7 +11,11 @@ server exits with status 1, stopping the dead rank's TP siblings too.
 
 With ``--nnodes N`` one DP rank's TP processes span N nodes: node 0 runs the
 HTTP server and the first TP ranks, each other node (``--node-rank k``) only its
-share of TP ranks, and exits when one of them dies or on SIGTERM.
+share of TP ranks, and exits when one of them dies or on SIGTERM. Under DP
+attention the N nodes hold consecutive shares of the world's ranks (whole
+attention groups per node, or whole nodes per group); the ranks off node 0 reach
+its front end over the rank channel (``RemoteRanks``, at ``--dist-init-addr``'s
+port + 1), and a node > 0 reports its dead rank there before it exits.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from pdserve.entrypoints.loops import rank_loop_builder
 from pdserve.engine.frontend.drain import Drain
 from pdserve.engine.frontend.http_server import build_app
 from pdserve.engine.frontend.metrics import ServerMetrics
-from pdserve.engine.frontend.rank_transport import ZmqTransport
+from pdserve.engine.frontend.rank_transport import RemoteRanks, ZmqTransport
 from pdserve.engine.sched.scheduler_process import RankSpec, run_scheduler_process
 from pdserve.engine.server_config import ServerConfig
 from pdserve.engine.frontend.tokenizer_manager import RankFailed, TokenizerManager
@@ -45,6 +49,7 @@ RANK_STOP_GRACE = 3.0  # seconds a rank killed at stop gets to be gone
 RANK_FLUSH_GRACE = 11.0  # the storage worker's CLOSE_FLUSH_S and a second
 MONITOR_INTERVAL = 0.2
 DEATH_DRAIN = 1.0  # seconds for 503s to reach clients before the server exits
+REPORT_LINGER = 2.0  # seconds a node > 0 tries to tell node 0 that one of its ranks died
 
 
 async def start_bootstrap_server(config: ServerConfig, metrics: ServerMetrics):
@@ -72,7 +77,7 @@ def cpu_count() -> int:
 
 
 def local_processes(config: ServerConfig) -> int:
-    return config.dp_size * len(config.local_tp_ranks())
+    return len(config.local_ranks())
 
 
 def threads_per_rank(config: ServerConfig) -> int:
@@ -87,7 +92,7 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
     """The scheduler processes of this node, DP-major. Each gets its own share of this process's
     cores when there are at least as many cores as processes (a TP rank's OpenMP threads then
     never wait on a sibling's); with fewer they share and only the thread count is split."""
-    ranks = [(r, t) for r in range(config.dp_size) for t in config.local_tp_ranks()]
+    ranks = config.local_ranks()
     n = len(ranks)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     shares: list[tuple[int, ...] | None] = split_cpus(cpus, n) if 1 < n <= len(cpus) else [None] * n
@@ -109,18 +114,41 @@ def plan_ranks(config: ServerConfig) -> list[RankSpec]:
     return specs
 
 
+def rank_addrs(config: ServerConfig, transport: ZmqTransport | None, dp_rank: int, tp_rank: int
+               ) -> tuple[str | None, str | None]:
+    """``(in_addr, out_addr)`` of one scheduler process (``run_scheduler_process``): node 0's ipc
+    sockets for a rank whose DP rank's leader is on node 0; node 0's rank channel (TCP) for any
+    other rank under DP attention across nodes; nothing for a node > 0 of multi-node TP, whose
+    ranks follow node 0's leader and send nothing (``transport`` None: a node > 0)."""
+    channel = config.rank_channel_addr
+    if channel is not None and (transport is None or transport.rank_in_addrs[dp_rank] is None):
+        return (channel if tp_rank == 0 else None), channel
+    if transport is None:
+        return None, None
+    return (transport.rank_in_addrs[dp_rank] if tp_rank == 0 else None), transport.out_addr
+
+
+def remote_ranks(config: ServerConfig) -> RemoteRanks | None:
+    """Node 0's side of the rank channel: the DP ranks led from another node and every rank off
+    node 0 (DP attention across nodes); None otherwise."""
+    if config.rank_channel_addr is None:
+        return None
+    everyone = [(d, t) for d in range(config.dp_size) for t in range(config.attn_tp_size)]
+    return RemoteRanks(config.rank_channel_addr, {d for d in range(config.dp_size) if config.node_of(d, 0) > 0},
+                       {(d, t) for d, t in everyone if config.node_of(d, t) > 0}, config.rank_channel_auth())
+
+
 def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tuple[int, int], mp.Process]:
     """Start this node's scheduler processes, keyed by (dp_rank, tp_rank). ``transport`` None: a node > 0."""
     ctx = mp.get_context("spawn")
     build_loop = rank_loop_builder(config.disaggregation_mode)
     procs = {}
     for spec in plan_ranks(config):
-        leader = spec.tp_rank == 0 and transport is not None
         p = ctx.Process(
             target=run_scheduler_process,
             # every TP rank sends its own RankMetrics (its KV manager moves its own heads)
-            args=(config, spec, transport.rank_in_addrs[spec.dp_rank] if leader else None,
-                  transport.out_addr if transport is not None else None, os.getpid(), build_loop),
+            args=(config, spec, *rank_addrs(config, transport, spec.dp_rank, spec.tp_rank), os.getpid(),
+                  build_loop),
             name=f"pdserve-{spec.name}",
             daemon=True,
         )
@@ -141,13 +169,17 @@ def dead_rank_reason(config: ServerConfig, procs: dict[tuple[int, int], mp.Proce
     return "scheduler process of " + "; ".join(names)
 
 
-async def watch_ranks(config: ServerConfig, procs: dict[tuple[int, int], mp.Process], tm: TokenizerManager) -> str:
-    """Wait until a scheduler process exits; then end every request in flight with an error naming
-    the dead rank (and refuse new ones), and return that reason."""
-    while (reason := dead_rank_reason(config, procs)) is None:
+async def watch_ranks(config: ServerConfig, procs: dict[tuple[int, int], mp.Process], tm: TokenizerManager,
+                      remote: RemoteRanks | None = None) -> str:
+    """Wait until a scheduler process exits, here or (``remote``: its node's server said so over
+    the rank channel) on another node; then end every request in flight with an error naming
+    the dead rank (and refuse new ones), and return that reason. The first cause stands: the
+    ranks that fail after it, their peer gone, do not rename it."""
+    while (reason := dead_rank_reason(config, procs) or (remote and remote.failure)) is None:
         await asyncio.sleep(MONITOR_INTERVAL)
     logger.error("%s; failing requests in flight", reason)
-    tm.fail_all(reason)
+    if remote is None or remote.failure is None or tm.dead_reason is None:
+        tm.fail_all(reason)
     return reason
 
 
@@ -207,7 +239,7 @@ async def serve(config: ServerConfig) -> int:
             return await serve_node(config, stop)
         tokenizer = None
         # the tokenizer is needed before the ranks are (they load the model, which takes longer)
-        transport = ZmqTransport(config.dp_size)
+        transport = ZmqTransport(config.dp_size, remote_ranks(config))
         tm = TokenizerManager(config, None, metrics, transport)
         # prefill mode: decode ranks find this server's prefill ranks here (and every node's
         # prefill ranks register here, at --dist-init-addr's host when nnodes > 1)
@@ -240,7 +272,7 @@ async def serve(config: ServerConfig) -> int:
 
         async def monitor() -> None:
             nonlocal exit_code
-            await watch_ranks(config, procs, tm)
+            await watch_ranks(config, procs, tm, transport.remote)
             logger.error("exiting after the death of a scheduler process")
             exit_code = 1
             await asyncio.sleep(DEATH_DRAIN)
@@ -321,15 +353,21 @@ def _check_bootstrap_host(config: ServerConfig) -> None:
 
 
 async def serve_node(config: ServerConfig, stop: asyncio.Event) -> int:
-    """A node > 0 of a multi-node DP rank: run this node's TP ranks until one dies or SIGTERM."""
+    """A node > 0: run this node's ranks (its share of one multi-node DP rank's TP ranks, or
+    under DP attention its attention groups' ranks) until one dies or SIGTERM. Under DP attention
+    a death is told to node 0's front end (``report_death``), which ends the requests in flight
+    naming it; the node's ranks fail their next collective once node 0 is gone, so this node
+    exits then too."""
     procs = spawn_ranks(config, None)
-    logger.info("node %d of %d: TP ranks %s joining %s", config.node_rank, config.nnodes,
-                list(config.local_tp_ranks()), config.dist_init_addr)
+    logger.info("node %d of %d: ranks (DP, TP) %s joining %s", config.node_rank, config.nnodes,
+                config.local_ranks(), config.dist_init_addr)
     try:
         while not stop.is_set():
             reason = dead_rank_reason(config, procs)
             if reason is not None:
                 logger.error("%s; stopping this node", reason)
+                if config.rank_channel_addr is not None:
+                    await asyncio.get_running_loop().run_in_executor(None, report_death, config, procs, reason)
                 return 1
             try:
                 await asyncio.wait_for(stop.wait(), MONITOR_INTERVAL)
@@ -338,6 +376,29 @@ async def serve_node(config: ServerConfig, stop: asyncio.Event) -> int:
         return 0
     finally:
         await asyncio.get_running_loop().run_in_executor(None, stop_ranks, list(procs.values()))
+
+
+def report_death(config: ServerConfig, procs: dict[tuple[int, int], mp.Process], reason: str) -> None:
+    """Tell node 0's front end, over the rank channel, that a rank of this node died: a
+    ``SchedulerError`` of its DP rank naming it, sealed from ``node{k}`` with the shared key
+    (when one is configured). Waits up to REPORT_LINGER for it to leave (node 0 may be gone)."""
+    import msgspec
+    import zmq
+
+    from pdserve.engine.messages import SchedulerError
+    from pdserve.engine.sched.rank_sockets import dealer
+
+    dp_rank = next(r for (r, _), p in sorted(procs.items()) if not p.is_alive())
+    payload = msgspec.msgpack.encode([SchedulerError(dp_rank=dp_rank, message=reason)])
+    auth = config.rank_channel_auth()
+    if auth is not None:
+        payload = auth.seal(payload, f"node{config.node_rank}", config.rank_channel_addr)
+    ctx = zmq.Context()
+    sock = dealer(ctx, config.rank_channel_addr)
+    sock.setsockopt(zmq.LINGER, int(REPORT_LINGER * 1000))
+    sock.send(payload)
+    sock.close()
+    ctx.term()  # returns once the frame is sent, or after the linger
 
 
 def run_server(config: ServerConfig) -> int:

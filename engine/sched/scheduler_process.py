@@ -70,7 +70,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
                           parent_pid: int, build_loop: LoopBuilder) -> None:
     """The process's entry. ``in_addr``/``out_addr``: the HTTP process's sockets; ``in_addr`` for TP
     rank 0 only, which sends everything to ``out_addr``; the other TP ranks send only their own
-    ``RankMetrics`` there (None: a node > 0 of a multi-node DP rank, which sends nothing).
+    ``RankMetrics`` there (None: a node > 0 of a multi-node DP rank, which sends nothing; a
+    ``tcp://`` address: node 0's rank channel, both ways, for a rank off node 0 under DP attention).
     ``build_loop``: the mode's loop builder (a module-level function, so it reaches a spawned
     process by name)."""
     _die_with_parent(rank.name)
@@ -96,7 +97,8 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
     leader = rank.tp_rank == 0
     ctx = zmq.Context()
     pull, push = rank_sockets.open_sockets(ctx, in_addr, out_addr, leader)
-    send = rank_sockets.sender(push, leader)
+    seal, unseal = _channel_auth(config, rank, out_addr)
+    send = rank_sockets.sender(push, leader, seal)
     try:
         if config.enable_dp_attention:
             parallel.init_dp_attention(dp_rank, config.dp_size, rank.dist_init_addr, config.dist_timeout,
@@ -113,7 +115,7 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         def orphaned() -> bool:  # the parent died without killing us: nothing left to serve
             return not loop.has_work() and os.getppid() != parent_pid
 
-        recv, should_stop = rank_sockets.inputs(pull, orphaned)
+        recv, should_stop = rank_sockets.inputs(pull, orphaned, unseal)
         _run_in_worker_thread(lambda: serve_rank(loop, dp_rank, recv, send, should_stop, publish, rank.tp_rank),
                               rank.num_threads)
     except Exception as e:
@@ -125,6 +127,16 @@ def run_scheduler_process(config: ServerConfig, rank: RankSpec, in_addr: str | N
         ctx.destroy(linger=2000)  # closes every socket first: term() alone waits forever on an open one
         sys.exit(1)
     parallel.close_tp()
+
+
+def _channel_auth(config: ServerConfig, rank: RankSpec, out_addr: str | None):
+    """``(seal, unseal)`` of this rank's frames on node 0's rank channel, with the shared key
+    (``ServerConfig.rank_channel_auth``): sealed from ``dp{D}-tp{T}`` to the channel's address and
+    back; ``(None, None)`` over ipc or without a key."""
+    auth = config.rank_channel_auth() if out_addr is not None and out_addr.startswith("tcp://") else None
+    if auth is None:
+        return None, None
+    return (lambda payload: auth.seal(payload, rank.name, out_addr)), (lambda frame: auth.open(frame, rank.name))
 
 
 def flush_on_stop(cache) -> None:

@@ -114,8 +114,45 @@ def test_refused_shapes_are_named():
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with moe_a2a_backend 'deepep'"):
         ServerConfig(EngineConfig(device="cuda", ep_size=2, moe_a2a_backend="deepep"), tp_size=2, dp_size=2,
                      enable_dp_attention=True)
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with nnodes 2"):
-        ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="127.0.0.1:5000")
+
+
+def test_layouts_across_nodes():
+    """World rank g * A + a on node w // (T / N): whole groups per node, or whole nodes per group;
+    a group cut inside a node's share is refused naming the flags."""
+    def config(tp, dp, nnodes, node_rank=0):
+        return ServerConfig(tp_size=tp, dp_size=dp, enable_dp_attention=True, nnodes=nnodes, node_rank=node_rank,
+                            dist_init_addr="10.0.0.1:5000")
+
+    # one group per node; SGLang's 2 x 8 GPUs with --tp 16 --dp 16 (groups of one)
+    assert config(2, 2, 2, 1).local_ranks() == [(1, 0)]
+    assert config(16, 16, 2, 1).local_ranks() == [(g, 0) for g in range(8, 16)]
+    # two whole groups of two on each node; a group of four over two nodes of two ranks
+    assert config(8, 4, 2, 1).local_ranks() == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    c = config(8, 2, 4, 1)
+    assert c.local_ranks() == [(0, 2), (0, 3)] and c.node_of(0, 0) == 0 and c.node_of(1, 0) == 2
+    assert c.rank_channel_addr == "tcp://10.0.0.1:5001"  # the world meets at 5000
+    assert config(8, 2, 4, 3).host_ranks == 2
+    # CUDA: a node's ranks take its devices from --base-gpu-id in rank order
+    on_gpus = ServerConfig(EngineConfig(device="cuda"), tp_size=16, dp_size=16, enable_dp_attention=True, nnodes=2,
+                           node_rank=1, dist_init_addr="10.0.0.1:5000")
+    assert [on_gpus.rank_device(g, 0) for g in (8, 15)] == ["cuda:0", "cuda:7"]
+    for tp, dp, nnodes in ((6, 2, 3), (12, 4, 3), (4, 4, 3)):  # groups of 3 over shares of 2, 4; T % N
+        with pytest.raises(ValueError, match="--tp-size .* --dp-size .* --nnodes"):
+            config(tp, dp, nnodes)
+    with pytest.raises(ValueError, match="nnodes > 1 needs dist_init_addr"):
+        ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2)
+    with pytest.raises(ValueError, match="dist_init_addr must be host:port"):  # no port + 1 for the channel
+        ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:65535")
+    # what DP attention refuses on one node it refuses across nodes
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm"):
+        ServerConfig(EngineConfig(speculative_algorithm="NGRAM"), tp_size=2, dp_size=2, enable_dp_attention=True,
+                     nnodes=2, dist_init_addr="10.0.0.1:5000")
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_lora"):
+        ServerConfig(EngineConfig(enable_lora=True, max_loras_per_batch=1), tp_size=2, dp_size=2,
+                     enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:5000")
+    # without DP attention a multi-node server is still one DP rank
+    with pytest.raises(ValueError, match="needs dp_size 1"):
+        ServerConfig(tp_size=2, dp_size=2, nnodes=2, dist_init_addr="10.0.0.1:5000")
 
 
 def test_killed_group_takes_the_server_down(dp_server):
