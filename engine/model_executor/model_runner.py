@@ -171,6 +171,9 @@ class ModelRunner:
                     num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, rule)
         self.graph_runner: DecodeGraphRunner | None = None
         self._capture_graphs()
+        # under DP attention: the idle forward of the draft that speculates over this model (NEXTN's
+        # MTP layer sets it), run for the other groups' draft rounds
+        self.draft_idle_forward: Callable[[], None] | None = None
 
     def _identity(self, source: ModelSource) -> str:
         """The pool's model identity: what the PD pairing check compares (model_identity.py)."""
@@ -296,20 +299,27 @@ class ModelRunner:
                 and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
-        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel())
+        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel(), dp_attention.TARGET,
+                                  self.idle_forward)
         self._balance_experts()
         return self.model.forward(batch, self.attn_backend, after_layer)
 
     @torch.inference_mode()
-    def idle_forward(self) -> None:
-        """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``)."""
+    def idle_forward(self, kind: int = dp_attention.TARGET) -> None:
+        """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``), of
+        the target model or, for a ``DRAFT`` round, of the draft that ``draft_idle_forward`` names."""
+        if kind == dp_attention.DRAFT:
+            if self.draft_idle_forward is None:
+                raise RuntimeError("DP attention: a draft round, and this rank has no draft")
+            self.draft_idle_forward()
+            return
         self._balance_experts()
         self.model.idle_forward()
 
     def _balance_experts(self) -> None:
-        """``--enable-eplb``: count one forward and rebalance when due. Called once the forward's
-        round is open and before the model's first collective, from ``forward`` and from
-        ``idle_forward`` alike: under DP attention the groups run different numbers of forwards but
+        """``--enable-eplb``: count one forward and rebalance when due. Called once a target
+        forward's round is open and before the model's first collective, from ``forward`` and from
+        the target's ``idle_forward`` alike (a draft's rounds are not counted): under DP attention the groups run different numbers of forwards but
         every rank answers every round (its own forward or an idle one), so every rank counts the
         same rounds and reaches a rebalance's collectives at the same round."""
         if self.eplb is not None:

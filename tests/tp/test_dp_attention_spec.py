@@ -1,9 +1,16 @@
-"""Speculative decoding under DP attention: ``--tp-size 2 --dp-size 2 --enable-dp-attention`` with
-``--speculative-algorithm NGRAM`` on the tiny Llama, fp32. The verify step is a target forward of
-one row per fed token and draft, every row sampled, so each group announces its own verify rows
-in its rounds and the groups' accept lengths differ freely. Greedy output equals TP 1 without
-speculation with a batch over both groups and with one group working while the other idles;
-drafts are accepted (a repetitive prompt); the pools end unleaked.
+"""Speculative decoding under DP attention: ``--tp-size 2 --dp-size 2 --enable-dp-attention``, fp32.
+
+- NGRAM on the tiny Llama: the verify step is a target forward of one row per fed token and
+  draft, every row sampled, so each group announces its own verify rows in its rounds and the
+  groups' accept lengths differ freely;
+- NEXTN on a one-layer tiny DeepSeek-V3 whose MTP layer (routed and shared experts) copies the
+  target's layer, so it guesses well: its steps are draft rounds, which a group verifying or idle
+  answers with the MTP's idle forward;
+- each: greedy output equals TP 1 without speculation with a batch over both groups and with one
+  group working while the other idles; drafts are accepted in each group; the pools end unleaked;
+- the round's kind, pure: the target's first, a group of another kind counts no rows;
+- refused by name: STANDALONE (its draft model has no idle forward of its own kind) and NEXTN in
+  PD (the prefill runs the MTP over the prompt outside any round).
 
 One server per algorithm: on a shared 2-core machine each stand is slow, so each test asks
 everything of its one stand.
@@ -15,8 +22,12 @@ import re
 
 import pytest
 from server_helpers import ServerProcess, post_to_groups
+from support.deepseek_util import add_mtp_layer, make_deepseek_checkpoint
 from test_tp_server import PROMPTS
 
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_executor.dp_attention import DRAFT, TARGET, round_kind, round_rows
+from pdserve.engine.server_config import ServerConfig
 from pdserve.entrypoints.engine import Engine
 
 pytestmark = pytest.mark.timeout(600)
@@ -66,3 +77,59 @@ def check_spec_equals_tp1(path: str, *flags: str) -> list[int]:
 def test_ngram_equals_tp1(tiny_checkpoints):
     accepted = check_spec_equals_tp1(tiny_checkpoints["llama"], "--speculative-algorithm", "NGRAM")
     assert sum(accepted[:len(PROMPTS)]) > 0 and all(a > 0 for a in accepted[len(PROMPTS):]), accepted
+
+
+LAYERS = 6  # the target's: a draft step costs a fraction of a target step, so drafts pay
+
+
+def silence_layers_before_last(path: str) -> None:
+    """Zero the attention and MLP outputs of every layer of the checkpoint at ``path`` but the last
+    (each then passes its input on), so the target computes what its last layer alone would, and
+    an MTP layer copying that layer guesses its greedy tokens (``add_mtp_layer``) while the target
+    still runs all its layers' collectives."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    for name, w in weights.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if layer is not None and int(layer) < LAYERS - 1 and name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()
+    save_file(weights, file, metadata={"format": "pt"})
+
+
+def test_nextn_equals_tp1(tmp_path):
+    path = str(tmp_path)
+    make_deepseek_checkpoint("v3", path, num_hidden_layers=LAYERS)
+    silence_layers_before_last(path)
+    add_mtp_layer(path, copy_last=True)
+    accepted = check_spec_equals_tp1(path, "--speculative-algorithm", "NEXTN")
+    assert sum(accepted[:len(PROMPTS)]) > 0 and all(a > 0 for a in accepted[len(PROMPTS):]), accepted
+
+
+def test_round_kind_takes_the_target_first():
+    # (running, kind, rows, sampled) per group
+    assert round_kind([[1, DRAFT, 4, 2], [1, TARGET, 6, 6]]) == TARGET
+    assert round_rows([[1, DRAFT, 4, 2], [1, TARGET, 6, 6]], TARGET) == ([0, 6], [0, 6])
+    assert round_kind([[1, DRAFT, 4, 2], [0, TARGET, 0, 0]]) == DRAFT  # a finished group answers a draft round
+    assert round_rows([[1, DRAFT, 4, 2], [0, TARGET, 0, 0]], DRAFT) == ([4, 0], [2, 0])
+    assert round_kind([[1, DRAFT, 3, 3], [1, DRAFT, 5, 1]]) == DRAFT
+    assert round_rows([[1, DRAFT, 3, 3], [1, DRAFT, 5, 1]], DRAFT) == ([3, 5], [3, 1])
+    assert round_kind([[0, TARGET, 0, 0], [0, TARGET, 0, 0]]) is None  # every group is done
+
+
+def test_what_dp_attention_speculates_with():
+    def config(algorithm: str, mode: str = "null") -> ServerConfig:
+        return ServerConfig(EngineConfig(speculative_algorithm=algorithm), tp_size=2, dp_size=2,
+                            enable_dp_attention=True, disaggregation_mode=mode)
+
+    assert config("NGRAM").engine.speculative_algorithm == "NGRAM"
+    assert config("NGRAM", "decode").engine.speculative_algorithm == "NGRAM"
+    assert config("NEXTN").engine.speculative_algorithm == "NEXTN"
+    with pytest.raises(ValueError, match="not supported with speculative_algorithm 'STANDALONE' \\(NGRAM and NEXTN"):
+        config("STANDALONE")
+    for mode in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=f"speculative_algorithm 'NEXTN' in disaggregation_mode '{mode}'"):
+            config("NEXTN", mode)
