@@ -195,17 +195,14 @@ class ServerConfig:
     def _check_dp_attention(self) -> None:
         """What DP attention serves: attention groups of tp_size / dp_size processes on one node, no
         DeepEP, no LoRA (the model's own check refuses architectures without an idle forward).
-        Speculation: NGRAM (a verify step is a target forward of more rows) and NEXTN colocated
-        (its MTP steps are rounds of their own kind, ``dp_attention.py``); not STANDALONE, whose
-        draft model has no idle forward of its own kind, nor NEXTN in PD, whose prefill runs the
-        MTP over the prompt outside any round."""
+        Speculation: NGRAM (a verify step is a target forward of more rows), STANDALONE and
+        colocated NEXTN (the draft's steps are rounds of their own kind, ``dp_attention.py``); not
+        NEXTN in PD, whose prefill runs the MTP over the prompt outside any round."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
         refused = [(self.nnodes > 1, f"nnodes {self.nnodes}"),
                    (self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
-                   (self.engine.speculative_algorithm not in (None, "NGRAM", "NEXTN"),
-                    f"speculative_algorithm {self.engine.speculative_algorithm!r} (NGRAM and NEXTN are)"),
                    (self.engine.speculative_algorithm == "NEXTN" and self.disaggregation_mode != "null",
                     f"speculative_algorithm 'NEXTN' in disaggregation_mode {self.disaggregation_mode!r}"),
                    # the MLP gathers every group's rows, whose LoRA slots are each group's own

@@ -97,7 +97,7 @@ class NextNProposer:
         self.mtp = DeepseekMTP(target, target_runner.model_source.path)
         # under DP attention each MTP step is a draft round, answered by the other groups' idle MTP
         self._idle = target_runner.idle_forward
-        target_runner.draft_idle_forward = self.mtp.idle_forward
+        target_runner.add_draft(self.mtp.idle_forward)
         target.keep_hidden = True
         self.target = target
         self.device = target_runner.device

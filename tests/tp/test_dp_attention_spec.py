@@ -3,14 +3,16 @@
 - NGRAM on the tiny Llama: the verify step is a target forward of one row per fed token and
   draft, every row sampled, so each group announces its own verify rows in its rounds and the
   groups' accept lengths differ freely;
-- NEXTN on a one-layer tiny DeepSeek-V3 whose MTP layer (routed and shared experts) copies the
-  target's layer, so it guesses well: its steps are draft rounds, which a group verifying or idle
-  answers with the MTP's idle forward;
+- STANDALONE on a tiny Llama of six layers, all but the last silenced, drafted by a one-layer
+  Llama of that last layer (so it guesses well and costs a fraction of a target step): the draft's
+  steps are draft rounds, which a group verifying or idle answers with the draft's idle forward;
+- NEXTN on a tiny DeepSeek-V3 of six layers, all but the last silenced, whose MTP layer (routed
+  and shared experts) copies that last layer: its steps are draft rounds, answered with the MTP's
+  idle forward;
 - each: greedy output equals TP 1 without speculation with a batch over both groups and with one
   group working while the other idles; drafts are accepted in each group; the pools end unleaked;
 - the round's kind, pure: the target's first, a group of another kind counts no rows;
-- refused by name: STANDALONE (its draft model has no idle forward of its own kind) and NEXTN in
-  PD (the prefill runs the MTP over the prompt outside any round).
+- refused by name: NEXTN in PD (the prefill runs the MTP over the prompt outside any round).
 
 One server per algorithm: on a shared 2-core machine each stand is slow, so each test asks
 everything of its one stand.
@@ -18,9 +20,13 @@ everything of its one stand.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
 
 import pytest
+from safetensors.torch import load_file, save_file
 from server_helpers import ServerProcess, post_to_groups
 from support.deepseek_util import add_mtp_layer, make_deepseek_checkpoint
 from test_tp_server import PROMPTS
@@ -85,19 +91,43 @@ LAYERS = 6  # the target's: a draft step costs a fraction of a target step, so d
 def silence_layers_before_last(path: str) -> None:
     """Zero the attention and MLP outputs of every layer of the checkpoint at ``path`` but the last
     (each then passes its input on), so the target computes what its last layer alone would, and
-    an MTP layer copying that layer guesses its greedy tokens (``add_mtp_layer``) while the target
-    still runs all its layers' collectives."""
-    import os
-
-    from safetensors.torch import load_file, save_file
-
-    file = os.path.join(path, "model.safetensors")
-    weights = load_file(file)
+    a draft of that layer guesses its greedy tokens while the target still runs all its layers'
+    collectives."""
+    weights = load_file(os.path.join(path, "model.safetensors"))
     for name, w in weights.items():
-        layer = name.split(".")[2] if name.startswith("model.layers.") else None
-        if layer is not None and int(layer) < LAYERS - 1 and name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.startswith("model.layers.") and int(name.split(".")[2]) < LAYERS - 1 and name.endswith(
+                ("o_proj.weight", "down_proj.weight")):
             w.zero_()
-    save_file(weights, file, metadata={"format": "pt"})
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def relayer(src: str, dst: str, layers: list[int]) -> None:
+    """A copy at ``dst`` of the checkpoint at ``src`` whose layer i is ``src``'s ``layers[i]``."""
+    shutil.copytree(src, dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    out = {k: v for k, v in weights.items() if not k.startswith("model.layers.")}
+    for i, j in enumerate(layers):
+        prefix = f"model.layers.{j}."
+        out.update({f"model.layers.{i}.{k[len(prefix):]}": v.clone() for k, v in weights.items()
+                    if k.startswith(prefix)})
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["num_hidden_layers"] = len(layers)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+
+
+def test_standalone_equals_tp1(tiny_checkpoints, tmp_path):
+    src = tiny_checkpoints["llama"]
+    last = json.load(open(os.path.join(src, "config.json")))["num_hidden_layers"] - 1
+    target, draft = str(tmp_path / "target"), str(tmp_path / "draft")
+    relayer(src, target, [0] * (LAYERS - 1) + [last])
+    silence_layers_before_last(target)
+    relayer(src, draft, [last])
+    accepted = check_spec_equals_tp1(target, "--speculative-algorithm", "STANDALONE",
+                                     "--speculative-draft-model-path", draft)
+    assert sum(accepted[:len(PROMPTS)]) > 0 and all(a > 0 for a in accepted[len(PROMPTS):]), accepted
 
 
 def test_nextn_equals_tp1(tmp_path):
@@ -128,8 +158,7 @@ def test_what_dp_attention_speculates_with():
     assert config("NGRAM").engine.speculative_algorithm == "NGRAM"
     assert config("NGRAM", "decode").engine.speculative_algorithm == "NGRAM"
     assert config("NEXTN").engine.speculative_algorithm == "NEXTN"
-    with pytest.raises(ValueError, match="not supported with speculative_algorithm 'STANDALONE' \\(NGRAM and NEXTN"):
-        config("STANDALONE")
+    assert config("STANDALONE").engine.speculative_algorithm == "STANDALONE"
     for mode in ("prefill", "decode"):
         with pytest.raises(ValueError, match=f"speculative_algorithm 'NEXTN' in disaggregation_mode '{mode}'"):
             config("NEXTN", mode)
