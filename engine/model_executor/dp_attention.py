@@ -14,14 +14,25 @@ The groups schedule independently, so a group may run a forward while another ha
 more forwards in one iteration. Every forward opens a round (``join_forward``); a group done with
 its iteration calls ``finish_iteration``, which answers rounds with an idle forward (zero rows
 through every MLP's collectives) until every group is done. A round is one all-gather over the world
-of each rank's (running a forward, rows, sampled rows), so the groups agree on the collectives'
-order without agreeing on a schedule, and every MLP of the forward knows each group's row count
-without asking (``round_counts``: the step's rows, or the sampled rows past the last attention).
+of each rank's (running a forward, its kind, rows, sampled rows), so the groups agree on the
+collectives' order without agreeing on a schedule, and every MLP of the forward knows each
+group's row count without asking (``round_counts``: the step's rows, or the sampled rows past the
+last attention).
 A group's ranks step in lockstep (its leader broadcasts the inputs), so they announce the same
-triple and run the same forwards, idle ones included; a round in which they differ fails.
+tuple and run the same forwards, idle ones included; a round in which they differ fails.
 The rounds are thus the one sequence of steps common to every rank: what runs collectives of its
 own between forwards runs per round, once the round is open (EPLB's balancer steps there in a
-forward and in an idle forward alike, ``ModelRunner._balance_experts``).
+target forward and in an idle target forward alike, ``ModelRunner._balance_experts``).
+
+A round also says which model's forward it is (``TARGET``, or ``DRAFT``: NEXTN's MTP layer, whose
+MLP is another layer's and so other collectives): every rank of a round must run the same model's
+forward, its own or an idle one. When the running groups announce different kinds, the round is
+the smallest kind's (the target's first); a group whose kind is not chosen counts no rows in it,
+runs the chosen kind's idle forward beside the others and announces its forward again in the next
+round (``join_forward``), as a finished group answers a round with the idle forward of the
+round's kind (``finish_iteration``). Each group's forwards keep their order, and a draft forward
+waits at most for the other groups' target forwards of their iteration; a round's kind depends
+only on what was announced, so every rank agrees on it.
 """
 
 from __future__ import annotations
@@ -54,27 +65,52 @@ def mlp_reduces() -> bool:
     return not enabled()
 
 
+TARGET = 0  # the target model's forward
+DRAFT = 1  # the draft's (NEXTN's MTP layer)
+
 _COUNTS: tuple[list[int], list[int]] = ([], [])  # this round's rows and sampled rows, per group
 
+IdleForward = Callable[[int], None]  # the idle forward of a kind
 
-def _round(active: bool, rows: int = 0, sampled: int = 0) -> bool:
+
+def round_kind(table: list[list[int]]) -> int | None:
+    """The kind of a round, from each group's announced (running, kind, rows, sampled): the smallest
+    kind a running group announced; None when no group runs a forward (the iteration is over)."""
+    kinds = [kind for running, kind, _, _ in table if running]
+    return min(kinds) if kinds else None
+
+
+def round_rows(table: list[list[int]], kind: int | None) -> tuple[list[int], list[int]]:
+    """Each group's rows and sampled rows in a round of ``kind``: a group running another kind's
+    forward (or none) has none in it."""
+    chosen = [bool(running) and k == kind for running, k, _, _ in table]
+    return ([r[2] if c else 0 for r, c in zip(table, chosen)], [r[3] if c else 0 for r, c in zip(table, chosen)])
+
+
+def _round(active: bool, kind: int = TARGET, rows: int = 0, sampled: int = 0) -> int | None:
     global _COUNTS
     dp = dp_attention()
-    parts = [torch.zeros(3, dtype=torch.int64) for _ in range(dp.world_size)]
-    dist.all_gather(parts, torch.tensor([int(active), rows, sampled], dtype=torch.int64))
-    table = torch.stack(parts).view(dp.size, dp.attn_size, 3)  # [group, attention rank, 3]
+    parts = [torch.zeros(4, dtype=torch.int64) for _ in range(dp.world_size)]
+    dist.all_gather(parts, torch.tensor([int(active), kind, rows, sampled], dtype=torch.int64))
+    table = torch.stack(parts).view(dp.size, dp.attn_size, 4)  # [group, attention rank, 4]
     if not bool((table == table[:, :1]).all()):  # a group's ranks must run the same forward
         raise RuntimeError(f"DP attention: the ranks of an attention group disagree on a round: {table.tolist()}")
     leaders = table[:, 0].tolist()
-    _COUNTS = ([r[1] for r in leaders], [r[2] for r in leaders])
-    return any(r[0] for r in leaders)
+    chosen = round_kind(leaders)
+    _COUNTS = round_rows(leaders, chosen)
+    return chosen
 
 
-def join_forward(rows: int, sampled: int) -> None:
-    """Open a forward round of ``rows`` step rows, ``sampled`` of them sampled: the groups not
-    running a forward now run an idle one beside it."""
-    if enabled():
-        _round(True, rows, sampled)
+def join_forward(rows: int, sampled: int, kind: int = TARGET, idle: IdleForward | None = None) -> None:
+    """Open a forward round of ``rows`` step rows, ``sampled`` of them sampled, of the model ``kind``:
+    the groups not running a forward now run an idle one beside it. While another group's forward
+    of another kind takes the round, this group answers it with ``idle(that kind)`` and asks again."""
+    if not enabled():
+        return
+    while (chosen := _round(True, kind, rows, sampled)) != kind:
+        if idle is None:
+            raise RuntimeError(f"DP attention: a round of kind {chosen} with no idle forward to answer it")
+        idle(chosen)
 
 
 def round_counts(last: bool = False) -> list[int]:
@@ -83,14 +119,14 @@ def round_counts(last: bool = False) -> list[int]:
     return _COUNTS[1 if last else 0]
 
 
-def finish_iteration(idle_forward: Callable[[], None]) -> int:
-    """Answer the other groups' forward rounds with ``idle_forward`` until every group has finished
-    its iteration; returns the idle forwards run."""
+def finish_iteration(idle_forward: IdleForward) -> int:
+    """Answer the other groups' forward rounds with ``idle_forward(kind)`` until every group has
+    finished its iteration; returns the idle forwards run."""
     if not enabled():
         return 0
     idle = 0
-    while _round(False):
-        idle_forward()
+    while (kind := _round(False)) is not None:
+        idle_forward(kind)
         idle += 1
     return idle
 

@@ -171,6 +171,10 @@ class ModelRunner:
                     num_pages - 1, config.page_size, self.kv_pool_bytes / 2**30, tp.size, rule)
         self.graph_runner: DecodeGraphRunner | None = None
         self._capture_graphs()
+        # under DP attention: the kind of round this runner's forwards open, and the idle forward
+        # this rank answers each kind of round with (a draft adds its own: ``add_draft``, ``draft_of``)
+        self.kind = dp_attention.TARGET
+        self.idle_forwards: dict[int, Callable[[], None]] = {dp_attention.TARGET: self._idle_own}
 
     def _identity(self, source: ModelSource) -> str:
         """The pool's model identity: what the PD pairing check compares (model_identity.py)."""
@@ -296,22 +300,42 @@ class ModelRunner:
                 and graphs.can_run(batch)):
             return graphs.replay(batch)
         self.attn_backend.begin_forward(batch)
-        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel())
+        dp_attention.join_forward(batch.input_ids.shape[0], batch.logits_indices.numel(), self.kind,
+                                  self.idle_forward)
         self._balance_experts()
         return self.model.forward(batch, self.attn_backend, after_layer)
 
     @torch.inference_mode()
-    def idle_forward(self) -> None:
-        """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``)."""
+    def idle_forward(self, kind: int = dp_attention.TARGET) -> None:
+        """Under DP attention: a forward of no rows beside another group's (``dp_attention.py``), of
+        the model the round names: the target's, or for a ``DRAFT`` round the draft's."""
+        idle = self.idle_forwards.get(kind)
+        if idle is None:
+            raise RuntimeError(f"DP attention: a round of kind {kind}, and this rank has no such model")
+        idle()
+
+    def _idle_own(self) -> None:
         self._balance_experts()
         self.model.idle_forward()
+
+    def add_draft(self, idle: Callable[[], None]) -> None:
+        """Under DP attention: ``idle`` answers the other groups' draft rounds (NEXTN's MTP layer)."""
+        self.idle_forwards[dp_attention.DRAFT] = idle
+
+    def draft_of(self, target: ModelRunner) -> None:
+        """Make this runner a draft model beside ``target`` on the same rank (STANDALONE): under DP
+        attention its forwards open draft rounds, and both runners answer every round alike."""
+        self.kind = dp_attention.DRAFT
+        target.add_draft(self._idle_own)
+        self.idle_forwards = target.idle_forwards
 
     def _balance_experts(self) -> None:
         """``--enable-eplb``: count one forward and rebalance when due. Called once the forward's
         round is open and before the model's first collective, from ``forward`` and from
         ``idle_forward`` alike: under DP attention the groups run different numbers of forwards but
-        every rank answers every round (its own forward or an idle one), so every rank counts the
-        same rounds and reaches a rebalance's collectives at the same round."""
+        every rank answers every round (its own forward or an idle one of the round's model), so
+        every rank counts the same rounds of each model and reaches a rebalance's collectives at
+        the same round."""
         if self.eplb is not None:
             self.eplb.step()
 

@@ -61,7 +61,8 @@ def serve_rank(
     Engine's ``LocalRank`` from a queue. ``after_step``: run after each iteration (the KV event
     publisher). Requests, aborts and control operations go through the rank's ``RankControl``
     (``rank_control.py``). Under DP attention every iteration ends in ``dp_attention.finish_iteration``:
-    the rank runs idle forwards beside the other attention groups' until all are done, and while
+    the rank runs idle forwards (of the model each round names: the target's or the draft's)
+    beside the other attention groups' until all are done, and while
     another group was busy it polls without waiting, so that group never waits on this one's poll."""
     control = RankControl(loop, dp_rank, tp_rank)
     loop.ship_early = send  # a PD decode's first token leaves before the step it joins, not after

@@ -29,6 +29,8 @@ KV is dropped, so the pages go to the others: speculation degrades, it never fai
 
 Under tensor parallelism the draft's ``ModelRunner`` joins the process's TP group like the
 target's: every rank runs the same draft steps in lockstep on its shard, as it runs the target.
+Under DP attention the draft's steps are draft rounds (``ModelRunner.draft_of``): the other groups
+answer them with the draft's idle forward, never the target's.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ class DraftModelProposer:
         pool_tokens = draft_pool_tokens(config, target_runner.page_pool.max_total_tokens)
         # a draft that fails to load raises here, at start, never at the first request
         self.runner = ModelRunner(draft_engine_config(config, pool_tokens))
+        self.runner.draft_of(target_runner)  # under DP attention its steps are draft rounds
         check_same_vocabulary(self.runner, target_runner, config.speculative_draft_model_path)
         self.pool = self.runner.page_pool
         self.page_size = self.pool.page_size

@@ -17,7 +17,8 @@ verify feeds lie past the sequence's length, to be written by whatever step feed
 a request keeps is always the target's, exactly, and greedy output stays plain decoding's.
 
 Under tensor parallelism the draft's runner joins the TP group like the target's and shares each
-rank's pool shard: every rank runs the same draft steps in lockstep.
+rank's pool shard: every rank runs the same draft steps in lockstep. Under DP attention its steps
+are draft rounds (``ModelRunner.draft_of``).
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class SharedKVDraftProposer:
         self.pool = target_runner.page_pool
         # a draft that fails to load raises here, at start, never at the first request
         self.runner = ModelRunner(draft_engine_config(config, self.pool.max_total_tokens), page_pool=self.pool)
+        self.runner.draft_of(target_runner)  # under DP attention its steps are draft rounds
         check_same_vocabulary(self.runner, target_runner, None)
         self.page_size = self.pool.page_size
         self.max_context = self.runner.arch.max_context_len

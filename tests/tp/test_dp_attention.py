@@ -106,8 +106,9 @@ def test_refused_shapes_are_named():
         assert ServerConfig(tp_size=4, dp_size=2, enable_dp_attention=True, disaggregation_mode=mode).attn_tp_size == 2
     with pytest.raises(ValueError, match="dp_size dividing tp_size"):
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NGRAM'"):
-        ServerConfig(EngineConfig(speculative_algorithm="NGRAM"), tp_size=2, dp_size=2, enable_dp_attention=True)
+    with pytest.raises(ValueError, match="not supported with speculative_algorithm 'NEXTN' in disaggregation_mode"):
+        ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2, enable_dp_attention=True,
+                     disaggregation_mode="decode")
     # EPLB is served (it steps per forward round: tests/tp/test_dp_attention_eplb.py)
     assert ServerConfig(EngineConfig(ep_size=2, moe_a2a_backend="gloo", enable_eplb=True), tp_size=2, dp_size=2,
                         enable_dp_attention=True).engine.enable_eplb

@@ -106,6 +106,12 @@ class DeepseekMTP:
     def expert_weight_name(self, name: str) -> tuple[str, str, int] | None:
         return expert_weight_name(name)
 
+    def idle_forward(self) -> None:
+        """Under DP attention, a forward of no rows beside another group's MTP step: the block's
+        MLP or expert collectives (its attention and head collectives stay in the group)."""
+        hidden = torch.empty(0, self.hidden_size, dtype=self.plan.dtype, device=self.plan.device)
+        self.layers[0].mlp.forward(hidden, Step(0, False), residual=hidden)
+
     def forward(self, batch: ForwardBatch, pool, hidden: torch.Tensor, logits: bool = True
                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """One step over ``pool`` (latent; its KV into layer ``kv_layer``): row r feeds token
