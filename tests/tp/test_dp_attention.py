@@ -145,9 +145,9 @@ def test_layouts_across_nodes():
     with pytest.raises(ValueError, match="dist_init_addr must be host:port"):  # no port + 1 for the channel
         ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:65535")
     # what DP attention refuses on one node it refuses across nodes
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm"):
-        ServerConfig(EngineConfig(speculative_algorithm="NGRAM"), tp_size=2, dp_size=2, enable_dp_attention=True,
-                     nnodes=2, dist_init_addr="10.0.0.1:5000")
+    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NEXTN'"):
+        ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2, enable_dp_attention=True,
+                     nnodes=2, dist_init_addr="10.0.0.1:5000", disaggregation_mode="decode")
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_lora"):
         ServerConfig(EngineConfig(enable_lora=True, max_loras_per_batch=1), tp_size=2, dp_size=2,
                      enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:5000")
