@@ -201,15 +201,13 @@ class ServerConfig:
         """What DP attention serves: attention groups of tp_size / dp_size processes (across nodes,
         ``_check_dp_attention_nodes``), no DeepEP, no LoRA (the model's own check refuses
         architectures without an idle forward). Speculation: NGRAM (a verify step is a target
-        forward of more rows), STANDALONE and colocated NEXTN (the draft's steps are rounds of their
-        own kind, ``dp_attention.py``); not NEXTN in PD, whose prefill runs the MTP over the prompt
-        outside any round."""
+        forward of more rows), STANDALONE and NEXTN (the draft's steps are rounds of their own kind,
+        ``dp_attention.py``), NEXTN in PD too: the prefill's MTP forwards over the prompt are draft
+        rounds like the decode's draft steps (``speculative/nextn_prompt.py``)."""
         if self.tp_size % self.dp_size:
             raise ValueError(f"enable_dp_attention needs dp_size dividing tp_size, got dp_size {self.dp_size}, "
                              f"tp_size {self.tp_size}")
         refused = [(self.engine.moe_a2a_backend == "deepep", "moe_a2a_backend 'deepep'"),
-                   (self.engine.speculative_algorithm == "NEXTN" and self.disaggregation_mode != "null",
-                    f"speculative_algorithm 'NEXTN' in disaggregation_mode {self.disaggregation_mode!r}"),
                    # the MLP gathers every group's rows, whose LoRA slots are each group's own
                    (self.engine.enable_lora, "enable_lora")]
         for bad, what in refused:

@@ -106,9 +106,9 @@ def test_refused_shapes_are_named():
         assert ServerConfig(tp_size=4, dp_size=2, enable_dp_attention=True, disaggregation_mode=mode).attn_tp_size == 2
     with pytest.raises(ValueError, match="dp_size dividing tp_size"):
         ServerConfig(tp_size=2, dp_size=3, enable_dp_attention=True)
-    with pytest.raises(ValueError, match="not supported with speculative_algorithm 'NEXTN' in disaggregation_mode"):
-        ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2, enable_dp_attention=True,
-                     disaggregation_mode="decode")
+    for mode in ("prefill", "decode"):  # NEXTN in PD: the prefill's prompt MTP runs draft rounds
+        assert ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2,
+                            enable_dp_attention=True, disaggregation_mode=mode).engine.speculative_algorithm == "NEXTN"
     # EPLB is served (it steps per forward round: tests/tp/test_dp_attention_eplb.py)
     assert ServerConfig(EngineConfig(ep_size=2, moe_a2a_backend="gloo", enable_eplb=True), tp_size=2, dp_size=2,
                         enable_dp_attention=True).engine.enable_eplb
@@ -145,9 +145,9 @@ def test_layouts_across_nodes():
     with pytest.raises(ValueError, match="dist_init_addr must be host:port"):  # no port + 1 for the channel
         ServerConfig(tp_size=2, dp_size=2, enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:65535")
     # what DP attention refuses on one node it refuses across nodes
-    with pytest.raises(ValueError, match="enable_dp_attention is not supported with speculative_algorithm 'NEXTN'"):
-        ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2, enable_dp_attention=True,
-                     nnodes=2, dist_init_addr="10.0.0.1:5000", disaggregation_mode="decode")
+    assert ServerConfig(EngineConfig(speculative_algorithm="NEXTN"), tp_size=2, dp_size=2, enable_dp_attention=True,
+                        nnodes=2, dist_init_addr="10.0.0.1:5000",
+                        disaggregation_mode="decode").engine.speculative_algorithm == "NEXTN"
     with pytest.raises(ValueError, match="enable_dp_attention is not supported with enable_lora"):
         ServerConfig(EngineConfig(enable_lora=True, max_loras_per_batch=1), tp_size=2, dp_size=2,
                      enable_dp_attention=True, nnodes=2, dist_init_addr="10.0.0.1:5000")
