@@ -184,6 +184,10 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls, names: list[str], 
         type_str = str(f.type).replace(" ", "")  # annotations are strings (from __future__)
         help_ = helps.get(dest, "")
         if type_str == "bool":
+            # argparse reads any "--no-" flag of a BooleanOptionalAction as False: a field named
+            # "no_x" would never turn on; name it "x" (default True) and get --x / --no-x
+            if dest.startswith("no_"):
+                raise TypeError(f"bool field {cls.__name__}.{name}: name it {dest[3:]!r}, its flag --no-... is made")
             parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
             continue
         if type_str == "tuple[str,...]":  # a list flag: --lora-paths a=/x b=/y

@@ -184,7 +184,7 @@ _PLANNER_HELP = {
     "connector": "virtual: record decisions only; local: servers on this machine; kubernetes: deploy/k8s",
     "port": "the planner's own /metrics, /decisions, /health (0: a free port)",
     "skip_profile_check": "use the profiles even when the servers' configuration differs",
-    "no_correction": "plan by the profiles alone, not corrected by the servers' observed latencies",
+    "correction": "correct the profiles by the servers' observed latencies (--no-correction: the profiles alone)",
     "leave_servers": "local: at exit leave the servers the planner started running",
     "drain_timeout": "seconds a server scaled down gets to finish its requests",
     "router_pods": "kubernetes: URL naming every router replica (a headless Service)",

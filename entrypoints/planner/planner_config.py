@@ -42,7 +42,7 @@ class PlannerConfig:
     admin_api_key: str | None = None
     scrape_timeout: float = 5.0
     skip_profile_check: bool = False  # use the profiles even if the servers' configuration differs
-    no_correction: bool = False  # plan by the profiles alone: the correction factors stay 1
+    correction: bool = True  # off (--no-correction): plan by the profiles alone, the factors stay 1
     # local connector: how new servers start (flags of `pdserve serve`, the transfer backend)
     serve_args: tuple[str, ...] = ()
     transfer_backend: str = "mooncake"

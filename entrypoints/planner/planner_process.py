@@ -103,7 +103,7 @@ class PlannerProcess:
         self.planner = SlaPlanner(self.profiles["prefill"], self.profiles["decode"],
                                   Slo(c.ttft_slo, c.itl_slo, c.slo_quantile), limits, self.connector.current(),
                                   predictor=c.predictor, window=c.predictor_window, now=time.monotonic(),
-                                  correct=not c.no_correction)
+                                  correct=c.correction)
         self.target = self.connector.current()
 
     def decide(self, obs) -> Step:

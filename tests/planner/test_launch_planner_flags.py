@@ -64,3 +64,25 @@ def test_a_planner_that_cannot_start_fails_the_launch_with_its_reason(tmp_path):
     assert cluster.planner.stop() == []  # nothing was started
     assert "missing.json" in (tmp_path / "planner.log").read_text()
     assert logging.getLogger("pdserve.planner").propagate  # its log file detached again
+
+
+def test_no_correction_through_launch_turns_the_correction_off(tmp_path):
+    """argparse reads any ``--no-`` flag of a boolean as off, so the field is ``correction`` and
+    ``--no-correction`` its negation; a ``no_`` boolean field is refused where the flags are made."""
+    import argparse
+    from dataclasses import dataclass
+
+    from pdserve.entrypoints.flags import add_dataclass_flags
+
+    for extra, want in (((), True), (("--planner-arg=--no-correction",), False)):
+        config = parse("--planner", PROFILE, *extra, "--log-dir", str(tmp_path))
+        planner = launch_planner(config.planner_args, "http://127.0.0.1:1", config.planner_port, config.host, (),
+                                 config.transfer_backend, str(tmp_path), config.startup_timeout)
+        assert planner.config.correction is want, extra
+
+    @dataclass
+    class Bad:
+        no_thing: bool = False
+
+    with pytest.raises(TypeError, match="name it 'thing'"):
+        add_dataclass_flags(argparse.ArgumentParser(), Bad, ["no_thing"], helps={})
