@@ -134,8 +134,8 @@ def remote_ranks(config: ServerConfig) -> RemoteRanks | None:
     if config.rank_channel_addr is None:
         return None
     everyone = [(d, t) for d in range(config.dp_size) for t in range(config.attn_tp_size)]
-    return RemoteRanks(config.rank_channel_addr, {d for d in range(config.dp_size) if config.node_of(d, 0) > 0},
-                       {(d, t) for d, t in everyone if config.node_of(d, t) > 0}, config.rank_channel_auth())
+    return RemoteRanks(config.rank_channel_addr, {(d, t) for d, t in everyone if config.node_of(d, t) > 0},
+                       config.rank_channel_auth())
 
 
 def spawn_ranks(config: ServerConfig, transport: ZmqTransport | None) -> dict[tuple[int, int], mp.Process]:

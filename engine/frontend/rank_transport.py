@@ -128,10 +128,10 @@ class RemoteRanks:
     these rules, and no frame can end the receive loop.
     """
 
-    def __init__(self, addr: str, groups: set[int], off_node0: set[tuple[int, int]], auth=None):
+    def __init__(self, addr: str, off_node0: set[tuple[int, int]], auth=None):
         self.addr = addr
-        self.groups = groups  # DP ranks whose leader runs off node 0
         self.off_node0 = off_node0  # (dp, tp) of every rank off node 0
+        self.groups = {dp for dp, tp in off_node0 if tp == 0}  # DP ranks whose leader runs off node 0
         self.auth = auth
         self.leaders: dict[int, bytes] = {}  # DP rank -> its leader's ZMQ routing id
         self.failure: str | None = None  # the first SchedulerError another node sent

@@ -322,6 +322,11 @@ class ModelRunner:
         """Under DP attention: ``idle`` answers the other groups' draft rounds (NEXTN's MTP layer)."""
         self.idle_forwards[dp_attention.DRAFT] = idle
 
+    def join_draft_round(self, rows: int, sampled: int) -> None:
+        """Under DP attention: open the round of a draft forward run beside this (target) runner
+        (NEXTN's MTP step), answering the target rounds other groups still run meanwhile."""
+        dp_attention.join_forward(rows, sampled, dp_attention.DRAFT, self.idle_forward)
+
     def draft_of(self, target: ModelRunner) -> None:
         """Make this runner a draft model beside ``target`` on the same rank (STANDALONE): under DP
         attention its forwards open draft rounds, and both runners answer every round alike."""

@@ -27,7 +27,7 @@ pages (``nextn_prompt.py``); ``observe_prompt`` copies them into this pool with 
 position's hidden state pending, the state a colocated MTP has before its prompt's catch-up ends.
 
 Under tensor parallelism every rank runs the same MTP steps on its shard in lockstep, as the target.
-Under DP attention each MTP step opens a draft round (``dp_attention.join_forward``): the MTP's MLP
+Under DP attention each MTP step opens a draft round (``ModelRunner.join_draft_round``): the MTP's MLP
 runs over every group's rows, and the groups not drafting answer with the MTP's idle forward.
 """
 
@@ -43,7 +43,6 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
 from pdserve.engine.mem_cache.page_pool import PagePool
-from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.model_runner import ModelRunner
 from pdserve.engine.model_executor.models.deepseek_mtp import DeepseekMTP
 from pdserve.engine.model_executor.models.deepseek_v2 import DeepseekV2ForCausalLM
@@ -96,8 +95,8 @@ class NextNProposer:
                              f"{target_runner.arch.arch} has none")
         self.mtp = DeepseekMTP(target, target_runner.model_source.path)
         # under DP attention each MTP step is a draft round, answered by the other groups' idle MTP
-        self._idle = target_runner.idle_forward
         target_runner.add_draft(self.mtp.idle_forward)
+        self.target_runner = target_runner
         target.keep_hidden = True
         self.target = target
         self.device = target_runner.device
@@ -253,7 +252,7 @@ class NextNProposer:
             logits_indices=torch.tensor(last, **i64), extend_lens=[len(t) for _, _, t in rows], seq_lens=seq_lens,
         )
         with torch.inference_mode():
-            dp_attention.join_forward(len(ids), len(last), dp_attention.DRAFT, self._idle)
+            self.target_runner.join_draft_round(len(ids), len(last))
             return self.mtp.forward(batch, self.pool, hidden)
 
     def _step_cost(self, target_runner: ModelRunner, k: int) -> float:

@@ -19,7 +19,7 @@ a draft may then attend to a stale row there; the output never changes (the targ
 Under TP every rank runs the MTP on its shard in lockstep; the latent KV is equal on every rank.
 Under DP attention the MTP's MLP (or experts) runs over every attention group's rows, so each
 prompt-row forward opens a draft round as a NEXTN decode's draft step does
-(``dp_attention.join_forward``, no sampled rows); a group with no prompt rows answers it with the
+(``ModelRunner.join_draft_round``, no sampled rows); a group with no prompt rows answers it with the
 MTP's idle forward (``ModelRunner.add_draft``), and while another group still runs target
 forwards the draft round waits for them (answering them with the target's idle forward).
 """
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.mem_cache.forward_batch import ForwardBatch
-from pdserve.engine.model_executor import dp_attention
 from pdserve.engine.model_executor.models.deepseek_mtp import DeepseekMTP
 
 
@@ -77,8 +76,8 @@ class PromptMTP:
         self.mtp = DeepseekMTP(runner.model, runner.model_source.path, kv_layer=self.layer)
         # under DP attention each prompt-row forward is a draft round, answered by the other
         # groups' idle MTP forward
-        self._idle = runner.idle_forward
         runner.add_draft(self.mtp.idle_forward)
+        self.runner = runner
         self.target.keep_hidden = True
 
     def run(self, reqs, prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> int:
@@ -108,7 +107,7 @@ class PromptMTP:
             logits_indices=torch.zeros(0, **i64), extend_lens=[r.count for r in rows], seq_lens=seq_lens,
         )
         with torch.inference_mode():
-            dp_attention.join_forward(len(ids), 0, dp_attention.DRAFT, self._idle)
+            self.runner.join_draft_round(len(ids), 0)
             self.mtp.forward(batch, self.pool, torch.cat(parts), logits=False)
         return len(ids)
 

@@ -18,12 +18,12 @@ import random
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
+from server_helpers import rank_pids
 from support.netns_stand import NET, namespaces, ns_request, ns_requests_results, ns_requests_started, wait_up
 from support.netns_stand import wait_unleaked
-from support.pd_stand import Server
+from support.pd_stand import Server, wait_for
 
 from pdserve.entrypoints.procs import free_port
 
@@ -34,15 +34,6 @@ POOL = ["--max-total-tokens", "1024"]
 DIST_TIMEOUT = 30  # the start-up rendezvous of two nodes on a loaded machine fits well within it
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from support.model_util import make_tiny_checkpoint
-
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    make_tiny_checkpoint("llama", path)
-    return path
-
-
 def prompts(n: int) -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 90))] for _ in range(n)]
@@ -51,21 +42,6 @@ def prompts(n: int) -> list[list[int]]:
 def greedy(ids: list[int], max_new: int = 12, **extra) -> dict:
     return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new, "temperature": 0, "ignore_eos": True},
             **extra}
-
-
-def rank_pids(server_pid: int) -> dict[str, int]:
-    """The scheduler processes among ``server_pid``'s children, by process name (pdserve-dp1-tp0)."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            pid, rest = stat.read_text().split(" ", 1)
-            name = rest[rest.index("(") + 1:rest.rindex(")")]
-            ppid = int(rest[rest.rindex(")") + 2:].split()[1])
-        except (OSError, ValueError):
-            continue
-        if ppid == server_pid and name.startswith("pdserve-dp"):
-            out[name] = int(pid)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +110,11 @@ def test_a_dead_rank_on_node_1_takes_the_server_down(stand):
     assert list(ranks) == ["pdserve-dp1-tp0"], ranks
     inflight = ns_requests_started(ns["n0"], n0.url + "/generate", [greedy(prompts(1)[0], 400, routed_dp_rank=1)],
                                    [0.0])
-    deadline = time.monotonic() + 60
-    while True:
+    def running_on_group_1() -> bool:
         status, text = ns_request(ns["n0"], "GET", n0.url + "/get_server_info", timeout=10)
-        if status == 200 and json.loads(text)["internal_states"][1]["num_running_reqs"] == 1:
-            break
-        assert time.monotonic() < deadline, f"the request never ran on group 1: {text}"
-        time.sleep(0.2)
+        return status == 200 and json.loads(text)["internal_states"][1]["num_running_reqs"] == 1
+
+    wait_for(running_on_group_1, 60, "the request to run on group 1")
     os.kill(ranks["pdserve-dp1-tp0"], signal.SIGKILL)
     [(status, text, _)] = ns_requests_results(inflight, timeout=120)
     assert status == 503, text

@@ -41,15 +41,6 @@ DIST_TIMEOUT = 30
 FAULT = {"mooncake": "kill", "nixl": "link_down"}
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from support.model_util import make_tiny_checkpoint
-
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    make_tiny_checkpoint("llama", path)
-    return path
-
-
 def prompts(n: int) -> list[list[int]]:
     rng = random.Random(5)
     return [[rng.randrange(3, 500) for _ in range(rng.randrange(8, 90))] for _ in range(n)]

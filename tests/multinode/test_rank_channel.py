@@ -31,7 +31,7 @@ def frame(*msgs) -> bytes:
 
 def channel(auth=None) -> RemoteRanks:
     # --tp-size 4 --dp-size 2 --nnodes 2: group 1 (ranks (1, 0), (1, 1)) on node 1
-    return RemoteRanks(ADDR, {1}, {(1, 0), (1, 1)}, auth)
+    return RemoteRanks(ADDR, {(1, 0), (1, 1)}, auth)
 
 
 def test_a_group_leader_is_whoever_announced_it_first():

@@ -33,6 +33,19 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def rank_pids(server_pid: int) -> dict[str, int]:
+    """A server's scheduler processes (its children) by their process name (pdserve-dp0-tp1, ...)."""
+    out = {}
+    for pid in children_of(server_pid):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("pdserve-dp"):
+            out[name] = pid
+    return out
+
+
 def is_running(pid: int) -> bool:
     """True if the process exists and is not a zombie."""
     try:

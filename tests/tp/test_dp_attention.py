@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
-from server_helpers import ServerProcess, is_running
-from test_tp_server import PROMPTS, rank_pids
+from server_helpers import ServerProcess, is_running, rank_pids
+from test_tp_server import PROMPTS
 from support.pd_stand import wait_for
 
 from pdserve.engine.config import EngineConfig

@@ -19,10 +19,10 @@ import signal
 import threading
 
 import pytest
-from server_helpers import ServerProcess, post_to_groups
+from server_helpers import ServerProcess, post_to_groups, rank_pids
 from support.deepseek_util import make_deepseek_checkpoint
 from support.pd_stand import wait_for
-from test_tp_server import PROMPTS, rank_pids
+from test_tp_server import PROMPTS
 
 from pdserve.entrypoints.engine import Engine
 
@@ -34,9 +34,10 @@ GROUPS = ("--tp-size", "4", "--dp-size", "2", "--enable-dp-attention", "--dtype"
 RANKS = ["pdserve-dp0-tp0", "pdserve-dp0-tp1", "pdserve-dp1-tp0", "pdserve-dp1-tp1"]
 
 
-def tp1_outputs(path: str) -> list[list[int]]:
+def tp1_outputs(path: str, sampling: dict = GREEDY) -> list[list[int]]:
+    """Each of PROMPTS through one in-process rank (TP 1), fp32: the reference output."""
     with Engine(model_path=path, dtype="float32", max_total_tokens=2048) as engine:
-        return [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
+        return [engine.generate(input_ids=p, sampling_params=sampling)["output_ids"] for p in PROMPTS]
 
 
 def dispatched(server) -> dict[str, float]:

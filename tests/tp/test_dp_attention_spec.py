@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 
 import pytest
 from safetensors.torch import load_file, save_file
 from server_helpers import ServerProcess, post_to_groups
 from support.deepseek_util import add_mtp_layer, make_deepseek_checkpoint
+from test_dp_attention_groups import dispatched, tp1_outputs
 from test_tp_server import PROMPTS
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.model_executor.dp_attention import DRAFT, TARGET, round_kind, round_rows
 from pdserve.engine.server_config import ServerConfig
-from pdserve.entrypoints.engine import Engine
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,23 +41,12 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 DP = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--dtype", "float32", "--max-total-tokens", "2048")
 
 
-def tp1_outputs(path: str) -> list[list[int]]:
-    with Engine(model_path=path, dtype="float32", max_total_tokens=2048) as engine:
-        return [engine.generate(input_ids=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
-
-
-def dispatched(server) -> dict[str, float]:
-    """pdserve_requests_total per dp_rank."""
-    text = server.get("/metrics").text
-    return {m[0]: float(m[1]) for m in re.findall(r'pdserve_requests_total\{[^}]*dp_rank="(\d)"[^}]*\} (\S+)', text)}
-
-
 def check_spec_equals_tp1(path: str, *flags: str) -> list[int]:
     """A DP-attention server on ``path`` speculating with ``flags``: a batch over both groups, then
     each group alone, greedy equal to TP 1 without speculation; pools unleaked. Returns the drafts
     each request accepted: the batch's (prompt i in group i % 2), then the repetitive prompt's in
     group 0 alone and in group 1 alone."""
-    want = tp1_outputs(path)
+    want = tp1_outputs(path, GREEDY)
     server = ServerProcess("--model-path", path, *DP, *flags)
     try:
         server.wait_ready()

@@ -10,10 +10,9 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from server_helpers import ServerProcess, children_of, is_running
+from server_helpers import ServerProcess, is_running, rank_pids
 
 from pdserve.entrypoints.engine import Engine
 
@@ -24,19 +23,6 @@ PARAMS = [
     {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True},
     {"max_new_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True},
 ]
-
-
-def rank_pids(server_pid: int) -> dict[str, int]:
-    """The server's scheduler processes by their process name (pdserve-dp0-tp1, ...)."""
-    out = {}
-    for pid in children_of(server_pid):
-        try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
-        except OSError:
-            continue
-        if name.startswith("pdserve-dp"):
-            out[name] = pid
-    return out
 
 
 @pytest.fixture(scope="module")
