@@ -85,4 +85,4 @@ def test_no_correction_through_launch_turns_the_correction_off(tmp_path):
         no_thing: bool = False
 
     with pytest.raises(TypeError, match="name it 'thing'"):
-        add_dataclass_flags(argparse.ArgumentParser(), Bad, ["no_thing"], helps={})
+        add_dataclass_flags(argparse.ArgumentParser(allow_abbrev=False), Bad, ["no_thing"], helps={})
